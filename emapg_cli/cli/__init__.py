@@ -1,0 +1,1 @@
+"""The Typer command-line interface: thin layers that parse options, build a config and call the core."""

@@ -1,0 +1,49 @@
+"""The `emapg` command: registers each subcommand once it works."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from emapg_cli import __version__
+from emapg_cli.cli import config_cmd
+from emapg_cli.cli.common import err_console
+from emapg_cli.errors import UserError
+
+app = typer.Typer(
+    name="emapg",
+    help="EMA Policy Gradient (arXiv 2602.04417): GRPO with an EMA anchor and the Top-k KL estimator.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(config_cmd.app, name="config")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"emapg {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """EMA Policy Gradient toolkit."""
+
+
+def _register() -> None:
+    """Import the command modules that add themselves to `app` (kept lazy-safe: no heavy imports at top)."""
+    from emapg_cli.cli import kl_check_cmd  # noqa: F401
+
+
+def main() -> None:
+    """Console-script entry point: user errors become one line on stderr and exit code 2."""
+    _register()
+    try:
+        app()
+    except UserError as e:
+        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False)
+        sys.exit(2)

@@ -1,0 +1,31 @@
+"""Options shared by several commands (preset / config file / overrides) and the error wrapper."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from emapg_cli.config import Config, load_config
+
+console = Console()
+err_console = Console(stderr=True)
+
+PresetOpt = Annotated[
+    Optional[str],
+    typer.Option("--preset", "-p", help="Preset name from the presets folder (e.g. olympiad, search-qa, toy) or a path to a YAML file."),
+]
+ConfigOpt = Annotated[
+    Optional[str],
+    typer.Option("--config", "-c", help="User YAML config file; its values override the preset's."),
+]
+SetOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--set", "-s", help="Dotted override KEY=VALUE, typed by the config model (e.g. --set kl.k=64). Repeatable; wins over preset and file."),
+]
+
+
+def resolve_config(preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]) -> Config:
+    """Build the Config from the three sources (raises UserError on any problem)."""
+    return load_config(preset, config, overrides or [])

@@ -1,0 +1,49 @@
+"""`emapg config show|keys`: print the resolved configuration or every key with its description."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from pydantic import BaseModel
+from rich.table import Table
+
+from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console, resolve_config
+from emapg_cli.config import Config, list_presets
+from emapg_cli.config.loading import to_yaml
+
+app = typer.Typer(help="Inspect configurations: resolve presets, files and overrides; list every key.", no_args_is_help=True)
+
+
+@app.command("show")
+def show(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
+    """Print the resolved config as YAML (preset < --config file < --set overrides)."""
+    cfg = resolve_config(preset, config, set_)
+    typer.echo(to_yaml(cfg), nl=False)
+
+
+def iter_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(dotted key, description, default) for every leaf field of `model`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(iter_keys(ann, key + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((key, field.description or "", default))
+    return rows
+
+
+@app.command("keys")
+def keys() -> None:
+    """List every config key with its default and description, and the available presets."""
+    table = Table(title="emapg config keys")
+    table.add_column("key", style="bold")
+    table.add_column("default")
+    table.add_column("description")
+    for key, desc, default in iter_keys(Config):
+        table.add_row(key, repr(default), desc)
+    console.print(table)
+    console.print(f"presets: {', '.join(list_presets())}")

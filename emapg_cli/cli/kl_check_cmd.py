@@ -1,0 +1,1 @@
+"""`emapg kl-check` (placeholder until implemented)."""

@@ -1,0 +1,162 @@
+"""Resolve a Config from its sources: preset < user file < `--set` overrides.
+
+Every failure is a `UserError` with one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from emapg_cli.config.models import Config
+from emapg_cli.errors import UserError
+
+
+def preset_dir() -> Path:
+    """The folder holding the preset YAML files.
+
+    In an installed wheel the presets ship inside the package (`emapg_cli/presets`);
+    in a source checkout (editable install, tests) they are the repository's `presets/`.
+    """
+    packaged = Path(str(resources.files("emapg_cli"))) / "presets"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "presets"
+
+
+def list_presets() -> list[str]:
+    """Names of the presets (YAML files directly in the preset folder)."""
+    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"{what} not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot read {what} {path}: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{what} {path} must be a YAML mapping of config groups, got {type(data).__name__}")
+    return data
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    """The raw mapping of preset `name` (a bare name, or a path to a YAML file)."""
+    if name.endswith((".yaml", ".yml")) or "/" in name:
+        return _read_yaml(Path(name), "preset file")
+    path = preset_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown preset '{name}' (available: {', '.join(list_presets())})")
+    return _read_yaml(path, "preset")
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge `update` into a copy of `base` (mappings merge, everything else replaces)."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _field_names(model: type[BaseModel]) -> list[str]:
+    return list(model.model_fields)
+
+
+def _resolve_model(path: list[str]) -> Optional[type[BaseModel]]:
+    """The model class that owns the dotted key prefix `path` (None if it is not a group)."""
+    model: type[BaseModel] = Config
+    for part in path:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None) if field else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split `a.b=value` into (["a", "b"], value); the value is parsed as YAML (so 64 is an int)."""
+    if "=" not in item:
+        raise UserError(f"override '{item}' must look like KEY=VALUE, e.g. kl.k=64")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply dotted `--set` overrides to a raw config mapping."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        parts, value = parse_override(item)
+        owner = _resolve_model(parts[:-1])
+        if owner is None or parts[-1] not in owner.model_fields:
+            where = ".".join(parts[:-1])
+            group = _resolve_model(parts[:-1]) if parts[:-1] else Config
+            allowed = ", ".join(_field_names(group)) if group else "a config group"
+            raise UserError(f"unknown config key '{'.'.join(parts)}' (allowed{' in ' + where if where else ''}: {allowed})")
+        node = out
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    return out
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    """One line: the first failing key and what is allowed there."""
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    if e["type"] == "extra_forbidden":
+        parts = [str(p) for p in e["loc"]]
+        group = _resolve_model(parts[:-1]) or Config
+        where = ".".join(parts[:-1])
+        return f"unknown config key '{loc}' (allowed{' in ' + where if where else ''}: {', '.join(_field_names(group))})"
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    got = e.get("input")
+    got_s = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
+    return f"{loc}: {msg}{got_s}" if loc else f"{msg}{got_s}"
+
+
+def validate(data: dict[str, Any]) -> Config:
+    """Validate a raw mapping into a Config, turning pydantic errors into one-line UserErrors."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_format_validation_error(err)) from None
+
+
+def load_config(preset: Optional[str] = None, config_file: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
+    """Resolve a Config: preset, then user file, then dotted overrides (later sources win)."""
+    data: dict[str, Any] = {}
+    if preset:
+        data = deep_merge(data, read_preset(preset))
+    if config_file:
+        data = deep_merge(data, _read_yaml(Path(config_file), "config file"))
+    data = apply_overrides(data, overrides)
+    return validate(data)
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what `emapg config show` prints and runs save)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

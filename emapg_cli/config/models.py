@@ -1,0 +1,166 @@
+"""The pydantic models behind every command's configuration.
+
+Every field carries a description: it is what `--help`, `emapg config show --explain`
+and the README's config reference print. Models forbid unknown keys so a typo in a
+preset or a `--set` override fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "truncated"]
+Direction = Literal["reverse", "forward"]
+
+#: Estimators that only estimate one direction of the KL (the paper's Table 1).
+REVERSE_ONLY = ("k1", "k2", "k3", "k3pp", "k4")
+FORWARD_ONLY = ("k5",)
+
+
+class Section(BaseModel):
+    """Base for every config group: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: Optional[str] = Field(None, description="Local directory (or hub id, for users with network) of the policy's transformers causal LM.")
+    trust_remote_code: bool = Field(False, description="Allow the model's repository to run its own Python code when loading.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype the policy is trained in (the EMA anchor is always held in float32).")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
+
+
+class DataConfig(Section):
+    train: Optional[str] = Field(None, description="Training data: a dataset name prepared by `emapg prepare`, or a JSONL/JSON file with {id, question, answer(s)} rows.")
+    eval: Optional[str] = Field(None, description="Evaluation data, same forms as `train`; null disables evaluation.")
+    max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this many tokens (after the chat template) are skipped and counted.")
+    eval_limit: Optional[int] = Field(None, ge=1, description="Evaluate on at most this many items (null: all).")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers generate, CPU or GPU) or `vllm` (GPU, optional extra).")
+    prompts_per_step: int = Field(128, ge=1, description="Prompts sampled per RL step.")
+    n: int = Field(8, ge=1, description="Responses generated per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(8192, ge=1, description="Maximum response length in tokens (per turn for multi-turn tasks).")
+    max_turns: int = Field(1, ge=1, description="Assistant turns per episode (1 for single-turn maths; >1 for tool-using tasks such as search).")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
+    stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
+    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`).")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of `train.steps` with linear learning-rate warm-up.")
+    grad_clip: Optional[float] = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null: no clipping).")
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1, description="Number of RL steps (rollout + update).")
+    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
+    save_every: int = Field(0, ge=0, description="Write a checkpoint every this many RL steps (0: only at the end).")
+    mini_batch_prompts: int = Field(64, ge=1, description="Prompts per optimizer step (their whole groups go together).")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass (gradient accumulation fills the mini-batch).")
+    epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip: ratios below 1 - clip_low are clipped.")
+    clip_high: float = Field(0.28, ge=0, description="PPO upper clip (clip-higher): ratios above 1 + clip_high are clipped.")
+    dual_clip: Optional[float] = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages (null: off).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
+    adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
+    adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
+
+
+class KLConfig(Section):
+    estimator: Estimator = Field("topk", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), truncated (top-k head only).")
+    direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
+    k: int = Field(32, ge=1, description="Size of the exact head for topk / topk_paper / truncated (capped at the vocabulary size).")
+    coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
+    iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
+    iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")
+
+    @model_validator(mode="after")
+    def _check(self) -> "KLConfig":
+        if self.iw_clip is not None:
+            lo, hi = self.iw_clip
+            if not (0 <= lo <= hi):
+                raise ValueError(f"iw_clip must satisfy 0 <= lo <= hi, got [{lo}, {hi}]")
+        if self.estimator in REVERSE_ONLY and self.direction != "reverse":
+            raise ValueError(f"estimator {self.estimator} estimates the reverse KL only; set kl.direction=reverse")
+        if self.estimator in FORWARD_ONLY and self.direction != "forward":
+            raise ValueError(f"estimator {self.estimator} estimates the forward KL only; set kl.direction=forward")
+        return self
+
+
+class EMAConfig(Section):
+    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline).")
+    update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0, description="Evaluate the policy every this many RL steps (0: only before and after training).")
+    anchor_every: int = Field(0, ge=0, description="Also evaluate the anchor's own weights every this many RL steps (0: never).")
+    n: int = Field(1, ge=1, description="Samples per evaluation item.")
+    temperature: float = Field(0.0, ge=0, le=10, description="Evaluation sampling temperature (0: greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Evaluation nucleus sampling threshold.")
+    max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens.")
+
+
+class LoggingConfig(Section):
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files into the run directory.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases.")
+    wandb_project: str = Field("emapg", description="Weights & Biases project name.")
+
+
+class Derived(BaseModel):
+    """Values computed from the others, once, in `Config._derive`."""
+
+    responses_per_step: int
+    mini_batches_per_step: int
+    optimizer_steps_per_rl_step: int
+    loads_anchor: bool
+    ema_updates: int
+
+
+class Config(Section):
+    """The whole configuration of an emapg run."""
+
+    name: str = Field("custom", description="A short name for the run/preset (used in output directories).")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training and evaluation data.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Response generation.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="RL loop and policy loss.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL regulariser towards the anchor.")
+    ema: EMAConfig = Field(default_factory=EMAConfig, description="The EMA anchor.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
+
+    _derived: Optional[Derived] = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _derive(self) -> "Config":
+        r, t = self.rollout, self.train
+        if r.prompts_per_step % t.mini_batch_prompts != 0:
+            raise ValueError(
+                f"train.mini_batch_prompts ({t.mini_batch_prompts}) must divide rollout.prompts_per_step ({r.prompts_per_step})"
+            )
+        mini = r.prompts_per_step // t.mini_batch_prompts
+        self._derived = Derived(
+            responses_per_step=r.prompts_per_step * r.n,
+            mini_batches_per_step=mini,
+            optimizer_steps_per_rl_step=mini * t.epochs,
+            loads_anchor=self.kl.coef > 0,
+            ema_updates=t.steps // self.ema.update_period,
+        )
+        return self
+
+    @property
+    def derived(self) -> Derived:
+        assert self._derived is not None
+        return self._derived

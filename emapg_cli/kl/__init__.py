@@ -1,0 +1,9 @@
+"""KL estimators (pure tensor functions): exact, K1-K5, K3++, Top-k (paper and unbiased), truncated."""
+
+from emapg_cli.kl.common import gather_logprobs, importance_weight, topk_membership
+from emapg_cli.kl.registry import ESTIMATORS, INFO, check_estimator, kl_per_token, topk_source
+
+__all__ = [
+    "ESTIMATORS", "INFO", "check_estimator", "kl_per_token", "topk_source",
+    "gather_logprobs", "importance_weight", "topk_membership",
+]

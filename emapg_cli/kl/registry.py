@@ -1,0 +1,98 @@
+"""One entry point over every estimator: `kl_per_token(name, direction, ...)`.
+
+The trainer and `kl-check` both call this, so the estimator used in training is exactly
+the one whose bias `kl-check` measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import Tensor
+
+from emapg_cli.kl import exact, sampled, topk
+
+ESTIMATORS = ("exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "truncated")
+
+
+@dataclass(frozen=True)
+class EstimatorInfo:
+    """What an estimator needs and which KL directions it estimates."""
+
+    name: str
+    directions: tuple[str, ...]
+    uses_topk: bool  # needs log-probs gathered at the top-k set q
+    full_vocab: bool  # needs the full [..., V] logits of both distributions
+    sampled: bool  # has a sampled (per-token) part
+
+
+INFO: dict[str, EstimatorInfo] = {
+    "exact": EstimatorInfo("exact", ("reverse", "forward"), False, True, False),
+    "k1": EstimatorInfo("k1", ("reverse",), False, False, True),
+    "k2": EstimatorInfo("k2", ("reverse",), False, False, True),
+    "k3": EstimatorInfo("k3", ("reverse",), False, False, True),
+    "k3pp": EstimatorInfo("k3pp", ("reverse",), False, False, True),
+    "k4": EstimatorInfo("k4", ("reverse",), False, False, True),
+    "k5": EstimatorInfo("k5", ("forward",), False, False, True),
+    "topk": EstimatorInfo("topk", ("reverse", "forward"), True, False, True),
+    "topk_paper": EstimatorInfo("topk_paper", ("reverse", "forward"), True, False, True),
+    "truncated": EstimatorInfo("truncated", ("reverse", "forward"), True, False, False),
+}
+
+_SAMPLED: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "k1": sampled.k1, "k2": sampled.k2, "k3": sampled.k3, "k3pp": sampled.k3pp, "k4": sampled.k4, "k5": sampled.k5,
+}
+_TOPK = {
+    ("topk", "reverse"): topk.topk_reverse,
+    ("topk", "forward"): topk.topk_forward,
+    ("topk_paper", "reverse"): topk.topk_paper_reverse,
+    ("topk_paper", "forward"): topk.topk_paper_forward,
+}
+_TRUNCATED = {"reverse": topk.truncated_reverse, "forward": topk.truncated_forward}
+_EXACT = {"reverse": exact.exact_reverse, "forward": exact.exact_forward}
+
+
+def check_estimator(name: str, direction: str) -> EstimatorInfo:
+    """The estimator's info; ValueError for an unknown name or unsupported direction."""
+    if name not in INFO:
+        raise ValueError(f"unknown KL estimator '{name}' (known: {', '.join(ESTIMATORS)})")
+    info = INFO[name]
+    if direction not in info.directions:
+        raise ValueError(f"estimator {name} does not estimate the {direction} KL (only {', '.join(info.directions)})")
+    return info
+
+
+def topk_source(direction: str) -> str:
+    """Whose top-k defines q: the sampling policy for reverse KL, the anchor for forward KL."""
+    return "sampling" if direction == "reverse" else "anchor"
+
+
+def kl_per_token(
+    name: str,
+    direction: str,
+    *,
+    logp: Optional[Tensor] = None,
+    ref_logp: Optional[Tensor] = None,
+    iw: Optional[Tensor] = None,
+    logp_q: Optional[Tensor] = None,
+    ref_logp_q: Optional[Tensor] = None,
+    in_q: Optional[Tensor] = None,
+    logits: Optional[Tensor] = None,
+    ref_logits: Optional[Tensor] = None,
+) -> Tensor:
+    """Per-token KL estimate [...] whose autograd gradient is the estimator's gradient.
+
+    logp, ref_logp [...]: log-probs at the sampled token (policy with grad, anchor without);
+    iw [...]: detached importance weight s (None = on-policy); logp_q, ref_logp_q [..., k] and
+    in_q [...]: for the Top-k family; logits, ref_logits [..., V]: for `exact` only.
+    """
+    info = check_estimator(name, direction)
+    if info.full_vocab:
+        return _EXACT[direction](logits, ref_logits)
+    if name == "truncated":
+        return _TRUNCATED[direction](logp_q, ref_logp_q)
+    if info.uses_topk:
+        return _TOPK[(name, direction)](logp_q, ref_logp_q, logp, ref_logp, in_q, iw)
+    value = _SAMPLED[name](logp, ref_logp)
+    return value if iw is None else iw * value
