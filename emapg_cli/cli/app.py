@@ -34,14 +34,14 @@ def _root(
     """EMA Policy Gradient toolkit."""
 
 
-def _register() -> None:
-    """Import the command modules that add themselves to `app` (kept lazy-safe: no heavy imports at top)."""
-    from emapg_cli.cli import kl_check_cmd  # noqa: F401
+# Each command lives in its own module as a plain function; heavy libraries (torch,
+# transformers) are imported inside the function so `emapg --help` stays fast.
+# Register a command here only once it works.
+# (registrations)
 
 
 def main() -> None:
     """Console-script entry point: user errors become one line on stderr and exit code 2."""
-    _register()
     try:
         app()
     except UserError as e:

@@ -1,1 +1,0 @@
-"""`emapg kl-check` (placeholder until implemented)."""
