@@ -1,0 +1,96 @@
+"""The canonical example schema every command reads, and the loader that resolves a data reference.
+
+A data reference (config `data.train` / `data.eval`, `eval --bench`) is one of:
+  * a path to a JSONL file (or a folder holding `data.jsonl`), `~` and `$EMAPG_HOME` expanded;
+  * a dataset name prepared by `emapg prepare NAME` -> `$EMAPG_HOME/data/NAME/data.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from emapg_cli.errors import UserError
+from emapg_cli.paths import emapg_home, expand
+
+
+class Example(BaseModel):
+    """One problem: a question and its accepted final answers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(description="Stable identifier, unique within the dataset.")
+    question: str = Field(min_length=1, description="The problem text, sent as the single user message.")
+    answers: list[str] = Field(min_length=1, description="Accepted final answers (any one is correct).")
+    source: str = Field("", description="Dataset name the row came from.")
+    meta: dict[str, Any] = Field(default_factory=dict, description="Anything else (subfield, difficulty, unit, ...).")
+
+    @field_validator("answers")
+    @classmethod
+    def _non_empty(cls, v: list[str]) -> list[str]:
+        if any(not str(a).strip() for a in v):
+            raise ValueError("answers must be non-empty strings")
+        return v
+
+
+def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Rows of a JSONL file; a malformed line is a UserError naming the file and line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+
+
+def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
+    """Write rows as JSONL (atomically: temp file then rename); returns the row count."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    tmp.replace(path)
+    return n
+
+
+def resolve_data_ref(ref: str) -> Path:
+    """The JSONL file a data reference points to (see module docstring)."""
+    path = expand(ref)
+    if path.is_file():
+        return path
+    if path.is_dir() and (path / "data.jsonl").is_file():
+        return path / "data.jsonl"
+    named = emapg_home() / "data" / ref / "data.jsonl"
+    if "/" not in ref and named.is_file():
+        return named
+    raise UserError(f"dataset '{ref}' not found (not a file, and no {named}; run `emapg prepare {ref}` first)")
+
+
+def load_examples(ref: str) -> list[Example]:
+    """Load and validate every row of a canonical dataset; the first bad row is a one-line UserError.
+
+    A row with a single `answer` string is accepted as `answers: [answer]`.
+    """
+    path = resolve_data_ref(ref)
+    out = []
+    for i, row in enumerate(read_jsonl(path)):
+        if "answer" in row and "answers" not in row:
+            row = {**row, "answers": [str(row.pop("answer"))]}
+        row.setdefault("id", str(i))
+        try:
+            out.append(Example.model_validate(row))
+        except ValidationError as err:
+            e = err.errors()[0]
+            field = ".".join(str(p) for p in e["loc"]) or "row"
+            raise UserError(f"{path}: row {i + 1} (id {row.get('id')!r}): field '{field}': {e['msg']}") from None
+    if not out:
+        raise UserError(f"{path}: no rows")
+    return out

@@ -1,0 +1,54 @@
+"""The interface every generation engine implements.
+
+Engines take already-tokenised prompts (the caller renders the chat template) and return, per
+prompt, `n` sampled completions with their token ids and, when the engine can give them, the
+sampling log-probabilities of each generated token (used to measure the rollout/trainer mismatch).
+Only `engines/hf.py` imports transformers' generation code and only `engines/vllm.py` imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: shared by training rollouts and evaluation."""
+
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int = 0  # each (prompt, sample) gets its own derived seed
+
+
+@dataclass
+class Completion:
+    """One generated response."""
+
+    token_ids: list[int]  # generated tokens only, EOS included when it stopped on EOS
+    text: str  # decoded, special tokens removed, cut at the first stop string
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    logprobs: Optional[list[float]] = field(default=None)  # engine's sampling log-prob per token
+
+
+class Engine(Protocol):
+    """A generation backend."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order."""
+        ...
+
+    def load_weights(self, model) -> None:
+        """Make the engine sample from `model`'s current weights (after an optimizer update)."""
+        ...
+
+    def release_memory(self) -> None:
+        """Hand accelerator memory back during the update (no-op where unsupported)."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take the memory back before the next rollout (no-op where unsupported)."""
+        ...

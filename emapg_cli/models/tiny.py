@@ -1,0 +1,98 @@
+"""Tiny causal LMs and a byte-level tokenizer with a chat template, built locally.
+
+Nothing here downloads: tests, the toy task and `kl-check --model` examples build their own
+models with these helpers and save them in `save_pretrained` format, so every loader in emapg
+is exercised on real transformers classes (Qwen2 or Llama) without a hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+#: Qwen-style chat template: the question is the single user message; generation opens an
+#: assistant turn and ends with <|im_end|> (the tokenizer's EOS).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_byte_tokenizer(corpus: list[str] | None = None, vocab_size: int | None = None):
+    """A byte-level BPE `PreTrainedTokenizerFast` (the GPT-2/Qwen2 scheme), built locally.
+
+    With no `corpus` it has no merges: one token per byte (256 + 3 special tokens), which makes
+    digits separate tokens (good for the toy arithmetic task) and round-trips any UTF-8 text.
+    With a corpus, `vocab_size` adds merges learnt from it. Byte-level BPE is also what
+    transformers rebuilds for `model_type: qwen2` when loading with AutoTokenizer, so a saved
+    tiny Qwen2 model round-trips exactly. EOS is <|im_end|>, padding is <|endoftext|> on the left
+    (what batched generation needs).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size or len(alphabet) + len(SPECIAL_TOKENS),
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus or [""], trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def build_tiny_model(
+    tokenizer,
+    arch: Literal["qwen2", "llama"] = "qwen2",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 1024,
+    seed: int = 0,
+):
+    """A randomly initialised Qwen2/Llama causal LM sized for CPU tests (~100k parameters)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cfg_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    config = cfg_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return model_cls(config)
+
+
+def save_tiny(path: str | Path, arch: Literal["qwen2", "llama"] = "qwen2", seed: int = 0, **model_kwargs) -> Path:
+    """Build a tiny model with the byte tokenizer and save both to `path` (save_pretrained format)."""
+    path = Path(path)
+    tokenizer = build_byte_tokenizer()
+    model = build_tiny_model(tokenizer, arch=arch, seed=seed, **model_kwargs)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

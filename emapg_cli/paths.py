@@ -1,0 +1,33 @@
+"""Where emapg keeps things: EMAPG_HOME (prepared data, the toy task) and EMAPG_DATA_DIR (real benchmark files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+DEFAULT_HOME = "~/.cache/emapg"
+
+
+def emapg_home() -> Path:
+    """$EMAPG_HOME, default ~/.cache/emapg."""
+    return Path(os.environ.get("EMAPG_HOME") or DEFAULT_HOME).expanduser()
+
+
+def data_dir() -> Optional[Path]:
+    """$EMAPG_DATA_DIR (a folder of real benchmark files) if set and present, else None."""
+    value = os.environ.get("EMAPG_DATA_DIR")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    return path if path.is_dir() else None
+
+
+def expand(path: str) -> Path:
+    """Expand `~` and environment variables in a configured path; `$EMAPG_HOME` gets its default when unset."""
+    env = dict(os.environ)
+    env.setdefault("EMAPG_HOME", str(emapg_home()))
+    out = path
+    for key in ("EMAPG_HOME",):
+        out = out.replace("${" + key + "}", env[key]).replace("$" + key, env[key])
+    return Path(os.path.expandvars(out)).expanduser()
