@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny local models, the real benchmark folder, an isolated EMAPG_HOME, CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny random Llama model + byte tokenizer with a chat template, saved locally (built once)."""
+    from emapg_cli.models.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny_llama") / "model", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 model + byte tokenizer with a chat template, saved locally (built once)."""
+    from emapg_cli.models.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny_qwen2") / "model", arch="qwen2")
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """The real benchmark folder ($EMAPG_DATA_DIR); the test is skipped when it is absent."""
+    value = os.environ.get("EMAPG_DATA_DIR")
+    if not value or not Path(value).is_dir():
+        pytest.skip("EMAPG_DATA_DIR not set or missing: real benchmark files unavailable")
+    return Path(value)
+
+
+@pytest.fixture
+def emapg_home(tmp_path, monkeypatch) -> Path:
+    """An empty, isolated EMAPG_HOME for this test (also seen by CLI subprocesses)."""
+    home = tmp_path / "emapg_home"
+    home.mkdir()
+    monkeypatch.setenv("EMAPG_HOME", str(home))
+    return home
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run the real CLI (`python -m emapg_cli ...`) in a subprocess and capture its output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "emapg_cli", *args],
+        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture
+def cli():
+    """The `run_cli` helper as a fixture."""
+    return run_cli
