@@ -1,0 +1,397 @@
+"""The dry-run plan of a training run: batch shapes, tokens per step and a GPU memory estimate.
+
+`make_plan(cfg, model_config)` is pure: it reads the model's shapes from its config.json (as a
+dict, read by `load_model_config` for a local folder) or, for hub ids, from `KNOWN_MODELS`, and
+never loads weights. `render_plan(plan)` turns the plan into a rich renderable. The formulas
+are listed in `memory_terms` and explained in docs/dry_run.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from emapg_cli.config.models import Config
+from emapg_cli.errors import UserError
+from emapg_cli.paths import expand
+
+GIB = 2**30
+
+#: Bytes per element of each training dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """The shapes of a Llama/Qwen2-style decoder (what the parameter and memory counts need)."""
+
+    arch: str  # config.json `model_type`
+    hidden: int  # h
+    layers: int  # L
+    heads: int  # attention heads
+    kv_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int
+    intermediate: int  # I, the SwiGLU width
+    vocab: int  # V
+    tie_embeddings: bool  # lm_head shares the embedding matrix
+    qkv_bias: bool  # q/k/v projections have biases (Qwen2: yes)
+    o_bias: bool = False
+    mlp_bias: bool = False
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def params_per_layer(self) -> int:
+        """q, k, v, o projections (+ biases), the SwiGLU MLP (gate, up, down) and two RMSNorm weights."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        attn = h * q + 2 * h * kv + q * h + self.qkv_bias * (q + 2 * kv) + self.o_bias * h
+        mlp = 3 * h * i + self.mlp_bias * (2 * i + h)
+        return attn + mlp + 2 * h
+
+    @property
+    def n_params(self) -> int:
+        """Embedding V*h, L layers, the final norm h, and lm_head V*h unless tied."""
+        embed = self.vocab * self.hidden
+        return embed + self.layers * self.params_per_layer() + self.hidden + (0 if self.tie_embeddings else embed)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> "ModelShapes":
+        """Shapes from a transformers config.json mapping (Llama, Qwen2, Mistral and alikes).
+
+        Raises UserError naming the first missing key. Defaults follow transformers: kv heads =
+        heads, head_dim = hidden / heads, tied embeddings (PretrainedConfig's default), Qwen2's
+        biased q/k/v projections, Llama's `attention_bias` / `mlp_bias` flags.
+        """
+        config = config.get("text_config") or config
+        arch = str(config.get("model_type", "unknown"))
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            shapes = dict(
+                hidden=hidden,
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                intermediate=int(config["intermediate_size"]),
+                vocab=int(config["vocab_size"]),
+            )
+        except KeyError as e:
+            raise UserError(f"the model's config.json has no {e.args[0]}: cannot size a {arch} model") from None
+        attention_bias = bool(config.get("attention_bias", False))
+        qwen2 = arch.startswith("qwen2")
+        return cls(
+            arch=arch,
+            **shapes,
+            tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+
+#: Shapes of known hub models, so hub ids plan without network. The numbers are copied from each
+#: model's config.json on the Hugging Face Hub (deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B, whose
+#: card gives ~1.78B parameters; Qwen/Qwen2.5-3B, 3.09B with tied embeddings).
+KNOWN_MODELS: dict[str, ModelShapes] = {
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": ModelShapes(
+        arch="qwen2", hidden=1536, layers=28, heads=12, kv_heads=2, head_dim=128,
+        intermediate=8960, vocab=151936, tie_embeddings=False, qkv_bias=True,
+    ),
+    "Qwen/Qwen2.5-3B": ModelShapes(
+        arch="qwen2", hidden=2048, layers=36, heads=16, kv_heads=2, head_dim=128,
+        intermediate=11008, vocab=151936, tie_embeddings=True, qkv_bias=True,
+    ),
+}
+KNOWN_MODELS["Qwen/Qwen2.5-3B-Instruct"] = KNOWN_MODELS["Qwen/Qwen2.5-3B"]
+
+
+def load_model_config(path: Optional[str]) -> Optional[dict[str, Any]]:
+    """The config.json of a local model folder as a dict; None when `path` is not a local folder (a hub id)."""
+    if not path:
+        return None
+    folder = expand(path)
+    if not folder.is_dir():
+        return None
+    config = folder / "config.json"
+    if not config.is_file():
+        raise UserError(f"model folder {path} has no config.json")
+    try:
+        return json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {config}: {e}") from None
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    """One line of the memory estimate."""
+
+    name: str
+    bytes: int
+    formula: str
+    phase: str  # "state": held all run; "update": during forward/backward; "rollout": the vLLM engine
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run will do, per RL step and in total, and what it needs in GPU memory (one GPU)."""
+
+    name: str
+    model_path: Optional[str]
+    model: Optional[ModelShapes]
+    model_source: str  # "config.json", "built-in table" or why the model is unknown
+    dtype: str
+    steps: int
+    prompts_per_step: int
+    n: int
+    responses_per_step: int
+    mini_batch_prompts: int
+    mini_batches_per_step: int
+    micro_batch_size: int
+    micro_batches_per_mini_batch: int
+    epochs: int
+    optimizer_steps_per_rl_step: int
+    optimizer_steps_total: int
+    ema_updates: int
+    max_prompt_tokens: int
+    max_new_tokens: int
+    max_turns: int
+    seq_len: int  # upper bound of prompt + response tokens of one sequence
+    tokens_per_step: int  # upper bound: responses_per_step * seq_len
+    engine: str
+    gradient_checkpointing: bool
+    device_memory_bytes: int
+    memory: tuple[MemoryTerm, ...] = ()
+    update_peak_bytes: Optional[int] = None
+    rollout_peak_bytes: Optional[int] = None
+    max_micro_batch_fit: Optional[int] = None  # largest micro_batch_size whose update peak fits the device
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def n_params(self) -> Optional[int]:
+        return None if self.model is None else self.model.n_params
+
+
+def activation_elems_per_token_per_layer(m: ModelShapes) -> int:
+    """Elements one decoder layer keeps per token for its backward pass (approximation).
+
+    4h (input and output of both RMSNorms) + 3q + 3kv (q and k before and after the rotary
+    embedding, v) + q (attention output, the o_proj input) + 4I (SwiGLU gate, up, act(gate) and
+    the product fed to down_proj). Fused attention (SDPA / flash) keeps no [T, T] score matrix;
+    its per-row softmax statistics are neglected.
+    """
+    return 4 * m.hidden + 3 * m.q_dim + 3 * m.kv_dim + m.q_dim + 4 * m.intermediate
+
+
+def memory_terms(
+    m: ModelShapes,
+    cfg: Config,
+    seq_len: int,
+    *,
+    micro_batch: int,
+    device_memory_bytes: int,
+    master_weights: bool,
+) -> list[MemoryTerm]:
+    """The memory estimate, term by term, with P parameters, b = micro_batch, T = seq_len.
+
+    state (whole run):
+      weights          P * bytes(dtype)
+      AdamW moments    2 * P * 4      exp_avg and exp_avg_sq assumed fp32 (torch keeps them in the
+                                      parameter's dtype, so for bf16 parameters this is an upper bound)
+      fp32 master      P * 4          only with master_weights and a non-fp32 dtype (off by default:
+                                      the policy is updated in place in its own dtype)
+      EMA anchor       P * 4          fp32 shadow weights, only when kl.coef > 0
+    update (one micro-batch in flight):
+      gradients        P * bytes(dtype)
+      activations      b*T*(L*h + A) * bytes(dtype) with gradient checkpointing (each layer's input,
+                       plus one layer recomputed at a time), b*T*L*A * bytes(dtype) without;
+                       A = activation_elems_per_token_per_layer
+      logits           c*V * (bytes(dtype) + 3*4) with c = min(train.logit_chunk, b*T): the log-prob
+                       passes project c tokens to the vocabulary at a time under checkpointing, so
+                       one chunk is alive: the head's output, its fp32 (temperature-scaled) copy,
+                       the fp32 softmax of the entropy metric, and in backward the fp32 gradient
+      anchor logits    c*V * 4 (fp32, no grad) in the same chunk, for the exact estimator only (the
+                       other estimators read the anchor in a separate no-grad pass, one chunk at a time)
+      top-k extras     b*T*k * (4 + 4 + 8): policy and anchor log-probs on the top-k set (fp32) and
+                       its indices (int64), for the topk / topk_paper / truncated estimators
+    rollout:
+      vLLM engine      gpu_memory_utilization * device memory (weights + KV cache of the engine)
+    """
+    from emapg_cli.kl.registry import INFO
+
+    p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
+    b, t, layers = micro_batch, seq_len, m.layers
+    a = activation_elems_per_token_per_layer(m)
+    terms = [
+        MemoryTerm("policy weights", p * wb, f"P x {wb} B ({cfg.model.dtype})", "state"),
+        MemoryTerm("AdamW moments", 2 * p * FP32, "2 x P x 4 B (fp32 exp_avg, exp_avg_sq)", "state"),
+    ]
+    if master_weights and cfg.model.dtype != "float32":
+        terms.append(MemoryTerm("fp32 master weights", p * FP32, "P x 4 B", "state"))
+    if cfg.derived.loads_anchor:
+        terms.append(MemoryTerm("EMA anchor", p * FP32, "P x 4 B (fp32, kl.coef > 0)", "state"))
+    terms.append(MemoryTerm("gradients", p * wb, f"P x {wb} B", "update"))
+    if cfg.model.gradient_checkpointing:
+        terms.append(MemoryTerm("activations", b * t * (layers * m.hidden + a) * wb,
+                                f"b x T x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
+    else:
+        terms.append(MemoryTerm("activations", b * t * layers * a * wb, f"b x T x L x A x {wb} B, A = {a}", "update"))
+    c = min(cfg.train.logit_chunk, b * t)
+    terms.append(MemoryTerm("logits", c * m.vocab * (wb + 3 * FP32), f"c x V x ({wb} + 3 x 4) B, c = min(logit_chunk, b x T) = {c}", "update"))
+    if cfg.derived.loads_anchor:
+        if INFO[cfg.kl.estimator].full_vocab:
+            terms.append(MemoryTerm("anchor logits", c * m.vocab * FP32, "c x V x 4 B (fp32, no grad; exact KL)", "update"))
+        if INFO[cfg.kl.estimator].uses_topk:
+            k = min(cfg.kl.k, m.vocab)
+            terms.append(MemoryTerm("top-k extras", b * t * k * (2 * FP32 + INT64), f"b x T x k x (4 + 4 + 8) B, k = {k}", "update"))
+    if cfg.rollout.engine == "vllm":
+        share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
+        terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))
+    return terms
+
+
+def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, limit: int = 2**20) -> int:
+    """The largest b in [0, limit] with update_peak(b) <= device (update_peak grows with b): bisection."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if update_peak(mid) <= device:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def make_plan(
+    cfg: Config,
+    model_config: Optional[dict[str, Any]] = None,
+    *,
+    device_memory_gib: float = 80.0,
+    master_weights: bool = False,
+) -> Plan:
+    """The plan of `cfg`'s run; `model_config` is the model's config.json (None: look the path up in KNOWN_MODELS).
+
+    Sequence length T = max_prompt_tokens + max_turns * max_new_tokens (an upper bound: tool
+    outputs of multi-turn episodes come on top). Tokens per step = prompts_per_step * n * T.
+    Memory assumes one GPU of `device_memory_gib` (an 80 GiB H100 by default), the whole model
+    on it (no sharding), and vLLM sleep mode during the update (the engine's share is freed).
+    """
+    r, t, d = cfg.rollout, cfg.train, cfg.derived
+    seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
+    device = int(device_memory_gib * GIB)
+    notes: list[str] = []
+    if r.max_turns > 1:
+        notes.append(f"T counts {r.max_turns} turns of {r.max_new_tokens} tokens; tool outputs come on top")
+
+    if model_config is not None:
+        model, source = ModelShapes.from_hf_config(model_config), "config.json"
+    elif cfg.model.path in KNOWN_MODELS:
+        model, source = KNOWN_MODELS[cfg.model.path], "built-in table"
+    else:
+        model, source = None, "unknown model: pass a local path" if cfg.model.path else "model.path is not set"
+        notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
+
+    per_mini = t.mini_batch_prompts * r.n
+    plan = dict(
+        name=cfg.name, model_path=cfg.model.path, model=model, model_source=source, dtype=cfg.model.dtype,
+        steps=t.steps, prompts_per_step=r.prompts_per_step, n=r.n, responses_per_step=d.responses_per_step,
+        mini_batch_prompts=t.mini_batch_prompts, mini_batches_per_step=d.mini_batches_per_step,
+        micro_batch_size=t.micro_batch_size, micro_batches_per_mini_batch=math.ceil(per_mini / t.micro_batch_size),
+        epochs=t.epochs, optimizer_steps_per_rl_step=d.optimizer_steps_per_rl_step,
+        optimizer_steps_total=t.steps * d.optimizer_steps_per_rl_step, ema_updates=d.ema_updates,
+        max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
+        seq_len=seq_len, tokens_per_step=d.responses_per_step * seq_len, engine=r.engine,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, device_memory_bytes=device,
+    )
+    if model is None:
+        return Plan(**plan, notes=tuple(notes))
+
+    def terms_for(b: int) -> list[MemoryTerm]:
+        return memory_terms(model, cfg, seq_len, micro_batch=b, device_memory_bytes=device, master_weights=master_weights)
+
+    terms = terms_for(t.micro_batch_size)
+    state = sum(x.bytes for x in terms if x.phase == "state")
+    update_peak = state + sum(x.bytes for x in terms if x.phase == "update")
+    rollout_peak = state + sum(x.bytes for x in terms if x.phase == "rollout")
+    fit = largest_fitting_micro_batch(lambda b: state + sum(x.bytes for x in terms_for(b) if x.phase == "update"), device)
+    if update_peak > device:
+        notes.append(f"the update peak exceeds the device: micro_batch_size <= {fit} fits (now {t.micro_batch_size})")
+    else:
+        notes.append(f"the update fits with micro_batch_size up to {fit}")
+    if rollout_peak > device:
+        notes.append("the rollout peak exceeds the device: lower rollout.gpu_memory_utilization")
+    if r.engine == "vllm":
+        kv_per_token = 2 * model.layers * model.kv_dim * DTYPE_BYTES[cfg.model.dtype]
+        kv_tokens = max(0, next(x.bytes for x in terms if x.name == "vLLM engine") - model.n_params * DTYPE_BYTES[cfg.model.dtype]) // kv_per_token
+        notes.append(
+            f"vLLM KV cache: ~{kv_tokens:,} tokens ({kv_per_token:,} B/token), ~{kv_tokens // seq_len:,} "
+            f"full-length sequences at once, of {d.responses_per_step:,} per step"
+        )
+        notes.append("assumes vLLM sleep mode: the engine's share is freed during the update")
+    else:
+        notes.append("hf engine: the generation KV cache is not included in the rollout peak")
+    if cfg.model.dtype != "float32" and not master_weights:
+        notes.append(f"no fp32 master weights: the policy is updated in place in {cfg.model.dtype}")
+    return Plan(
+        **plan, memory=tuple(terms), update_peak_bytes=update_peak, rollout_peak_bytes=rollout_peak,
+        max_micro_batch_fit=fit, notes=tuple(notes),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n:,}"
+
+
+def render_plan(plan: Plan):
+    """The plan as a rich renderable: run shape, memory table, totals and notes."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    run = Table(title=f"Plan: {plan.name}", show_header=False, title_justify="left")
+    run.add_column("what", style="bold")
+    run.add_column("value")
+    model = plan.model_path or "-"
+    if plan.model is not None:
+        m = plan.model
+        model += (f"  ({m.arch}, {_count(plan.n_params)} params from {plan.model_source}: h={m.hidden}, L={m.layers}, "
+                  f"heads={m.heads}/{m.kv_heads}, I={m.intermediate}, V={m.vocab}{', tied' if m.tie_embeddings else ''})")
+    else:
+        model += f"  ({plan.model_source})"
+    run.add_row("model", model)
+    run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
+    run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
+    run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens")
+    run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
+    run.add_row("mini-batch", f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_prompts * plan.n:,} sequences; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
+    run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
+                f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
+    run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")
+    parts: list = [run]
+    if plan.memory:
+        mem = Table(title=f"GPU memory estimate ({plan.dtype}, one {plan.device_memory_bytes / GIB:.0f} GiB device)", title_justify="left")
+        mem.add_column("term")
+        mem.add_column("phase")
+        mem.add_column("GiB", justify="right")
+        mem.add_column("formula")
+        for term in plan.memory:
+            mem.add_row(term.name, term.phase, _gib(term.bytes), term.formula)
+        mem.add_section()
+        mem.add_row("update peak", "state + update", _gib(plan.update_peak_bytes), "", style="bold")
+        mem.add_row("rollout peak", "state + rollout", _gib(plan.rollout_peak_bytes), "", style="bold")
+        parts.append(mem)
+    parts.extend(Text(f"note: {n}") for n in plan.notes)
+    return Group(*parts)

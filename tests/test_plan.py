@@ -1,0 +1,118 @@
+"""The dry-run plan: parameter counts by hand, the paper's 1.5B model, batch shapes and memory terms."""
+
+from __future__ import annotations
+
+import pytest
+from rich.console import Console
+
+from emapg_cli.config import load_config
+from emapg_cli.errors import UserError
+from emapg_cli.train.plan import GIB, KNOWN_MODELS, ModelShapes, load_model_config, make_plan, render_plan
+
+
+def test_tiny_qwen2_parameter_count_by_hand(tiny_qwen2):
+    # save_tiny's Qwen2: h=64, L=2, 4 heads, 2 kv heads (head_dim 16: q=64, kv=32), I=2h=128, V=259, tied.
+    #   embedding                      259 * 64                  = 16,576
+    #   per layer: q_proj 64*64 + 64   = 4,160
+    #              k_proj 64*32 + 32   = 2,080,  v_proj the same = 2,080
+    #              o_proj 64*64        = 4,096
+    #              MLP 3 * 64 * 128    = 24,576
+    #              2 RMSNorms 2 * 64   = 128                     -> 37,120 per layer, 74,240 for 2
+    #   final norm                     64
+    #   total = 16,576 + 74,240 + 64 = 90,880 (lm_head tied: no extra matrix)
+    shapes = ModelShapes.from_hf_config(load_model_config(str(tiny_qwen2)))
+    assert (shapes.arch, shapes.head_dim, shapes.qkv_bias, shapes.tie_embeddings) == ("qwen2", 16, True, True)
+    assert shapes.params_per_layer() == 37_120
+    assert shapes.n_params == 90_880
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    assert sum(p.numel() for p in model.parameters()) == 90_880
+
+
+def test_llama_has_no_projection_biases():
+    # The same shapes as Llama: no q/k/v biases (64 + 32 + 32 = 128 fewer per layer):
+    #   37,120 - 128 = 36,992 per layer; 16,576 + 2 * 36,992 + 64 = 90,624; untied adds 259 * 64 = 16,576.
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 259, "tie_word_embeddings": True}
+    assert ModelShapes.from_hf_config(config).n_params == 90_624
+    assert ModelShapes.from_hf_config({**config, "tie_word_embeddings": False}).n_params == 90_624 + 16_576
+    with pytest.raises(UserError, match="no intermediate_size"):
+        ModelShapes.from_hf_config({k: v for k, v in config.items() if k != "intermediate_size"})
+
+
+def test_olympiad_plan_matches_the_paper_model_and_hand_counts():
+    plan = make_plan(load_config("olympiad"))
+    # DeepSeek-R1-Distill-Qwen-1.5B has ~1.777B parameters including both embedding matrices.
+    assert plan.model_source == "built-in table"
+    assert abs(plan.n_params - 1.78e9) / 1.78e9 < 0.02
+    assert plan.n_params == 1_777_088_000  # 2 * 151,936 * 1,536 + 28 * 46,797,824 + 1,536
+    # Shapes: 128 prompts x 8 = 1,024 sequences of <= 1,024 + 8,192 = 9,216 tokens.
+    assert (plan.responses_per_step, plan.seq_len, plan.tokens_per_step) == (1024, 9216, 9_437_184)
+    # 64 prompts per mini-batch -> 2 mini-batches; 512 sequences / 8 per micro-batch = 64 micro-batches.
+    assert (plan.mini_batches_per_step, plan.micro_batches_per_mini_batch, plan.optimizer_steps_total) == (2, 64, 1000)
+    terms = {t.name: t.bytes for t in plan.memory}
+    p = 1_777_088_000
+    assert terms["policy weights"] == terms["gradients"] == 2 * p  # bf16
+    assert terms["AdamW moments"] == 8 * p and terms["EMA anchor"] == 4 * p
+    assert terms["vLLM engine"] == 40 * GIB  # 0.5 x 80 GiB
+    assert terms["logits"] == 1024 * 151_936 * 14  # one chunk of c = 1,024 tokens x V x (2 + 3 x 4)
+    assert "top-k extras" not in terms and "anchor logits" not in terms  # k3: no top-k set, anchor in its own pass
+    assert plan.update_peak_bytes == sum(b for t, b in terms.items() if t != "vLLM engine")
+    assert plan.rollout_peak_bytes == 14 * p + 40 * GIB  # weights + moments + anchor + vLLM
+
+
+def test_largest_micro_batch_that_fits_a_smaller_device():
+    # On 40 GiB = 42,949,672,960 B: state 14P = 24,879,232,000, gradients 2P = 3,554,176,000 and one
+    # logits chunk 2,178,187,264 leave 12,338,077,696 B; each sequence's checkpointed activations take
+    # 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B -> 7 sequences (7.28).
+    plan = make_plan(load_config("olympiad"), device_memory_gib=40)
+    assert plan.max_micro_batch_fit == 7
+    assert "micro_batch_size <= 7 fits (now 8)" in " ".join(plan.notes)
+
+
+def test_no_anchor_without_kl_and_topk_extras_with_topk():
+    no_kl = make_plan(load_config("olympiad", overrides=["kl.coef=0"]))
+    assert {t.name for t in no_kl.memory}.isdisjoint({"EMA anchor", "anchor logits"})
+    exact = make_plan(load_config("olympiad", overrides=["kl.estimator=exact"]))
+    assert next(t.bytes for t in exact.memory if t.name == "anchor logits") == 1024 * 151_936 * 4  # same chunk, fp32
+    topk = make_plan(load_config("olympiad", overrides=["kl.estimator=topk", "kl.k=32"]))
+    extras = next(t for t in topk.memory if t.name == "top-k extras")
+    assert extras.bytes == 8 * 9216 * 32 * 16  # b x T x k x (4 + 4 + 8)
+
+
+def test_gradient_checkpointing_keeps_layer_inputs_only():
+    on = make_plan(load_config("olympiad"))
+    off = make_plan(load_config("olympiad", overrides=["model.gradient_checkpointing=false"]))
+    a = 48_896  # 4h + 4q + 3kv + 4I = 6,144 + 6,144 + 768 + 35,840 for h=q=1,536, kv=256, I=8,960
+    act = lambda plan: next(t.bytes for t in plan.memory if t.name == "activations")  # noqa: E731
+    assert act(on) == 8 * 9216 * (28 * 1536 + a) * 2
+    assert act(off) == 8 * 9216 * 28 * a * 2
+
+
+def test_unknown_hub_model_and_local_folder(tmp_path, tiny_llama):
+    plan = make_plan(load_config("olympiad", overrides=["model.path=someone/some-model"]))
+    assert plan.model is None and plan.memory == ()
+    assert plan.model_source == "unknown model: pass a local path"
+    assert plan.tokens_per_step == 9_437_184  # shapes of the run still planned
+    assert load_model_config("someone/some-model") is None
+    assert load_model_config(str(tiny_llama))["model_type"] == "llama"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        load_model_config(str(tmp_path / "empty"))
+    assert "Qwen/Qwen2.5-3B" in KNOWN_MODELS
+
+
+def test_search_qa_plan_counts_turns_and_qwen_3b():
+    plan = make_plan(load_config("search-qa"))
+    assert plan.n_params == 3_085_938_688  # 151,936 * 2,048 (tied) + 36 * 77,076,992 + 2,048
+    assert plan.seq_len == 1024 + 4 * 500
+
+
+def test_render_plan_prints_the_numbers(tiny_qwen2):
+    plan = make_plan(load_config("toy", overrides=[f"model.path={tiny_qwen2}"]), load_model_config(str(tiny_qwen2)))
+    console = Console(record=True, width=200)
+    console.print(render_plan(plan))
+    text = console.export_text()
+    assert "Plan: toy" in text and "135,168" in text and "update peak" in text and "config.json" in text
+    assert "90,880 params" in text

@@ -1,0 +1,305 @@
+"""The vLLM engine without vLLM: import safety, the missing-extra error, and its pure helpers.
+
+vLLM needs a CUDA GPU, so the engine's orchestration is exercised here against a fake `vllm`
+module shaped like the real one (LLM, SamplingParams, inputs.TokensPrompt, RequestOutput /
+CompletionOutput records). The real thing is checked by scripts/gpu_check.py and the gpu test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pytest
+
+from emapg_cli.engines.base import Completion, SamplingParams
+from emapg_cli.engines.vllm import (
+    MISSING_VLLM,
+    VLLMEngine,
+    request_seed,
+    sampled_logprobs,
+    sampling_kwargs,
+    to_completion,
+    to_completions,
+    weight_loader,
+)
+from emapg_cli.errors import UserError
+
+
+# ---------------------------------------------------------------- fakes shaped like vLLM's types
+@dataclass
+class FakeLogprob:  # vllm.sequence.Logprob
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+@dataclass
+class FakeCompletionOutput:  # vllm.outputs.CompletionOutput
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[list[dict[int, FakeLogprob]]]
+    finish_reason: Optional[str] = None
+    stop_reason: Any = None
+
+
+@dataclass
+class FakeRequestOutput:  # vllm.outputs.RequestOutput
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletionOutput]
+    finished: bool = True
+
+
+class FakeSamplingParams:  # vllm.SamplingParams keeps its keyword arguments as attributes
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class FakeModel:  # vLLM's nn.Module: load_weights consumes (name, tensor) pairs
+    def __init__(self):
+        self.loaded: dict[str, Any] = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.loaded[name] = tensor.clone()
+
+
+class FakeLLM:
+    """Samples token j of prompt i as its child seed (request seed + j), so seeds are visible in the output."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple] = []
+        self.model = FakeModel()
+        runner = types.SimpleNamespace(model=self.model)
+        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=types.SimpleNamespace(model_runner=runner)))
+
+    def generate(self, requests, sampling, use_tqdm=True):
+        self.calls.append(("generate", len(requests)))
+        out = []
+        for r, (req, sp) in enumerate(zip(requests, sampling)):
+            outs = [
+                FakeCompletionOutput(
+                    index=j, text=f"s{sp.seed + j}", token_ids=[sp.seed + j, 2], cumulative_logprob=None,
+                    logprobs=[{sp.seed + j: FakeLogprob(-0.25)}, {2: FakeLogprob(-0.5), 7: FakeLogprob(-3.0)}],
+                    finish_reason="stop",
+                )
+                for j in reversed(range(sp.n))  # out of order on purpose: the engine sorts by index
+            ]
+            out.append(FakeRequestOutput(str(r), None, req["prompt_token_ids"], outs))
+        return out
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else None))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A fake `vllm` package in sys.modules and a CUDA that claims to be there."""
+    import torch
+
+    mod = types.ModuleType("vllm")
+    mod.__version__ = "0.0.fake"
+    mod.LLM = FakeLLM
+    mod.SamplingParams = FakeSamplingParams
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict  # a TypedDict in vLLM: calling it builds a plain dict
+    mod.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return mod
+
+
+def make_engine(**kw) -> VLLMEngine:
+    args = dict(dtype="bfloat16", gpu_memory_utilization=0.3, seed=7, max_model_len=64)
+    args.update(kw)
+    return VLLMEngine("some/model", **args)
+
+
+# ---------------------------------------------------------------- (a) import safety, (b) clear error
+def test_module_imports_without_vllm():
+    code = "import sys, emapg_cli.engines.vllm; assert 'vllm' not in sys.modules, 'vllm was imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_missing_vllm_is_a_user_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(UserError) as e:
+        make_engine()
+    assert str(e.value) == MISSING_VLLM == "the vllm backend needs `pip install emapg[vllm]` and a CUDA GPU"
+
+
+def test_no_gpu_is_a_user_error(fake_vllm, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="CUDA GPU"):
+        make_engine()
+
+
+# ---------------------------------------------------------------- (c) pure helpers
+def test_request_seed_hand_values():
+    assert request_seed(0, 0, 8) == 0
+    assert request_seed(0, 1, 8) == 8  # (0 * 2**24 + 1) * 8
+    assert request_seed(1, 0, 8) == 134_217_728  # 2**24 * 8
+    assert request_seed(3, 5, 4) == 201_326_612  # (3 * 16_777_216 + 5) * 4 = 50_331_653 * 4
+
+
+def test_request_seeds_never_collide_across_prompts_samples_and_base_seeds():
+    # vLLM seeds sample j of a request seeded s with s + j: all (base, prompt, sample) must differ.
+    n = 8
+    seeds = [request_seed(base, i, n) + j for base in (0, 1, 2) for i in range(100) for j in range(n)]
+    assert len(set(seeds)) == 3 * 100 * n
+    with pytest.raises(ValueError):
+        request_seed(0, 2**24, n)
+
+
+def test_sampling_kwargs_one_request_with_n_samples_and_greedy_asks_once():
+    p = SamplingParams(n=4, max_new_tokens=32, temperature=0.7, top_p=0.9, stop=("</answer>",), seed=3)
+    kw = sampling_kwargs(p, 5)
+    assert kw == {"n": 4, "temperature": 0.7, "top_p": 0.9, "max_tokens": 32, "stop": ["</answer>"],
+                  "seed": request_seed(3, 5, 4), "logprobs": 0}
+    greedy = sampling_kwargs(SamplingParams(n=4, temperature=0.0), 0)
+    assert greedy["n"] == 1 and greedy["stop"] is None
+
+
+def test_sampled_logprobs_pick_the_sampled_token():
+    records = [{5: FakeLogprob(-0.1), 9: FakeLogprob(-2.0)}, {9: FakeLogprob(-0.3)}]
+    assert sampled_logprobs([5, 9], records) == [-0.1, -0.3]
+    assert sampled_logprobs([5, 9], None) is None
+    with pytest.raises(RuntimeError, match="position 1"):
+        sampled_logprobs([5, 4], records)
+
+
+def test_to_completion_and_finish_reasons():
+    out = FakeCompletionOutput(0, "12", [49, 50, 3], None, [{49: FakeLogprob(-1.0)}, {50: FakeLogprob(-0.5)}, {3: FakeLogprob(-0.25)}], "stop")
+    assert to_completion(out) == Completion([49, 50, 3], "12", "stop", [-1.0, -0.5, -0.25])
+    out.finish_reason = "length"
+    assert to_completion(out).finish_reason == "length"
+    out.finish_reason = "abort"
+    with pytest.raises(RuntimeError, match="abort"):
+        to_completion(out)
+
+
+def test_to_completions_orders_by_index_and_repeats_greedy():
+    outs = [FakeCompletionOutput(j, f"t{j}", [j], None, None, "length") for j in (2, 0, 1)]
+    got = to_completions(FakeRequestOutput("0", None, [1], outs), SamplingParams(n=3, temperature=1.0))
+    assert [c.text for c in got] == ["t0", "t1", "t2"]
+    greedy = to_completions(FakeRequestOutput("0", None, [1], outs[1:2]), SamplingParams(n=3, temperature=0.0))
+    assert [c.text for c in greedy] == ["t0"] * 3
+    assert greedy[0].token_ids is not greedy[1].token_ids  # copies, not aliases
+    with pytest.raises(RuntimeError, match="returned 1 samples"):
+        to_completions(FakeRequestOutput("0", None, [1], outs[:1]), SamplingParams(n=3, temperature=1.0))
+
+
+# ---------------------------------------------------------------- the engine against the fake vLLM
+def test_engine_sends_one_request_per_prompt_with_derived_seeds(fake_vllm):
+    import os
+
+    engine = make_engine()
+    llm = engine.llm
+    assert llm.kwargs == {"model": "some/model", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "seed": 7,
+                          "max_model_len": 64, "enable_sleep_mode": True, "trust_remote_code": False}
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    got = engine.generate([[1, 2], [3]], SamplingParams(n=3, seed=5, max_new_tokens=4))
+    assert llm.calls == [("generate", 2)]  # one call, one request per prompt
+    assert [len(g) for g in got] == [3, 3]
+    firsts = [[c.token_ids[0] for c in g] for g in got]
+    assert firsts == [[request_seed(5, i, 3) + j for j in range(3)] for i in range(2)]
+    assert got[0][0].logprobs == [-0.25, -0.5]
+    assert engine.generate([], SamplingParams()) == []
+
+
+def test_engine_sleep_weight_push_and_wake_order(fake_vllm):
+    import torch
+
+    engine = make_engine()
+    llm = engine.llm
+    policy = torch.nn.Linear(3, 2)
+    engine.release_memory()
+    engine.release_memory()  # already asleep: nothing more
+    engine.load_weights(policy)
+    engine.resume_memory()
+    engine.generate([[1]], SamplingParams(n=1))
+    assert llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("reset_prefix_cache",),
+                         ("wake_up", ("kv_cache",)), ("generate", 1)]
+    assert set(llm.model.loaded) == {"weight", "bias"}
+    assert torch.equal(llm.model.loaded["weight"], policy.weight)
+    # Wrappers are unwrapped so vLLM sees checkpoint names: torch.compile's OptimizedModule holds
+    # the model as submodule `_orig_mod` (its parameters are named `_orig_mod.weight`, ...).
+    compiled = torch.nn.Module()
+    compiled._orig_mod = policy
+    llm.model.loaded.clear()
+    engine.load_weights(compiled)
+    assert set(llm.model.loaded) == {"weight", "bias"}
+
+
+def test_engine_without_sleep_mode_warns_once(fake_vllm):
+    engine = make_engine(enable_sleep_mode=False)
+    with pytest.warns(RuntimeWarning, match="sleep mode is off"):
+        engine.release_memory()
+    engine.release_memory()
+    engine.resume_memory()
+    assert engine.llm.calls == []
+
+
+def test_weight_loader_fallback_and_clear_error(fake_vllm):
+    import torch
+
+    applied = []
+
+    class MultiprocLLM:  # engine core in another process: only LLM.apply_model reaches the model
+        def apply_model(self, func):
+            model = FakeModel()
+            func(model)
+            applied.append(model.loaded)
+            return [None]
+
+    with pytest.warns(RuntimeWarning, match="another process"):
+        load = weight_loader(MultiprocLLM())
+    load(iter([("w", torch.ones(2))]))
+    assert list(applied[0]) == ["w"]
+    with pytest.raises(UserError, match=r"cannot push weights into vLLM 0\.0\.fake"):
+        weight_loader(object())
+
+
+@pytest.mark.gpu
+def test_real_vllm_generates_and_takes_weights(tmp_path):
+    """On a GPU with vLLM: samples differ within a group, and pushed weights change greedy output."""
+    pytest.importorskip("vllm")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from emapg_cli.models.tiny import save_tiny
+
+    path = save_tiny(tmp_path / "tiny", hidden=256)  # head_dim 64: supported by every vLLM attention backend
+    engine = VLLMEngine(str(path), dtype="float32", gpu_memory_utilization=0.2, seed=0, max_model_len=256)
+    greedy = SamplingParams(n=1, max_new_tokens=16, temperature=0.0)
+    before = engine.generate([[1, 2, 3]], greedy)[0][0].token_ids
+    sampled = engine.generate([[1, 2, 3]], SamplingParams(n=4, max_new_tokens=16, seed=1))[0]
+    assert len({tuple(c.token_ids) for c in sampled}) > 1
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    engine.release_memory()
+    engine.load_weights(model)
+    after = engine.generate([[1, 2, 3]], greedy)[0][0].token_ids
+    assert after != before
