@@ -1,0 +1,1 @@
+"""kl-check: measure KL estimators and the stability of EMA-PG on small, exactly computable problems."""

@@ -1,0 +1,41 @@
+"""The `kl-check --stability` result as a rich table: rows eta, columns alpha, one letter per cell."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from emapg_cli.klcheck.stability import StabilityResult
+
+_CELL = {"converges": ("C", "green"), "oscillates": ("O", "yellow"), "diverges": ("D", "red")}
+
+
+def render_table(result: StabilityResult) -> Table:
+    """Outcome grid of one `run_stability` call.
+
+    C/O/D = the simulation converges / oscillates / diverges; a trailing '!' marks a cell where it
+    disagrees with the linear theory (stable iff spectral radius < 1); cells near the theoretical
+    boundary are dimmed. The last column is the theoretical critical step size alpha_c(eta).
+    """
+    r = result
+    table = Table(
+        title=(
+            f"EMA-PG stability: P={r.period}, beta={r.beta:g}, tau={r.tau:g}, A={r.actions}, "
+            f"{r.steps} steps; agreement with theory {r.agreement:.1%} "
+            f"({r.agreement_clear:.1%} away from the boundary)"
+        ),
+        caption="C converges, O oscillates, D diverges; ! disagrees with theory; dim = alpha within "
+        f"x{r.criteria.boundary_margin:g} of alpha_c",
+    )
+    table.add_column("eta \\ alpha", justify="right", style="bold")
+    for a in r.alphas:
+        table.add_column(f"{a:.3g}", justify="center")
+    table.add_column("alpha_c", justify="right")
+    for i, eta in enumerate(r.etas):
+        cells = []
+        for j in range(len(r.alphas)):
+            letter, color = _CELL[r.outcome[i][j]]
+            text = letter + ("" if r.agrees(i, j) else "!")
+            style = f"dim {color}" if r.near_boundary[i][j] else color
+            cells.append(f"[{style}]{text}[/]")
+        table.add_row(f"{eta:g}", *cells, f"{r.critical_alpha[i]:.3g}")
+    return table
