@@ -38,6 +38,9 @@ def _root(
 # transformers) are imported inside the function so `emapg --help` stays fast.
 # Register a command here only once it works.
 # (registrations)
+from emapg_cli.cli import kl_check_cmd  # noqa: E402
+
+app.command("kl-check")(kl_check_cmd.kl_check)
 
 
 def main() -> None:

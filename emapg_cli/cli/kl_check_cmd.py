@@ -1,0 +1,172 @@
+"""`emapg kl-check`: measure KL estimators' value bias, gradient bias and variance by Monte Carlo
+against the exact KL (and, with --stability, simulate EMA-PG's stability on a bandit)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from emapg_cli.cli.common import console
+from emapg_cli.errors import UserError
+
+ESTIMATOR_NAMES = "exact,k1,k2,k3,k3pp,k4,k5,topk,topk_paper,truncated"
+
+
+def parse_list(text: str, kind: type, option: str) -> list:
+    """'1,8,32' -> [1, 8, 32]; UserError naming the option on anything unparsable."""
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{option}: expected a comma-separated list of {kind.__name__}s, got '{text}'") from None
+    if not items:
+        raise UserError(f"{option}: empty list")
+    return items
+
+
+def _finite(obj: Any) -> Any:
+    """JSON-safe copy: non-finite floats become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_finite(payload), indent=2) + "\n")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+
+
+def kl_check(
+    from_logits: Annotated[Optional[Path], typer.Option("--from-logits", help="A .npz file with float arrays policy [P, V], anchor [P, V] and optional sampling [P, V] (logits; tokens are then drawn from sampling and importance-weighted).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Local transformers causal-LM directory: its logits on real text are the policy.")] = None,
+    anchor_model: Annotated[Optional[str], typer.Option("--anchor-model", help="With --model: a second local model used as the anchor (default: the policy with Gaussian weight noise, see --perturb).")] = None,
+    text: Annotated[Optional[Path], typer.Option("--text", help="With --model: a text file to run through the model (default: a built-in paragraph).")] = None,
+    perturb: Annotated[float, typer.Option("--perturb", help="With --model and no --anchor-model: std of the Gaussian noise added to every weight to make the anchor.")] = 0.02,
+    positions: Annotated[int, typer.Option("--positions", help="Positions P (synthetic; with --model, the last P positions of the text).")] = 64,
+    vocab: Annotated[int, typer.Option("--vocab", help="Synthetic: vocabulary size |V|.")] = 32000,
+    sharpness: Annotated[float, typer.Option("--sharpness", help="Synthetic: Zipf exponent of the policy (logit of rank i = -sharpness * log i).")] = 1.0,
+    tail_mass: Annotated[float, typer.Option("--tail-mass", help="Synthetic: policy mass outside its top 32 tokens, in (0, 1).")] = 0.3,
+    kl_size: Annotated[float, typer.Option("--kl-size", help="Synthetic: reverse KL(policy || anchor) per position, > 0.")] = 0.1,
+    sampling_kl: Annotated[float, typer.Option("--sampling-kl", help="Synthetic: reverse KL(policy || sampling); > 0 draws tokens off-policy with importance weights (0: on-policy).")] = 0.0,
+    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for topk / topk_paper / truncated; each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
+    samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples N per position.")] = 4096,
+    batches: Annotated[int, typer.Option("--batches", help="Batches M the samples are split into for the t-tests.")] = 16,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic distributions, the anchor noise and the sampling.")] = 0,
+    estimators: Annotated[str, typer.Option("--estimators", help=f"Comma-separated estimators to measure (from {ESTIMATOR_NAMES}); each in the directions it supports.")] = ESTIMATOR_NAMES,
+    directions: Annotated[str, typer.Option("--directions", help="Comma-separated KL directions: reverse = KL(policy || anchor), forward = KL(anchor || policy).")] = "reverse,forward",
+    confidence: Annotated[float, typer.Option("--confidence", help="Confidence level of every bias test, in (0.5, 1).")] = 0.999,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every number (and the settings) to this JSON file.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Save a PNG: relative bias with error bars per estimator, and gradient variance vs k for the Top-k family.")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Also print the results as one Markdown table.")] = False,
+    stability: Annotated[bool, typer.Option("--stability", help="Instead of measuring estimators, simulate EMA-PG's stability on a softmax bandit over an (alpha, eta) grid (docs/stability.md).")] = False,
+    alphas: Annotated[Optional[str], typer.Option("--alphas", help="--stability: comma-separated step sizes alpha (default: the simulation's grid).")] = None,
+    etas: Annotated[Optional[str], typer.Option("--etas", help="--stability: comma-separated EMA decays eta in [0, 1] (default: the simulation's grid).")] = None,
+    period: Annotated[Optional[str], typer.Option("--period", help="--stability: anchor update period(s), comma-separated; one table per period (default: the simulation's).")] = None,
+    beta: Annotated[Optional[float], typer.Option("--beta", help="--stability: KL coefficient beta (default: the simulation's).")] = None,
+    tau: Annotated[Optional[float], typer.Option("--tau", help="--stability: entropy weight tau (default: the simulation's).")] = None,
+    actions: Annotated[Optional[int], typer.Option("--actions", help="--stability: number of bandit arms (default: the simulation's).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="--stability: simulated policy-gradient steps (default: the simulation's).")] = None,
+) -> None:
+    """Measure each KL estimator's value bias, gradient bias (w.r.t. the policy logits) and variance
+    by Monte Carlo against the exact KL, next to its closed-form expectation (docs/estimators.md)."""
+    if stability:
+        _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot)
+        return
+    from emapg_cli.klcheck.measure import CheckSettings, check_settings, plan, run_check
+
+    settings = CheckSettings(
+        ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
+        estimators=tuple(parse_list(estimators, str, "--estimators")),
+        directions=tuple(parse_list(directions, str, "--directions")), confidence=confidence, seed=seed,
+    )
+    try:
+        check_settings(settings)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
+    specs, _, _ = plan(settings, logits.vocab)
+
+    from rich.progress import Progress
+
+    from emapg_cli.klcheck.report import LEGEND, header, render_markdown, render_tables
+
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("measuring estimators", total=len(specs))
+        result = run_check(logits, settings, progress=lambda label: bar.advance(task))
+    console.print(header(result), highlight=False)
+    for note in result.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for table in render_tables(result):
+        console.print(table)
+    console.print(f"[dim]{LEGEND}[/]", highlight=False)
+    if markdown:
+        console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
+    if json_out is not None:
+        _write_json(json_out, result.to_dict())
+        console.print(f"wrote {json_out}", highlight=False)
+    if plot is not None:
+        from emapg_cli.klcheck.plot import plot_check
+
+        console.print(f"wrote {plot_check(result, plot)}", highlight=False)
+
+
+def _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed):
+    """The LogitSet from exactly one source: --from-logits, --model, or the synthetic default."""
+    if from_logits is not None and model is not None:
+        raise UserError("use either --from-logits or --model, not both")
+    if anchor_model is not None and model is None:
+        raise UserError("--anchor-model needs --model")
+    if from_logits is not None:
+        from emapg_cli.klcheck.distributions import load_logits_npz
+
+        return load_logits_npz(from_logits)
+    if model is not None:
+        if perturb < 0 or positions < 1:
+            raise UserError("--perturb must be >= 0 and --positions >= 1")
+        text_value = None
+        if text is not None:
+            try:
+                text_value = text.read_text()
+            except OSError as e:
+                raise UserError(f"cannot read --text {text}: {e.strerror}") from None
+        from emapg_cli.klcheck.model_source import logits_from_model
+
+        return logits_from_model(model, anchor_model, text_value, positions, perturb, seed)
+    from emapg_cli.klcheck.distributions import synthetic
+
+    return synthetic(positions, vocab, sharpness=sharpness, tail_mass=tail_mass, kl_size=kl_size, sampling_kl=sampling_kl, seed=seed)
+
+
+def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot) -> None:
+    """`kl-check --stability`: the bandit simulation of emapg_cli.klcheck.stability (docs/stability.md)."""
+    from emapg_cli.klcheck import stability as st
+    from emapg_cli.klcheck.stability_plot import plot_stability
+    from emapg_cli.klcheck.stability_table import render_table
+
+    periods = parse_list(period, int, "--period") if period else list(st.DEFAULT_PERIODS)
+    results = []
+    for p in periods:
+        result = st.run_stability(
+            parse_list(alphas, float, "--alphas") if alphas else list(st.DEFAULT_ALPHAS),
+            parse_list(etas, float, "--etas") if etas else list(st.DEFAULT_ETAS),
+            period=p, beta=st.DEFAULT_BETA if beta is None else beta, tau=st.DEFAULT_TAU if tau is None else tau,
+            actions=st.DEFAULT_ACTIONS if actions is None else actions, steps=st.DEFAULT_STEPS if steps is None else steps,
+            seed=seed,
+        )
+        console.print(render_table(result))
+        results.append(result)
+    if plot is not None:
+        console.print(f"wrote {plot_stability(results, plot)}", highlight=False)
+    if json_out is not None:
+        _write_json(json_out, {"stability": [r.to_dict() for r in results]})
+        console.print(f"wrote {json_out}", highlight=False)

@@ -1,0 +1,76 @@
+"""kl-check figure (matplotlib, Agg backend): bias per estimator and Top-k gradient variance vs k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from emapg_cli.klcheck.measure import CheckResult
+from emapg_cli.klcheck.stats import student_t_two_sided_p
+
+
+def _t_quantile(confidence: float, df: int) -> float:
+    """Two-sided Student-t critical value by bisection on `stats.student_t_two_sided_p`."""
+    lo, hi = 0.0, 1e3
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if student_t_two_sided_p(mid, df) > 1 - confidence else (lo, mid)
+    return hi
+
+
+def plot_check(result: CheckResult, path: str | Path) -> Path:
+    """Three panels: (a) relative value bias (v - KL)/KL with confidence-level error bars and the
+    closed-form expectation, (b) relative gradient bias measured vs closed form, (c) gradient
+    variance of topk / topk_paper against k (log x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.rows if r.spec.name != "exact"]
+    labels = [f"{r.spec.label} ({'rev' if r.spec.direction == 'reverse' else 'fwd'})" for r in rows]
+    x = list(range(len(rows)))
+    tq = _t_quantile(result.settings.confidence, result.settings.batches - 1)
+    fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.45 * len(rows) + 2), 12), constrained_layout=True)
+
+    ax = axes[0]
+    scale = [max(abs(r.exact_kl), 1e-12) for r in rows]
+    ax.errorbar(x, [r.value_bias.mean / s for r, s in zip(rows, scale)], yerr=[tq * r.value_bias.se / s for r, s in zip(rows, scale)],
+                fmt="o", capsize=3, label=f"measured ± {result.settings.confidence * 100:.4g}% CI")
+    ax.plot(x, [r.value_bias_expected / s for r, s in zip(rows, scale)], "x", color="k", label="closed form")
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_ylabel("value bias / KL")
+    ax.set_title("(a) relative value bias")
+    ax.legend(fontsize=8)
+
+    ax = axes[1]
+    ax.bar(x, [r.grad_bias_rel for r in rows], color="tab:blue", alpha=0.6, label="measured ||ḡ − ∇KL|| / ||∇KL||")
+    ax.plot(x, [r.grad_bias_rel_expected for r in rows], "x", color="k", label="closed form")
+    ax.plot(x, [r.grad_noise_rel for r in rows], "_", color="tab:red", markersize=12, label="Monte-Carlo noise level")
+    ax.set_ylabel("relative gradient bias")
+    ax.set_title("(b) relative gradient bias")
+    ax.legend(fontsize=8)
+    for a in axes[:2]:
+        a.set_xticks(x)
+        a.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
+
+    ax = axes[2]
+    for name in ("topk", "topk_paper"):
+        for direction, style in (("reverse", "-o"), ("forward", "--s")):
+            pts = sorted((r.spec.k, r.grad_variance) for r in rows if r.spec.name == name and r.spec.direction == direction)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{name} ({direction})")
+    ax.set_xscale("log")
+    ks = sorted({r.spec.k for r in rows if r.spec.k is not None})
+    if ks:
+        ax.set_xticks(ks, [str(k) for k in ks])
+    ax.set_xlabel("k")
+    ax.set_ylabel("E||g − ḡ||²")
+    ax.set_title("(c) gradient variance of the Top-k family")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kl-check: {result.source}, N={result.settings.samples}/position", fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,80 @@
+"""Significance tests for kl-check (pure math on tensors / floats, no I/O).
+
+The tests are one-sample t-tests over M independent batch statistics. Student's t
+distribution is evaluated with the closed form for integer degrees of freedom
+(Abramowitz & Stegun 26.7.3-26.7.4), so no SciPy is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def student_t_two_sided_p(t: float, df: int) -> float:
+    """P(|T| >= |t|) for Student's t with integer `df` >= 1 (A&S 26.7.3 odd df, 26.7.4 even df).
+
+    With theta = atan(|t| / sqrt(df)) and A = P(|T| <= |t|):
+      df odd : A = (2/pi) [theta + sin(theta) (cos + 2/3 cos^3 + ... + (2*4..(df-3))/(1*3..(df-2)) cos^(df-2))]
+      df even: A = sin(theta) [1 + 1/2 cos^2 + (1*3)/(2*4) cos^4 + ... + (1*3..(df-3))/(2*4..(df-2)) cos^(df-2)]
+    """
+    if df < 1:
+        raise ValueError("df must be >= 1")
+    if math.isinf(t):
+        return 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    if df % 2 == 1:
+        series, term = 0.0, c  # first term cos(theta) (only when df >= 3)
+        for n in range(3, df + 1, 2):  # term for cos^(n-2)
+            series += term
+            term *= c * c * (n - 1) / n
+        a = (2.0 / math.pi) * (theta + s * series)
+    else:
+        series, term = 0.0, 1.0
+        for n in range(2, df + 1, 2):  # term for cos^(n-2)
+            series += term
+            term *= c * c * (n - 1) / n
+        a = s * series
+    return min(1.0, max(0.0, 1.0 - a))
+
+
+@dataclass(frozen=True)
+class TTest:
+    """A one-sample t-test of H0: E[x] = 0 over M batch statistics x."""
+
+    mean: float
+    se: float  # standard error of the mean, std(x, ddof=1) / sqrt(M)
+    p: float  # two-sided p-value
+    deterministic: bool  # the batch statistics did not vary (se <= atol): p is 0 or 1 by |mean| > atol
+
+    def rejects(self, confidence: float) -> bool:
+        """True when H0 is rejected at the given confidence level (p < 1 - confidence)."""
+        return self.p < 1.0 - confidence
+
+
+def t_test(x: Tensor, atol: float) -> TTest:
+    """t-test of H0: E[x] = 0 from the batch statistics x [M] (M >= 2).
+
+    When the spread is at or below `atol` (a deterministic estimator: every batch gives the
+    same number up to rounding) the statistic is undefined; the test then rejects exactly when
+    |mean| > atol.
+    """
+    x = x.double()
+    m = x.numel()
+    mean = float(x.mean())
+    se = float(x.std(unbiased=True)) / math.sqrt(m)
+    if se <= atol:
+        return TTest(mean, se, 0.0 if abs(mean) > atol else 1.0, True)
+    return TTest(mean, se, student_t_two_sided_p(mean / se, m - 1), False)
+
+
+def batch_means(x: Tensor, batches: int) -> Tensor:
+    """Means of x [P, N] over M contiguous sample batches, then over positions: [M].
+
+    Batches split the N samples (unequal sizes when M does not divide N; samples are i.i.d.).
+    """
+    return torch.stack([chunk.mean(dim=1).mean(dim=0) for chunk in torch.tensor_split(x, batches, dim=1)])
