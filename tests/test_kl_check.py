@@ -140,7 +140,8 @@ def test_acceptance_from_logits(case, tmp_path):
         assert row["grad_biased"] == row["grad_expected_biased"], row
         assert row["value_consistent"] and row["grad_consistent"], row
     rows = {(r["estimator"], r["direction"], r["k"]): r for r in out["rows"]}
-    assert len(rows) == 8 + 3 * 2 * len(set(min(int(k), 40 if case != "k_equals_vocab" else 12) for k in ks.split(",")))
+    # 8 k-independent rows (exact x2, k1..k5) + 4 Top-k-family estimators x 2 directions x each distinct k
+    assert len(rows) == 8 + 4 * 2 * len(set(min(int(k), 40 if case != "k_equals_vocab" else 12) for k in ks.split(",")))
     if case == "generic":  # the claims of Table 1, visibly
         assert (tmp_path / "p.png").stat().st_size > 10_000
         assert rows[("k1", "reverse", None)]["grad_biased"] and rows[("k3", "reverse", None)]["grad_biased"]

@@ -41,7 +41,7 @@ def enumerate_estimator(name, direction, z, z_ref, k=None, z_s=None):
     pi_s = torch.exp(logp if s_logp is None else s_logp).detach()  # [V]
     tokens = torch.arange(vocab)  # [V]
     kw = {}
-    if name in ("topk", "topk_paper", "truncated"):
+    if name in ("topk", "topk_paper", "topk_mass", "truncated"):
         src = z_ref if direction == "forward" else (z if z_s is None else z_s)
         q = torch.topk(src, k).indices  # [k]
         kw = dict(logp_q=logp[q], ref_logp_q=ref_logp[q], in_q=topk_membership(q.expand(vocab, k), tokens))
@@ -156,15 +156,16 @@ def test_topk_paper_forward_gradient_bias():
     assert_close(g - torch.tensor(GRAD_FWD, dtype=torch.float64), [0.1, 0.06, -0.16])
 
 
+@pytest.mark.parametrize("name", ["topk", "topk_mass"])
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_topk_is_unbiased_in_value_and_gradient(direction, k):
+def test_topk_is_unbiased_in_value_and_gradient(name, direction, k):
     exact_v, exact_g = (KL_REV, GRAD_REV) if direction == "reverse" else (KL_FWD, GRAD_FWD)
-    v, g = enumerate_estimator("topk", direction, logits_of(PI), logits_of(REF), k=k)
+    v, g = enumerate_estimator(name, direction, logits_of(PI), logits_of(REF), k=k)
     assert_close(v, exact_v)
     assert_close(g, exact_g)
     # off-policy too (q = top-k of the sampling policy for the reverse KL)
-    v, g = enumerate_estimator("topk", direction, logits_of(PI), logits_of(REF), k=k, z_s=logits_of([0.2, 0.2, 0.6]))
+    v, g = enumerate_estimator(name, direction, logits_of(PI), logits_of(REF), k=k, z_s=logits_of([0.2, 0.2, 0.6]))
     assert_close(v, exact_v)
     assert_close(g, exact_g)
 
@@ -178,7 +179,34 @@ def test_truncated_is_the_head():
     assert_close(v, 0.5 * math.log(2.5))
 
 
-@pytest.mark.parametrize("name", ["topk", "topk_paper", "truncated"])
+def per_sample_gradients(name, direction, z, z_ref, k):
+    """Gradient w.r.t. z of the estimate when token p is the sample, for every p: [V, V]."""
+    vocab = z.shape[-1]
+    rows = []
+    for p in range(vocab):
+        zz = z.clone().requires_grad_()
+        logp, ref_logp = torch.log_softmax(zz, -1), torch.log_softmax(z_ref, -1)
+        q = torch.topk(z_ref if direction == "forward" else z, k).indices
+        v = kl_per_token(name, direction, logp=logp[p], ref_logp=ref_logp[p], logp_q=logp[q], ref_logp_q=ref_logp[q],
+                         in_q=topk_membership(q, torch.tensor(p)))
+        rows.append(torch.autograd.grad(v, zz)[0])
+    return torch.stack(rows)  # [V, V]
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_topk_mass_is_topk_paper_shifted_by_a_constant_gradient(direction):
+    # topk_mass = topk_paper -/+ (P(q) - sg P(q)): every sample's gradient moves by the same vector
+    # -/+ grad P(q), so the per-sample gradient covariance (the variance kl-check reports) is identical.
+    # Reverse, q = top-1 of pi = {0}: grad P(q) = pi_j (1[j in q] - P(q)) = [0.25, -0.15, -0.10].
+    z, z_ref = logits_of(PI), logits_of(REF)
+    diff = per_sample_gradients("topk_mass", direction, z, z_ref, 1) - per_sample_gradients("topk_paper", direction, z, z_ref, 1)
+    # forward: q = top-1 of the anchor = {2}, P(q) = 0.2: +grad P(q) = [-0.1, -0.06, 0.16]
+    shift = [-0.25, 0.15, 0.10] if direction == "reverse" else [-0.1, -0.06, 0.16]
+    for row in diff:
+        assert_close(row, shift)
+
+
+@pytest.mark.parametrize("name", ["topk", "topk_paper", "topk_mass", "truncated"])
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 def test_k_equal_vocab_is_exact_for_every_sample(name, direction):
     # with q = V there is no tail: every single sample's value and gradient equal the exact KL's

@@ -9,7 +9,12 @@ from rich.console import Console
 
 from emapg_cli.config import Config, load_config
 
-console = Console()
+import os
+import sys
+
+# Rich squeezes tables to 80 columns when stdout is not a terminal (pipes, CI logs); give them room.
+_wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+console = Console(width=_wide)
 err_console = Console(stderr=True)
 
 PresetOpt = Annotated[

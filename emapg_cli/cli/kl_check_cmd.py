@@ -13,7 +13,9 @@ import typer
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
 
-ESTIMATOR_NAMES = "exact,k1,k2,k3,k3pp,k4,k5,topk,topk_paper,truncated"
+from emapg_cli.kl.registry import ESTIMATORS
+
+ESTIMATOR_NAMES = ",".join(ESTIMATORS)
 
 
 def parse_list(text: str, kind: type, option: str) -> list:
@@ -58,7 +60,7 @@ def kl_check(
     tail_mass: Annotated[float, typer.Option("--tail-mass", help="Synthetic: policy mass outside its top 32 tokens, in (0, 1).")] = 0.3,
     kl_size: Annotated[float, typer.Option("--kl-size", help="Synthetic: reverse KL(policy || anchor) per position, > 0.")] = 0.1,
     sampling_kl: Annotated[float, typer.Option("--sampling-kl", help="Synthetic: reverse KL(policy || sampling); > 0 draws tokens off-policy with importance weights (0: on-policy).")] = 0.0,
-    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for topk / topk_paper / truncated; each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
+    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for topk / topk_paper / topk_mass / truncated; each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples N per position.")] = 4096,
     batches: Annotated[int, typer.Option("--batches", help="Batches M the samples are split into for the t-tests.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic distributions, the anchor noise and the sampling.")] = 0,

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from emapg_cli.kl import exact, sampled, topk
 
-ESTIMATORS = ("exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "truncated")
+ESTIMATORS = ("exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ INFO: dict[str, EstimatorInfo] = {
     "k5": EstimatorInfo("k5", ("forward",), False, False, True),
     "topk": EstimatorInfo("topk", ("reverse", "forward"), True, False, True),
     "topk_paper": EstimatorInfo("topk_paper", ("reverse", "forward"), True, False, True),
+    "topk_mass": EstimatorInfo("topk_mass", ("reverse", "forward"), True, False, True),
     "truncated": EstimatorInfo("truncated", ("reverse", "forward"), True, False, False),
 }
 
@@ -48,6 +49,8 @@ _TOPK = {
     ("topk", "forward"): topk.topk_forward,
     ("topk_paper", "reverse"): topk.topk_paper_reverse,
     ("topk_paper", "forward"): topk.topk_paper_forward,
+    ("topk_mass", "reverse"): topk.topk_mass_reverse,
+    ("topk_mass", "forward"): topk.topk_mass_forward,
 }
 _TRUNCATED = {"reverse": topk.truncated_reverse, "forward": topk.truncated_forward}
 _EXACT = {"reverse": exact.exact_reverse, "forward": exact.exact_forward}

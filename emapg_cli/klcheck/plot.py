@@ -20,7 +20,7 @@ def _t_quantile(confidence: float, df: int) -> float:
 def plot_check(result: CheckResult, path: str | Path) -> Path:
     """Three panels: (a) relative value bias (v - KL)/KL with confidence-level error bars and the
     closed-form expectation, (b) relative gradient bias measured vs closed form, (c) gradient
-    variance of topk / topk_paper against k (log x)."""
+    variance of topk / topk_paper / topk_mass against k (log x)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,7 +54,7 @@ def plot_check(result: CheckResult, path: str | Path) -> Path:
         a.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
 
     ax = axes[2]
-    for name in ("topk", "topk_paper"):
+    for name in ("topk", "topk_paper", "topk_mass"):
         for direction, style in (("reverse", "-o"), ("forward", "--s")):
             pts = sorted((r.spec.k, r.grad_variance) for r in rows if r.spec.name == name and r.spec.direction == direction)
             if pts:
