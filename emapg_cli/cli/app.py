@@ -38,9 +38,19 @@ def _root(
 # transformers) are imported inside the function so `emapg --help` stays fast.
 # Register a command here only once it works.
 # (registrations)
+from emapg_cli.cli import prepare_cmd  # noqa: E402
+
+app.command("prepare")(prepare_cmd.prepare)
+from emapg_cli.cli import eval_cmd  # noqa: E402
+
+app.command("eval")(eval_cmd.eval_)
+from emapg_cli.cli import train_cmd  # noqa: E402
+
+app.command("train")(train_cmd.train)
 from emapg_cli.cli import kl_check_cmd  # noqa: E402
 
 app.command("kl-check")(kl_check_cmd.kl_check)
+
 
 
 def main() -> None:

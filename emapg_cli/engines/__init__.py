@@ -1,1 +1,53 @@
 """Generation engines behind one small interface (`base.Engine`): `hf` (transformers) and `vllm`."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` -> `vllm` when vLLM is installed and a CUDA GPU is present, else `hf`."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "vllm" if importlib.util.find_spec("vllm") is not None and torch.cuda.is_available() else "hf"
+
+
+def make_engine(
+    backend: str,
+    model_path: str,
+    *,
+    seed: int = 0,
+    dtype: Optional[str] = None,
+    max_model_len: Optional[int] = None,
+    gpu_memory_utilization: float = 0.9,
+    trust_remote_code: bool = False,
+):
+    """A standalone `Engine` sampling from the saved model at `model_path` (for evaluation).
+
+    `dtype` None: bfloat16 on a GPU, float32 on CPU. The trainer builds its engines itself (it
+    shares the policy's weights with `hf`).
+    """
+    import torch
+
+    from emapg_cli.config.models import ModelConfig
+
+    backend = resolve_backend(backend)
+    dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    if backend == "vllm":
+        from emapg_cli.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+            max_model_len=max_model_len, enable_sleep_mode=False, trust_remote_code=trust_remote_code,
+        )
+    if backend == "hf":
+        from emapg_cli.engines.hf import HFEngine
+        from emapg_cli.train.loading import load_policy, load_tokenizer
+
+        cfg = ModelConfig(path=model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = load_policy(cfg).to("cuda" if torch.cuda.is_available() else "cpu")
+        return HFEngine(model, load_tokenizer(cfg))
+    raise ValueError(f"unknown backend '{backend}' (hf, vllm or auto)")

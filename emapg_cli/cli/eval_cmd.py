@@ -1,0 +1,67 @@
+"""`emapg eval`: sample and grade a model on a benchmark (or grade given responses); resumable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from emapg_cli.cli.common import console
+from emapg_cli.errors import UserError
+
+
+def eval_(
+    bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, or a JSONL file / folder in the canonical schema.")],
+    model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder (save_pretrained format; a hub id with network) to sample from.")] = None,
+    responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings).")] = None,
+    backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm, hf (transformers), or auto (vllm when installed and a GPU is present).")] = "auto",
+    n: Annotated[int, typer.Option("--n", min=1, help="Samples per problem (one request with n distinct per-sample seeds).")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, max=10.0, help="Sampling temperature (0 = greedy).")] = 0.8,
+    top_p: Annotated[float, typer.Option("--top-p", max=1.0, help="Nucleus sampling threshold, in (0, 1].")] = 0.9,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Maximum response length in tokens.")] = 28000,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Base sampling seed.")] = 429,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N problems.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<model name>); rerunning with the same folder resumes.")] = None,
+    instruction: Annotated[Optional[str], typer.Option("--instruction", help="Text appended to each problem (default: none, the problem alone is the user message).")] = None,
+    chunk: Annotated[Optional[int], typer.Option("--chunk", min=1, help="Problems per generate call; results are saved after each (default: 512 for vllm, 64/n for hf).")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1, help="vLLM: prompt + response token limit (default: the model's).")] = None,
+    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM: fraction of GPU memory to use.")] = 0.9,
+    grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
+    grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
+) -> None:
+    """Sample --n responses per problem, grade the final \\boxed{} answers, write results.jsonl, summary.json and summary.md."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.evaluation.report import markdown
+    from emapg_cli.evaluation.runner import EvalSettings, run_eval
+
+    if top_p <= 0:
+        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
+    if model is None and responses is None:
+        raise UserError("give --model (sample and grade) or --responses (grade given responses)")
+    if responses is not None and not responses.is_file():
+        raise UserError(f"{responses}: no such file")
+    if out is None:
+        tag = Path(model).name if model else responses.stem  # type: ignore[union-attr]
+        out = Path("runs") / "eval" / f"{Path(bench).stem}-{tag}"
+    settings = EvalSettings(
+        bench=bench, out=out, model=model, responses_file=responses, backend=backend, n=n,
+        temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
+        instruction=instruction, chunk=chunk, max_model_len=max_model_len, dtype=dtype,
+        gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
+    )
+    bar = Progress(
+        TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TimeElapsedColumn(), console=console,
+    )
+    task = bar.add_task("eval", total=None, acc="-")
+
+    def progress(done: int, total: int, acc: float) -> None:
+        bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
+
+    with bar:
+        summary = run_eval(settings, progress)
+    console.print(markdown(summary), markup=False, highlight=False)
+    console.print(f"results in {out}")

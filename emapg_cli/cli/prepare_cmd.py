@@ -1,0 +1,122 @@
+"""`emapg prepare`: build a canonical dataset (hub or local file), the toy task, or a decontamination report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from emapg_cli.cli.common import console
+from emapg_cli.errors import UserError
+
+
+def _progress_bar(label: str):
+    """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+
+    def start(total: int):
+        task = bar.add_task(label, total=total)
+        return lambda k: bar.advance(task, k)
+
+    return bar, start
+
+
+def _prepare_toy(seed: int) -> None:
+    from emapg_cli.paths import emapg_home
+
+    try:
+        from emapg_cli.toy.prepare import prepare_toy
+    except ImportError:
+        raise UserError("the toy task is not available in this installation") from None
+    with console.status("preparing the toy task") as status:
+
+        def progress(*values) -> None:  # e.g. (step, loss) of the warm start
+            status.update("preparing the toy task: " + " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
+
+        prepare_toy(emapg_home(), seed, progress)
+
+
+def _show_manifest(out_dir: Path, manifest: dict) -> None:
+    table = Table(title=f"prepared {manifest['name']}", show_header=False)
+    table.add_row("folder", str(out_dir))
+    table.add_row("source", f"{manifest['source']}" + (f" @ {manifest['revision']}" if manifest.get("revision") else ""))
+    expected = manifest.get("expected_rows")
+    note = f" (expected {expected})" if expected and expected != manifest["rows"] else ""
+    table.add_row("rows", f"{manifest['rows']}{note}")
+    table.add_row("dropped", ", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items()) or "0")
+    for d in manifest["dropped_rows"][:5]:
+        table.add_row("", f"row {d['index']} (id {d['id']}): {d['reason']}")
+    if manifest["dropped"] > 5:
+        table.add_row("", f"... all {manifest['dropped']} in manifest.json")
+    table.add_row("sha256", manifest["sha256"])
+    console.print(table)
+
+
+def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
+    from emapg_cli.datasets.prepare import decontaminate
+
+    if len(names) < 2:
+        raise UserError("--decontaminate needs a training set and at least one evaluation set: TRAIN EVAL...")
+    overlaps, rewritten = decontaminate(names[0], names[1:], n=ngram, remove=remove)
+    table = Table(title=f"{names[0]} vs {', '.join(names[1:])}: {len(overlaps)} overlapping training items")
+    for col in ("train id", "eval set", "eval id", "match"):
+        table.add_column(col)
+    for o in overlaps[:50]:
+        table.add_row(o.train_id, o.eval_set, o.eval_id, o.kind)
+    console.print(table)
+    if len(overlaps) > 50:
+        console.print(f"... {len(overlaps) - 50} more")
+    if rewritten is not None:
+        console.print(f"removed {len(overlaps)} items from {rewritten / 'data.jsonl'} (recorded in its manifest)")
+    elif overlaps and not remove:
+        console.print("pass --remove to drop them from the training set")
+
+
+def prepare(
+    names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from); with --decontaminate: TRAIN EVAL...")] = None,
+    from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: generate the toy task and its warm-started model).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy).")] = 0,
+    decontaminate: Annotated[bool, typer.Option("--decontaminate", help="Report training items (first NAME) that overlap the evaluation sets (the other NAMEs).")] = False,
+    remove: Annotated[bool, typer.Option("--remove", help="With --decontaminate: also drop the overlapping items from the prepared training set.")] = False,
+    ngram: Annotated[int, typer.Option("--ngram", min=1, help="With --decontaminate: word n-gram length of a partial match.")] = 13,
+    list_: Annotated[bool, typer.Option("--list", help="List the registered datasets and exit.")] = False,
+) -> None:
+    """Prepare a dataset in the canonical schema {id, question, answers, source, meta} with a manifest."""
+    names = names or []
+    if list_:
+        from emapg_cli.datasets import DATASETS
+
+        table = Table(title="registered datasets")
+        for col in ("name", "role", "source", "rows", "description"):
+            table.add_column(col)
+        for s in DATASETS.values():
+            src = s.hub_id + (f" ({s.config})" if s.config else "") + f", split {s.split}"
+            table.add_row(s.name, s.role, src, str(s.expected_rows or "?"), s.description)
+        console.print(table)
+        return
+    if preset is not None:
+        if preset != "toy":
+            raise UserError(f"--preset supports only 'toy' (got '{preset}')")
+        if names or from_file:
+            raise UserError("--preset toy takes no NAME or --from")
+        _prepare_toy(seed)
+        return
+    if decontaminate:
+        _decontaminate(names, ngram, remove)
+        return
+    if remove:
+        raise UserError("--remove only applies with --decontaminate")
+    if len(names) != 1:
+        raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
+    from emapg_cli.datasets.prepare import prepare_dataset
+
+    bar, start = _progress_bar(f"converting {names[0]}")
+    with bar:
+        out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
+    _show_manifest(out_dir, manifest)

@@ -1,0 +1,41 @@
+"""Write an evaluation's `summary.json` and its markdown table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from emapg_cli.evaluation.store import SUMMARY, TABLE
+
+_HEAD = ("avg@n", "maj@n", "strict")
+
+
+def _metric_columns(summary: dict[str, Any]) -> list[str]:
+    passes = [k for k in summary if k.startswith("pass@")]
+    return passes + [k for k in _HEAD if k in summary and k != "avg@n"]
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The headline table (one row) and, when the bench has subsets, a per-subset table."""
+    cols = _metric_columns(summary)
+    n = summary.get("n", "?")
+    names = " | ".join(c.replace("maj@n", f"maj@{n}") for c in cols)
+    lines = [
+        f"| bench | model | items | n | {names} |",
+        "|" + "---|" * (4 + len(cols)),
+        f"| {summary['bench']} | {summary['model']} | {summary['num_items']} | {n} | "
+        + " | ".join(f"{100 * summary[c]:.1f}" for c in cols) + " |",
+    ]
+    subsets = summary.get("subsets") or {}
+    if subsets:
+        lines += ["", f"| subset | items | {names} |", "|" + "---|" * (2 + len(cols))]
+        for name, s in subsets.items():
+            lines.append(f"| {name} | {s['num_items']} | " + " | ".join(f"{100 * s[c]:.1f}" if c in s else "-" for c in cols) + " |")
+    lines += ["", "Scores in %. pass@1 = avg@n; pass@k unbiased (Chen et al. 2021); strict = exact match of the normalised boxed answer."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: Path, summary: dict[str, Any]) -> None:
+    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    (out_dir / TABLE).write_text(markdown(summary))

@@ -1,0 +1,216 @@
+"""`emapg eval`: sample n responses per problem, grade them, write results and the summary; resumable.
+
+Generation and grading overlap: while the engine samples chunk k+1, a background thread grades
+chunk k (grading runs in worker processes, so the thread mostly waits on pipes) and appends its
+rows to results.jsonl. Each chunk is one `generate` call with n samples per prompt and distinct
+per-sample seeds (see the engines).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from emapg_cli.data.schema import Example, load_examples, read_jsonl
+from emapg_cli.errors import UserError
+from emapg_cli.evaluation.metrics import ItemScores, by_subset, summarize
+from emapg_cli.evaluation.report import write_report
+from emapg_cli.evaluation.store import RESULTS, append_results, open_run
+from emapg_cli.grading import Gold, MathGrader, grader_version, strict_key
+
+#: progress(items done, items total, accuracy so far over all graded responses)
+Progress = Callable[[int, int, float], None]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything one evaluation run depends on (recorded in run.json)."""
+
+    bench: str
+    out: Path
+    model: Optional[str] = None
+    responses_file: Optional[Path] = None
+    backend: str = "auto"
+    n: int = 32
+    temperature: float = 0.8
+    top_p: float = 0.9
+    max_tokens: int = 28000
+    seed: int = 429
+    limit: Optional[int] = None
+    instruction: Optional[str] = None
+    chunk: Optional[int] = None
+    max_model_len: Optional[int] = None
+    dtype: Optional[str] = None
+    gpu_memory_utilization: float = 0.9
+    grader_workers: Optional[int] = None
+    grader_timeout: float = 5.0
+
+    def record(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+def default_chunk(backend: str, n: int) -> int:
+    """Problems per generate call: large for vLLM (it batches itself), ~64 sequences for transformers."""
+    return 512 if backend == "vllm" else max(1, 64 // n)
+
+
+def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Example], dict[str, list[str]]]:
+    """Given responses {"id", "responses"} matched to the bench's items (in bench order)."""
+    given: dict[str, list[str]] = {}
+    for i, row in enumerate(read_jsonl(path), 1):
+        responses = row.get("responses")
+        if "id" not in row or not isinstance(responses, list) or not responses or not all(isinstance(r, str) for r in responses):
+            raise UserError(f"{path}:{i}: rows must be {{\"id\": ..., \"responses\": [str, ...]}}")
+        given[str(row["id"])] = responses
+    known = {ex.id for ex in examples}
+    unknown = [i for i in given if i not in known]
+    if unknown:
+        raise UserError(f"{path}: {len(unknown)} ids are not in the bench (e.g. {', '.join(unknown[:3])})")
+    return [ex for ex in examples if ex.id in given], given
+
+
+def _item_scores(ex: Example, row: dict[str, Any]) -> ItemScores:
+    votes = [strict_key(e) if e is not None else None for e in row["extracted"]]
+    return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"))
+
+
+class _Grading:
+    """Grades chunks and appends their rows, counting what the summary reports."""
+
+    def __init__(self, grader: MathGrader, results: Path, done: dict[str, dict], total: int, progress: Optional[Progress]):
+        self.grader, self.results, self.done, self.total, self.progress = grader, results, done, total, progress
+        self.responses = sum(len(r["correct"]) for r in done.values())
+        self.correct = sum(sum(r["correct"]) for r in done.values())
+        self.seconds = 0.0
+        self.graded = 0
+
+    def __call__(self, items: Sequence[Example], groups: Sequence[Sequence[str]], extra: Sequence[dict]) -> None:
+        t0 = time.perf_counter()
+        flat = [r for g in groups for r in g]
+        golds = [Gold.of(ex) for ex, g in zip(items, groups) for _ in g]
+        grades = iter(self.grader.grade(flat, golds))
+        rows = []
+        for ex, group, more in zip(items, groups, extra):
+            gs = [next(grades) for _ in group]
+            rows.append({
+                "id": ex.id,
+                "responses": list(group),
+                "extracted": [g.extracted for g in gs],
+                "correct": [g.correct for g in gs],
+                "strict": [g.strict for g in gs],
+                **more,
+            })
+        append_results(self.results, rows)
+        self.seconds += time.perf_counter() - t0
+        self.graded += len(flat)
+        for row in rows:
+            self.done[row["id"]] = row
+            self.responses += len(row["correct"])
+            self.correct += sum(row["correct"])
+        if self.progress:
+            self.progress(len(self.done), self.total, self.correct / max(self.responses, 1))
+
+
+def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_of: dict[str, int], grade: _Grading) -> dict[str, Any]:
+    """Sample every item of `todo` in chunks, handing each chunk to `grade` in the background."""
+    from emapg_cli.config.models import ModelConfig
+    from emapg_cli.engines import make_engine
+    from emapg_cli.engines.base import SamplingParams
+    from emapg_cli.engines.hf import derive_seed
+    from emapg_cli.train.loading import load_tokenizer
+    from emapg_cli.train.rollout import render_prompt
+
+    tokenizer = load_tokenizer(ModelConfig(path=s.model))
+    engine = make_engine(
+        backend, s.model, seed=s.seed, dtype=s.dtype, max_model_len=s.max_model_len,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+    )
+    suffix = f"\n\n{s.instruction}" if s.instruction else ""
+    size = s.chunk or default_chunk(backend, s.n)
+    gen_seconds, tokens, truncated = 0.0, 0, 0
+    pending: Optional[Future] = None
+    with ThreadPoolExecutor(max_workers=1) as background:
+        for start in range(0, len(todo), size):
+            items = todo[start : start + size]
+            prompts = [render_prompt(tokenizer, ex.question + suffix) for ex in items]
+            # Seeded by the chunk's first item: per-sample seeds never repeat across chunks.
+            params = SamplingParams(
+                n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                seed=derive_seed(s.seed, index_of[items[0].id]) % 2**31,
+            )
+            t0 = time.perf_counter()
+            completions = engine.generate(prompts, params)
+            gen_seconds += time.perf_counter() - t0
+            tokens += sum(len(c.token_ids) for g in completions for c in g)
+            truncated += sum(c.finish_reason == "length" for g in completions for c in g)
+            if pending is not None:
+                pending.result()  # surface a grading error before queueing more
+            groups = [[c.text for c in g] for g in completions]
+            extra = [{"num_tokens": [len(c.token_ids) for c in g], "finish_reasons": [c.finish_reason for c in g]} for g in completions]
+            pending = background.submit(grade, items, groups, extra)
+        if pending is not None:
+            pending.result()
+    return {
+        "generation_time_s": gen_seconds,
+        "generated_tokens": tokens,
+        "tokens_per_s": tokens / gen_seconds if gen_seconds > 0 else None,
+        "truncated_responses": truncated,
+    }
+
+
+def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, Any]:
+    """Evaluate `s.model` (or grade `s.responses_file`) on `s.bench`; returns the summary (also written)."""
+    from emapg_cli.engines import resolve_backend
+
+    t_start = time.perf_counter()
+    if (s.model is None) == (s.responses_file is None):
+        raise UserError("give exactly one of --model (generate) and --responses (grade given responses)")
+    examples = load_examples(s.bench)[: s.limit]
+    given: dict[str, list[str]] = {}
+    if s.responses_file is not None:
+        examples, given = load_responses(s.responses_file, examples)
+    if not examples:
+        raise UserError(f"nothing to evaluate: no items in '{s.bench}'" + (" match the given responses" if given else ""))
+    backend = resolve_backend(s.backend) if s.model else "none"
+    done = open_run(s.out, {**s.record(), "backend": backend})
+    resumed = sum(ex.id in done for ex in examples)
+    todo = [ex for ex in examples if ex.id not in done]
+
+    gen_stats: dict[str, Any] = {"generation_time_s": 0.0, "generated_tokens": 0, "tokens_per_s": None, "truncated_responses": 0}
+    with MathGrader(workers=s.grader_workers, timeout=s.grader_timeout) as grader:
+        grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress)
+        if progress:
+            progress(resumed, len(examples), grading.correct / max(grading.responses, 1))
+        if todo and s.responses_file is not None:
+            for start in range(0, len(todo), 64):
+                items = todo[start : start + 64]
+                grading(items, [given[ex.id] for ex in items], [{} for _ in items])
+        elif todo:
+            index_of = {ex.id: i for i, ex in enumerate(examples)}
+            gen_stats = _generate_all(s, backend, todo, index_of, grading)
+        timeouts = grader.timeouts
+
+    scores = [_item_scores(ex, done[ex.id]) for ex in examples]
+    summary = {
+        "bench": s.bench,
+        "model": s.model if s.model else f"responses:{s.responses_file}",
+        "backend": backend,
+        **summarize(scores),
+        "subsets": by_subset(scores),
+        "sampling": None if s.model is None else {
+            "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
+        },
+        "instruction": s.instruction,
+        "grader_version": grader_version(),
+        "grader_timeouts": timeouts,
+        "resumed_items": resumed,
+        "wall_time_s": time.perf_counter() - t_start,
+        "grading_time_s": grading.seconds,
+        "graded_per_s": grading.graded / grading.seconds if grading.seconds > 0 else None,
+        **gen_stats,
+    }
+    write_report(s.out, summary)
+    return summary

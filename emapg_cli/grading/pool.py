@@ -1,0 +1,240 @@
+"""A process pool with a hard per-task timeout: a wedged worker is killed and replaced.
+
+math-verify's own timeout uses `signal.alarm`, which only works in a main thread and cannot
+interrupt C code (a big-integer power such as an exponent tower never returns to the
+interpreter). Here every task runs in a worker process; the parent watches the clock and kills a
+worker whose current task runs past `timeout` seconds. That task gets the default result, the
+rest of its chunk is re-queued, and a fresh worker takes the slot.
+
+Workers are fresh interpreters (running `_worker_main("MODULE:FUNCTION", ...)`) talking over
+two pipes: they never inherit the parent's threads (torch's) or memory, and never re-run the
+caller's main script, so the pool is safe to use from any program, guarded by `__main__` or not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional, Sequence
+
+log = logging.getLogger(__name__)
+
+
+#: Seconds a new worker may take to import its function and warm up before it is an error.
+STARTUP_TIMEOUT = 120.0
+
+
+def _resolve(ref: str) -> Callable[..., Any]:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGKILL when the parent dies, so a worker stuck in C code never outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass  # elsewhere: the worker still exits when its inbox closes, once its task returns
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _worker_main(fn_ref: str, warmup_ref: str, read_fd: int, write_fd: int, parent_pid: int) -> None:
+    """Worker loop: warm up, say "ready", then per chunk [(index, args)] send (index, result, error)."""
+    _die_with_parent(parent_pid)
+    fn = _resolve(fn_ref)
+    if warmup_ref:
+        _resolve(warmup_ref)()
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    outbox.send("ready")
+    while True:
+        try:
+            chunk = inbox.recv()
+        except (EOFError, OSError):
+            return
+        if chunk is None:
+            return
+        for index, args in chunk:
+            try:
+                outbox.send((index, fn(*args), None))
+            except Exception as e:  # a task that raises scores the default; the parent counts it
+                outbox.send((index, None, f"{type(e).__name__}: {e}"))
+
+
+def _ref(fn: Callable[..., Any]) -> str:
+    """"module:name" of a module-level function (what a fresh interpreter can import)."""
+    if "." in fn.__qualname__ or fn.__module__ == "__main__":
+        raise ValueError(f"{fn.__qualname__} must be a module-level function of an importable module")
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+@dataclass
+class PoolStats:
+    """What went wrong so far (cumulative over the pool's life)."""
+
+    tasks: int = 0
+    timeouts: int = 0  # tasks killed at the deadline
+    errors: int = 0  # tasks whose function raised
+    crashes: int = 0  # workers that died without a timeout (e.g. out of memory)
+
+
+@dataclass
+class _Worker:
+    proc: subprocess.Popen
+    inbox: Connection  # parent -> worker
+    conn: Connection  # worker -> parent
+    started: float  # monotonic time of the start
+    ready: bool = False  # said "ready" (warmed up)
+    pending: deque = field(default_factory=deque)  # [(index, args)] sent, not yet answered
+    deadline: float = 0.0  # the task in progress must answer before this
+
+
+class TimeoutPool:
+    """`map(tasks)`: `fn(*args)` for each task over worker processes, with a hard per-task timeout.
+
+    `fn` must be a module-level function (a fresh interpreter imports it by name). A task that times
+    out, or whose worker dies, gets `default`; one whose `fn` raises gets `default` too. Either way it
+    is counted in `stats`, and the pool keeps going. `warmup` (module-level, no arguments) runs once
+    in each new worker before it takes tasks, so slow imports never count against a task's time; a
+    replacement worker warms up while the others keep working.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        workers: int = 2,
+        timeout: float = 5.0,
+        default: Any = None,
+        chunk_size: int = 16,
+        warmup: Optional[Callable[[], Any]] = None,
+    ) -> None:
+        if workers < 1 or timeout <= 0 or chunk_size < 1:
+            raise ValueError("workers >= 1, timeout > 0 and chunk_size >= 1 are required")
+        self.fn_ref, self.warmup_ref = _ref(fn), _ref(warmup) if warmup else ""
+        self.timeout, self.default, self.chunk_size = timeout, default, chunk_size
+        self.n_workers = workers
+        self.stats = PoolStats()
+        self._workers: list[_Worker] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _start(self) -> _Worker:
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        args = f"{self.fn_ref!r}, {self.warmup_ref!r}, {to_child_r}, {to_parent_w}, {os.getpid()}"
+        cmd = [sys.executable, "-c", f"from {__name__} import _worker_main; _worker_main({args})"]
+        proc = subprocess.Popen(cmd, pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL)
+        os.close(to_child_r)
+        os.close(to_parent_w)
+        inbox, conn = Connection(to_child_w, readable=False), Connection(to_parent_r, writable=False)
+        return _Worker(proc, inbox, conn, started=time.monotonic())
+
+    def _kill(self, w: _Worker) -> None:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        w.proc.wait(timeout=10)
+        w.inbox.close()
+        w.conn.close()
+
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        for w in self._workers:
+            try:
+                w.inbox.send(None)
+            except OSError:
+                pass
+        for w in self._workers:
+            try:
+                w.proc.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+            self._kill(w)
+        self._workers = []
+
+    def __enter__(self) -> "TimeoutPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- work ------------------------------------------------------------------------------------
+    def map(self, tasks: Sequence[tuple], on_result: Optional[Callable[[int, Any], None]] = None) -> list[Any]:
+        """`[fn(*args) for args in tasks]`, in order; `on_result(index, result)` as each finishes."""
+        results: list[Any] = [self.default] * len(tasks)
+        if not tasks:
+            return results
+        self._workers += [self._start() for _ in range(self.n_workers - len(self._workers))]
+        queue = deque(enumerate(tasks))
+        self.stats.tasks += len(tasks)
+        # Small chunks when there is little work, so every worker gets some.
+        chunk = max(1, min(self.chunk_size, len(tasks) // (2 * self.n_workers) or 1))
+
+        def finish(index: int, value: Any) -> None:
+            results[index] = value
+            if on_result is not None:
+                on_result(index, value)
+
+        while queue or any(w.pending for w in self._workers):
+            for w in self._workers:
+                if w.ready and not w.pending and queue:
+                    w.pending.extend(queue.popleft() for _ in range(min(chunk, len(queue))))
+                    w.inbox.send(list(w.pending))
+                    w.deadline = time.monotonic() + self.timeout
+            watched = [w for w in self._workers if w.pending or not w.ready]
+            soonest = min(w.deadline if w.ready else w.started + STARTUP_TIMEOUT for w in watched)
+            readable = set(wait([w.conn for w in watched], timeout=max(0.0, soonest - time.monotonic())))
+            for i, w in enumerate(self._workers):
+                if w.conn in readable:
+                    try:
+                        self._receive(w, finish)
+                        continue
+                    except (EOFError, OSError):
+                        self.stats.crashes += 1
+                elif not w.ready:
+                    if time.monotonic() < w.started + STARTUP_TIMEOUT:
+                        continue
+                    self._kill(w)
+                    raise RuntimeError(f"a worker for {self.fn_ref} did not start in {STARTUP_TIMEOUT:.0f} s")
+                elif not w.pending or time.monotonic() < w.deadline:
+                    continue
+                else:
+                    self.stats.timeouts += 1
+                # Timed out or died: the task in progress scores the default, the rest is re-queued.
+                if w.pending:
+                    index, _ = w.pending.popleft()
+                    finish(index, self.default)
+                    queue.extendleft(reversed(w.pending))
+                self._kill(w)
+                self._workers[i] = self._start()
+        return results
+
+    def _receive(self, w: _Worker, finish: Callable[[int, Any], None]) -> None:
+        """Read everything `w` has sent: its "ready", then (index, result, error) per finished task."""
+        while w.conn.poll():
+            msg = w.conn.recv()
+            if msg == "ready":
+                w.ready = True
+                continue
+            index, value, error = msg
+            w.pending.popleft()
+            if error is not None:
+                self.stats.errors += 1
+                log.debug("task %d raised %s", index, error)
+                value = self.default
+            finish(index, value)
+            w.deadline = time.monotonic() + self.timeout

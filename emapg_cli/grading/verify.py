@@ -1,0 +1,185 @@
+"""Grade model responses against gold answers with math-verify, safely.
+
+`MathGrader.grade(responses, golds)` extracts each response's final answer (`extract.py`),
+decides the easy cases in the parent (no box: wrong; same strict key as a gold: right) and sends
+the rest to a `TimeoutPool` whose workers run `verify(parse(gold), parse(pred))`.
+
+Safety: only math-verify's LaTeX extraction is used (its plain-expression extractor hands text to
+sympy's `parse_expr`, which evaluates Python), so nothing in a response is run as code. Every
+comparison has a hard wall-clock budget (`timeout`): a megabyte answer, deeply nested braces or an
+exponent tower cost at most that and score 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from emapg_cli.grading.extract import extract_answer
+from emapg_cli.grading.normalize import as_math, strict_key
+from emapg_cli.grading.pool import TimeoutPool
+
+#: Answers longer than this are not parsed (no real final answer is); they can still match by string.
+MAX_ANSWER_CHARS = 4096
+
+
+def grader_version() -> str:
+    """Identifies the grading rules in result files (bump the first part when they change)."""
+    from importlib.metadata import version
+
+    return f"emapg-math-1/math-verify-{version('math-verify')}"
+
+
+@dataclass(frozen=True)
+class Gold:
+    """The accepted answers of one item (any one is correct) and an optional absolute tolerance."""
+
+    answers: tuple[str, ...]
+    tolerance: Optional[float] = None
+
+    @classmethod
+    def of(cls, example) -> "Gold":
+        """From a canonical `Example` (its `meta.tolerance`, when set, is the absolute tolerance)."""
+        tol = example.meta.get("tolerance")
+        return cls(tuple(example.answers), float(tol) if tol is not None else None)
+
+
+@dataclass(frozen=True)
+class Grade:
+    """One graded response."""
+
+    extracted: Optional[str]  # content of the final box, None when there is none
+    correct: bool  # math-verify equivalence with any gold answer
+    strict: bool  # exact match of the strict keys (normalised strings)
+
+
+# --- worker side ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _latex_config():
+    from math_verify import LatexExtractionConfig
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled": the pool enforces it
+    return [LatexExtractionConfig()]
+
+
+def _parse(latex: str) -> list:
+    from math_verify import parse
+
+    return parse(latex, _latex_config(), parsing_timeout=None)
+
+
+def warmup() -> None:
+    """Import math-verify and sympy and parse once (run by each new worker before it takes tasks)."""
+    is_equivalent("1", ("1",))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> list:
+    return _parse(as_math(gold))
+
+
+def _within(gold: list, pred: list, tolerance: float) -> bool:
+    """|gold - pred| <= tolerance when both parsed to plain numbers."""
+    import sympy
+
+    g, p = (x[0] if x and isinstance(x[0], sympy.Basic) else None for x in (gold, pred))
+    if g is None or p is None or not (g.is_number and p.is_number):
+        return False
+    try:
+        return abs(float(g) - float(p)) <= tolerance
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
+def is_equivalent(pred: str, golds: tuple[str, ...], tolerance: Optional[float] = None) -> bool:
+    """math-verify equivalence of an extracted answer with any gold (runs inside a pool worker)."""
+    from math_verify import verify
+
+    parsed = _parse(as_math(pred))
+    if not parsed:
+        return False
+    for gold in golds:
+        g = _parse_gold(gold)
+        if verify(g, parsed, timeout_seconds=None):
+            return True
+        if tolerance is not None and _within(g, parsed, tolerance):
+            return True
+    return False
+
+
+# --- parent side ---------------------------------------------------------------------------------
+
+
+def default_workers() -> int:
+    """One worker per CPU core the process may use, at most 8."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+class MathGrader:
+    """Grades batches of responses; owns a worker pool (started on first use; `close()` stops it)."""
+
+    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0) -> None:
+        self.workers = workers or default_workers()
+        self.timeout = timeout
+        self._pool: Optional[TimeoutPool] = None
+
+    @property
+    def timeouts(self) -> int:
+        """Comparisons killed at the deadline so far."""
+        return self._pool.stats.timeouts if self._pool else 0
+
+    def _get_pool(self) -> TimeoutPool:
+        if self._pool is None:
+            self._pool = TimeoutPool(
+                is_equivalent, workers=self.workers, timeout=self.timeout, default=False, warmup=warmup
+            )
+        return self._pool
+
+    def grade(self, responses: Sequence[str], golds: Sequence[Gold], on_grade=None) -> list[Grade]:
+        """Grade `responses[i]` against `golds[i]`; `on_grade(i, grade)` is called as each finishes."""
+        if len(responses) != len(golds):
+            raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+        extracted = [extract_answer(r) for r in responses]
+        grades: list[Optional[Grade]] = [None] * len(responses)
+        todo: list[int] = []
+        for i, (pred, gold) in enumerate(zip(extracted, golds)):
+            if pred is None or len(pred) > MAX_ANSWER_CHARS:
+                grades[i] = Grade(pred, False, False)
+            elif strict_key(pred) in {strict_key(a) for a in gold.answers}:
+                grades[i] = Grade(pred, True, True)
+            else:
+                todo.append(i)
+                continue
+            if on_grade:
+                on_grade(i, grades[i])
+
+        def done(j: int, correct: bool) -> None:
+            i = todo[j]
+            grades[i] = Grade(extracted[i], bool(correct), False)
+            if on_grade:
+                on_grade(i, grades[i])
+
+        if todo:
+            tasks = [(extracted[i], golds[i].answers, golds[i].tolerance) for i in todo]
+            self._get_pool().map(tasks, on_result=done)
+        return grades  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def __enter__(self) -> "MathGrader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
