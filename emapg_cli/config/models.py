@@ -11,7 +11,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "truncated"]
+Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated"]
 Direction = Literal["reverse", "forward"]
 
 #: Estimators that only estimate one direction of the KL (the paper's Table 1).
@@ -50,6 +50,7 @@ class RolloutConfig(Section):
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
+    hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
 
 
 class OptimConfig(Section):
@@ -74,12 +75,14 @@ class TrainConfig(Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
+    logit_chunk: int = Field(1024, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory).")
+    keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
 
 
 class KLConfig(Section):
-    estimator: Estimator = Field("topk", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), truncated (top-k head only).")
+    estimator: Estimator = Field("topk", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only).")
     direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
-    k: int = Field(32, ge=1, description="Size of the exact head for topk / topk_paper / truncated (capped at the vocabulary size).")
+    k: int = Field(32, ge=1, description="Size of the exact head for topk / topk_paper / truncated (at most the model's vocabulary size).")
     coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
     iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
     iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")

@@ -83,7 +83,7 @@ def load_examples(ref: str) -> list[Example]:
     out = []
     for i, row in enumerate(read_jsonl(path)):
         if "answer" in row and "answers" not in row:
-            row = {**row, "answers": [str(row.pop("answer"))]}
+            row = {**{k: v for k, v in row.items() if k != "answer"}, "answers": [str(row["answer"])]}
         row.setdefault("id", str(i))
         try:
             out.append(Example.model_validate(row))

@@ -1,0 +1,67 @@
+"""`emapg train`: GRPO with an EMA anchor and a KL estimator from the library (or --dry-run: the plan only)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console, resolve_config
+from emapg_cli.errors import UserError
+
+OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default: runs/<name>-<timestamp>).")]
+ResumeOpt = Annotated[
+    Optional[Path],
+    typer.Option("--resume", help="Continue the run in DIR from its latest complete checkpoint (its config.yaml, plus any --set overrides)."),
+]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and a GPU memory estimate without loading weights, then exit.")]
+
+
+def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]):
+    if preset or config:
+        raise UserError("--resume takes the run's own config.yaml; use --set for changes, not --preset/--config")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
+    return resolve_config(None, str(run_dir / "config.yaml"), overrides)
+
+
+def train(
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    out: OutOpt = None,
+    resume: ResumeOpt = None,
+    dry_run: DryRunOpt = False,
+) -> None:
+    """Train a policy with EMA-anchored GRPO; writes metrics, checkpoints, final weights and summary.json."""
+    if resume is not None:
+        if out is not None and out.resolve() != resume.resolve():
+            raise UserError("--resume DIR already names the run directory; drop --out")
+        cfg = _resume_config(resume, preset, config, set_)
+        run_dir = resume
+    else:
+        cfg = resolve_config(preset, config, set_)
+        if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError("pass --out DIR when launching several processes (they must share one run directory)")
+        run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if (run_dir / "checkpoints").exists():
+            raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
+    if dry_run:
+        from emapg_cli.train.plan import load_model_config, make_plan, render_plan
+
+        console.print(render_plan(make_plan(cfg, load_model_config(cfg.model.path))))
+        return
+
+    import torch
+
+    from emapg_cli.train.trainer import Trainer
+
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    trainer = Trainer(cfg, run_dir, resume=resume is not None)
+    summary = trainer.run()
+    if trainer.acc.is_main_process:
+        console.print(f"[bold green]done[/] {run_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items()), highlight=False)

@@ -1,0 +1,176 @@
+"""The transformers `generate` engine: batched, left-padded, per-sample seeds, per-token sampling log-probs.
+
+Sampling is done by `SeededSampler`, a logits processor that draws every row's token by
+inverse-CDF sampling from uniforms pre-drawn with that row's own `torch.Generator`, then hands
+`generate` a one-hot mask so its greedy step picks exactly that token. A row's randomness thus
+depends only on (params.seed, row index) — never on batch composition or on the global RNG —
+which is what makes rollouts reproducible on resume. Works on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Optional
+
+import torch
+from torch import Tensor
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from emapg_cli.engines.base import Completion, SamplingParams
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
+    """Draw one token per row by inverse CDF; return (tokens [B], log-prob [B] under softmax(scores / T)).
+
+    scores [B, V]; uniforms [B] in [0, 1). temperature 0 = greedy (argmax). With top_p < 1 the
+    smallest set of most likely tokens whose mass reaches top_p is kept (the most likely token
+    always) and renormalised (Holtzman et al. 2020). The returned log-prob is that of the
+    temperature-scaled full distribution (what the trainer's log-prob passes compute), not of the
+    top-p-renormalised one.
+    """
+    scores = scores.float()
+    if temperature == 0:
+        tokens = scores.argmax(-1)  # [B]
+        return tokens, torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(scores / temperature, -1)  # [B, V]
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)  # [B, V]
+        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+        keep[:, 0] = True
+        sorted_p = sorted_p * keep
+    else:
+        sorted_p, order = probs, None
+    cdf = sorted_p.cumsum(-1)  # [B, V]
+    target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    pos = torch.searchsorted(cdf, target, right=True).clamp(max=cdf.shape[-1] - 1)  # [B, 1]
+    tokens = (order.gather(-1, pos) if order is not None else pos).squeeze(-1)  # [B]
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class SeededSampler(LogitsProcessor):
+    """Replace `generate`'s sampling with per-row seeded sampling; records each step's log-probs."""
+
+    def __init__(self, uniforms: Tensor, prompt_len: int, temperature: float, top_p: float):
+        self.uniforms = uniforms  # [B, max_new_tokens]
+        self.prompt_len = prompt_len
+        self.temperature = temperature
+        self.top_p = top_p
+        self.logprobs: list[Tensor] = []  # one [B] per generated position
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        t = input_ids.shape[1] - self.prompt_len
+        tokens, logp = sample_from_logits(scores, self.uniforms[:, t], self.temperature, self.top_p)
+        self.logprobs.append(logp)
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, tokens[:, None], 0.0)
+        return out
+
+
+class HFEngine:
+    """`Engine` over a transformers causal LM that lives in this process (shares the trainer's weights)."""
+
+    def __init__(self, model, tokenizer, batch_size: int = 256):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set one (e.g. the EOS token) before generating")
+
+    def load_weights(self, model) -> None:
+        """Sample from `model` from now on (the trainer passes its live policy or the anchor)."""
+        self.model = model
+
+    def release_memory(self) -> None:
+        """Nothing to release: the engine holds no memory of its own."""
+
+    def resume_memory(self) -> None:
+        """Nothing to take back."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j)."""
+        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
+        flat: list[Completion] = []
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start:start + self.batch_size]
+            seeds = [derive_seed(params.seed, start + j) for j in range(len(chunk))]
+            flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params))
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    @torch.inference_mode()
+    def _generate_chunk(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
+        tok, model = self.tokenizer, self.model
+        device = next(model.parameters()).device
+        plen = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), plen), tok.pad_token_id, dtype=torch.long)  # [B, P]
+        attention = torch.zeros((len(prompts), plen), dtype=torch.long)  # [B, P]
+        for r, p in enumerate(prompts):
+            input_ids[r, plen - len(p):] = torch.tensor(p, dtype=torch.long)
+            attention[r, plen - len(p):] = 1
+        uniforms = torch.stack([
+            torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
+        ]).to(device)  # [B, max_new_tokens]
+        sampler = SeededSampler(uniforms, plen, params.temperature, params.top_p)
+        gen_cfg = GenerationConfig(
+            max_new_tokens=params.max_new_tokens, do_sample=False, num_beams=1,
+            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            stop_strings=list(params.stop) or None,
+        )
+        # `generate` fills every field we leave unset from model.generation_config (a checkpoint's
+        # repetition_penalty, min_new_tokens, ...), which would silently change the distribution
+        # sampled from; a neutral config in its place for the call keeps sampling = softmax(logits / T).
+        saved_cfg, was_training = model.generation_config, model.training
+        model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model.eval()
+        try:
+            out = model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_cfg,
+                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None,
+            )
+        finally:
+            model.generation_config = saved_cfg
+            model.train(was_training)
+        generated = out[:, plen:].cpu()  # [B, T']
+        logprobs = torch.stack(sampler.logprobs, 1).cpu() if sampler.logprobs else torch.zeros(len(prompts), 0)  # [B, T']
+        return [self._completion(generated[r], logprobs[r], params) for r in range(len(prompts))]
+
+    def _completion(self, tokens: Tensor, logprobs: Tensor, params: SamplingParams) -> Completion:
+        """Cut one row at its first EOS (kept) or at the token completing a stop string."""
+        ids = tokens.tolist()
+        eos = self.tokenizer.eos_token_id
+        length, reason = len(ids), "length"
+        if eos in ids:
+            length, reason = ids.index(eos) + 1, "stop"
+        elif params.stop:
+            found = self._stop_length(ids, params.stop)
+            if found is not None:
+                length, reason = found, "stop"
+        ids = ids[:length]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = [text.index(s) for s in params.stop if s in text]
+        if cut:
+            text = text[:min(cut)]
+        return Completion(token_ids=ids, text=text, finish_reason=reason, logprobs=logprobs[:length].tolist())
+
+    def _stop_length(self, ids: list[int], stop: tuple[str, ...]) -> Optional[int]:
+        """Smallest prefix length whose text contains a stop string (binary search: containment is monotone)."""
+        def hit(n: int) -> bool:
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            return any(s in text for s in stop)
+
+        if not hit(len(ids)):
+            return None
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hit(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo

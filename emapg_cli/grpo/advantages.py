@@ -1,0 +1,32 @@
+"""GRPO advantages: each response's reward relative to its group (DeepSeekMath, Shao et al. 2024, Eq. 3)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AdvNorm = Literal["group", "batch", "none"]
+
+
+def grpo_advantages(rewards: Tensor, norm: AdvNorm = "group", eps: float = 1e-6) -> Tensor:
+    """A_i = (r_i - mean_group(r)) / (std + eps), one value per response.
+
+    rewards: [G, n] (G groups of n responses to the same prompt). Returns [G, n] float32.
+      norm="group": std is the group's (unbiased, n-1 in the denominator; 0 for n = 1).
+      norm="batch": std is the whole batch's (unbiased), the mean is still the group's.
+      norm="none":  no std scaling: A_i = r_i - mean_group(r)  (Dr. GRPO, Liu et al. 2025).
+    eps keeps a group whose responses all scored the same at A = 0 instead of 0/0.
+    """
+    r = rewards.float()
+    centred = r - r.mean(dim=1, keepdim=True)  # [G, n]
+    if norm == "none":
+        return centred
+    if norm == "group":
+        std = r.std(dim=1, keepdim=True) if r.shape[1] > 1 else torch.zeros_like(r[:, :1])  # [G, 1]
+    elif norm == "batch":
+        std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
+    else:
+        raise ValueError(f"unknown advantage normalisation '{norm}' (group, batch, none)")
+    return centred / (std + eps)

@@ -1,0 +1,44 @@
+"""The EMA anchor update and its distance to the policy (paper Eq. 5), on lists of tensors with fused foreach ops."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: float) -> None:
+    """In place: theta_ema <- decay * theta_ema + (1 - decay) * theta  (paper Eq. 5).
+
+    shadow: the anchor's tensors (float32, or any dtype for integer buffers); current: the policy's
+    matching tensors in any dtype (bf16 policy tensors are upcast to the shadow's dtype first, so
+    the average accumulates in float32). Written as lerp(theta_ema, theta, 1 - decay), which leaves
+    entries where theta_ema == theta bit-exact; decay = 1 changes nothing. Non-floating tensors
+    (integer buffers) are copied.
+    """
+    if len(shadow) != len(current):
+        raise ValueError(f"shadow has {len(shadow)} tensors, current has {len(current)}")
+    if decay == 1.0:
+        return
+    floats = [(s, c) for s, c in zip(shadow, current) if s.is_floating_point()]
+    for s, c in zip(shadow, current):
+        if not s.is_floating_point():
+            s.copy_(c)
+    if not floats:
+        return
+    dst = [s for s, _ in floats]
+    src = [c.detach() if c.dtype == s.dtype else c.detach().to(s.dtype) for s, c in floats]
+    torch._foreach_lerp_(dst, src, 1.0 - decay)
+
+
+def ema_distance(current: Sequence[Tensor], shadow: Sequence[Tensor]) -> float:
+    """||theta - theta_ema|| / ||theta|| over all floating tensors (global L2 norms, float32); 0 when ||theta|| = 0."""
+    pairs = [(c.detach().float(), s.detach().float()) for c, s in zip(current, shadow) if c.is_floating_point()]
+    if not pairs:
+        return 0.0
+    cur = [c for c, _ in pairs]
+    diff = torch._foreach_sub(cur, [s for _, s in pairs])
+    num = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff)))
+    den = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(cur)))
+    return float(num / den) if den > 0 else 0.0

@@ -1,0 +1,88 @@
+"""The no-grad passes before the update: old-policy log-probs (and q for reverse Top-k), then the anchor's."""
+
+from __future__ import annotations
+
+import torch
+
+from emapg_cli.kl import INFO, topk_source
+from emapg_cli.train.logprobs import TokenStats, token_stats
+from emapg_cli.train.rollout import RolloutBatch
+
+
+def single_on_policy_step(cfg) -> bool:
+    """One epoch of one mini-batch: the policy being updated is exactly the one that sampled.
+
+    Then the old log-probs are the policy's own detached log-probs (ratio = 1 exactly) and the
+    old-policy pass can be skipped.
+    """
+    return cfg.train.epochs == 1 and cfg.derived.mini_batches_per_step == 1
+
+
+def needs_old_pass(cfg) -> bool:
+    """The old-policy pass runs unless `single_on_policy_step`; reverse Top-k needs it anyway for q
+    (the sampling policy's top-k set, which must be fixed before the update)."""
+    info = INFO[cfg.kl.estimator]
+    needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
+    return not single_on_policy_step(cfg) or needs_q
+
+
+@torch.no_grad()
+def _run(lm, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **kw) -> None:
+    """token_stats over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro]."""
+    b = batch.advantages.shape[0]
+    for s in range(0, b, micro):
+        rows = torch.arange(s, min(s + micro, b), device=batch.input_ids.device)
+        mb = batch.select(rows)
+        extra = {k: v for k, v in kw.items() if k != "q_index"}
+        q = kw.get("q_index")
+        stats: TokenStats = token_stats(
+            lm, mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
+            q_index=q[rows][:, :mb.response_mask.shape[1]] if q is not None else None, **extra,
+        )
+        r = mb.response_mask.shape[1]
+        for name, out in fill.items():
+            out[rows, :r] = getattr(stats, name)
+
+
+def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> RolloutBatch:
+    """Fill old_logp / q_index (old-policy pass) and ref_logp / ref_logp_q (anchor pass) as the config needs.
+
+    k is the effective top-k size (kl.k capped at the vocabulary). The exact estimator needs no
+    anchor pass here: it evaluates the anchor's full logits chunk by chunk inside the loss.
+    """
+    b, r = batch.response_mask.shape
+    device = batch.input_ids.device
+
+    def zeros(*shape, dtype=torch.float32):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk)
+    info = INFO[cfg.kl.estimator]
+    use_topk = cfg.kl.coef > 0 and info.uses_topk
+    source = topk_source(cfg.kl.direction)
+    out = {}
+    if needs_old_pass(cfg):
+        fill = {"logp": zeros(b, r)}  # [B, R]
+        if use_topk and source == "sampling":
+            fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
+        was = policy_lm.training
+        policy_lm.eval()
+        _run(policy_lm, batch, micro, fill, topk=k if "topk_index" in fill else 0, **common)
+        policy_lm.train(was)
+        out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
+        if "topk_index" in fill:
+            out["q_index"] = fill["topk_index"]
+    if cfg.kl.coef > 0 and not info.full_vocab:
+        fill = {"logp": zeros(b, r)}  # [B, R]
+        if use_topk:
+            fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
+        if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
+            fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
+            _run(anchor_lm, batch, micro, fill, topk=k, **common)
+            out["q_index"] = fill["topk_index"]
+        else:
+            _run(anchor_lm, batch, micro, fill, q_index=out.get("q_index"), **common)
+        out["ref_logp"] = fill["logp"]
+        if use_topk:
+            out["ref_logp_q"] = fill["logp_q"]
+    return batch.with_(**out)

@@ -1,0 +1,128 @@
+"""Rollouts: prompt rendering, the deterministic prompt schedule, scoring, and the padded batch the passes consume."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from emapg_cli.data.schema import Example
+from emapg_cli.engines.base import Completion
+from emapg_cli.engines.hf import derive_seed
+from emapg_cli.errors import UserError
+
+
+def render_prompt(tokenizer, question: str) -> list[int]:
+    """Token ids of `question` as the single user message, through the tokenizer's chat template."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int) -> tuple[list[Example], list[list[int]], int]:
+    """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError("the model's tokenizer has no chat template; prompts are rendered with it (set one in tokenizer_config.json)")
+    kept, ids = [], []
+    for ex in examples:
+        p = render_prompt(tokenizer, ex.question)
+        if len(p) <= max_prompt_tokens:
+            kept.append(ex)
+            ids.append(p)
+    return kept, ids, len(examples) - len(kept)
+
+
+def schedule(n_items: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Dataset indices for RL step `step` (1-based): consecutive slices of per-epoch permutations.
+
+    Epoch e's order is a permutation seeded by (seed, e), so the prompts of any step are a pure
+    function of (seed, step): the data cursor of a checkpoint is just its step number.
+    """
+    start = (step - 1) * per_step
+    out: list[int] = []
+    orders: dict[int, list[int]] = {}
+    for pos in range(start, start + per_step):
+        epoch, offset = divmod(pos, n_items)
+        if epoch not in orders:
+            orders[epoch] = list(range(n_items))
+            random.Random(derive_seed(seed, epoch)).shuffle(orders[epoch])
+        out.append(orders[epoch][offset])
+    return out
+
+
+def score(reward_fn: Callable, texts: list[str], examples: list[Example]) -> tuple[list[float], int]:
+    """Rewards for (text, example) pairs and how many items raised (scored 0).
+
+    `reward_fn` comes from `emapg_cli.rewards.get_reward`, whose `SafeReward` wrapper scores an item
+    that raises as 0 and counts it in `.errors`; this returns the increase of that count.
+    """
+    before = getattr(reward_fn, "errors", 0)
+    rewards = [float(r) for r in reward_fn(texts, examples)]
+    return rewards, getattr(reward_fn, "errors", 0) - before
+
+
+@dataclass
+class RolloutBatch:
+    """B = groups x n (prompt, response) rows: prompts left-padded to P, responses right-padded to R."""
+
+    input_ids: Tensor  # [B, P + R]
+    attention_mask: Tensor  # [B, P + R]
+    response_mask: Tensor  # [B, R]
+    prompt_len: int
+    advantages: Tensor  # [B]
+    sampling_logp: Optional[Tensor] = None  # [B, R] engine's log-probs (diagnostic)
+    old_logp: Optional[Tensor] = None  # [B, R]
+    q_index: Optional[Tensor] = None  # [B, R, k]
+    ref_logp: Optional[Tensor] = None  # [B, R]
+    ref_logp_q: Optional[Tensor] = None  # [B, R, k]
+
+    @property
+    def targets(self) -> Tensor:
+        return self.input_ids[:, self.prompt_len:]  # [B, R]
+
+    def select(self, rows: Tensor) -> "RolloutBatch":
+        """Rows `rows`, with padding columns that none of them uses trimmed off both ends."""
+        attn = self.attention_mask[rows]
+        left_pad = int((attn[:, :self.prompt_len] == 0).sum(-1).min())
+        resp = self.response_mask[rows]
+        r_len = max(int(resp.sum(-1).max()), 1)
+        p_new = self.prompt_len - left_pad
+        cols = slice(left_pad, self.prompt_len + r_len)
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("input_ids", "attention_mask"):
+                out[f.name] = v[rows][:, cols]
+            elif f.name == "prompt_len":
+                out[f.name] = p_new
+            elif f.name == "advantages":
+                out[f.name] = v[rows]
+            elif v is not None:
+                out[f.name] = v[rows][:, :r_len]
+        return RolloutBatch(**out)
+
+    def with_(self, **kw) -> "RolloutBatch":
+        return replace(self, **kw)
+
+
+def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], advantages: Tensor, pad_id: int) -> RolloutBatch:
+    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch."""
+    b = len(completions)
+    plen = max(len(p) for p in prompt_ids)
+    rlen = max(max(len(c.token_ids) for c in completions), 1)
+    input_ids = torch.full((b, plen + rlen), pad_id, dtype=torch.long)  # [B, P + R]
+    attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
+    resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
+    samp = torch.zeros((b, rlen))  # [B, R]
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        n = len(c.token_ids)
+        input_ids[i, plen - len(p):plen] = torch.tensor(p, dtype=torch.long)
+        attn[i, plen - len(p):plen + n] = 1
+        if n:
+            input_ids[i, plen:plen + n] = torch.tensor(c.token_ids, dtype=torch.long)
+            resp_mask[i, :n] = True
+            if c.logprobs is not None:
+                samp[i, :n] = torch.tensor(c.logprobs)
+    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp)

@@ -1,0 +1,292 @@
+"""The RL loop: rollout -> rewards -> GRPO advantages -> old/anchor passes -> update -> EMA anchor -> log/eval/checkpoint.
+
+Built on `accelerate.Accelerator` (single process on CPU, DDP with `accelerate launch`). Every
+source of randomness is seeded per step from (train.seed, step), and a checkpoint holds the full
+optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted one bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from emapg_cli.config.loading import to_yaml
+from emapg_cli.config.models import Config
+from emapg_cli.engines.base import SamplingParams
+from emapg_cli.engines.hf import derive_seed
+from emapg_cli.errors import UserError
+from emapg_cli.grpo import ema_distance, ema_update_, grpo_advantages
+from emapg_cli.train import checkpoint as ckpt
+from emapg_cli.train.checks import preflight
+from emapg_cli.train.evaluate import evaluate
+from emapg_cli.train.loading import ema_tensors, load_policy, load_tokenizer, make_anchor
+from emapg_cli.train.logprobs import TokenScorer
+from emapg_cli.train.metrics import step_metrics
+from emapg_cli.train.passes import reference_passes
+from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
+from emapg_cli.train.update import update_policy
+
+#: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
+_ROLLOUT, _UPDATE, _EVAL = 1, 2, 3
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def make_rollout_engine(cfg: Config, policy, tokenizer):
+    """The configured rollout engine; `hf` samples from the live policy module (vLLM is imported only when chosen)."""
+    if cfg.rollout.engine == "hf":
+        from emapg_cli.engines.hf import HFEngine
+
+        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size)
+    from emapg_cli.engines.vllm import VLLMEngine
+    from emapg_cli.train.loading import model_ref
+
+    return VLLMEngine(
+        model_ref(cfg.model.path), dtype=cfg.model.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        seed=cfg.train.seed, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+
+
+def state_hash(model: torch.nn.Module) -> str:
+    """sha256 over a model's parameters and buffers (names and raw bytes)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_scheduler(optimizer, cfg: Config):
+    """Linear warm-up over `optim.warmup_ratio` of all optimizer steps, then constant."""
+    total = cfg.train.steps * cfg.derived.optimizer_steps_per_rl_step
+    warmup = math.ceil(cfg.optim.warmup_ratio * total)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
+
+
+class Trainer:
+    """One training run in `run_dir` (fresh, or resumed from its latest checkpoint)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, resume: bool = False):
+        from accelerate import Accelerator
+
+        self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+        self.acc = Accelerator(cpu=not torch.cuda.is_available())
+        world = self.acc.num_processes
+        r, t = cfg.rollout, cfg.train
+        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
+            if value % world:
+                raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
+        if self.acc.distributed_type.name == "FSDP":
+            raise UserError("FSDP is not supported yet: the EMA anchor needs unsharded policy weights (use DDP; see docs/multi_gpu.md)")
+        self.inputs = preflight(cfg)
+        self.reward_fn = self.inputs.reward_fn
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> int:
+        """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
+        cfg, acc = self.cfg, self.acc
+        self.tokenizer = load_tokenizer(cfg.model)
+        train_ex, self.train_prompts, self.skipped_train = prepare_prompts(
+            self.tokenizer, self.inputs.train, cfg.data.max_prompt_tokens)
+        if not train_ex:
+            raise UserError(f"every training prompt is longer than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")
+        self.train_ex = train_ex
+        self.eval_ex, self.eval_prompts, self.skipped_eval = [], [], 0
+        if cfg.data.eval:
+            ex = self.inputs.eval[: cfg.data.eval_limit]
+            self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens)
+        seed_everything(cfg.train.seed)
+        policy = load_policy(cfg.model)
+        vocab = policy.get_output_embeddings().weight.shape[0]
+        self.k = min(cfg.kl.k, vocab)
+        self.anchor = make_anchor(policy).to(acc.device) if cfg.derived.loads_anchor else None
+        opt = cfg.optim
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        self.scorer, self.optimizer = acc.prepare(TokenScorer(policy), optimizer)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None}
+        last = 0
+        if self.resume:
+            path = ckpt.latest_checkpoint(self.run_dir)
+            if path is not None:
+                self.state = ckpt.load_checkpoint(acc, path, policy=self.policy, anchor=self.anchor,
+                                                  optimizer=self.optimizer, scheduler=self.scheduler)
+                last = self.state["step"]
+        self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer)
+        if cfg.rollout.engine != "hf":
+            self.engine.load_weights(self.policy)
+        return last
+
+    @property
+    def policy(self):
+        return self.acc.unwrap_model(self.scorer).lm
+
+    # ------------------------------------------------------------------ pieces
+    def _eval(self, model, step: int) -> float:
+        """Accuracy of `model` (the policy or the anchor) on the evaluation set."""
+        e = self.cfg.eval
+        params = SamplingParams(n=e.n, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+                                stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
+        if model is not self.policy:
+            self.engine.load_weights(model)
+        acc = evaluate(self.engine, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc)
+        if model is not self.policy:
+            self.engine.load_weights(self.policy)
+        return acc
+
+    def _rollout(self, step: int):
+        """Generate this rank's groups, score them (all ranks), return (batch, metrics inputs)."""
+        cfg, acc = self.cfg, self.acc
+        r = cfg.rollout
+        per_rank = r.prompts_per_step // acc.num_processes
+        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
+        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
+        prompts = [self.train_prompts[i] for i in mine]
+        params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
+        self.engine.resume_memory()
+        groups = self.engine.generate(prompts, params)
+        completions = [c for g in groups for c in g]
+        examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
+        rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
+        local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
+        all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
+        adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
+        adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+        rows_prompts = [p for p in prompts for _ in range(r.n)]
+        batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
+        batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
+                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
+        lens = [len(c.token_ids) for c in completions]
+        truncated = sum(c.finish_reason == "length" for c in completions)
+        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated)
+
+    def _update(self, step: int, batch) -> Any:
+        """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
+        cfg = self.cfg
+        self.engine.release_memory()
+        batch = reference_passes(self.policy, self.anchor, batch, cfg, self.k)
+        self.scorer.train()
+        gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
+        stats = update_policy(self.acc, self.scorer, batch, cfg, self.optimizer, self.scheduler, cfg.rollout.n, gen, self.anchor)
+        self.scorer.eval()
+        return stats
+
+    def _ema(self, step: int, skipped_now: bool) -> Optional[float]:
+        """EMA anchor update every ema.update_period steps (not after a skipped update); returns ||theta - theta_ema|| / ||theta||."""
+        if self.anchor is None:
+            return None
+        e = self.cfg.ema
+        if step % e.update_period == 0 and not skipped_now:
+            ema_update_(ema_tensors(self.anchor), ema_tensors(self.policy), e.decay)
+        return ema_distance([p for p in self.policy.parameters()], [p for p in self.anchor.parameters()])
+
+    def _save(self, step: int) -> None:
+        ckpt.save_checkpoint(self.acc, self.run_dir, step, policy=self.policy, anchor=self.anchor, optimizer=self.optimizer,
+                             scheduler=self.scheduler, state=self.state, keep=self.cfg.train.keep_checkpoints)
+
+    def _save_final(self) -> None:
+        if not self.acc.is_main_process:
+            return
+        for name, model in (("policy", self.policy), ("anchor", self.anchor)):
+            if model is None:
+                continue
+            out = self.run_dir / "final" / name
+            model.save_pretrained(out)
+            self.tokenizer.save_pretrained(out)
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict[str, Any]:
+        """Train to `train.steps`; returns the summary also written to summary.json."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        from emapg_cli.train.loggers import NullLogger, make_logger
+
+        cfg, acc = self.cfg, self.acc
+        start_time = time.time()
+        if acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))  # on resume: the saved config plus any --set
+        acc.wait_for_everyone()
+        last = self._setup()
+        elapsed0 = float(self.state.get("elapsed_s", 0.0))
+        # On resume, metrics of steps after the checkpoint are dropped (they are logged again); with no
+        # checkpoint at all, every row goes (-1), step 0 included.
+        resume_step = (last if last > 0 else -1) if self.resume else None
+        logger = (make_logger(cfg.logging, self.run_dir, cfg.model_dump(mode="json"), resume_step=resume_step)
+                  if acc.is_main_process else NullLogger())
+        has_eval = bool(self.eval_prompts)
+        if last == 0:  # step 0: the data counts and the initial accuracy
+            row = {"data/train_prompts": float(len(self.train_prompts)),
+                   "data/skipped_prompts": float(self.skipped_train + self.skipped_eval)}
+            if has_eval:
+                self.state["eval_accuracy_initial"] = row["eval/accuracy"] = self._eval(self.policy, 0)
+            logger.log(row, 0)
+        self.scorer.eval()
+        metrics: dict[str, Any] = {}
+        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                            TimeRemainingColumn(), disable=not acc.is_main_process)
+        with progress:
+            task = progress.add_task("train", total=cfg.train.steps, completed=last, info="")
+            for step in range(last + 1, cfg.train.steps + 1):
+                seed_everything(derive_seed(cfg.train.seed, step, acc.process_index))
+                t0 = time.time()
+                batch, roll = self._rollout(step)
+                t1 = time.time()
+                upd = self._update(step, batch)
+                self.state["skipped"] += upd.skipped
+                dist = self._ema(step, upd.skipped > 0)
+                self.engine.load_weights(self.policy)
+                t2 = time.time()
+                metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
+                                       t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
+                if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+                    metrics["eval/accuracy"] = self._eval(self.policy, step)
+                if has_eval and self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:
+                    metrics["eval/anchor_accuracy"] = self._eval(self.anchor, step)
+                if step == cfg.train.steps and has_eval:
+                    metrics["eval/accuracy"] = self._eval(self.policy, step)
+                    self.state["eval_accuracy_final"] = metrics["eval/accuracy"]
+                logger.log(metrics, step)
+                self.state["elapsed_s"] = elapsed0 + time.time() - start_time
+                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
+                    self._save(step)
+                info = f"reward {metrics['reward/mean']:.3f}  kl {metrics.get('kl/value', 0.0):.2e}  {metrics['throughput/tokens_per_s']:.0f} tok/s"
+                progress.update(task, advance=1, info=info)
+        self._save_final()
+        logger.close()
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
+        summary = {
+            "eval_accuracy_initial": self.state.get("eval_accuracy_initial"),
+            "eval_accuracy_final": self.state.get("eval_accuracy_final"),
+            "steps": cfg.train.steps,
+            "wall_time_s": elapsed0 + time.time() - start_time,
+            "steps_skipped": self.state["skipped"],
+            "reward_mean_last": metrics.get("reward/mean"),
+            "prompts_skipped_too_long": self.skipped_train + self.skipped_eval,
+        }
+        if self.anchor is not None:  # the anchor must be the same on every rank; record each rank's hash
+            from accelerate.utils import gather_object
+
+            summary["anchor_sha256_per_rank"] = gather_object([state_hash(self.anchor)])
+        if acc.is_main_process:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        acc.wait_for_everyone()
+        return summary

@@ -1,0 +1,143 @@
+"""The policy update of one RL step: mini-batches x epochs of PPO-clip + beta * KL, with a skip on non-finite values."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from emapg_cli.grpo import aggregate, ppo_clip_loss
+from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
+from emapg_cli.train.logprobs import response_hidden
+from emapg_cli.train.rollout import RolloutBatch
+
+
+@dataclass
+class LossParts:
+    """The aggregated loss of one micro-batch and its detached parts (for metrics)."""
+
+    loss: Tensor
+    pg: float
+    kl: float
+    clipped_tokens: float
+    entropy_sum: float
+    tokens: float
+
+
+def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None) -> LossParts:
+    """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation)."""
+    kl_cfg, t = cfg.kl, cfg.train
+    beta = kl_cfg.coef
+    info = INFO[kl_cfg.estimator]
+    ref_hidden = ref_head = None
+    if beta > 0 and info.full_vocab:  # exact: the anchor's full logits, chunk by chunk inside the pass
+        with torch.no_grad():
+            ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len)  # [b, R, H]
+        ref_head = anchor_lm.get_output_embeddings()
+    stats = scorer(
+        mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
+        temperature=cfg.rollout.temperature, q_index=mb.q_index if beta > 0 and info.uses_topk else None,
+        chunk=t.logit_chunk, ref_hidden=ref_hidden, ref_head=ref_head, kl_direction=kl_cfg.direction,
+    )
+    mask = mb.response_mask
+    logp = stats.logp  # [b, R]
+    old = mb.old_logp if mb.old_logp is not None else logp.detach()
+    pg_tok, clipped = ppo_clip_loss(logp, old, mb.advantages[:, None], t.clip_low, t.clip_high, t.dual_clip)  # [b, R]
+    pg = aggregate(pg_tok, mask, t.loss_agg, num_tokens, num_seqs)
+    loss, kl_value = pg, 0.0
+    if beta > 0:
+        iw = importance_weight(logp, old, kl_cfg.iw_clip) if kl_cfg.iw else None
+        if info.full_vocab:
+            kl_tok = stats.exact_kl
+        else:
+            in_q = topk_membership(mb.q_index, mb.targets) if info.uses_topk else None
+            kl_tok = kl_per_token(
+                kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=mb.ref_logp, iw=iw,
+                logp_q=stats.logp_q, ref_logp_q=mb.ref_logp_q, in_q=in_q,
+            )  # [b, R]
+        kl = aggregate(kl_tok, mask, t.loss_agg, num_tokens, num_seqs)
+        loss = pg + beta * kl
+        kl_value = float(kl.detach())
+    m = mask.float()
+    return LossParts(
+        loss=loss, pg=float(pg.detach()), kl=kl_value,
+        clipped_tokens=float((clipped.float() * m).sum()), entropy_sum=float((stats.entropy * m).sum()), tokens=float(m.sum()),
+    )
+
+
+def finite_step(accelerator, params, optimizer, grad_clip: Optional[float], loss_finite: bool) -> tuple[float, bool]:
+    """Clip and step the optimizer unless the loss or the gradient norm is non-finite.
+
+    Returns (pre-clip global grad norm, stepped). On a non-finite value (agreed across ranks) the
+    gradients are dropped and the optimizer state is left untouched. The norm is computed even
+    without clipping (max_norm = inf).
+    """
+    norm = accelerator.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
+    norm = float(norm) if norm is not None else 0.0
+    bad = torch.tensor(0.0 if (loss_finite and math.isfinite(norm)) else 1.0, device=accelerator.device)
+    bad = float(accelerator.reduce(bad, reduction="sum")) if accelerator.num_processes > 1 else float(bad)
+    if bad == 0:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm, bad == 0
+
+
+@dataclass
+class UpdateStats:
+    """Sums over the optimizer steps of one RL step (the trainer turns them into metrics)."""
+
+    pg: list[float] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    clipped_tokens: float = 0.0
+    entropy_sum: float = 0.0
+    tokens: float = 0.0
+    skipped: int = 0
+    steps: int = 0
+
+
+def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, scheduler, group_size: int,
+                  generator: torch.Generator, anchor_lm=None) -> UpdateStats:
+    """`epochs` passes over this rank's rollouts in mini-batches of whole groups, micro-batched.
+
+    Mini-batch groups are shuffled per epoch with `generator`. The learning-rate schedule advances
+    once per optimizer step, also when the step is skipped.
+    """
+    t = cfg.train
+    n_groups = batch.advantages.shape[0] // group_size
+    groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
+    stats = UpdateStats()
+    params = [p for p in scorer.parameters() if p.requires_grad]
+    for _ in range(t.epochs):
+        order = torch.randperm(n_groups, generator=generator)
+        for g0 in range(0, n_groups, groups_per_mini):
+            groups = order[g0:g0 + groups_per_mini]
+            rows = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [rows]
+            mask = batch.response_mask[rows]
+            num_tokens, num_seqs = float(mask.sum()), float(rows.numel())
+            micros = [rows[i:i + t.micro_batch_size] for i in range(0, rows.numel(), t.micro_batch_size)]
+            finite = True
+            pg = kl = 0.0
+            for i, micro in enumerate(micros):
+                sync = contextlib.nullcontext() if i == len(micros) - 1 else accelerator.no_sync(scorer)
+                with sync:
+                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
+                    finite = finite and bool(torch.isfinite(parts.loss.detach()))
+                    accelerator.backward(parts.loss)
+                pg, kl = pg + parts.pg, kl + parts.kl
+                stats.clipped_tokens += parts.clipped_tokens
+                stats.entropy_sum += parts.entropy_sum
+                stats.tokens += parts.tokens
+            norm, stepped = finite_step(accelerator, params, optimizer, cfg.optim.grad_clip, finite)
+            scheduler.step()
+            stats.steps += 1
+            stats.skipped += 0 if stepped else 1
+            stats.pg.append(pg)
+            stats.kl.append(kl)
+            stats.grad_norm.append(norm)
+    return stats
+

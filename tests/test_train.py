@@ -1,0 +1,217 @@
+"""`emapg train`: the engine, the log-prob passes, every KL estimator in the loss, outputs, bad input, the olympiad path."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from emapg_cli.config.loading import load_config
+from emapg_cli.engines.base import SamplingParams
+from emapg_cli.errors import UserError
+from train_helpers import load_weights, run, tiny_overrides, train_cmd, write_dataset
+
+ESTIMATOR_CASES = [("k3", "reverse"), ("k5", "forward"), ("topk", "reverse"), ("topk", "forward"),
+                   ("topk_paper", "reverse"), ("truncated", "forward"), ("exact", "reverse"), ("exact", "forward")]
+
+
+@pytest.fixture(scope="module")
+def lm_and_tok(tiny_qwen2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen2).eval(), AutoTokenizer.from_pretrained(tiny_qwen2)
+
+
+def _rollout_batch(lm, tok, n=3, max_new=5):
+    from emapg_cli.engines.hf import HFEngine
+    from emapg_cli.train.rollout import build_batch, render_prompt
+
+    prompts = [render_prompt(tok, q) for q in ("1+2", "what is 13*17?")]
+    groups = HFEngine(lm, tok).generate(prompts, SamplingParams(n=n, max_new_tokens=max_new, seed=3))
+    comps = [c for g in groups for c in g]
+    adv = torch.linspace(-1, 1, len(comps))
+    return build_batch([p for p in prompts for _ in range(n)], comps, adv, tok.pad_token_id), comps
+
+
+# ---------------------------------------------------------------- engine
+def test_hf_engine_seeds_stop_and_greedy(lm_and_tok):
+    from emapg_cli.engines.hf import HFEngine
+
+    lm, tok = lm_and_tok
+    eng = HFEngine(lm, tok, batch_size=4)
+    p = [tok("ab", add_special_tokens=False)["input_ids"], tok("a longer prompt", add_special_tokens=False)["input_ids"]]
+    params = SamplingParams(n=3, max_new_tokens=6, seed=11)
+    a, b = eng.generate(p, params), eng.generate(p, params)
+    assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]  # per-row seeds
+    assert len({tuple(c.token_ids) for c in a[0]}) > 1  # the samples of a group differ
+    # each sample keeps its seed when generated alone in a batch of one (row 0 <-> same seed)
+    solo = HFEngine(lm, tok, batch_size=1).generate(p, params)
+    assert [c.token_ids for c in solo[1]] == [c.token_ids for c in a[1]]
+    # greedy = argmax of the model at each step (checked for the first token)
+    g = eng.generate(p[:1], SamplingParams(n=1, max_new_tokens=2, temperature=0))[0][0]
+    with torch.no_grad():
+        first = lm(torch.tensor([p[0]])).logits[0, -1].argmax().item()
+    assert g.token_ids[0] == first and len(g.logprobs) == len(g.token_ids)
+    # a stop string ends the completion; the text is cut before it
+    text = a[0][0].text
+    stop = text[2:3] if len(text) > 3 else None
+    if stop:
+        c = eng.generate(p[:1], SamplingParams(n=3, max_new_tokens=6, seed=11, stop=(stop,)))[0][0]
+        assert c.finish_reason == "stop" and stop not in c.text
+
+
+# ---------------------------------------------------------------- log-prob passes
+def test_chunked_token_stats_match_full_logits(lm_and_tok):
+    from emapg_cli.train.logprobs import position_ids, token_stats
+
+    lm, tok = lm_and_tok
+    batch, _ = _rollout_batch(lm, tok)
+    with torch.no_grad():
+        st = token_stats(lm, batch.input_ids, batch.attention_mask, batch.prompt_len, batch.response_mask, topk=4, chunk=3)
+        logits = lm(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                    position_ids=position_ids(batch.attention_mask)).logits[:, batch.prompt_len - 1:-1]  # [B, R, V]
+    ref = torch.log_softmax(logits.float(), -1)
+    m = batch.response_mask
+    want = ref.gather(-1, batch.targets[..., None]).squeeze(-1)
+    assert torch.allclose(st.logp[m], want[m], atol=1e-5)
+    assert torch.equal(st.topk_index[m], logits.topk(4, -1).indices[m])
+    assert torch.allclose(st.logp_q[m], ref.gather(-1, st.topk_index)[m], atol=1e-5)
+    ent = -(ref.exp() * ref).sum(-1)
+    assert torch.allclose(st.entropy[m], ent[m], atol=1e-4)
+    assert torch.all(st.logp[~m] == 0)
+
+
+def test_engine_logprobs_match_trainer_pass(lm_and_tok):
+    from emapg_cli.train.logprobs import token_stats
+
+    lm, tok = lm_and_tok
+    # a checkpoint's own generation defaults must not change what the engine samples from
+    lm.generation_config.repetition_penalty, lm.generation_config.no_repeat_ngram_size = 3.0, 2
+    try:
+        batch, _ = _rollout_batch(lm, tok)
+    finally:
+        lm.generation_config.repetition_penalty, lm.generation_config.no_repeat_ngram_size = None, None
+    with torch.no_grad():
+        st = token_stats(lm, batch.input_ids, batch.attention_mask, batch.prompt_len, batch.response_mask)
+    m = batch.response_mask
+    # KV-cached generation and a full forward agree to float32 round-off
+    assert torch.allclose(st.logp[m], batch.sampling_logp[m], atol=1e-4)
+
+
+@pytest.mark.parametrize("estimator,direction", ESTIMATOR_CASES)
+def test_every_estimator_trains(lm_and_tok, estimator, direction):
+    """Reference passes + micro-batch loss for each estimator: finite loss; at step 0 (policy == anchor) KL = 0."""
+    from emapg_cli.train.loading import make_anchor
+    from emapg_cli.train.logprobs import TokenScorer
+    from emapg_cli.train.passes import reference_passes
+    from emapg_cli.train.update import micro_batch_loss
+
+    lm, tok = lm_and_tok
+    cfg = load_config(overrides=[f"kl.estimator={estimator}", f"kl.direction={direction}", "kl.k=4", "kl.coef=0.5",
+                                 "rollout.prompts_per_step=2", "train.mini_batch_prompts=1", "train.micro_batch_size=4",
+                                 "train.logit_chunk=5"])
+    batch, _ = _rollout_batch(lm, tok)
+    anchor = make_anchor(lm)
+    batch = reference_passes(lm, anchor, batch, cfg, k=4)
+    scorer = TokenScorer(lm)
+    parts = micro_batch_loss(scorer, batch, cfg, float(batch.response_mask.sum()), 6.0, anchor)
+    assert math.isfinite(float(parts.loss.detach()))
+    assert abs(parts.kl) < 1e-5  # policy == anchor: every estimator's value is 0 (up to round-off)
+    parts.loss.backward()
+    grads = [p.grad for p in lm.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    lm.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- bad input
+def _cfg(tiny, data, *extra):
+    return load_config(overrides=[f"model.path={tiny}", f"data.train={data}", "rollout.reward=math", *extra])
+
+
+def test_bad_inputs_are_one_line_user_errors(tiny_qwen2, tmp_path):
+    from emapg_cli.train.checks import preflight
+
+    data = write_dataset(tmp_path / "d.jsonl")
+    with pytest.raises(UserError, match="no such model folder"):
+        preflight(_cfg(tmp_path / "nope", data))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "1", "question": "2+2"}\n')
+    with pytest.raises(UserError, match="answers"):
+        preflight(_cfg(tiny_qwen2, bad))
+    with pytest.raises(UserError, match="reward"):
+        preflight(_cfg(tiny_qwen2, data, "rollout.reward=no_such_reward"))
+    with pytest.raises(UserError, match="vocabulary"):
+        preflight(_cfg(tiny_qwen2, data, "kl.estimator=topk", "kl.k=100000"))
+
+
+def test_cli_bad_input_exits_2_before_compute(tmp_path):
+    data = write_dataset(tmp_path / "d.jsonl")
+    proc = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--set", f"model.path={tmp_path / 'missing'}",
+                           "--set", f"data.train={data}", "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error:") and "missing" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_dry_run_prints_plan_without_weights(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--preset", "olympiad", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "olympiad" in proc.stdout and "GiB" in proc.stdout
+
+
+# ---------------------------------------------------------------- a whole run
+def test_run_writes_metrics_checkpoints_final_and_summary(tiny_qwen2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    data = write_dataset(tmp_path / "train.jsonl")
+    opts = tiny_overrides(tiny_qwen2, data, steps=2, **{"train.epochs": 2, "train.loss_agg": "token-mean",
+                                                        "kl.estimator": "k3", "train.adv_norm": "batch"})
+    proc = run(train_cmd(*opts, "--out", str(tmp_path / "run")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "run"
+    assert load_config(config_file=str(out / "config.yaml")).kl.estimator == "k3"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("reward/mean", "reward/std", "kl/value", "ema/distance", "loss/pg", "loss/kl", "clip/frac", "entropy",
+                "grad/norm", "lr", "time/rollout", "time/update", "throughput/tokens_per_s", "steps/skipped"):
+        assert key in rows[1], key
+    assert "eval/anchor_accuracy" in rows[2] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[0]
+    assert rows[2]["ema/distance"] > 0 and rows[2]["steps/skipped"] == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert {"eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_time_s"} <= summary.keys()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    # final weights load with transformers; the anchor is float32 and differs from the policy
+    anchor = AutoModelForCausalLM.from_pretrained(out / "final" / "anchor")
+    assert next(anchor.parameters()).dtype == torch.float32
+    pol, anc = load_weights(out / "final" / "policy"), load_weights(out / "final" / "anchor")
+    assert any(not torch.equal(pol[k], anc[k]) for k in pol)
+
+
+# ---------------------------------------------------------------- the olympiad preset, on CPU
+def test_olympiad_preset_runs_two_steps_on_real_math_data(shared_data, tmp_path):
+    """The real path at tiny size: chat template, the `math` reward, Top-k over the model's full vocabulary, bf16 policy."""
+    pytest.importorskip("emapg_cli.rewards")
+    from emapg_cli.models.tiny import save_tiny
+
+    rows = json.loads((shared_data / "math" / "math_train.json").read_text())[:8]
+    data = tmp_path / "math.jsonl"
+    data.write_text("".join(json.dumps({"id": f"m{i}", "question": r["problem"], "answer": r["answer"]}) + "\n"
+                            for i, r in enumerate(rows)))
+    model = save_tiny(tmp_path / "qwen2", arch="qwen2")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    opts = ["--preset", "olympiad"]
+    for kv in (f"model.path={model}", f"data.train={data}", f"data.eval={data}", "data.eval_limit=2", "rollout.engine=hf",
+               "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "train.steps=2",
+               "train.mini_batch_prompts=2", "train.micro_batch_size=4", "train.save_every=0", "eval.max_new_tokens=4",
+               "kl.estimator=topk", f"kl.k={vocab}"):
+        opts += ["--set", kv]
+    proc = subprocess.run([sys.executable, "-m", "emapg_cli", "train", *opts, "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 2 and math.isfinite(rows[-1]["kl/value"])
