@@ -137,3 +137,23 @@ def test_presets_resolve_from_any_directory(cli, tmp_path):
     r = cli("config", "show", "--preset", "toy", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["name"] == "toy"
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("nosuch",), "No such command 'nosuch'"),
+        (("train", "--bogus"), "No such option: --bogus"),
+        (("eval", "--bench", "x", "--n", "0"), "Invalid value for '--n'"),
+        (("config", "show", "--preset"), "requires an argument"),
+    ],
+)
+def test_usage_errors_are_one_line_with_exit_code_2(cli, args, fragment):
+    r = cli(*args)
+    assert r.returncode == 2
+    assert fragment in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+
+
+def test_bare_command_prints_help(cli):
+    r = cli()
+    assert r.returncode == 0 and "Usage: emapg" in r.stdout and "kl-check" in r.stdout
