@@ -53,10 +53,31 @@ app.command("kl-check")(kl_check_cmd.kl_check)
 
 
 
+def _fail(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False, markup=True)
+    sys.exit(2)
+
+
 def main() -> None:
-    """Console-script entry point: user errors become one line on stderr and exit code 2."""
+    """Console-script entry point: bad input (a UserError, or a usage error such as an unknown or
+    out-of-range option) becomes one line on stderr and exit code 2, with no traceback."""
+    try:  # typer >= 0.24 vendors click as typer._click; older releases use click itself
+        from typer._click import exceptions as click
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click
+
     try:
-        app()
+        rv = app(standalone_mode=False, prog_name="emapg")
     except UserError as e:
-        err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True, highlight=False)
-        sys.exit(2)
+        _fail(str(e))
+    except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help
+        typer.echo(e.ctx.get_help())
+        sys.exit(0)
+    except click.UsageError as e:
+        _fail(f"{e.format_message()} (see '{e.ctx.command_path if e.ctx else 'emapg'} --help')")
+    except click.ClickException as e:
+        _fail(e.format_message())
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)
