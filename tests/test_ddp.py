@@ -1,4 +1,4 @@
-"""Two CPU processes (DDP over gloo, launched with torchrun) train together and end with identical anchors."""
+"""Two CPU processes (DDP over gloo, launched with `accelerate launch`) train together and end with identical anchors."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def _free_port() -> int:
 def test_two_processes_keep_identical_anchors(tiny_qwen2, tmp_path):
     data = write_dataset(tmp_path / "train.jsonl")
     opts = tiny_overrides(tiny_qwen2, data, steps=2, **{"train.save_every": 0, "eval.anchor_every": 0})
-    # torchrun starts the two CPU ranks (accelerate launch needs MPI for multi-CPU); Accelerator picks gloo.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    # `accelerate launch --multi_gpu` on a machine without GPUs starts the ranks through torchrun and the
+    # Accelerator runs them as MULTI_CPU over gloo (`--cpu` instead would need MPI for several processes).
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
            LAUNCHER, "train", *opts, "--out", str(tmp_path / "run")]
     proc = run(cmd, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
