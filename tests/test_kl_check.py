@@ -17,7 +17,8 @@ from emapg_cli.kl import importance_weight, kl_per_token, topk_membership
 from emapg_cli.klcheck.evaluate import Spec, topk_set
 from emapg_cli.klcheck.expectation import expected
 from emapg_cli.klcheck.montecarlo import draw_tokens, gradient_variance, mean_gradient, projections, sample_gradients
-from emapg_cli.klcheck.stats import student_t_two_sided_p, t_test
+from emapg_cli.klcheck.stats import t_test
+from emapg_cli.stats import student_t_two_sided_p
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

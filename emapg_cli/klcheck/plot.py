@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from emapg_cli.klcheck.measure import CheckResult
-from emapg_cli.klcheck.stats import student_t_two_sided_p
+from emapg_cli.stats import student_t_two_sided_p
 
 
 def _t_quantile(confidence: float, df: int) -> float:

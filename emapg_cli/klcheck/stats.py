@@ -1,8 +1,7 @@
 """Significance tests for kl-check (pure math on tensors / floats, no I/O).
 
 The tests are one-sample t-tests over M independent batch statistics. Student's t
-distribution is evaluated with the closed form for integer degrees of freedom
-(Abramowitz & Stegun 26.7.3-26.7.4), so no SciPy is needed.
+distribution comes from `emapg_cli.stats` (closed form, no SciPy).
 """
 
 from __future__ import annotations
@@ -13,33 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
-def student_t_two_sided_p(t: float, df: int) -> float:
-    """P(|T| >= |t|) for Student's t with integer `df` >= 1 (A&S 26.7.3 odd df, 26.7.4 even df).
-
-    With theta = atan(|t| / sqrt(df)) and A = P(|T| <= |t|):
-      df odd : A = (2/pi) [theta + sin(theta) (cos + 2/3 cos^3 + ... + (2*4..(df-3))/(1*3..(df-2)) cos^(df-2))]
-      df even: A = sin(theta) [1 + 1/2 cos^2 + (1*3)/(2*4) cos^4 + ... + (1*3..(df-3))/(2*4..(df-2)) cos^(df-2)]
-    """
-    if df < 1:
-        raise ValueError("df must be >= 1")
-    if math.isinf(t):
-        return 0.0
-    theta = math.atan(abs(t) / math.sqrt(df))
-    s, c = math.sin(theta), math.cos(theta)
-    if df % 2 == 1:
-        series, term = 0.0, c  # first term cos(theta) (only when df >= 3)
-        for n in range(3, df + 1, 2):  # term for cos^(n-2)
-            series += term
-            term *= c * c * (n - 1) / n
-        a = (2.0 / math.pi) * (theta + s * series)
-    else:
-        series, term = 0.0, 1.0
-        for n in range(2, df + 1, 2):  # term for cos^(n-2)
-            series += term
-            term *= c * c * (n - 1) / n
-        a = s * series
-    return min(1.0, max(0.0, 1.0 - a))
+from emapg_cli.stats import student_t_two_sided_p
 
 
 @dataclass(frozen=True)
