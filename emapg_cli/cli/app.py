@@ -50,7 +50,9 @@ app.command("train")(train_cmd.train)
 from emapg_cli.cli import kl_check_cmd  # noqa: E402
 
 app.command("kl-check")(kl_check_cmd.kl_check)
+from emapg_cli.cli import ablate_cmd  # noqa: E402
 
+app.command("ablate")(ablate_cmd.ablate)
 
 
 def _fail(message: str) -> None:

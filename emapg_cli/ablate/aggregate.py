@@ -1,0 +1,261 @@
+"""Collect the runs of a sweep into `results.csv` (one row per run) and `summary.md` (one row per
+configuration: mean ± std and the 95% t interval over seeds, ranked by final eval accuracy).
+
+Reads only files: `study.yaml` and `plan.jsonl` of the sweep, and each run's `summary.json`,
+`metrics.jsonl` and status record, so a sweep run elsewhere (a cluster) aggregates the same way.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from emapg_cli.ablate.grid import RunSpec
+from emapg_cli.ablate.runner import SUMMARY, read_status, run_dir
+from emapg_cli.stats import Interval, mean_ci
+from emapg_cli.ablate.study import Sweep, read_sweep
+
+PLAN_FILE = "plan.jsonl"
+RESULTS_FILE = "results.csv"
+SUMMARY_FILE = "summary.md"
+CONFIDENCE = 0.95
+
+#: Per-step metrics kept as curves for the plots.
+CURVES = ("eval/accuracy", "reward/mean", "kl/value", "ema/distance")
+#: results.csv columns after the grid keys.
+METRIC_COLUMNS = (
+    "eval_accuracy_initial", "eval_accuracy_final", "eval_accuracy_best",
+    "kl_mean", "ema_distance_final", "steps", "wall_time_s",
+)
+
+
+@dataclass
+class RunRecord:
+    """One run as found on disk."""
+
+    spec: RunSpec
+    status: str  # done | failed | running | interrupted | pending
+    metrics: dict[str, Optional[float]] = field(default_factory=dict)
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    error: str = ""
+
+
+@dataclass
+class ConfigSummary:
+    """One configuration over its finished seeds."""
+
+    config_id: str
+    label: str
+    values: dict[str, Any]
+    runs: int
+    failed: int
+    stats: dict[str, Interval]
+
+
+def save_plan(out: Path, runs: list[RunSpec]) -> None:
+    """Write the planned runs (id, seed, typed grid values, overrides) as `plan.jsonl`."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / PLAN_FILE, "w") as f:
+        for r in runs:
+            f.write(json.dumps({"config_id": r.config_id, "seed": r.seed, "values": r.values, "overrides": list(r.overrides)}) + "\n")
+
+
+def read_plan(out: Path) -> list[RunSpec]:
+    rows = [json.loads(line) for line in (out / PLAN_FILE).read_text().splitlines() if line.strip()]
+    return [RunSpec(r["config_id"], r["seed"], r["values"], tuple(r["overrides"])) for r in rows]
+
+
+def _finite(x: Any) -> Optional[float]:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's metrics.jsonl (a torn last line, from a run still going, is ignored)."""
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def curves_of(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) series of the CURVES metrics, in step order, skipping steps without the metric."""
+    out: dict[str, list[tuple[int, float]]] = {name: [] for name in CURVES}
+    for row in rows:
+        step = row.get("step")
+        if step is None:
+            continue
+        for name in CURVES:
+            v = _finite(row.get(name))
+            if v is not None:
+                out[name].append((int(step), v))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def run_metrics(summary: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) -> dict[str, Optional[float]]:
+    """The per-run numbers of results.csv.
+
+    best eval accuracy = max over every evaluation of the run (initial, periodic, final);
+    mean KL = mean of `kl/value` over the logged steps; final EMA distance = the last `ema/distance`.
+    """
+    init = _finite(summary.get("eval_accuracy_initial"))
+    final = _finite(summary.get("eval_accuracy_final"))
+    evals = [v for _, v in curves.get("eval/accuracy", [])] + [x for x in (init, final) if x is not None]
+    kl = [v for _, v in curves.get("kl/value", [])]
+    ema = curves.get("ema/distance", [])
+    return {
+        "eval_accuracy_initial": init,
+        "eval_accuracy_final": final,
+        "eval_accuracy_best": max(evals) if evals else None,
+        "kl_mean": sum(kl) / len(kl) if kl else None,
+        "ema_distance_final": ema[-1][1] if ema else None,
+        "steps": int(summary["steps"]) if _finite(summary.get("steps")) is not None else None,
+        "wall_time_s": _finite(summary.get("wall_time_s")),
+    }
+
+
+def with_endpoints(evals: list[tuple[int, float]], metrics: dict[str, Optional[float]]) -> list[tuple[int, float]]:
+    """The eval-accuracy curve with the initial evaluation at step 0 and the final one at the last
+    step, where metrics.jsonl does not already log them."""
+    out = list(evals)
+    init, final, steps = metrics["eval_accuracy_initial"], metrics["eval_accuracy_final"], metrics["steps"]
+    if init is not None and not any(step == 0 for step, _ in out):
+        out.insert(0, (0, init))
+    if final is not None and steps is not None and (not out or out[-1][0] < steps):
+        out.append((int(steps), final))
+    return out
+
+
+def collect(out: Path, runs: list[RunSpec]) -> list[RunRecord]:
+    """Read every planned run's state and numbers from disk."""
+    records = []
+    for spec in runs:
+        rdir = run_dir(out, spec)
+        status = read_status(out, spec)
+        summary_path = rdir / SUMMARY
+        curves = curves_of(read_metrics(rdir / "metrics.jsonl"))
+        if summary_path.is_file():
+            try:
+                summary = json.loads(summary_path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                records.append(RunRecord(spec, "failed", curves=curves, error=f"unreadable {SUMMARY}: {e}"))
+                continue
+            metrics = run_metrics(summary, curves)
+            curves["eval/accuracy"] = with_endpoints(curves["eval/accuracy"], metrics)
+            records.append(RunRecord(spec, "done", metrics, curves))
+        else:
+            state = status.get("status", "pending")
+            records.append(RunRecord(spec, state if state in ("failed", "running", "interrupted") else "pending", curves=curves,
+                                     error=status.get("error", "") if state == "failed" else ""))
+    return records
+
+
+def label_of(values: dict[str, Any], columns: list[str]) -> str:
+    """Human name of a configuration: the variant, then `key=value` of each grid key."""
+    parts = [str(values["variant"])] if "variant" in columns else []
+    parts += [f"{k}={values[k]}" for k in columns if k != "variant"]
+    return ", ".join(parts) or "base"
+
+
+def summarize(records: list[RunRecord], columns: list[str]) -> list[ConfigSummary]:
+    """Per configuration: mean/std/CI of every metric over its finished seeds, ranked by mean final
+    eval accuracy (highest first; configurations with no finished run last)."""
+    groups: dict[str, list[RunRecord]] = {}
+    for rec in records:
+        groups.setdefault(rec.spec.config_id, []).append(rec)
+    out = []
+    for cid, recs in groups.items():
+        done = [r for r in recs if r.status == "done"]
+        stats = {m: mean_ci([r.metrics.get(m) for r in done], CONFIDENCE) for m in METRIC_COLUMNS}
+        values = recs[0].spec.values
+        out.append(ConfigSummary(cid, label_of(values, columns), values, len(done), sum(r.status == "failed" for r in recs), stats))
+    key = lambda c: -c.stats["eval_accuracy_final"].mean if c.runs and not math.isnan(c.stats["eval_accuracy_final"].mean) else math.inf  # noqa: E731
+    return sorted(out, key=key)
+
+
+def write_results_csv(path: Path, records: list[RunRecord], columns: list[str]) -> None:
+    """results.csv: run, configuration, every grid key, seed, status, the metrics, the error's first line."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run_id", "config", *columns, "seed", "status", *METRIC_COLUMNS, "error"])
+        for r in records:
+            nums = ["" if r.metrics.get(m) is None else r.metrics[m] for m in METRIC_COLUMNS]
+            err = r.error.strip().splitlines()[-1] if r.error.strip() else ""
+            w.writerow([r.spec.run_id, r.spec.config_id, *(r.spec.values.get(c) for c in columns), r.spec.seed, r.status, *nums, err])
+
+
+def _pm(iv: Interval, digits: int = 3) -> str:
+    if iv.n == 0:
+        return "–"
+    if iv.n == 1:
+        return f"{iv.mean:.{digits}f}"
+    return f"{iv.mean:.{digits}f} ± {iv.std:.{digits}f}"
+
+
+def _ci(iv: Interval, digits: int = 3) -> str:
+    return f"[{iv.lo:.{digits}f}, {iv.hi:.{digits}f}]" if iv.n >= 2 else "–"
+
+
+def _sci(iv: Interval) -> str:
+    return "–" if iv.n == 0 else f"{iv.mean:.3g}"
+
+
+def summary_markdown(sweep: Sweep, summaries: list[ConfigSummary], records: list[RunRecord]) -> str:
+    """The ranked table of configurations, then the runs that failed or have not finished."""
+    lines = [f"# Ablation: {sweep.name}", ""]
+    if sweep.description:
+        lines += [sweep.description, ""]
+    base = f"Base preset `{sweep.preset}`" + (f" with `{sweep.config}`" if sweep.config else "")
+    base += f"; {sweep.seeds} seed(s) per configuration (train.seed = 0..{sweep.seeds - 1})"
+    if sweep.set:
+        base += "; every run also sets " + ", ".join(f"`{s}`" for s in sweep.set)
+    lines += [base + ".", ""]
+    lines += [
+        f"Ranked by mean final eval accuracy. `mean ± std` is over seeds (sample std); CI is the "
+        f"{CONFIDENCE:.0%} Student-t interval of the mean (needs ≥ 2 finished seeds). "
+        "Mean KL is averaged over training steps; EMA distance is the last logged one.",
+        "",
+        "| rank | configuration | seeds | final accuracy | 95% CI | initial | best | mean KL | final EMA distance | wall time (s) |",
+        "|---:|---|---:|---|---|---|---|---|---|---:|",
+    ]
+    for i, c in enumerate(summaries, 1):
+        s = c.stats
+        seeds = f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else "")
+        wall = "–" if s["wall_time_s"].n == 0 else f"{s['wall_time_s'].mean:.0f}"
+        lines.append(
+            f"| {i} | {c.label} | {seeds} | {_pm(s['eval_accuracy_final'])} | {_ci(s['eval_accuracy_final'])} | "
+            f"{_pm(s['eval_accuracy_initial'])} | {_pm(s['eval_accuracy_best'])} | {_sci(s['kl_mean'])} | "
+            f"{_sci(s['ema_distance_final'])} | {wall} |"
+        )
+    unfinished = [r for r in records if r.status != "done"]
+    if unfinished:
+        lines += ["", "## Runs not finished", ""]
+        for r in unfinished:
+            err = r.error.strip().splitlines()[-1] if r.error.strip() else ""
+            lines.append(f"- `{r.spec.run_id}`: {r.status}" + (f" — {err}" if err else ""))
+    return "\n".join(lines) + "\n"
+
+
+def aggregate(out: Path) -> tuple[Sweep, list[RunRecord], list[ConfigSummary]]:
+    """Write results.csv and summary.md for the sweep in `out`; return what they were built from."""
+    sweep = read_sweep(out)
+    records = collect(out, read_plan(out))
+    columns = sweep.columns
+    summaries = summarize(records, columns)
+    write_results_csv(out / RESULTS_FILE, records, columns)
+    (out / SUMMARY_FILE).write_text(summary_markdown(sweep, summaries, records))
+    return sweep, records, summaries

@@ -1,0 +1,220 @@
+"""Run a sweep: each run is an `emapg train` subprocess in its own directory, several at once.
+
+Layout of the output folder (`--out`):
+
+    study.yaml                       the resolved sweep
+    runs/<config_id>/seed<N>/        the trainer's run directory (`--out` of `emapg train`)
+    runs/<config_id>/seed<N>.log     the run's stdout and stderr
+    runs/<config_id>/seed<N>.status.json   {"status": running|done|failed|interrupted, "returncode", "error", ...}
+
+Resumable: a run whose directory holds `summary.json` (the trainer writes it last) is finished
+and skipped; any other run (never started, failed, interrupted) is started again, from its latest
+checkpoint (`emapg train --resume`) when it left one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from emapg_cli.ablate.grid import RunSpec
+from emapg_cli.ablate.study import Sweep
+
+SUMMARY = "summary.json"
+ERROR_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What happened to one run in this invocation: `done`, `skipped` (finished before) or `failed`."""
+
+    run_id: str
+    status: str
+    returncode: Optional[int] = None
+    wall_time_s: float = 0.0
+    error: str = ""
+
+
+def run_dir(out: Path, spec: RunSpec) -> Path:
+    return out / "runs" / spec.config_id / f"seed{spec.seed}"
+
+
+def log_path(out: Path, spec: RunSpec) -> Path:
+    return run_dir(out, spec).with_name(f"seed{spec.seed}.log")
+
+
+def status_path(out: Path, spec: RunSpec) -> Path:
+    return run_dir(out, spec).with_name(f"seed{spec.seed}.status.json")
+
+
+def is_finished(out: Path, spec: RunSpec) -> bool:
+    return (run_dir(out, spec) / SUMMARY).is_file()
+
+
+def read_status(out: Path, spec: RunSpec) -> dict:
+    """The run's status record ({} when it never started)."""
+    path = status_path(out, spec)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def train_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
+    """The `train` arguments of one run (everything after the program name)."""
+    args = ["train"]
+    if sweep.preset:
+        args += ["--preset", sweep.preset]
+    if sweep.config:
+        args += ["--config", sweep.config]
+    for item in spec.overrides:
+        args += ["--set", item]
+    return args + ["--out", str(run_dir(out, spec))]
+
+
+def has_checkpoint(out: Path, spec: RunSpec) -> bool:
+    """Whether an interrupted run left a complete checkpoint (and its config.yaml) to resume from."""
+    rdir = run_dir(out, spec)
+    ckpts = rdir / "checkpoints"
+    return (rdir / "config.yaml").is_file() and ckpts.is_dir() and any((p / "state.json").is_file() for p in ckpts.glob("step_*"))
+
+
+def launch_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
+    """What to run now: `train --resume DIR` when the run left a checkpoint, else the fresh run
+    (after removing whatever a previous attempt left without a checkpoint, so metrics start clean)."""
+    rdir = run_dir(out, spec)
+    if has_checkpoint(out, spec):
+        return ["train", "--resume", str(rdir)]
+    if rdir.exists():
+        shutil.rmtree(rdir)
+    return train_args(sweep, spec, out)
+
+
+def shell_command(sweep: Sweep, spec: RunSpec, out: Path) -> str:
+    """The run as one portable shell line (`emapg train ...`), what `--dry-run` prints."""
+    return shlex.join(["emapg", *train_args(sweep, spec, out)])
+
+
+def _write_status(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _tail(path: Path, lines: int) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def child_env(jobs: int) -> dict[str, str]:
+    """The environment of each run: with several runs at once, split the cores between them
+    (OMP/MKL threads = cores // jobs) unless the user already chose a thread count."""
+    env = dict(os.environ)
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:
+        threads = str(max(1, (os.cpu_count() or 1) // jobs))
+        env["OMP_NUM_THREADS"] = threads
+        env.setdefault("MKL_NUM_THREADS", threads)
+    return env
+
+
+class _Pool:
+    """Starts runs as subprocesses and can stop all of them (Ctrl-C)."""
+
+    def __init__(self, sweep: Sweep, out: Path, jobs: int):
+        self.sweep, self.out, self.env = sweep, out, child_env(jobs)
+        self.procs: set[subprocess.Popen] = set()
+        self.lock = threading.Lock()
+        self.stopping = False
+
+    def run(self, spec: RunSpec) -> RunResult:
+        cmd = [sys.executable, "-m", "emapg_cli", *launch_args(self.sweep, spec, self.out)]
+        status, log = status_path(self.out, spec), log_path(self.out, spec)
+        record = {"run_id": spec.run_id, "status": "running", "command": shlex.join(["emapg", *cmd[3:]]),
+                  "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        _write_status(status, record)
+        start = time.monotonic()
+        with open(log, "w") as f:
+            with self.lock:
+                if self.stopping:
+                    return RunResult(spec.run_id, "interrupted")
+                try:
+                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+                except OSError as e:
+                    proc = None
+                    f.write(f"cannot start {cmd[0]}: {e}\n")
+                else:
+                    self.procs.add(proc)
+            rc = proc.wait() if proc is not None else None
+            with self.lock:
+                self.procs.discard(proc)
+        wall = time.monotonic() - start
+        if self.stopping:
+            record.update(status="interrupted", returncode=rc, wall_time_s=round(wall, 2))
+            _write_status(status, record)
+            return RunResult(spec.run_id, "interrupted", rc, wall)
+        ok = rc == 0 and is_finished(self.out, spec)
+        error = "" if ok else (_tail(log, ERROR_TAIL_LINES) or f"exit code {rc}")
+        if rc == 0 and not ok:
+            error = f"exit code 0 but no {SUMMARY} was written\n{error}"
+        record.update(status="done" if ok else "failed", returncode=rc, wall_time_s=round(wall, 2), error=error,
+                      finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        _write_status(status, record)
+        return RunResult(spec.run_id, record["status"], rc, wall, error)
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            for proc in self.procs:
+                proc.terminate()
+
+
+def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_progress: bool = True) -> list[RunResult]:
+    """Run every unfinished run (at most `jobs` at once); failures are recorded and the sweep goes on.
+
+    Returns one RunResult per run, in the order of `runs`. Ctrl-C stops the running trainers; the
+    interrupted runs are simply started again by the next invocation.
+    """
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: dict[str, RunResult] = {}
+    todo = []
+    for spec in runs:
+        if is_finished(out, spec):
+            results[spec.run_id] = RunResult(spec.run_id, "skipped")
+        else:
+            todo.append(spec)
+    pool = _Pool(sweep, out, jobs)
+    failed = 0
+    with Progress(
+        TextColumn("[bold]ablate[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), disable=not show_progress,
+    ) as progress:
+        task = progress.add_task(f"{len(results)} finished before", total=len(runs), completed=len(results))
+        executor = ThreadPoolExecutor(max_workers=max(1, jobs))
+        try:
+            futures = {executor.submit(pool.run, spec): spec for spec in todo}
+            for fut in as_completed(futures):
+                res = fut.result()
+                results[res.run_id] = res
+                failed += res.status == "failed"
+                progress.update(task, advance=1, description=f"last: {res.run_id} {res.status}" + (f" | {failed} failed" if failed else ""))
+        except KeyboardInterrupt:
+            pool.stop()
+            executor.shutdown(wait=True, cancel_futures=True)
+            raise
+        executor.shutdown(wait=True)
+    return [results[spec.run_id] for spec in runs]

@@ -1,0 +1,145 @@
+"""Named studies (`presets/ablations/*.yaml`) and the resolved description of a sweep.
+
+A study file names a base preset, the seeds, study-wide overrides, and either named `variants`
+(rows of a comparison table, e.g. GRPO vs EMA-PG), a cartesian `grid`, or both (variants x grid):
+
+    description: Top-k head size k of the KL estimator
+    preset: toy
+    seeds: 3
+    set: {kl.estimator: topk}
+    grid:
+      kl.k: [1, 8, 32, 128, "|V|"]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from emapg_cli.ablate.grid import Axis, RunSpec, Variant, check_axes, format_value, plan_runs
+from emapg_cli.config.loading import preset_dir
+from emapg_cli.errors import UserError
+
+STUDY_FILE = "study.yaml"
+
+
+class StudyFile(BaseModel):
+    """The schema of a study YAML file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = Field("", description="One line saying what the study compares.")
+    preset: Optional[str] = Field(None, description="Base preset of every run (the command's --preset wins).")
+    config: Optional[str] = Field(None, description="Optional user config file layered on the preset (the command's --config wins).")
+    seeds: int = Field(1, ge=1, description="Seeds per configuration: train.seed = 0..seeds-1 (the command's --seeds wins).")
+    set: dict[str, Any] = Field(default_factory=dict, description="Dotted overrides applied to every run.")
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Named configurations: name -> {dotted key: value}.")
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="Cartesian grid: dotted key -> list of values (`|V|`: vocabulary size).")
+
+
+class Sweep(BaseModel):
+    """A fully resolved sweep: what `study.yaml` in the output folder records."""
+
+    name: str
+    description: str = ""
+    preset: Optional[str]
+    config: Optional[str] = None
+    seeds: int
+    set: list[str] = Field(default_factory=list)
+    variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @property
+    def axes(self) -> list[Axis]:
+        return [Axis(k, tuple(v)) for k, v in self.grid.items()]
+
+    @property
+    def variant_list(self) -> list[Variant]:
+        return [Variant(name, dict(over)) for name, over in self.variants.items()]
+
+    @property
+    def columns(self) -> list[str]:
+        """The columns that tell configurations apart: `variant` (if any), then every grid key."""
+        return (["variant"] if self.variants else []) + list(self.grid)
+
+    def runs(self) -> list[RunSpec]:
+        """Every run, validated (UserError before anything starts)."""
+        return plan_runs(self.preset, self.config, self.set, self.variant_list, self.axes, list(range(self.seeds)))
+
+
+def studies_dir() -> Path:
+    return preset_dir() / "ablations"
+
+
+def list_studies() -> list[str]:
+    return sorted(p.stem for p in studies_dir().glob("*.yaml"))
+
+
+def load_study(name: str) -> tuple[str, StudyFile]:
+    """(name, parsed file) of a named study or a path to a study YAML file."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) or "/" in name else studies_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown study '{name}' (available: {', '.join(list_studies())})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        study = StudyFile.model_validate(data)
+    except yaml.YAMLError as e:
+        raise UserError(f"cannot read study {path}: {str(e).splitlines()[0]}") from None
+    except ValidationError as err:
+        e = err.errors()[0]
+        raise UserError(f"study {path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None
+    return path.stem, study
+
+
+def build_sweep(
+    study: Optional[str],
+    preset: Optional[str],
+    config: Optional[str],
+    grids: list[Axis],
+    seeds: Optional[int],
+    sets: list[str],
+) -> Sweep:
+    """Combine a named study (optional) with the command-line options; the command line wins.
+
+    `--grid` axes are added to the study's grid (replacing an axis with the same key), `--set`
+    items come after the study's `set`, `--preset`/`--config`/`--seeds` replace the study's.
+    """
+    if study:
+        name, file = load_study(study)
+    else:
+        name, file = "", StudyFile()
+    check_axes(grids)
+    grid = {k: list(values) for k, values in file.grid.items()}
+    for axis in grids:
+        grid[axis.key] = list(axis.values)
+    base = preset or file.preset
+    if not base:
+        raise UserError("give --study NAME or --preset NAME (the base preset of every run)")
+    if seeds is not None and seeds < 1:
+        raise UserError("--seeds must be at least 1")
+    return Sweep(
+        name=name or Path(base).stem,
+        description=file.description,
+        preset=base,
+        config=config or file.config,
+        seeds=seeds or file.seeds,
+        set=[f"{k}={format_value(v)}" for k, v in file.set.items()] + list(sets),
+        variants=file.variants,
+        grid=grid,
+    )
+
+
+def save_sweep(sweep: Sweep, out: Path) -> None:
+    """Record the sweep as `study.yaml` in the output folder (what aggregation reads back)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / STUDY_FILE).write_text(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False))
+
+
+def read_sweep(out: Path) -> Sweep:
+    path = out / STUDY_FILE
+    if not path.is_file():
+        raise UserError(f"{out} is not an ablation folder (no {STUDY_FILE})")
+    return Sweep.model_validate(yaml.safe_load(path.read_text()))

@@ -1,0 +1,79 @@
+"""`emapg ablate`: run a sweep of `emapg train` runs (a named study or an ad-hoc grid) and aggregate it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console
+from emapg_cli.errors import UserError
+
+
+def ablate(
+    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators) or a path to a study YAML file.")] = None,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size). Repeatable: the sweep is the cartesian product.")] = None,
+    seeds: Annotated[Optional[int], typer.Option("--seeds", help="Seeds per configuration (train.seed = 0..N-1); default: the study's, or 1.", min=1)] = None,
+    set_: SetOpt = None,
+    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Runs at once (each a subprocess; the CPU threads are split between them).", min=1)] = 1,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder of the sweep (default: ablations/<study or preset name>). Rerunning with the same folder resumes.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate the sweep and print one `emapg train` shell command per run, run nothing.")] = False,
+    aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk.")] = False,
+) -> None:
+    """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots.
+
+    Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep;
+    a failed run is recorded with its error and the sweep goes on.
+    """
+    from emapg_cli.ablate.aggregate import save_plan
+    from emapg_cli.ablate.grid import parse_grid
+    from emapg_cli.ablate.runner import run_sweep, shell_command
+    from emapg_cli.ablate.study import build_sweep, save_sweep
+
+    if aggregate_only:
+        if out is None:
+            raise UserError("--aggregate-only needs --out, the folder of the sweep")
+        _report(out)
+        return
+    sweep = build_sweep(study, preset, config, [parse_grid(g) for g in grid or []], seeds, list(set_ or []))
+    runs = sweep.runs()  # every combination validated before anything is written or started
+    out = out or Path("ablations") / sweep.name
+    if dry_run:
+        for spec in runs:
+            typer.echo(shell_command(sweep, spec, out))
+        return
+    save_sweep(sweep, out)
+    save_plan(out, runs)
+    configs = len({r.config_id for r in runs})
+    console.print(f"ablate [bold]{sweep.name}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = {len(runs)} runs -> {out}")
+    results = run_sweep(sweep, runs, out, jobs=jobs)
+    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
+    console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
+    _report(out)
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
+def _report(out: Path) -> None:
+    """Aggregate the sweep in `out`, draw the plots and print the ranked table."""
+    from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate
+    from emapg_cli.ablate.plots import plot_all
+
+    sweep, records, summaries = aggregate(out)
+    plots = plot_all(out, summaries, records, sweep.name)
+    from rich.table import Table
+
+    table = Table(title=f"{sweep.name}: final eval accuracy (mean ± std over seeds, 95% CI)")
+    for col in ("rank", "configuration", "seeds", "final accuracy", "95% CI"):
+        table.add_column(col)
+    for i, c in enumerate(summaries, 1):
+        iv = c.stats["eval_accuracy_final"]
+        acc = "–" if iv.n == 0 else (f"{iv.mean:.3f}" + (f" ± {iv.std:.3f}" if iv.n > 1 else ""))
+        ci = f"[{iv.lo:.3f}, {iv.hi:.3f}]" if iv.n > 1 else "–"
+        table.add_row(str(i), c.label, f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""), acc, ci)
+    console.print(table)
+    written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
+    console.print("wrote " + ", ".join(str(p) for p in written))
