@@ -110,7 +110,11 @@ def test_search_qa_plan_counts_turns_and_qwen_3b():
 
 
 def test_render_plan_prints_the_numbers(tiny_qwen2):
-    plan = make_plan(load_config("toy", overrides=[f"model.path={tiny_qwen2}"]), load_model_config(str(tiny_qwen2)))
+    # pinned shapes, independent of the toy preset's tuning:
+    # tokens per step <= prompts x n x (max prompt + max response) = 16 x 8 x (1024 + 32) = 135,168
+    sizes = ["rollout.prompts_per_step=16", "rollout.n=8", "data.max_prompt_tokens=1024", "rollout.max_new_tokens=32",
+             "train.mini_batch_prompts=8"]
+    plan = make_plan(load_config("toy", overrides=[f"model.path={tiny_qwen2}", *sizes]), load_model_config(str(tiny_qwen2)))
     console = Console(record=True, width=200)
     console.print(render_plan(plan))
     text = console.export_text()
