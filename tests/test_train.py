@@ -146,6 +146,8 @@ def test_bad_inputs_are_one_line_user_errors(tiny_qwen2, tmp_path):
         preflight(_cfg(tiny_qwen2, data, "rollout.reward=no_such_reward"))
     with pytest.raises(UserError, match="vocabulary"):
         preflight(_cfg(tiny_qwen2, data, "kl.estimator=topk", "kl.k=100000"))
+    with pytest.raises(UserError, match="multi-turn"):  # no silent single-turn fallback for search-qa
+        preflight(_cfg(tiny_qwen2, data, "rollout.max_turns=4"))
 
 
 def test_cli_bad_input_exits_2_before_compute(tmp_path):

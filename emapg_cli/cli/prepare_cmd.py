@@ -27,17 +27,18 @@ def _progress_bar(label: str):
 
 def _prepare_toy(seed: int) -> None:
     from emapg_cli.paths import emapg_home
+    from emapg_cli.toy.prepare import prepare_toy
 
-    try:
-        from emapg_cli.toy.prepare import prepare_toy
-    except ImportError:
-        raise UserError("the toy task is not available in this installation") from None
-    with console.status("preparing the toy task") as status:
-
-        def progress(*values) -> None:  # e.g. (step, loss) of the warm start
-            status.update("preparing the toy task: " + " ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values))
-
-        prepare_toy(emapg_home(), seed, progress)
+    home = emapg_home()
+    manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
+    table = Table(title="prepared the toy task", show_header=False)
+    table.add_row("folder", str(home / "toy"))
+    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in manifest["rows"].items()))
+    table.add_row("model", f"{manifest['model']['arch']}, {manifest['model']['parameters']:,} parameters (toy/model)")
+    table.add_row("warm start", f"{manifest['sft_steps']} steps in {manifest['sft_wall_s']:.0f} s, "
+                  f"greedy test accuracy {manifest['sft_test_accuracy']:.1%}")
+    console.print(table)
+    console.print("next: emapg train --preset toy")
 
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:

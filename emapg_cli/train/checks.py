@@ -1,7 +1,7 @@
 """Checks of a training config against its inputs, run before any weights are loaded.
 
 Every problem is a one-line UserError (exit code 2): missing model, unreadable data, unknown
-reward, a top-k larger than the model's vocabulary.
+reward, a top-k larger than the model's vocabulary, a multi-turn rollout (not implemented yet).
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ def preflight(cfg: Config) -> Inputs:
     """Validate model, data, reward and KL settings of `cfg`; returns what was loaded."""
     from emapg_cli.rewards import get_reward
 
+    if cfg.rollout.max_turns > 1:
+        raise UserError(
+            f"rollout.max_turns = {cfg.rollout.max_turns}: multi-turn (tool-using) rollouts are not implemented yet; "
+            "only single-turn training runs (`--dry-run` still plans multi-turn presets)"
+        )
     mc = model_config(cfg.model.path, cfg.model.trust_remote_code)
     vocab = vocab_size(mc)
     info = INFO[cfg.kl.estimator]
