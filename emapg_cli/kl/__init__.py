@@ -1,4 +1,4 @@
-"""KL estimators (pure tensor functions): exact, K1-K5, K3++, Top-k (paper and unbiased), truncated."""
+"""KL estimators (pure tensor functions): exact, K1-K5, K3++, Top-k (paper, unbiased, mass-corrected), truncated."""
 
 from emapg_cli.kl.common import gather_logprobs, importance_weight, topk_membership
 from emapg_cli.kl.registry import ESTIMATORS, INFO, check_estimator, kl_per_token, topk_source
