@@ -18,6 +18,7 @@ from typing import Any, Optional
 import yaml
 
 from emapg_cli.config import Config, load_config
+from emapg_cli.config.loading import split_key_value
 from emapg_cli.errors import UserError
 from emapg_cli.paths import expand
 
@@ -102,12 +103,7 @@ def _split_top_level(text: str) -> list[str]:
 
 def parse_grid(item: str) -> Axis:
     """`KEY=V1,V2,...` -> Axis(KEY, (V1, V2, ...)); an empty or repeated value is a UserError."""
-    if "=" not in item:
-        raise UserError(f"grid '{item}' must look like KEY=V1,V2,..., e.g. kl.k=8,32")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise UserError(f"grid '{item}' has an empty key")
+    key, raw = split_key_value(item, "grid", "KEY=V1,V2,..., e.g. kl.k=8,32")
     if key == SEED_KEY:
         raise UserError("do not grid over train.seed; use --seeds N")
     tokens = _split_top_level(raw)

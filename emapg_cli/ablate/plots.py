@@ -3,6 +3,8 @@ and the final-accuracy bars with 95% confidence intervals."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import math
 from pathlib import Path
 
@@ -64,16 +66,21 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
     band = "mean ± std over seeds"
     paths = []
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    _curve_panel(axes[0], summaries, records, "eval/accuracy", f"eval accuracy ({band})", colors)
-    _curve_panel(axes[1], summaries, records, "reward/mean", f"train reward ({band})", colors)
-    axes[0].set_ylabel("accuracy")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    paths.append(out / ACCURACY_PNG)
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    def curves(left: tuple[str, str], right: tuple[str, str], name: str, ylabel: Optional[str] = None) -> None:
+        """Two side-by-side panels of (metric key, panel title) curves, saved as `out/name`."""
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, (key, panel) in zip(axes, (left, right)):
+            _curve_panel(ax, summaries, records, key, f"{panel} ({band})", colors)
+        if ylabel:
+            axes[0].set_ylabel(ylabel)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    curves(("eval/accuracy", "eval accuracy"), ("reward/mean", "train reward"), ACCURACY_PNG, "accuracy")
 
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(summaries) + 2), 4.5))
     xs = range(len(summaries))
@@ -97,13 +104,5 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    _curve_panel(axes[0], summaries, records, "kl/value", f"KL to the anchor, kl/value ({band})", colors)
-    _curve_panel(axes[1], summaries, records, "ema/distance", f"policy–anchor distance, ema/distance ({band})", colors)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    paths.append(out / KL_EMA_PNG)
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    curves(("kl/value", "KL to the anchor, kl/value"), ("ema/distance", "policy–anchor distance, ema/distance"), KL_EMA_PNG)
     return paths

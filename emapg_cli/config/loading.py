@@ -86,14 +86,23 @@ def _resolve_model(path: list[str]) -> Optional[type[BaseModel]]:
     return model
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """Split `a.b=value` into (["a", "b"], value); the value is parsed as YAML (so 64 is an int)."""
+def split_key_value(item: str, what: str, form: str) -> tuple[str, str]:
+    """Split `a.b=raw` into ("a.b", "raw"); UserError when there is no `=` or a key part is empty.
+
+    `what` names the kind of item in errors ("override", "grid"), `form` shows its expected shape.
+    """
     if "=" not in item:
-        raise UserError(f"override '{item}' must look like KEY=VALUE, e.g. kl.k=64")
+        raise UserError(f"{what} '{item}' must look like {form}")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise UserError(f"override '{item}' has an empty key")
+        raise UserError(f"{what} '{item}' has an empty key")
+    return key, raw
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split `a.b=value` into (["a", "b"], value); the value is parsed as YAML (so 64 is an int)."""
+    key, raw = split_key_value(item, "override", "KEY=VALUE, e.g. kl.k=64")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
