@@ -25,9 +25,6 @@ def data_dir() -> Optional[Path]:
 
 def expand(path: str) -> Path:
     """Expand `~` and environment variables in a configured path; `$EMAPG_HOME` gets its default when unset."""
-    env = dict(os.environ)
-    env.setdefault("EMAPG_HOME", str(emapg_home()))
-    out = path
-    for key in ("EMAPG_HOME",):
-        out = out.replace("${" + key + "}", env[key]).replace("$" + key, env[key])
-    return Path(os.path.expandvars(out)).expanduser()
+    home = str(emapg_home())
+    path = path.replace("${EMAPG_HOME}", home).replace("$EMAPG_HOME", home)
+    return Path(os.path.expandvars(path)).expanduser()
