@@ -234,6 +234,9 @@ def test_model_source(tmp_path):
     perturbed = logits_from_model(str(policy_dir), None, "Hello world, this is text.", 4, 0.05, 0)
     assert perturbed.policy.shape == (4, 259) and perturbed.policy.dtype == torch.float64
     assert 0 < float(kl_per_token("exact", "reverse", logits=perturbed.policy, ref_logits=perturbed.anchor).mean()) < 1
+    # "Hi" is 2 byte tokens: asking for 4 positions measures 2, and the source name says so
+    short = logits_from_model(str(policy_dir), None, "Hi", 4, 0.05, 0)
+    assert short.policy.shape == (2, 259) and "only 2 positions" in short.source
     res = run_cli("--model", str(policy_dir), "--anchor-model", str(anchor_dir), "--positions", "6", "--samples", "256",
                   "--k", "4", "--estimators", "exact,k3,topk", "--json", str(tmp_path / "r.json"))
     assert res.returncode == 0, res.stderr

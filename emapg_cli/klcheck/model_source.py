@@ -67,4 +67,6 @@ def logits_from_model(
     if z.shape[-1] != z_ref.shape[-1]:
         raise UserError(f"policy and anchor vocabularies differ ({z.shape[-1]} vs {z_ref.shape[-1]})")
     name = Path(path).name + (f" vs {Path(anchor_path).name}" if anchor_path else f" vs weights+N(0,{perturb:g}²)")
+    if z.shape[0] < positions:  # say so rather than silently measuring fewer positions
+        name += f"; only {z.shape[0]} positions: the text has fewer tokens than --positions {positions}"
     return check_logits(z, z_ref, None, where=f"model {name}")
