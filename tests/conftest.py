@@ -29,10 +29,12 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture
 def shared_data() -> Path:
     """The real benchmark folder ($EMAPG_DATA_DIR); the test is skipped when it is absent."""
-    value = os.environ.get("EMAPG_DATA_DIR")
-    if not value or not Path(value).is_dir():
+    from emapg_cli.paths import data_dir
+
+    path = data_dir()
+    if path is None:
         pytest.skip("EMAPG_DATA_DIR not set or missing: real benchmark files unavailable")
-    return Path(value)
+    return path
 
 
 @pytest.fixture

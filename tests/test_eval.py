@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-from pathlib import Path
 
 import pytest
 
@@ -65,8 +63,10 @@ def bench(tmp_path, emapg_home) -> tuple[str, list[dict]]:
     """A prepared bench: the real OlympiadBench when EMAPG_DATA_DIR has it, else 4 synthetic items."""
     from emapg_cli.datasets.prepare import prepare_dataset
 
-    value = os.environ.get("EMAPG_DATA_DIR")
-    src = Path(value) / "math" / "olympiadbench_test.jsonl" if value else None
+    from emapg_cli.paths import data_dir
+
+    shared = data_dir()
+    src = shared / "math" / "olympiadbench_test.jsonl" if shared else None
     if src is None or not src.is_file():
         src = tmp_path / "synthetic.jsonl"
         rows = [{"id": str(i), "question": f"What is {i}+{i}?", "answer": str(2 * i), "subfield": "Algebra"} for i in range(4)]
