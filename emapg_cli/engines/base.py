@@ -8,8 +8,15 @@ Only `engines/hf.py` imports transformers' generation code and only `engines/vll
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes and Python versions)."""
+    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,13 @@ which is what makes rollouts reproducible on resume. Works on CPU and GPU.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Optional
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from emapg_cli.engines.base import Completion, SamplingParams
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (stable across processes and Python versions)."""
-    digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
 
 
 def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:

@@ -119,7 +119,7 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
     from emapg_cli.config.models import ModelConfig
     from emapg_cli.engines import make_engine
     from emapg_cli.engines.base import SamplingParams
-    from emapg_cli.engines.hf import derive_seed
+    from emapg_cli.engines.base import derive_seed
     from emapg_cli.train.loading import load_tokenizer
     from emapg_cli.train.rollout import render_prompt
 

@@ -22,7 +22,6 @@ class Inputs:
 
     train: list[Example]
     eval: list[Example]
-    model_config: dict[str, Any]
     reward_fn: Any
 
 
@@ -82,4 +81,4 @@ def preflight(cfg: Config) -> Inputs:
         from emapg_cli.engines.vllm import import_vllm
 
         import_vllm()
-    return Inputs(train=train, eval=evals, model_config=mc, reward_fn=reward_fn)
+    return Inputs(train=train, eval=evals, reward_fn=reward_fn)

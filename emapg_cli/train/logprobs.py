@@ -4,10 +4,9 @@ The decoder runs once per batch; its hidden states at the response positions are
 the vocabulary `chunk` tokens at a time. From each [chunk, V] slice we keep only what the loss and
 the KL estimators need, all [B, R] or [B, R, k]:
   logp       log pi(token) at the sampled token                    (grad in the policy pass)
-  lse        logsumexp of the (temperature-scaled) logits
   topk_index the top-k token ids q of this model                    (when `topk` > 0)
   logp_q     log pi at given indices q (`q_index`), else at its own top-k (when `topk` > 0)
-  entropy    the distribution's entropy (detached, a metric)
+  entropy    the distribution's entropy (detached, a metric; skipped with entropy=False)
   exact_kl   exact per-token KL against reference hidden states      (the `exact` estimator only)
 With grad, each chunk runs under activation checkpointing, so backward recomputes its logits
 instead of storing them; the anchor pass (no grad) never holds more than one chunk of logits.
@@ -23,14 +22,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from emapg_cli.kl.common import gather_logprobs
+
 
 @dataclass
 class TokenStats:
     """Per-response-token outputs of one pass; all [B, R] (or [B, R, k]), zero at padding."""
 
     logp: Tensor
-    lse: Tensor
-    entropy: Tensor
+    entropy: Tensor  # zeros when the pass did not ask for it
     topk_index: Optional[Tensor] = None
     logp_q: Optional[Tensor] = None
     exact_kl: Optional[Tensor] = None
@@ -54,17 +54,20 @@ def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, pr
 
 
 def _chunk_stats(head: nn.Module, h: Tensor, targets: Tensor, temperature: float, topk: int,
-                 q_index: Optional[Tensor], ref: Optional[tuple[Tensor, nn.Module, str]]):
+                 q_index: Optional[Tensor], ref: Optional[tuple[Tensor, nn.Module, str]], entropy: bool):
     """Stats for one chunk of tokens: h [c, H], targets [c], q_index [c, k] or None."""
     logits = head(h).float() / temperature  # [c, V]
     lse = torch.logsumexp(logits, -1)  # [c]
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # [c]
+    logp = gather_logprobs(logits, targets, lse)  # [c]
     with torch.no_grad():
-        probs = torch.softmax(logits.detach(), -1)  # [c, V]
-        entropy = lse.detach() - (probs * logits.detach()).sum(-1)  # [c]
+        if entropy:
+            probs = torch.softmax(logits.detach(), -1)  # [c, V]
+            ent = lse.detach() - (probs * logits.detach()).sum(-1)  # [c]
+        else:
+            ent = torch.zeros_like(lse)  # [c]
     idx = logits.detach().topk(topk, -1).indices if topk > 0 else torch.empty(0)  # [c, k]
     gather_at = q_index if q_index is not None else (idx if topk > 0 else None)
-    logp_q = logits.gather(-1, gather_at) - lse[:, None] if gather_at is not None else torch.empty(0)  # [c, k]
+    logp_q = gather_logprobs(logits, gather_at, lse) if gather_at is not None else torch.empty(0)  # [c, k]
     if ref is not None:
         from emapg_cli.kl import kl_per_token
 
@@ -74,7 +77,7 @@ def _chunk_stats(head: nn.Module, h: Tensor, targets: Tensor, temperature: float
         exact = kl_per_token("exact", direction, logits=logits, ref_logits=ref_logits)  # [c]
     else:
         exact = torch.empty(0)
-    return logp, lse, entropy, idx, logp_q, exact
+    return logp, ent, idx, logp_q, exact
 
 
 def token_stats(
@@ -91,6 +94,7 @@ def token_stats(
     ref_hidden: Optional[Tensor] = None,
     ref_head: Optional[nn.Module] = None,
     kl_direction: str = "reverse",
+    entropy: bool = True,
 ) -> TokenStats:
     """One pass of `lm` over input_ids [B, P + R] (prompt left-padded to P, response right-padded).
 
@@ -109,7 +113,7 @@ def token_stats(
     for s in range(0, h.shape[0], chunk):
         e = s + chunk
         ref = (rh[s:e], ref_head, kl_direction) if rh is not None else None
-        args = (head, h[s:e], targets[s:e], temperature, topk, q[s:e] if q is not None else None, ref)
+        args = (head, h[s:e], targets[s:e], temperature, topk, q[s:e] if q is not None else None, ref, entropy)
         parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_stats(*args))
 
     def scatter(i: int, tail: tuple[int, ...] = (), dtype=torch.float32) -> Tensor:
@@ -120,11 +124,10 @@ def token_stats(
 
     return TokenStats(
         logp=scatter(0),
-        lse=scatter(1),
-        entropy=scatter(2),
-        topk_index=scatter(3, (topk,), torch.long) if topk > 0 else None,
-        logp_q=scatter(4, (q.shape[-1] if q is not None else topk,)) if q is not None or topk > 0 else None,
-        exact_kl=scatter(5) if rh is not None else None,
+        entropy=scatter(1),
+        topk_index=scatter(2, (topk,), torch.long) if topk > 0 else None,
+        logp_q=scatter(3, (q.shape[-1] if q is not None else topk,)) if q is not None or topk > 0 else None,
+        exact_kl=scatter(4) if rh is not None else None,
     )
 
 

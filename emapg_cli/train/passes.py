@@ -32,12 +32,9 @@ def _run(lm, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **k
     b = batch.advantages.shape[0]
     for s in range(0, b, micro):
         rows = torch.arange(s, min(s + micro, b), device=batch.input_ids.device)
-        mb = batch.select(rows)
-        extra = {k: v for k, v in kw.items() if k != "q_index"}
-        q = kw.get("q_index")
+        mb = batch.select(rows)  # trims every per-token field, q_index included
         stats: TokenStats = token_stats(
-            lm, mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
-            q_index=q[rows][:, :mb.response_mask.shape[1]] if q is not None else None, **extra,
+            lm, mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index, **kw,
         )
         r = mb.response_mask.shape[1]
         for name, out in fill.items():
@@ -56,7 +53,8 @@ def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> 
     def zeros(*shape, dtype=torch.float32):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk)
+    # no-grad passes never report entropy: skip its [chunk, V] softmax
+    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk, entropy=False)
     info = INFO[cfg.kl.estimator]
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)
@@ -67,7 +65,7 @@ def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> 
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
         was = policy_lm.training
         policy_lm.eval()
-        _run(policy_lm, batch, micro, fill, topk=k if "topk_index" in fill else 0, **common)
+        _run(policy_lm, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
         policy_lm.train(was)
         out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
         if "topk_index" in fill:
@@ -78,10 +76,10 @@ def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> 
             fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
         if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-            _run(anchor_lm, batch, micro, fill, topk=k, **common)
+            _run(anchor_lm, batch.with_(q_index=None), micro, fill, topk=k, **common)
             out["q_index"] = fill["topk_index"]
         else:
-            _run(anchor_lm, batch, micro, fill, q_index=out.get("q_index"), **common)
+            _run(anchor_lm, batch.with_(q_index=out.get("q_index")), micro, fill, **common)
         out["ref_logp"] = fill["logp"]
         if use_topk:
             out["ref_logp_q"] = fill["logp_q"]

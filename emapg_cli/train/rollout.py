@@ -11,7 +11,7 @@ from torch import Tensor
 
 from emapg_cli.data.schema import Example
 from emapg_cli.engines.base import Completion
-from emapg_cli.engines.hf import derive_seed
+from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 
 

@@ -20,7 +20,7 @@ import torch
 from emapg_cli.config.loading import to_yaml
 from emapg_cli.config.models import Config
 from emapg_cli.engines.base import SamplingParams
-from emapg_cli.engines.hf import derive_seed
+from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_distance, ema_update_, grpo_advantages
 from emapg_cli.train import checkpoint as ckpt
@@ -128,8 +128,7 @@ class Trainer:
                                                   optimizer=self.optimizer, scheduler=self.scheduler)
                 last = self.state["step"]
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer)
-        if cfg.rollout.engine != "hf":
-            self.engine.load_weights(self.policy)
+        self.engine.load_weights(self.policy)  # a no-op for hf, which samples from the live module
         return last
 
     @property
@@ -155,19 +154,19 @@ class Trainer:
         r = cfg.rollout
         per_rank = r.prompts_per_step // acc.num_processes
         idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
+        rank_slice = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
+        mine = idx[rank_slice]
         prompts = [self.train_prompts[i] for i in mine]
         params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
-        self.engine.resume_memory()
-        groups = self.engine.generate(prompts, params)
+        groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
         rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
         local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
-        adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+        adv_local = adv[rank_slice].reshape(-1)  # [G_rank * n]
         rows_prompts = [p for p in prompts for _ in range(r.n)]
         batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
         batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
@@ -183,7 +182,7 @@ class Trainer:
         batch = reference_passes(self.policy, self.anchor, batch, cfg, self.k)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
-        stats = update_policy(self.acc, self.scorer, batch, cfg, self.optimizer, self.scheduler, cfg.rollout.n, gen, self.anchor)
+        stats = update_policy(self.acc, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         self.scorer.eval()
         return stats
 

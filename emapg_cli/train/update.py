@@ -97,17 +97,16 @@ class UpdateStats:
     entropy_sum: float = 0.0
     tokens: float = 0.0
     skipped: int = 0
-    steps: int = 0
 
 
-def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, scheduler, group_size: int,
+def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, scheduler,
                   generator: torch.Generator, anchor_lm=None) -> UpdateStats:
     """`epochs` passes over this rank's rollouts in mini-batches of whole groups, micro-batched.
 
     Mini-batch groups are shuffled per epoch with `generator`. The learning-rate schedule advances
     once per optimizer step, also when the step is skipped.
     """
-    t = cfg.train
+    t, group_size = cfg.train, cfg.rollout.n
     n_groups = batch.advantages.shape[0] // group_size
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
     stats = UpdateStats()
@@ -134,7 +133,6 @@ def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, sche
                 stats.tokens += parts.tokens
             norm, stepped = finite_step(accelerator, params, optimizer, cfg.optim.grad_clip, finite)
             scheduler.step()
-            stats.steps += 1
             stats.skipped += 0 if stepped else 1
             stats.pg.append(pg)
             stats.kl.append(kl)
