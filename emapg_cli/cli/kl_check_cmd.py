@@ -96,7 +96,7 @@ def kl_check(
     except ValueError as e:
         raise UserError(str(e)) from None
     logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
-    specs, _, _ = plan(settings, logits.vocab)
+    specs, _ = plan(settings, logits.vocab)
 
     from rich.progress import Progress
 

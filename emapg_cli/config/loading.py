@@ -117,10 +117,10 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         parts, value = parse_override(item)
         owner = _resolve_model(parts[:-1])
         if owner is None or parts[-1] not in owner.model_fields:
-            where = ".".join(parts[:-1])
-            group = _resolve_model(parts[:-1]) if parts[:-1] else Config
-            allowed = ", ".join(_field_names(group)) if group else "a config group"
-            raise UserError(f"unknown config key '{'.'.join(parts)}' (allowed{' in ' + where if where else ''}: {allowed})")
+            where, key = ".".join(parts[:-1]), ".".join(parts)
+            if owner is None:
+                raise UserError(f"unknown config key '{key}' ('{where}' is not a config group; groups: {', '.join(_field_names(Config))})")
+            raise UserError(f"unknown config key '{key}' (allowed{' in ' + where if where else ''}: {', '.join(_field_names(owner))})")
         node = out
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):

@@ -138,9 +138,9 @@ class CheckResult:
         }
 
 
-def plan(settings: CheckSettings, vocab: int) -> tuple[list[Spec], list[int], list[str]]:
-    """The rows to measure (each estimator only in the directions it supports), the k values
-    after capping at |V|, and notes for the user."""
+def plan(settings: CheckSettings, vocab: int) -> tuple[list[Spec], list[str]]:
+    """The rows to measure (each estimator only in the directions it supports, k capped at |V|)
+    and notes for the user."""
     notes: list[str] = []
     ks: list[int] = []
     for k in settings.ks:
@@ -155,7 +155,7 @@ def plan(settings: CheckSettings, vocab: int) -> tuple[list[Spec], list[int], li
             notes.append(f"{name} estimates only the {'/'.join(INFO[name].directions)} KL; not in --directions, skipped")
         for d in dirs:
             specs.extend([Spec(name, d, k) for k in ks] if INFO[name].uses_topk else [Spec(name, d)])
-    return specs, ks, notes
+    return specs, notes
 
 
 def split_gradient_test(sg: SampleGradients, pi: Tensor, ref: Tensor, batches: int, atol: float) -> TTest:
@@ -188,13 +188,13 @@ def measure_row(
     grad_norm = float(grad_kl.norm())
     v_atol = DETERMINISTIC_REL_TOL * max(abs(kl_mean), 1e-12)
     g_atol = DETERMINISTIC_REL_TOL * max(grad_norm, 1e-12)
+    if spec.name == "exact":  # the deterministic reference itself: no sampling, no bias
+        zero = TTest(0.0, 0.0, 1.0, True)
+        return RowResult(spec, kl_mean, kl_mean, zero, 0.0, zero, 0.0, grad_norm, 0.0, 0.0, 0.0,
+                         zero, zero, 0.0, settings.confidence)
     ev, eg = expected(spec, logits.policy, logits.anchor, logits.sampling, q)  # [P], [P, V]
     bias_expected = float((ev - kl).mean())
     rel_expected = float((eg - grad_kl).norm()) / max(grad_norm, 1e-300)
-    if spec.name == "exact":  # deterministic reference: no sampling
-        zero = TTest(0.0, 0.0, 1.0, True)
-        return RowResult(spec, kl_mean, kl_mean, zero, bias_expected, zero, 0.0, grad_norm, 0.0, rel_expected, 0.0,
-                         zero, zero, 0.0, settings.confidence)
     pi = tables["pi"]
     sg = sample_gradients(spec, tokens, tables["logp"], tables["ref_logp"], tables["s_logp"], q)
     m = settings.batches
@@ -218,7 +218,7 @@ def measure_row(
 
 def run_check(logits: LogitSet, settings: CheckSettings, progress: Optional[Callable[[str], None]] = None) -> CheckResult:
     """Measure every planned row on `logits`; `progress(label)` is called after each row."""
-    specs, _, notes = plan(settings, logits.vocab)
+    specs, notes = plan(settings, logits.vocab)
     result = CheckResult(settings, logits.source, logits.positions, logits.vocab, logits.sampling is not None, notes=notes)
     gen = torch.Generator().manual_seed(settings.seed)
     tokens = draw_tokens(logits.policy if logits.sampling is None else logits.sampling, settings.samples, gen)  # [P, N]
@@ -228,8 +228,10 @@ def run_check(logits: LogitSet, settings: CheckSettings, progress: Optional[Call
         "s_logp": None if logits.sampling is None else torch.log_softmax(logits.sampling, -1),
     }
     references = {d: exact_reference(d, logits.policy, logits.anchor) for d in {s.direction for s in specs}}
+    q_sets = {(s.direction, s.k): topk_set(s.direction, s.k, logits.policy, logits.anchor, logits.sampling)
+              for s in specs if s.k}  # [P, k] each, shared by every estimator with that (direction, k)
     for spec in specs:
-        q = topk_set(spec.direction, spec.k, logits.policy, logits.anchor, logits.sampling) if spec.k else None
+        q = q_sets[(spec.direction, spec.k)] if spec.k else None
         result.rows.append(measure_row(spec, logits, tokens, tables, references[spec.direction], q, settings))
         if progress is not None:
             progress(spec.label)

@@ -5,16 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from emapg_cli.klcheck.measure import CheckResult
-from emapg_cli.stats import student_t_two_sided_p
-
-
-def _t_quantile(confidence: float, df: int) -> float:
-    """Two-sided Student-t critical value by bisection on `stats.student_t_two_sided_p`."""
-    lo, hi = 0.0, 1e3
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if student_t_two_sided_p(mid, df) > 1 - confidence else (lo, mid)
-    return hi
+from emapg_cli.stats import t_quantile
 
 
 def plot_check(result: CheckResult, path: str | Path) -> Path:
@@ -29,7 +20,7 @@ def plot_check(result: CheckResult, path: str | Path) -> Path:
     rows = [r for r in result.rows if r.spec.name != "exact"]
     labels = [f"{r.spec.label} ({'rev' if r.spec.direction == 'reverse' else 'fwd'})" for r in rows]
     x = list(range(len(rows)))
-    tq = _t_quantile(result.settings.confidence, result.settings.batches - 1)
+    tq = t_quantile(result.settings.confidence, result.settings.batches - 1)
     fig, axes = plt.subplots(3, 1, figsize=(max(8.0, 0.45 * len(rows) + 2), 12), constrained_layout=True)
 
     ax = axes[0]
