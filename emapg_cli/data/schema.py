@@ -61,6 +61,12 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     return n
 
 
+def first_error(err: ValidationError) -> str:
+    """The first validation error of a row as "field 'answers': <message>"."""
+    e = err.errors()[0]
+    return f"field '{'.'.join(str(p) for p in e['loc']) or 'row'}': {e['msg']}"
+
+
 def resolve_data_ref(ref: str) -> Path:
     """The JSONL file a data reference points to (see module docstring)."""
     path = expand(ref)
@@ -88,9 +94,7 @@ def load_examples(ref: str) -> list[Example]:
         try:
             out.append(Example.model_validate(row))
         except ValidationError as err:
-            e = err.errors()[0]
-            field = ".".join(str(p) for p in e["loc"]) or "row"
-            raise UserError(f"{path}: row {i + 1} (id {row.get('id')!r}): field '{field}': {e['msg']}") from None
+            raise UserError(f"{path}: row {i + 1} (id {row.get('id')!r}): {first_error(err)}") from None
     if not out:
         raise UserError(f"{path}: no rows")
     return out

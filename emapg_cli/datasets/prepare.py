@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import ValidationError
 
 from emapg_cli import __version__
-from emapg_cli.data.schema import Example, load_examples, write_jsonl
+from emapg_cli.data.schema import Example, first_error, load_examples, resolve_data_ref, write_jsonl
 from emapg_cli.datasets.convert import RowError, convert_row
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
 from emapg_cli.datasets.registry import DATASETS, DatasetSpec, get_spec
@@ -54,9 +54,7 @@ def convert_rows(rows: Sequence[Any], spec: DatasetSpec, progress: Optional[Call
             out.dropped.append({"index": index, "id": rid, "reason": f"invalid: {e}"})
             continue
         except ValidationError as err:
-            e = err.errors()[0]
-            where = ".".join(str(p) for p in e["loc"]) or "row"
-            out.dropped.append({"index": index, "id": rid, "reason": f"invalid: field '{where}': {e['msg']}"})
+            out.dropped.append({"index": index, "id": rid, "reason": f"invalid: {first_error(err)}"})
             continue
         key = question_key(ex.question)
         if key in seen_questions:
@@ -111,8 +109,13 @@ def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "emapg_version": __version__,
     }
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_manifest(out_dir, manifest)
     return manifest
+
+
+def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
+    """The dataset folder's manifest.json (UTF-8, indented)."""
+    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def prepare_dataset(
@@ -161,11 +164,11 @@ def decontaminate(train: str, evals: Sequence[str], n: int = 13, remove: bool = 
     overlaps = find_overlaps(train_examples, {e: load_examples(e) for e in evals}, n=n)
     if not remove or not overlaps:
         return overlaps, None
-    out_dir = dataset_dir(train)
-    if not (out_dir / "data.jsonl").is_file():
+    # rewrite exactly the file the examples were read from, and only if it is the prepared dataset
+    data, out_dir = resolve_data_ref(train), dataset_dir(train)
+    if data != out_dir / "data.jsonl":
         raise UserError(f"--remove rewrites a prepared dataset; '{train}' is not one (run `emapg prepare {train}` first)")
     bad = {o.train_id for o in overlaps}
-    data = out_dir / "data.jsonl"
     rows = write_jsonl(data, (ex.model_dump() for ex in train_examples if ex.id not in bad))
     manifest_path = out_dir / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"name": train}
@@ -174,5 +177,5 @@ def decontaminate(train: str, evals: Sequence[str], n: int = 13, remove: bool = 
         sha256=sha256_file(data),
         decontaminated={"against": list(evals), "ngram": n, "removed": [o.__dict__ for o in overlaps]},
     )
-    manifest_path.write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    write_manifest(out_dir, manifest)
     return overlaps, out_dir

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from emapg_cli.data.schema import write_jsonl
 from emapg_cli.errors import UserError
 
 RESULTS, RUN, SUMMARY, TABLE = "results.jsonl", "run.json", "summary.json", "summary.md"
@@ -40,7 +41,8 @@ def read_results(path: Path) -> dict[str, dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     if not path.is_file():
         return rows
-    lines = path.read_text(encoding="utf-8").splitlines()
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
@@ -51,9 +53,8 @@ def read_results(path: Path) -> dict[str, dict[str, Any]]:
                 break
             raise UserError(f"{path}:{i + 1}: not valid JSON (delete the folder to start over)") from None
         rows[str(row["id"])] = row
-    if lines and not path.read_bytes().endswith(b"\n"):  # cut the partial line so appends stay valid
-        kept = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows.values())
-        path.write_text(kept, encoding="utf-8")
+    if text and not text.endswith("\n"):  # cut the partial line so appends stay valid
+        write_jsonl(path, rows.values())
     return rows
 
 

@@ -151,10 +151,13 @@ class MathGrader:
         extracted = [extract_answer(r) for r in responses]
         grades: list[Optional[Grade]] = [None] * len(responses)
         todo: list[int] = []
+        gold_keys: dict[tuple[str, ...], set[str]] = {}  # eval repeats each gold n times: normalise it once
         for i, (pred, gold) in enumerate(zip(extracted, golds)):
+            if gold.answers not in gold_keys:
+                gold_keys[gold.answers] = {strict_key(a) for a in gold.answers}
             if pred is None or len(pred) > MAX_ANSWER_CHARS:
                 grades[i] = Grade(pred, False, False)
-            elif strict_key(pred) in {strict_key(a) for a in gold.answers}:
+            elif strict_key(pred) in gold_keys[gold.answers]:
                 grades[i] = Grade(pred, True, True)
             else:
                 todo.append(i)

@@ -4,9 +4,8 @@ Everything here is pure and seeded: the same seed gives the same problems, byte 
 Problems are `Example` rows in the canonical schema so the trainer reads them like any
 prepared dataset and grades them with the same `math` reward as the real presets.
 
-The warm start imitates a *sloppy teacher* (`sloppy_answer`): on some problems it forgets
-the carry of the units column, which puts the tens digit one too low. The model picks that habit up during SFT; the test set is graded against
-the true answers, so RL with the verifier has a visible, learnable mistake to fix.
+The warm start trains on the true sums and stops part-way through learning them (at a measured
+dev accuracy, see `toy/prepare.py`), so RL with the verifier has room to finish the job.
 """
 
 from __future__ import annotations
