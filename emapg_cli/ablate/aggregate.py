@@ -17,6 +17,7 @@ from typing import Any, Optional
 from emapg_cli.ablate.grid import RunSpec
 from emapg_cli.ablate.runner import SUMMARY, read_status, run_dir
 from emapg_cli.stats import Interval, mean_ci
+from emapg_cli.train.loggers import METRICS_FILE, read_metrics
 from emapg_cli.ablate.study import Sweep, read_sweep
 
 PLAN_FILE = "plan.jsonl"
@@ -77,21 +78,6 @@ def _finite(x: Any) -> Optional[float]:
     return v if math.isfinite(v) else None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a run's metrics.jsonl (a torn last line, from a run still going, is ignored)."""
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 def curves_of(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
     """(step, value) series of the CURVES metrics, in step order, skipping steps without the metric."""
     out: dict[str, list[tuple[int, float]]] = {name: [] for name in CURVES}
@@ -147,7 +133,7 @@ def collect(out: Path, runs: list[RunSpec]) -> list[RunRecord]:
         rdir = run_dir(out, spec)
         status = read_status(out, spec)
         summary_path = rdir / SUMMARY
-        curves = curves_of(read_metrics(rdir / "metrics.jsonl"))
+        curves = curves_of(read_metrics(rdir / METRICS_FILE, partial=True))
         if summary_path.is_file():
             try:
                 summary = json.loads(summary_path.read_text())
@@ -198,7 +184,8 @@ def write_results_csv(path: Path, records: list[RunRecord], columns: list[str]) 
             w.writerow([r.spec.run_id, r.spec.config_id, *(r.spec.values.get(c) for c in columns), r.spec.seed, r.status, *nums, err])
 
 
-def _pm(iv: Interval, digits: int = 3) -> str:
+def format_mean_std(iv: Interval, digits: int = 3) -> str:
+    """'mean ± std' over seeds ('–' with none, the mean alone with one)."""
     if iv.n == 0:
         return "–"
     if iv.n == 1:
@@ -206,7 +193,8 @@ def _pm(iv: Interval, digits: int = 3) -> str:
     return f"{iv.mean:.{digits}f} ± {iv.std:.{digits}f}"
 
 
-def _ci(iv: Interval, digits: int = 3) -> str:
+def format_ci(iv: Interval, digits: int = 3) -> str:
+    """'[lo, hi]' of the t interval ('–' with fewer than two seeds)."""
     return f"[{iv.lo:.{digits}f}, {iv.hi:.{digits}f}]" if iv.n >= 2 else "–"
 
 
@@ -237,8 +225,8 @@ def summary_markdown(sweep: Sweep, summaries: list[ConfigSummary], records: list
         seeds = f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else "")
         wall = "–" if s["wall_time_s"].n == 0 else f"{s['wall_time_s'].mean:.0f}"
         lines.append(
-            f"| {i} | {c.label} | {seeds} | {_pm(s['eval_accuracy_final'])} | {_ci(s['eval_accuracy_final'])} | "
-            f"{_pm(s['eval_accuracy_initial'])} | {_pm(s['eval_accuracy_best'])} | {_sci(s['kl_mean'])} | "
+            f"| {i} | {c.label} | {seeds} | {format_mean_std(s['eval_accuracy_final'])} | {format_ci(s['eval_accuracy_final'])} | "
+            f"{format_mean_std(s['eval_accuracy_initial'])} | {format_mean_std(s['eval_accuracy_best'])} | {_sci(s['kl_mean'])} | "
             f"{_sci(s['ema_distance_final'])} | {wall} |"
         )
     unfinished = [r for r in records if r.status != "done"]

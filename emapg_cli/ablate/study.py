@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from emapg_cli.ablate.grid import Axis, RunSpec, Variant, check_axes, format_value, plan_runs
-from emapg_cli.config.loading import preset_dir
+from emapg_cli.config.loading import is_path_like, preset_dir, read_yaml_mapping
 from emapg_cli.errors import UserError
 
 STUDY_FILE = "study.yaml"
@@ -80,14 +80,11 @@ def list_studies() -> list[str]:
 
 def load_study(name: str) -> tuple[str, StudyFile]:
     """(name, parsed file) of a named study or a path to a study YAML file."""
-    path = Path(name) if name.endswith((".yaml", ".yml")) or "/" in name else studies_dir() / f"{name}.yaml"
+    path = Path(name) if is_path_like(name) else studies_dir() / f"{name}.yaml"
     if not path.is_file():
         raise UserError(f"unknown study '{name}' (available: {', '.join(list_studies())})")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-        study = StudyFile.model_validate(data)
-    except yaml.YAMLError as e:
-        raise UserError(f"cannot read study {path}: {str(e).splitlines()[0]}") from None
+        study = StudyFile.model_validate(read_yaml_mapping(path, "study"))
     except ValidationError as err:
         e = err.errors()[0]
         raise UserError(f"study {path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None
@@ -142,4 +139,7 @@ def read_sweep(out: Path) -> Sweep:
     path = out / STUDY_FILE
     if not path.is_file():
         raise UserError(f"{out} is not an ablation folder (no {STUDY_FILE})")
-    return Sweep.model_validate(yaml.safe_load(path.read_text()))
+    try:
+        return Sweep.model_validate(read_yaml_mapping(path, "sweep record"))
+    except ValidationError as err:
+        raise UserError(f"{path}: not a valid sweep record ({err.errors()[0]['msg']}); delete the folder to start over") from None

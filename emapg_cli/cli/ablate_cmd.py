@@ -59,7 +59,7 @@ def ablate(
 
 def _report(out: Path) -> None:
     """Aggregate the sweep in `out`, draw the plots and print the ranked table."""
-    from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate
+    from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std
     from emapg_cli.ablate.plots import plot_all
 
     sweep, records, summaries = aggregate(out)
@@ -71,9 +71,8 @@ def _report(out: Path) -> None:
         table.add_column(col)
     for i, c in enumerate(summaries, 1):
         iv = c.stats["eval_accuracy_final"]
-        acc = "–" if iv.n == 0 else (f"{iv.mean:.3f}" + (f" ± {iv.std:.3f}" if iv.n > 1 else ""))
-        ci = f"[{iv.lo:.3f}, {iv.hi:.3f}]" if iv.n > 1 else "–"
-        table.add_row(str(i), c.label, f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""), acc, ci)
+        table.add_row(str(i), c.label, f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
+                      format_mean_std(iv), format_ci(iv))
     console.print(table)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
     console.print("wrote " + ", ".join(str(p) for p in written))

@@ -34,7 +34,13 @@ def list_presets() -> list[str]:
     return sorted(p.stem for p in preset_dir().glob("*.yaml"))
 
 
-def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+def is_path_like(name: str) -> bool:
+    """A `--preset` / `--study` value naming a file rather than a built-in (ends in .yaml/.yml or has a '/')."""
+    return name.endswith((".yaml", ".yml")) or "/" in name
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A YAML file holding a mapping ({} when empty); every problem is a one-line UserError naming `what`."""
     if not path.is_file():
         raise UserError(f"{what} not found: {path}")
     try:
@@ -45,18 +51,18 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise UserError(f"{what} {path} must be a YAML mapping of config groups, got {type(data).__name__}")
+        raise UserError(f"{what} {path} must be a YAML mapping, got {type(data).__name__}")
     return data
 
 
 def read_preset(name: str) -> dict[str, Any]:
     """The raw mapping of preset `name` (a bare name, or a path to a YAML file)."""
-    if name.endswith((".yaml", ".yml")) or "/" in name:
-        return _read_yaml(Path(name), "preset file")
+    if is_path_like(name):
+        return read_yaml_mapping(Path(name), "preset file")
     path = preset_dir() / f"{name}.yaml"
     if not path.is_file():
         raise UserError(f"unknown preset '{name}' (available: {', '.join(list_presets())})")
-    return _read_yaml(path, "preset")
+    return read_yaml_mapping(path, "preset")
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +167,7 @@ def load_config(preset: Optional[str] = None, config_file: Optional[str] = None,
     if preset:
         data = deep_merge(data, read_preset(preset))
     if config_file:
-        data = deep_merge(data, _read_yaml(Path(config_file), "config file"))
+        data = deep_merge(data, read_yaml_mapping(Path(config_file), "config file"))
     data = apply_overrides(data, overrides)
     return validate(data)
 
