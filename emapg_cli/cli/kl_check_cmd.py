@@ -156,11 +156,12 @@ def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, 
     from emapg_cli.klcheck.stability_table import render_table
 
     periods = parse_list(period, int, "--period") if period else list(st.DEFAULT_PERIODS)
+    alpha_grid = parse_list(alphas, float, "--alphas") if alphas else list(st.DEFAULT_ALPHAS)  # parsed once,
+    eta_grid = parse_list(etas, float, "--etas") if etas else list(st.DEFAULT_ETAS)  # before any simulation
     results = []
     for p in periods:
         result = st.run_stability(
-            parse_list(alphas, float, "--alphas") if alphas else list(st.DEFAULT_ALPHAS),
-            parse_list(etas, float, "--etas") if etas else list(st.DEFAULT_ETAS),
+            alpha_grid, eta_grid,
             period=p, beta=st.DEFAULT_BETA if beta is None else beta, tau=st.DEFAULT_TAU if tau is None else tau,
             actions=st.DEFAULT_ACTIONS if actions is None else actions, steps=st.DEFAULT_STEPS if steps is None else steps,
             seed=seed,

@@ -8,12 +8,12 @@ from typing import Any
 
 from emapg_cli.evaluation.store import SUMMARY, TABLE
 
-_HEAD = ("avg@n", "maj@n", "strict")
+_HEAD = ("maj@n", "strict")  # after the pass@k columns (avg@n is pass@1, not repeated)
 
 
 def _metric_columns(summary: dict[str, Any]) -> list[str]:
     passes = [k for k in summary if k.startswith("pass@")]
-    return passes + [k for k in _HEAD if k in summary and k != "avg@n"]
+    return passes + [k for k in _HEAD if k in summary]
 
 
 def markdown(summary: dict[str, Any]) -> str:
