@@ -130,6 +130,7 @@ class _Acc:
 
 @pytest.mark.parametrize("bad", ["loss", "grad"])
 def test_non_finite_step_is_skipped(bad):
+    from emapg_cli.train.parallel import Replicated
     from emapg_cli.train.update import finite_step
 
     torch.manual_seed(0)
@@ -137,13 +138,44 @@ def test_non_finite_step_is_skipped(bad):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     # one good step so the optimizer has state to protect
     model(torch.ones(1, 3)).sum().backward()
-    assert finite_step(_Acc(), list(model.parameters()), opt, 1.0, True)[1]
+    assert finite_step(Replicated(_Acc()), list(model.parameters()), opt, 1.0, True)[1]
     before = [p.detach().clone() for p in model.parameters()]
     state_before = {k: v.clone() for k, v in opt.state[model.weight].items()}
     loss = model(torch.ones(1, 3)).sum() * (float("nan") if bad == "grad" else 1.0)
     loss.backward()
-    norm, stepped = finite_step(_Acc(), list(model.parameters()), opt, 1.0, loss_finite=bad != "loss")
+    norm, stepped = finite_step(Replicated(_Acc()), list(model.parameters()), opt, 1.0, loss_finite=bad != "loss")
     assert not stepped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(torch.equal(state_before[k], v) for k, v in opt.state[model.weight].items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_token_mean_over_ranks_is_the_global_token_mean():
+    """token-mean with each rank's N_tokens = (all ranks' tokens) / world: the mean of the ranks' losses
+    (what DDP/FSDP gradient averaging applies) is the token-mean of the whole mini-batch.
+
+    rank 0: values [1, 2, 3] (3 tokens, sum 6); rank 1: values [4, 5, 6, 7, 8] (5 tokens, sum 30).
+    Whole batch: 36 / 8 = 4.5. Per-rank token-mean would give (6/3 + 30/5) / 2 = (2 + 6) / 2 = 4.0.
+    With the share 8 / 2 = 4: (6/4 + 30/4) / 2 = (1.5 + 7.5) / 2 = 4.5.
+    """
+    from emapg_cli.train.update import global_token_share
+
+    class TwoRanks:
+        num_processes, device = 2, torch.device("cpu")
+
+        def __init__(self, other: float):
+            self.other = other
+
+        def reduce(self, t, reduction):
+            assert reduction == "sum"
+            return t + self.other
+
+    v0, m0 = torch.tensor([[1.0, 2.0, 3.0, 0.0, 0.0]]), torch.tensor([[1, 1, 1, 0, 0]])
+    v1, m1 = torch.tensor([[4.0, 5.0, 6.0, 7.0, 8.0]]), torch.tensor([[1, 1, 1, 1, 1]])
+    share0 = global_token_share(TwoRanks(other=5.0), float(m0.sum()))
+    share1 = global_token_share(TwoRanks(other=3.0), float(m1.sum()))
+    assert share0 == share1 == 4.0
+    averaged = (aggregate(v0, m0, "token-mean", share0) + aggregate(v1, m1, "token-mean", share1)) / 2
+    assert float(averaged) == pytest.approx(4.5)
+    whole = aggregate(torch.cat([v0, v1]), torch.cat([m0, m1]), "token-mean")
+    assert float(averaged) == pytest.approx(float(whole))

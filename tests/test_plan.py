@@ -120,3 +120,23 @@ def test_render_plan_prints_the_numbers(tiny_qwen2):
     text = console.export_text()
     assert "Plan: toy" in text and "135,168" in text and "update peak" in text and "config.json" in text
     assert "90,880 params" in text
+
+
+def test_fsdp_plan_divides_the_state_by_the_ranks():
+    p = 1_777_088_000
+    ddp = {t.name: t.bytes for t in make_plan(load_config("olympiad"), processes=8).memory}
+    single = {t.name: t.bytes for t in make_plan(load_config("olympiad")).memory}
+    assert ddp == single  # ddp replicates everything: the per-device estimate does not change
+    plan = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp"]), processes=8)
+    terms = {t.name: t.bytes for t in plan.memory}
+    # bf16 weights and gradients 2P / 8 = 444,272,000 B each; fp32 moments 8P / 8 = P; anchor 4P / 8 = P / 2
+    assert terms["policy weights"] == terms["gradients"] == 444_272_000
+    assert terms["AdamW moments"] == p and terms["EMA anchor"] == p // 2
+    # root unit = untied embeddings + output layer 2 x 151,936 x 1,536 = 466,747,392, + final norm 1,536;
+    # plus two decoder layers of 46,797,824: (466,748,928 + 93,595,648) x 2 B = 1,120,689,152
+    assert terms["gathered units"] == 1_120_689_152
+    assert terms["policy gathered"] == 2 * p and "anchor gathered" not in terms  # k3 reads the anchor in its own pass
+    exact = {t.name: t.bytes for t in make_plan(load_config("olympiad", overrides=["train.parallel=fsdp", "kl.estimator=exact"]),
+                                                processes=8).memory}
+    assert exact["anchor gathered"] == 4 * p
+    assert (plan.processes, plan.parallel) == (8, "fsdp")

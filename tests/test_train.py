@@ -116,8 +116,8 @@ def test_every_estimator_trains(lm_and_tok, estimator, direction):
                                  "train.logit_chunk=5"])
     batch, _ = _rollout_batch(lm, tok)
     anchor = make_anchor(lm)
-    batch = reference_passes(lm, anchor, batch, cfg, k=4)
     scorer = TokenScorer(lm)
+    batch = reference_passes(scorer, TokenScorer(anchor), batch, cfg, k=4)
     parts = micro_batch_loss(scorer, batch, cfg, float(batch.response_mask.sum()), 6.0, anchor)
     assert math.isfinite(float(parts.loss.detach()))
     assert abs(parts.kl) < 1e-5  # policy == anchor: every estimator's value is 0 (up to round-off)
@@ -164,6 +164,13 @@ def test_dry_run_prints_plan_without_weights(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "olympiad" in proc.stdout and "GiB" in proc.stdout
+    sharded = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--preset", "olympiad", "--dry-run", "--processes", "8",
+                              "--set", "train.parallel=fsdp"], capture_output=True, text=True, timeout=120)
+    assert sharded.returncode == 0, sharded.stderr
+    assert "8 (fsdp)" in sharded.stdout and "/ 8 ranks" in sharded.stdout
+    misused = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--preset", "olympiad", "--processes", "8"],
+                             capture_output=True, text=True, timeout=120)
+    assert misused.returncode == 2 and misused.stderr.count("\n") == 1 and "--dry-run" in misused.stderr
 
 
 # ---------------------------------------------------------------- a whole run

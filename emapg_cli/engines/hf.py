@@ -9,7 +9,8 @@ which is what makes rollouts reproducible on resume. Works on CPU and GPU.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import Tensor
@@ -69,10 +70,17 @@ class SeededSampler(LogitsProcessor):
 class HFEngine:
     """`Engine` over a transformers causal LM that lives in this process (shares the trainer's weights)."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 256):
+    #: Samples from the live module it was given: `load_weights` copies nothing.
+    shares_weights = True
+
+    def __init__(self, model, tokenizer, batch_size: int = 256,
+                 weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None):
+        """`weights_context(model)` is entered around each generate call (default: nothing); the trainer
+        passes one that gathers a sharded model's full weights for the duration (train/parallel.py)."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.weights_context = weights_context or (lambda model: contextlib.nullcontext())
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. the EOS token) before generating")
 
@@ -90,10 +98,11 @@ class HFEngine:
         """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j)."""
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
         flat: list[Completion] = []
-        for start in range(0, len(rows), self.batch_size):
-            chunk = rows[start:start + self.batch_size]
-            seeds = [derive_seed(params.seed, start + j) for j in range(len(chunk))]
-            flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params))
+        with self.weights_context(self.model):
+            for start in range(0, len(rows), self.batch_size):
+                chunk = rows[start:start + self.batch_size]
+                seeds = [derive_seed(params.seed, start + j) for j in range(len(chunk))]
+                flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 from emapg_cli.grpo.advantages import grpo_advantages
 from emapg_cli.grpo.aggregation import LOSS_AGG_MODES, aggregate
-from emapg_cli.grpo.ema import ema_distance, ema_update_
+from emapg_cli.grpo.ema import distance_from_norms, ema_distance, ema_norms, ema_update_
 from emapg_cli.grpo.policy_loss import ppo_clip_loss
 
-__all__ = ["grpo_advantages", "aggregate", "LOSS_AGG_MODES", "ema_update_", "ema_distance", "ppo_clip_loss"]
+__all__ = ["grpo_advantages", "aggregate", "LOSS_AGG_MODES", "ema_update_", "ema_distance", "ema_norms", "distance_from_norms", "ppo_clip_loss"]

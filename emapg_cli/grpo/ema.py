@@ -32,13 +32,27 @@ def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: floa
     torch._foreach_lerp_(dst, src, 1.0 - decay)
 
 
-def ema_distance(current: Sequence[Tensor], shadow: Sequence[Tensor]) -> float:
-    """||theta - theta_ema|| / ||theta|| over all floating tensors (global L2 norms, float32); 0 when ||theta|| = 0."""
+def ema_norms(current: Sequence[Tensor], shadow: Sequence[Tensor]) -> Tensor:
+    """[||theta - theta_ema||^2, ||theta||^2] over all floating tensors (float32 sums of squares). [2]
+
+    Sums of squares add up across shards, so a sharded model's ranks can all-reduce this vector
+    and take `ema_distance`'s ratio of the totals.
+    """
     pairs = [(c.detach().float(), s.detach().float()) for c, s in zip(current, shadow) if c.is_floating_point()]
     if not pairs:
-        return 0.0
+        return torch.zeros(2)
     cur = [c for c, _ in pairs]
     diff = torch._foreach_sub(cur, [s for _, s in pairs])
-    num = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(diff)))
-    den = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(cur)))
-    return float(num / den) if den > 0 else 0.0
+    sq = lambda ts: torch.stack([n.square() for n in torch._foreach_norm(ts)]).sum()  # noqa: E731
+    return torch.stack([sq(diff), sq(cur)])
+
+
+def distance_from_norms(norms: Tensor) -> float:
+    """sqrt(||theta - theta_ema||^2 / ||theta||^2) from `ema_norms`' two totals; 0 when ||theta|| = 0."""
+    diff_sq, cur_sq = (float(v) for v in norms)
+    return (diff_sq / cur_sq) ** 0.5 if cur_sq > 0 else 0.0
+
+
+def ema_distance(current: Sequence[Tensor], shadow: Sequence[Tensor]) -> float:
+    """||theta - theta_ema|| / ||theta|| over all floating tensors (global L2 norms, float32); 0 when ||theta|| = 0."""
+    return distance_from_norms(ema_norms(current, shadow))

@@ -57,9 +57,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, *, policy, anchor, optimizer, scheduler,
+def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, anchor, optimizer, scheduler,
                     state: dict[str, Any], keep: int = 0) -> Path:
-    """Write checkpoints/step_{step}/ atomically (every rank must call it); prune to the newest `keep` (0: all)."""
+    """Write checkpoints/step_{step}/ atomically (every rank must call it); prune to the newest `keep` (0: all).
+
+    Model and optimizer states are whole (unsharded) whatever the `strategy` (train/parallel.py);
+    gathering them is collective, so every rank takes part and the main process writes.
+    """
+    accelerator = strategy.acc
+    policy_state = strategy.model_state(policy)
+    anchor_state = strategy.model_state(anchor) if anchor is not None else None
+    optimizer_state = strategy.optimizer_state(scorer, optimizer)
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step}"
     tmp = root / f".tmp-step_{step}"
@@ -69,10 +77,10 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, *, policy, anchor, op
     accelerator.wait_for_everyone()
     torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
     if accelerator.is_main_process:
-        torch.save(policy.state_dict(), tmp / "policy.pt")
-        if anchor is not None:
-            torch.save(anchor.state_dict(), tmp / "anchor.pt")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(policy_state, tmp / "policy.pt")
+        if anchor_state is not None:
+            torch.save(anchor_state, tmp / "anchor.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
     accelerator.wait_for_everyone()
@@ -86,14 +94,19 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, *, policy, anchor, op
     return final
 
 
-def load_checkpoint(accelerator, path: Path, *, policy, anchor, optimizer, scheduler) -> dict[str, Any]:
-    """Restore a checkpoint into the live objects; returns its state.json."""
+def load_checkpoint(strategy, path: Path, *, scorer, policy, anchor, optimizer, scheduler) -> dict[str, Any]:
+    """Restore a checkpoint into the live objects (every rank reads the files); returns its state.json."""
     path = Path(path)
-    policy.load_state_dict(torch.load(path / "policy.pt", map_location="cpu", weights_only=True))
+    accelerator = strategy.acc
+
+    def load(name: str):
+        return torch.load(path / name, map_location="cpu", weights_only=True)
+
+    strategy.load_model_state(policy, load("policy.pt"))
     if anchor is not None:
-        anchor.load_state_dict(torch.load(path / "anchor.pt", map_location="cpu", weights_only=True))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=True))
+        strategy.load_model_state(anchor, load("anchor.pt"))
+    strategy.load_optimizer_state(scorer, optimizer, load("optimizer.pt"))
+    scheduler.load_state_dict(load("scheduler.pt"))
     rng = path / f"rng_rank{accelerator.process_index}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))

@@ -13,8 +13,9 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, len(prompts), world))
     correct = total = 0
+    # every rank calls generate, even with no items: a sharded engine gathers weights collectively
+    groups = engine.generate([prompts[i] for i in mine], params)
     if mine:
-        groups = engine.generate([prompts[i] for i in mine], params)
         texts = [c.text for g in groups for c in g]
         exs = [examples[i] for i in mine for _ in range(params.n)]
         rewards, _ = score(reward_fn, texts, exs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from emapg_cli.kl import INFO, topk_source
-from emapg_cli.train.logprobs import TokenStats, token_stats
+from emapg_cli.train.logprobs import TokenStats
 from emapg_cli.train.rollout import RolloutBatch
 
 
@@ -27,22 +27,26 @@ def needs_old_pass(cfg) -> bool:
 
 
 @torch.no_grad()
-def _run(lm, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **kw) -> None:
-    """token_stats over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro]."""
+def _run(scorer, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **kw) -> None:
+    """The scorer's pass over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro].
+
+    Called through the scorer module (not `token_stats` on the bare model) so a sharded model's
+    hooks gather its weights; every rank runs the same number of micro-batches.
+    """
     b = batch.advantages.shape[0]
     for s in range(0, b, micro):
         rows = torch.arange(s, min(s + micro, b), device=batch.input_ids.device)
         mb = batch.select(rows)  # trims every per-token field, q_index included
-        stats: TokenStats = token_stats(
-            lm, mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index, **kw,
-        )
+        stats: TokenStats = scorer(mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index, **kw)
         r = mb.response_mask.shape[1]
         for name, out in fill.items():
             out[rows, :r] = getattr(stats, name)
 
 
-def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> RolloutBatch:
+def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: int) -> RolloutBatch:
     """Fill old_logp / q_index (old-policy pass) and ref_logp / ref_logp_q (anchor pass) as the config needs.
+
+    Both models come as `TokenScorer`s (the policy's unwrapped from DDP; a sharded model's FSDP root).
 
     k is the effective top-k size (kl.k capped at the vocabulary). The exact estimator needs no
     anchor pass here: it evaluates the anchor's full logits chunk by chunk inside the loss.
@@ -63,10 +67,10 @@ def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> 
         fill = {"logp": zeros(b, r)}  # [B, R]
         if use_topk and source == "sampling":
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-        was = policy_lm.training
-        policy_lm.eval()
-        _run(policy_lm, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
-        policy_lm.train(was)
+        was = policy_scorer.training
+        policy_scorer.eval()
+        _run(policy_scorer, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
+        policy_scorer.train(was)
         out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
         if "topk_index" in fill:
             out["q_index"] = fill["topk_index"]
@@ -76,10 +80,10 @@ def reference_passes(policy_lm, anchor_lm, batch: RolloutBatch, cfg, k: int) -> 
             fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
         if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-            _run(anchor_lm, batch.with_(q_index=None), micro, fill, topk=k, **common)
+            _run(anchor_scorer, batch.with_(q_index=None), micro, fill, topk=k, **common)
             out["q_index"] = fill["topk_index"]
         else:
-            _run(anchor_lm, batch.with_(q_index=out.get("q_index")), micro, fill, **common)
+            _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, fill, **common)
         out["ref_logp"] = fill["logp"]
         if use_topk:
             out["ref_logp_q"] = fill["logp_q"]

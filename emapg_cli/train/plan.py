@@ -138,7 +138,7 @@ class MemoryTerm:
     name: str
     bytes: int
     formula: str
-    phase: str  # "state": held all run; "update": during forward/backward; "rollout": the vLLM engine
+    phase: str  # "state": held all run; "update": during forward/backward; "rollout": generation (vLLM engine, gathered policy)
 
 
 @dataclass(frozen=True)
@@ -170,6 +170,8 @@ class Plan:
     engine: str
     gradient_checkpointing: bool
     device_memory_bytes: int
+    processes: int = 1  # GPUs the run is launched on
+    parallel: str = "single process"  # ddp / fsdp with several processes
     memory: tuple[MemoryTerm, ...] = ()
     update_peak_bytes: Optional[int] = None
     rollout_peak_bytes: Optional[int] = None
@@ -200,8 +202,20 @@ def memory_terms(
     micro_batch: int,
     device_memory_bytes: int,
     master_weights: bool,
+    processes: int = 1,
 ) -> list[MemoryTerm]:
-    """The memory estimate, term by term, with P parameters, b = micro_batch, T = seq_len.
+    """The memory estimate of one device, term by term, with P parameters, b = micro_batch, T = seq_len.
+
+    With train.parallel=fsdp over N = `processes` ranks, weights, AdamW moments, anchor and
+    gradients are divided by N (each rank holds 1/N of every tensor), and FSDP's gathered copies
+    come on top:
+      gathered units   (R + 2 * layer) * bytes(dtype): the root unit (embeddings, output layer,
+                       final norm: R = V*h, twice when untied, + h) whole during a pass, plus one
+                       decoder layer gathered and the next prefetched
+      anchor gathered  P * 4  the whole fp32 anchor during the update, for the exact estimator only
+      policy gathered  P * bytes(dtype) in the rollout phase: hf generation and the vLLM weight
+                       push gather the whole policy
+    With ddp (or one process) every rank holds everything.
 
     state (whole run):
       weights          P * bytes(dtype)
@@ -231,15 +245,28 @@ def memory_terms(
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
     b, t, layers = micro_batch, seq_len, m.layers
     a = activation_elems_per_token_per_layer(m)
+    shards = processes if cfg.train.parallel == "fsdp" else 1
+    per = f" / {shards} ranks" if shards > 1 else ""
+
+    def sharded(n: int) -> int:
+        return -(-n // shards)  # ceil(n / shards)
+
     terms = [
-        MemoryTerm("policy weights", p * wb, f"P x {wb} B ({cfg.model.dtype})", "state"),
-        MemoryTerm("AdamW moments", 2 * p * FP32, "2 x P x 4 B (fp32 exp_avg, exp_avg_sq)", "state"),
+        MemoryTerm("policy weights", sharded(p * wb), f"P x {wb} B ({cfg.model.dtype}){per}", "state"),
+        MemoryTerm("AdamW moments", sharded(2 * p * FP32), f"2 x P x 4 B (fp32 exp_avg, exp_avg_sq){per}", "state"),
     ]
     if master_weights and cfg.model.dtype != "float32":
-        terms.append(MemoryTerm("fp32 master weights", p * FP32, "P x 4 B", "state"))
+        terms.append(MemoryTerm("fp32 master weights", sharded(p * FP32), f"P x 4 B{per}", "state"))
     if cfg.derived.loads_anchor:
-        terms.append(MemoryTerm("EMA anchor", p * FP32, "P x 4 B (fp32, kl.coef > 0)", "state"))
-    terms.append(MemoryTerm("gradients", p * wb, f"P x {wb} B", "update"))
+        terms.append(MemoryTerm("EMA anchor", sharded(p * FP32), f"P x 4 B (fp32, kl.coef > 0){per}", "state"))
+    terms.append(MemoryTerm("gradients", sharded(p * wb), f"P x {wb} B{per}", "update"))
+    if shards > 1:
+        root = m.vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.hidden
+        terms.append(MemoryTerm("gathered units", (root + 2 * m.params_per_layer()) * wb,
+                                f"(root {_count(root)} + 2 layers) x {wb} B (FSDP all-gathers)", "update"))
+        if cfg.derived.loads_anchor and INFO[cfg.kl.estimator].full_vocab:
+            terms.append(MemoryTerm("anchor gathered", p * FP32, "P x 4 B (whole fp32 anchor; exact KL)", "update"))
+        terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
     if cfg.model.gradient_checkpointing:
         terms.append(MemoryTerm("activations", b * t * (layers * m.hidden + a) * wb,
                                 f"b x T x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
@@ -277,13 +304,16 @@ def make_plan(
     *,
     device_memory_gib: float = 80.0,
     master_weights: bool = False,
+    processes: int = 1,
 ) -> Plan:
     """The plan of `cfg`'s run; `model_config` is the model's config.json (None: look the path up in KNOWN_MODELS).
 
     Sequence length T = max_prompt_tokens + max_turns * max_new_tokens (an upper bound: tool
     outputs of multi-turn episodes come on top). Tokens per step = prompts_per_step * n * T.
-    Memory assumes one GPU of `device_memory_gib` (an 80 GiB H100 by default), the whole model
-    on it (no sharding), and vLLM sleep mode during the update (the engine's share is freed).
+    Memory is per GPU of `device_memory_gib` (an 80 GiB H100 by default) when the run is launched
+    on `processes` GPUs: the whole model on each with ddp, 1/N of it with fsdp (see
+    `memory_terms`), and vLLM sleep mode during the update (the engine's share is freed).
+    Each rank rolls out and updates prompts_per_step / N prompts.
     """
     r, t, d = cfg.rollout, cfg.train, cfg.derived
     seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
@@ -311,12 +341,14 @@ def make_plan(
         max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
         seq_len=seq_len, tokens_per_step=d.responses_per_step * seq_len, engine=r.engine,
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_memory_bytes=device,
+        processes=processes, parallel=cfg.train.parallel if processes > 1 else "single process",
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
 
     def terms_for(b: int) -> list[MemoryTerm]:
-        return memory_terms(model, cfg, seq_len, micro_batch=b, device_memory_bytes=device, master_weights=master_weights)
+        return memory_terms(model, cfg, seq_len, micro_batch=b, device_memory_bytes=device, master_weights=master_weights,
+                            processes=processes)
 
     terms = terms_for(t.micro_batch_size)
     state = sum(x.bytes for x in terms if x.phase == "state")
@@ -380,9 +412,13 @@ def render_plan(plan: Plan):
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
                 f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
     run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")
+    if plan.processes > 1:
+        run.add_row("processes", f"{plan.processes} ({plan.parallel}); each rolls out {plan.prompts_per_step // plan.processes} prompts per step")
     parts: list = [run]
     if plan.memory:
-        mem = Table(title=f"GPU memory estimate ({plan.dtype}, one {plan.device_memory_bytes / GIB:.0f} GiB device)", title_justify="left")
+        where = f"each of {plan.processes} {plan.device_memory_bytes / GIB:.0f} GiB devices" if plan.processes > 1 else \
+            f"one {plan.device_memory_bytes / GIB:.0f} GiB device"
+        mem = Table(title=f"GPU memory estimate ({plan.dtype}, {where})", title_justify="left")
         mem.add_column("term")
         mem.add_column("phase")
         mem.add_column("GiB", justify="right")

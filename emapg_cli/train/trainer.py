@@ -1,12 +1,15 @@
 """The RL loop: rollout -> rewards -> GRPO advantages -> old/anchor passes -> update -> EMA anchor -> log/eval/checkpoint.
 
-Built on `accelerate.Accelerator` (single process on CPU, DDP with `accelerate launch`). Every
+Built on `accelerate.Accelerator` (single process, or several with `accelerate launch`); how the
+ranks hold the policy and the anchor (replicated with DDP, or sharded with FSDP2) is the
+`train.parallel` strategy of train/parallel.py, which the loop calls without branching. Every
 source of randomness is seeded per step from (train.seed, step), and a checkpoint holds the full
 optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted one bit for bit on CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -22,13 +25,14 @@ from emapg_cli.config.models import Config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_distance, ema_update_, grpo_advantages
+from emapg_cli.grpo import ema_update_, grpo_advantages
+from emapg_cli.kl import INFO
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
-from emapg_cli.train.loading import ema_tensors, load_policy, load_tokenizer, make_anchor
-from emapg_cli.train.logprobs import TokenScorer
+from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import step_metrics
+from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import reference_passes
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import update_policy
@@ -44,12 +48,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def make_rollout_engine(cfg: Config, policy, tokenizer):
-    """The configured rollout engine; `hf` samples from the live policy module (vLLM is imported only when chosen)."""
+def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
+    """The configured rollout engine; `hf` samples from the live policy module (vLLM is imported only when chosen).
+
+    `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`).
+    """
     if cfg.rollout.engine == "hf":
         from emapg_cli.engines.hf import HFEngine
 
-        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size)
+        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context)
     from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.train.loading import model_ref
 
@@ -60,12 +67,12 @@ def make_rollout_engine(cfg: Config, policy, tokenizer):
     )
 
 
-def state_hash(model: torch.nn.Module) -> str:
-    """sha256 over a model's parameters and buffers (names and raw bytes)."""
+def state_hash(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over a state dict (names and raw bytes, in order)."""
     import hashlib
 
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -92,7 +99,9 @@ class Trainer:
             if value % world:
                 raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
         if self.acc.distributed_type.name == "FSDP":
-            raise UserError("FSDP is not supported yet: the EMA anchor needs unsharded policy weights (use DDP; see docs/multi_gpu.md)")
+            raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
+                            "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
+        self.strategy = make_strategy(self.acc, cfg.train.parallel)
         self.inputs = preflight(cfg)
         self.reward_fn = self.inputs.reward_fn
 
@@ -114,26 +123,40 @@ class Trainer:
         policy = load_policy(cfg.model)
         vocab = policy.get_output_embeddings().weight.shape[0]
         self.k = min(cfg.kl.k, vocab)
-        self.anchor = make_anchor(policy).to(acc.device) if cfg.derived.loads_anchor else None
         opt = cfg.optim
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-        self.scorer, self.optimizer = acc.prepare(TokenScorer(policy), optimizer)
+
+        def make_optimizer(params):
+            return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+
+        anchor = make_anchor(policy) if cfg.derived.loads_anchor else None
+        self.scorer, self.anchor_scorer, self.optimizer = self.strategy.wrap(policy, anchor, make_optimizer)
+        self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None}
         last = 0
         if self.resume:
             path = ckpt.latest_checkpoint(self.run_dir)
             if path is not None:
-                self.state = ckpt.load_checkpoint(acc, path, policy=self.policy, anchor=self.anchor,
-                                                  optimizer=self.optimizer, scheduler=self.scheduler)
+                self.state = ckpt.load_checkpoint(self.strategy, path, scorer=self.scorer, policy=self.policy,
+                                                  anchor=self.anchor, optimizer=self.optimizer, scheduler=self.scheduler)
                 last = self.state["step"]
-        self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer)
-        self.engine.load_weights(self.policy)  # a no-op for hf, which samples from the live module
+        self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self.strategy.full_weights)
+        self._push(self.policy)
         return last
 
     @property
     def policy(self):
         return self.acc.unwrap_model(self.scorer).lm
+
+    def _push(self, model) -> None:
+        """Make the engine sample from `model` (the policy or the anchor). An engine with weights of
+        its own (vLLM) is sent whole tensors, gathered first when the model is sharded (every rank
+        calls this); `hf` samples from the live module, so nothing is copied."""
+        if getattr(self.engine, "shares_weights", False):
+            self.engine.load_weights(model)
+            return
+        with self.strategy.full_weights(model):
+            self.engine.load_weights(model)
 
     # ------------------------------------------------------------------ pieces
     def _eval(self, model, step: int) -> float:
@@ -142,10 +165,10 @@ class Trainer:
         params = SamplingParams(n=e.n, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
-            self.engine.load_weights(model)
+            self._push(model)
         acc = evaluate(self.engine, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc)
         if model is not self.policy:
-            self.engine.load_weights(self.policy)
+            self._push(self.policy)
         return acc
 
     def _rollout(self, step: int):
@@ -179,10 +202,13 @@ class Trainer:
         """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
         cfg = self.cfg
         self.engine.release_memory()
-        batch = reference_passes(self.policy, self.anchor, batch, cfg, self.k)
+        batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
-        stats = update_policy(self.acc, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
+        # the exact estimator reads the anchor's decoder and output layer inside the policy's loss
+        exact = self.anchor is not None and cfg.kl.coef > 0 and INFO[cfg.kl.estimator].full_vocab
+        with self.strategy.full_weights(self.anchor) if exact else contextlib.nullcontext():
+            stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         self.scorer.eval()
         return stats
 
@@ -192,22 +218,25 @@ class Trainer:
             return None
         e = self.cfg.ema
         if step % e.update_period == 0 and not skipped_now:
-            ema_update_(ema_tensors(self.anchor), ema_tensors(self.policy), e.decay)
-        return ema_distance([p for p in self.policy.parameters()], [p for p in self.anchor.parameters()])
+            ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), e.decay)
+        return self.strategy.ema_distance(self.policy, self.anchor)
 
     def _save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.acc, self.run_dir, step, policy=self.policy, anchor=self.anchor, optimizer=self.optimizer,
-                             scheduler=self.scheduler, state=self.state, keep=self.cfg.train.keep_checkpoints)
+        ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
+                             optimizer=self.optimizer, scheduler=self.scheduler, state=self.state,
+                             keep=self.cfg.train.keep_checkpoints)
 
     def _save_final(self) -> None:
-        if not self.acc.is_main_process:
-            return
+        """final/policy and final/anchor in save_pretrained format (whole weights; gathering is collective)."""
         for name, model in (("policy", self.policy), ("anchor", self.anchor)):
             if model is None:
                 continue
-            out = self.run_dir / "final" / name
-            model.save_pretrained(out)
-            self.tokenizer.save_pretrained(out)
+            state = self.strategy.model_state(model)
+            if self.acc.is_main_process:
+                out = self.run_dir / "final" / name
+                model.save_pretrained(out, state_dict=state)
+                self.tokenizer.save_pretrained(out)
+        self.acc.wait_for_everyone()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
@@ -250,7 +279,7 @@ class Trainer:
                 upd = self._update(step, batch)
                 self.state["skipped"] += upd.skipped
                 dist = self._ema(step, upd.skipped > 0)
-                self.engine.load_weights(self.policy)
+                self._push(self.policy)
                 t2 = time.time()
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
                                        t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
@@ -284,7 +313,10 @@ class Trainer:
         if self.anchor is not None:  # the anchor must be the same on every rank; record each rank's hash
             from accelerate.utils import gather_object
 
-            summary["anchor_sha256_per_rank"] = gather_object([state_hash(self.anchor)])
+            # replicated: each rank's own copy; sharded: the whole anchor as each rank gathers it from the shards
+            anchor_state = self.strategy.model_state(self.anchor, all_ranks=True)
+            summary["anchor_sha256_per_rank"] = gather_object([state_hash(anchor_state)])
+            summary["parallel"] = self.strategy.name
         if acc.is_main_process:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         acc.wait_for_everyone()

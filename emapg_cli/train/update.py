@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -69,15 +68,15 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
     )
 
 
-def finite_step(accelerator, params, optimizer, grad_clip: Optional[float], loss_finite: bool) -> tuple[float, bool]:
+def finite_step(strategy, params, optimizer, grad_clip: Optional[float], loss_finite: bool) -> tuple[float, bool]:
     """Clip and step the optimizer unless the loss or the gradient norm is non-finite.
 
     Returns (pre-clip global grad norm, stepped). On a non-finite value (agreed across ranks) the
     gradients are dropped and the optimizer state is left untouched. The norm is computed even
     without clipping (max_norm = inf).
     """
-    norm = accelerator.clip_grad_norm_(params, grad_clip if grad_clip is not None else math.inf)
-    norm = float(norm) if norm is not None else 0.0
+    accelerator = strategy.acc
+    norm = strategy.clip_grad_norm(params, grad_clip if grad_clip is not None else math.inf)
     bad = torch.tensor(0.0 if (loss_finite and math.isfinite(norm)) else 1.0, device=accelerator.device)
     bad = float(accelerator.reduce(bad, reduction="sum")) if accelerator.num_processes > 1 else float(bad)
     if bad == 0:
@@ -99,13 +98,27 @@ class UpdateStats:
     skipped: int = 0
 
 
-def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, scheduler,
+def global_token_share(accelerator, local_tokens: float) -> float:
+    """The mini-batch's response tokens over all ranks, divided by the number of ranks.
+
+    Passed as token-mean's N_tokens: each rank's loss is then sum_rank / (N_all / world), and the
+    gradient average that DDP and FSDP apply (a mean over ranks) gives sum_all / N_all, the
+    token-mean of the whole mini-batch however its tokens fall on the ranks. One process: unchanged.
+    """
+    if accelerator.num_processes == 1:
+        return local_tokens
+    total = accelerator.reduce(torch.tensor(local_tokens, dtype=torch.float64, device=accelerator.device), reduction="sum")
+    return float(total) / accelerator.num_processes
+
+
+def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, scheduler,
                   generator: torch.Generator, anchor_lm=None) -> UpdateStats:
     """`epochs` passes over this rank's rollouts in mini-batches of whole groups, micro-batched.
 
     Mini-batch groups are shuffled per epoch with `generator`. The learning-rate schedule advances
-    once per optimizer step, also when the step is skipped.
+    once per optimizer step that was taken (a skipped step leaves optimizer and schedule untouched).
     """
+    accelerator = strategy.acc
     t, group_size = cfg.train, cfg.rollout.n
     n_groups = batch.advantages.shape[0] // group_size
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
@@ -117,13 +130,12 @@ def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, sche
             groups = order[g0:g0 + groups_per_mini]
             rows = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [rows]
             mask = batch.response_mask[rows]
-            num_tokens, num_seqs = float(mask.sum()), float(rows.numel())
+            num_tokens, num_seqs = global_token_share(accelerator, float(mask.sum())), float(rows.numel())
             micros = [rows[i:i + t.micro_batch_size] for i in range(0, rows.numel(), t.micro_batch_size)]
             finite = True
             pg = kl = 0.0
             for i, micro in enumerate(micros):
-                sync = contextlib.nullcontext() if i == len(micros) - 1 else accelerator.no_sync(scorer)
-                with sync:
+                with strategy.no_sync(scorer, last=i == len(micros) - 1):
                     parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
@@ -131,8 +143,9 @@ def update_policy(accelerator, scorer, batch: RolloutBatch, cfg, optimizer, sche
                 stats.clipped_tokens += parts.clipped_tokens
                 stats.entropy_sum += parts.entropy_sum
                 stats.tokens += parts.tokens
-            norm, stepped = finite_step(accelerator, params, optimizer, cfg.optim.grad_clip, finite)
-            scheduler.step()
+            norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
+            if stepped:
+                scheduler.step()
             stats.skipped += 0 if stepped else 1
             stats.pg.append(pg)
             stats.kl.append(kl)

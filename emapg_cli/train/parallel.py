@@ -1,0 +1,214 @@
+"""How the ranks of a run share the policy and the EMA anchor: replicated (one process, DDP) or sharded (FSDP2).
+
+The trainer talks to one `Strategy` and never branches on the parallelism itself. Each strategy
+answers the same questions:
+  wrap            turn the policy (and anchor) into the modules the trainer runs, plus the optimizer
+  no_sync         skip the gradient reduction of a micro-batch that is not the last of its mini-batch
+  clip_grad_norm  the global gradient norm (clipped in place)
+  full_weights    a context in which a model's parameters are whole, ordinary tensors (generation,
+                  pushing weights into an engine, reading the anchor's output layer)
+  ema_tensors     the tensors the EMA averages on this rank (whole tensors, or this rank's shards)
+  ema_distance    ||theta - theta_ema|| / ||theta|| over the whole model
+  model_state / load_model_state / optimizer_state / load_optimizer_state
+                  full (unsharded) state dicts for checkpoints and final weights, so a checkpoint
+                  has the same format whichever strategy wrote it
+
+`sharded` uses PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) directly rather than
+accelerate's FSDP plugin: accelerate enables FSDP only on GPUs and wraps a single model, while the
+anchor must be sharded exactly like the policy so that each rank averages its own shard. Every
+decoder layer (the model's `_no_split_modules` classes) is one FSDP unit, and the `TokenScorer`
+around the model is the root; the anchor gets the same layout in float32. FSDP2 shards every
+parameter along dim 0 over the same ranks, so the policy's local shard and the anchor's local shard
+of a parameter cover the same elements and the EMA update needs no communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from emapg_cli.grpo import distance_from_norms, ema_distance, ema_norms
+from emapg_cli.train.loading import ema_tensors
+from emapg_cli.train.logprobs import TokenScorer
+
+
+class Replicated:
+    """Every rank holds the whole policy, anchor and optimizer state (one process, or DDP through accelerate)."""
+
+    name = "replicated"
+
+    def __init__(self, accelerator):
+        self.acc = accelerator
+
+    def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer):
+        """(policy scorer as the update runs it, anchor scorer or None, optimizer); DDP when several processes."""
+        scorer, optimizer = self.acc.prepare(TokenScorer(policy), make_optimizer(policy.parameters()))
+        return scorer, (TokenScorer(anchor).to(self.acc.device) if anchor is not None else None), optimizer
+
+    def no_sync(self, scorer, last: bool):
+        return contextlib.nullcontext() if last else self.acc.no_sync(scorer)
+
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
+        norm = self.acc.clip_grad_norm_(params, max_norm)
+        return float(norm) if norm is not None else 0.0
+
+    def full_weights(self, model: nn.Module):
+        return contextlib.nullcontext()
+
+    def ema_tensors(self, model: nn.Module) -> list[Tensor]:
+        return ema_tensors(model)
+
+    def ema_distance(self, policy: nn.Module, anchor: nn.Module) -> float:
+        return ema_distance(list(policy.parameters()), list(anchor.parameters()))
+
+    def model_state(self, model: nn.Module, all_ranks: bool = False) -> dict[str, Tensor]:
+        return model.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Tensor]) -> None:
+        model.load_state_dict(state)
+
+    def optimizer_state(self, scorer, optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, scorer, optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+
+class Sharded:
+    """FSDP2: parameters, gradients, AdamW state and the float32 anchor are sharded over the ranks."""
+
+    name = "sharded"
+
+    def __init__(self, accelerator):
+        self.acc = accelerator
+        self._roots: dict[int, nn.Module] = {}  # id(lm) -> its FSDP root (the TokenScorer around it)
+
+    # ---------------------------------------------------------------- wrapping
+    def _shard(self, lm: nn.Module) -> TokenScorer:
+        from torch.distributed.fsdp import fully_shard
+
+        units = set(getattr(lm, "_no_split_modules", None) or ())
+        layers = [m for m in lm.modules() if type(m).__name__ in units]
+        if not layers:
+            raise RuntimeError(f"{type(lm).__name__} names no decoder-layer class in _no_split_modules; cannot shard it")
+        lm.to(self.acc.device)
+        # reshard_after_forward=True for the root too (FSDP2's default keeps a root's weights whole
+        # after forward): outside a forward every unit then holds only its shard, which the EMA
+        # update and the distance rely on, and the anchor, which never runs backward, frees them.
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=True)
+        root = fully_shard(TokenScorer(lm), reshard_after_forward=True)
+        # FSDP2 picks its root on the first forward it sees. Generation and the exact estimator call
+        # submodules directly, so run one token through the root now to fix the root before that.
+        with torch.no_grad():
+            two = torch.ones(1, 2, dtype=torch.long, device=self.acc.device)  # [1, 2]: a 1-token prompt, 1 masked-out response token
+            root(two, two, 1, torch.zeros(1, 1, dtype=torch.bool, device=self.acc.device), entropy=False)
+        self._roots[id(lm)] = root
+        return root
+
+    def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer):
+        """Shard the anchor and the policy the same way; the optimizer is built over the policy's shards."""
+        anchor_root = self._shard(anchor) if anchor is not None else None
+        root = self._shard(policy)
+        return root, anchor_root, make_optimizer(root.parameters())
+
+    def _fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self._roots.get(id(model), model)
+        return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+    # ---------------------------------------------------------------- update
+    def no_sync(self, scorer, last: bool):
+        @contextlib.contextmanager
+        def ctx():
+            scorer.set_requires_gradient_sync(last)
+            try:
+                yield
+            finally:
+                scorer.set_requires_gradient_sync(True)
+
+        return ctx()
+
+    def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
+        """torch's clip on DTensor gradients: the norm is reduced over the ranks (the same value on all)."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        full = getattr(norm, "full_tensor", None)
+        return float(full() if full is not None else norm)
+
+    # ---------------------------------------------------------------- whole weights
+    @contextlib.contextmanager
+    def full_weights(self, model: nn.Module) -> Iterator[None]:
+        """All-gather every unit of `model` (the policy or the anchor) and keep it whole until exit.
+
+        While inside, the modules hold ordinary full tensors and no forward triggers a collective,
+        so ranks may generate different numbers of tokens. Costs one full copy of the model per rank.
+        Every rank must enter it (the all-gathers are collectives).
+        """
+        modules = self._fsdp_modules(model)
+        for m in modules:
+            m.set_reshard_after_forward(False, recurse=False)
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.reshard()
+                m.set_reshard_after_forward(True, recurse=False)
+
+    # ---------------------------------------------------------------- EMA
+    def ema_tensors(self, model: nn.Module) -> list[Tensor]:
+        """This rank's shards of the parameters (then the replicated buffers), in module order."""
+        with torch.no_grad():
+            return [t.to_local() if hasattr(t, "to_local") else t for t in ema_tensors(model)]
+
+    def ema_distance(self, policy: nn.Module, anchor: nn.Module) -> float:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            local = [p.to_local() for p in policy.parameters()], [p.to_local() for p in anchor.parameters()]
+        norms = ema_norms(*local).to(self.acc.device)  # [2]: this rank's sums of squares
+        dist.all_reduce(norms)
+        return distance_from_norms(norms)
+
+    # ---------------------------------------------------------------- state dicts
+    def model_state(self, model: nn.Module, all_ranks: bool = False) -> dict[str, Tensor]:
+        """The whole model's state dict: on the main rank in CPU memory (others get {}), or on every rank
+        in device memory with `all_ranks`. Collective: every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
+        # gathering copies each name separately; tied parameters (embeddings / output layer) must
+        # stay one tensor, as in an unsharded state dict, so save_pretrained writes them once
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if id(param) in first and name in state:
+                state[name] = state[first[id(param)]]
+            first.setdefault(id(param), name)
+        return state
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def optimizer_state(self, scorer, optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(scorer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_optimizer_state(self, scorer, optimizer, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(scorer, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def make_strategy(accelerator, parallel: str):
+    """`sharded` for train.parallel=fsdp with several processes; otherwise `replicated` (FSDP over one rank is one device)."""
+    if parallel == "fsdp" and accelerator.num_processes > 1:
+        return Sharded(accelerator)
+    return Replicated(accelerator)
