@@ -127,6 +127,52 @@ def test_every_estimator_trains(lm_and_tok, estimator, direction):
     lm.zero_grad(set_to_none=True)
 
 
+class _OneProcess:
+    """The Accelerator methods the update uses, single process."""
+
+    device, num_processes = torch.device("cpu"), 1
+
+    def backward(self, loss):
+        loss.backward()
+
+    def no_sync(self, model):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, params, max_norm):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2):
+    """NaN advantages make every mini-batch's loss non-finite: 2 optimizer steps skipped, weights, AdamW state and
+    the warm-up schedule unchanged; the same batch with finite advantages takes both steps and advances the schedule."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from emapg_cli.train.logprobs import TokenScorer
+    from emapg_cli.train.parallel import Replicated
+    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.update import update_policy
+
+    lm, tok = AutoModelForCausalLM.from_pretrained(tiny_qwen2), AutoTokenizer.from_pretrained(tiny_qwen2)
+    cfg = load_config(overrides=["rollout.prompts_per_step=2", "rollout.n=3", "train.mini_batch_prompts=1",
+                                 "train.micro_batch_size=2", "kl.coef=0", "train.steps=4", "optim.warmup_ratio=0.5"])
+    batch, _ = _rollout_batch(lm, tok)
+    scorer = TokenScorer(lm)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    sched = make_scheduler(opt, cfg)  # 4 RL steps x 2 optimizer steps = 8; warm-up over 4: lr = 1e-3 * (i + 1) / 4
+    before = [p.detach().clone() for p in lm.parameters()]
+    bad = batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))
+    stats = update_policy(Replicated(_OneProcess()), scorer, bad, cfg, opt, sched, torch.Generator().manual_seed(0))
+    assert stats.skipped == 2 and sched.last_epoch == 0 and not opt.state
+    assert sched.get_last_lr()[0] == pytest.approx(0.25e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
+    stats = update_policy(Replicated(_OneProcess()), scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(0))
+    assert stats.skipped == 0 and sched.last_epoch == 2
+    assert sched.get_last_lr()[0] == pytest.approx(0.75e-3)  # (2 + 1) / 4 after two steps taken
+    assert not all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
+
+
 # ---------------------------------------------------------------- bad input
 def _cfg(tiny, data, *extra):
     return load_config(overrides=[f"model.path={tiny}", f"data.train={data}", "rollout.reward=math", *extra])
