@@ -169,6 +169,10 @@ def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2
     assert all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
     stats = update_policy(Replicated(_OneProcess()), scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(0))
     assert stats.skipped == 0 and sched.last_epoch == 2
+    # no old-policy pass ran: the first mini-batch (before any step) compares its log-probs with the engine's
+    group_tokens = {int(batch.response_mask[:3].sum()), int(batch.response_mask[3:].sum())}  # either group may go first
+    assert sum(d.numel() for d in stats.logprob_diffs) in group_tokens
+    assert float(torch.cat(stats.logprob_diffs).abs().max()) < 1e-3
     assert sched.get_last_lr()[0] == pytest.approx(0.75e-3)  # (2 + 1) / 4 after two steps taken
     assert not all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
 
@@ -236,6 +240,8 @@ def test_run_writes_metrics_checkpoints_final_and_summary(tiny_qwen2, tmp_path):
                 "grad/norm", "lr", "time/rollout", "time/update", "throughput/tokens_per_s", "steps/skipped"):
         assert key in rows[1], key
     assert "eval/anchor_accuracy" in rows[2] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[0]
+    # the hf engine's sampling log-probs (KV-cached generate) vs the trainer's old-policy pass: float32 round-off
+    assert 0 <= rows[1]["rollout/logprob_max_abs_diff"] < 1e-3 and rows[1]["rollout/ratio_mean"] == pytest.approx(1, abs=1e-3)
     assert rows[2]["ema/distance"] > 0 and rows[2]["steps/skipped"] == 0
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_time_s"} <= summary.keys()
@@ -270,3 +276,13 @@ def test_olympiad_preset_runs_two_steps_on_real_math_data(shared_data, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 2 and math.isfinite(rows[-1]["kl/value"])
+
+
+def test_rollout_mismatch_by_hand():
+    from emapg_cli.train.metrics import rollout_mismatch
+
+    m = rollout_mismatch(torch.tensor([-0.1, 0.0, 0.0]))  # trainer - engine, per token
+    assert m["rollout/logprob_abs_diff"] == pytest.approx(0.1 / 3)
+    assert m["rollout/logprob_max_abs_diff"] == pytest.approx(0.1)
+    assert m["rollout/ratio_mean"] == pytest.approx((math.exp(-0.1) + 2) / 3)
+    assert rollout_mismatch(None) == {} and rollout_mismatch(torch.zeros(0)) == {}

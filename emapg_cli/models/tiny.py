@@ -63,8 +63,15 @@ def build_tiny_model(
     kv_heads: int = 2,
     max_positions: int = 1024,
     seed: int = 0,
+    init_std: float | None = None,
 ):
-    """A randomly initialised Qwen2/Llama causal LM sized for CPU tests (~100k parameters)."""
+    """A randomly initialised Qwen2/Llama causal LM sized for CPU tests (~100k parameters).
+
+    `init_std` sets the initialiser's standard deviation (`initializer_range`, transformers'
+    default 0.02). At 0.02 a random tiny model's next-token distribution is nearly uniform and
+    greedy decoding mostly repeats the last prompt token; about 0.3 gives peaked, input-dependent
+    distributions, which tests comparing two implementations' greedy outputs need.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -81,6 +88,7 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        **({} if init_std is None else {"initializer_range": init_std}),
     )
     torch.manual_seed(seed)
     return model_cls(config)

