@@ -28,3 +28,12 @@ def expand(path: str) -> Path:
     home = str(emapg_home())
     path = path.replace("${EMAPG_HOME}", home).replace("$EMAPG_HOME", home)
     return Path(os.path.expandvars(path)).expanduser()
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: a reader (another rank, a crash)
+    sees the old file or the new one, never a half-written one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

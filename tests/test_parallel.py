@@ -27,7 +27,7 @@ def _launch(*args: str) -> None:
            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
            LAUNCHER, "train", *args]
     proc = run(cmd, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -10,12 +10,12 @@ NaN / Infinity (Python's `json` reads them back).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
 from emapg_cli.config.models import LoggingConfig
 from emapg_cli.errors import UserError
+from emapg_cli.paths import write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -151,9 +151,7 @@ def truncate_metrics(path: Path, last_step: int) -> int:
         else:
             dropped += 1
     if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, "".join(line + "\n" for line in keep))
     return dropped
 
 

@@ -27,6 +27,7 @@ from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_update_, grpo_advantages
 from emapg_cli.kl import INFO
+from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
@@ -256,7 +257,8 @@ class Trainer:
         start_time = time.time()
         if acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))  # on resume: the saved config plus any --set
+            # on resume: the saved config plus any --set; atomic, as the other ranks may be reading the old one
+            write_text_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
         acc.wait_for_everyone()
         last = self._setup()
         elapsed0 = float(self.state.get("elapsed_s", 0.0))
