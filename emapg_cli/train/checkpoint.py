@@ -17,6 +17,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from emapg_cli.errors import UserError
+
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -82,7 +84,7 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
             torch.save(anchor_state, tmp / "anchor.pt")
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+        (tmp / "state.json").write_text(json.dumps({**state, "step": step, "parallel": strategy.name}, indent=2))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
@@ -98,6 +100,11 @@ def load_checkpoint(strategy, path: Path, *, scorer, policy, anchor, optimizer, 
     """Restore a checkpoint into the live objects (every rank reads the files); returns its state.json."""
     path = Path(path)
     accelerator = strategy.acc
+    saved = json.loads((path / "state.json").read_text())
+    written_by = saved.get("parallel", "replicated")
+    if written_by != strategy.name:
+        raise UserError(f"{path} was written by a {written_by} run and this one is {strategy.name}: resume with the "
+                        "train.parallel that wrote it, on several processes for fsdp (optimizer states differ in format)")
 
     def load(name: str):
         return torch.load(path / name, map_location="cpu", weights_only=True)
@@ -110,4 +117,4 @@ def load_checkpoint(strategy, path: Path, *, scorer, policy, anchor, optimizer, 
     rng = path / f"rng_rank{accelerator.process_index}.pt"
     if rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))
-    return json.loads((path / "state.json").read_text())
+    return saved

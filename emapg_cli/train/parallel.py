@@ -1,7 +1,7 @@
 """How the ranks of a run share the policy and the EMA anchor: replicated (one process, DDP) or sharded (FSDP2).
 
-The trainer talks to one `Strategy` and never branches on the parallelism itself. Each strategy
-answers the same questions:
+The trainer talks to one strategy object and never branches on the parallelism itself. Both
+strategies answer the same questions:
   wrap            turn the policy (and anchor) into the modules the trainer runs, plus the optimizer
   no_sync         skip the gradient reduction of a micro-batch that is not the last of its mini-batch
   clip_grad_norm  the global gradient norm (clipped in place)
@@ -10,8 +10,10 @@ answers the same questions:
   ema_tensors     the tensors the EMA averages on this rank (whole tensors, or this rank's shards)
   ema_distance    ||theta - theta_ema|| / ||theta|| over the whole model
   model_state / load_model_state / optimizer_state / load_optimizer_state
-                  full (unsharded) state dicts for checkpoints and final weights, so a checkpoint
-                  has the same format whichever strategy wrote it
+                  full (unsharded) state dicts for checkpoints and final weights; model states
+                  have one format, optimizer states do not (torch's per-index state dict vs the
+                  distributed API's per-name one), so a run resumes only under the strategy that
+                  wrote its checkpoint (checked in train/checkpoint.py)
 
 `sharded` uses PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) directly rather than
 accelerate's FSDP plugin: accelerate enables FSDP only on GPUs and wraps a single model, while the
@@ -25,7 +27,6 @@ of a parameter cover the same elements and the EMA update needs no communication
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any, Iterator, Optional
 
 import torch
