@@ -319,3 +319,34 @@ def test_emapg_train_with_vllm_rollouts(model_dir, tmp_path):
     assert any(not torch.equal(final[k], start[k]) for k in start)
     # sleep mode is unavailable on CPU: the trainer's release_memory warned (once) and went on
     assert (r.stderr + r.stdout).count("sleep mode is not available on cpu") == 1
+
+
+def test_emapg_train_fsdp_two_processes_push_gathered_weights(model_dir, tmp_path):
+    """train.parallel=fsdp on 2 CPU processes, each with its own vLLM engine: every push gathers the whole policy
+    (or anchor, for eval.anchor_every) from the shards. Step 2 samples with weights gathered and pushed after
+    step 1's sharded update, and its log-probs match the trainer's old-policy pass over the shards."""
+    import socket
+
+    sys.path.insert(0, str(HERE))
+    from train_helpers import LAUNCHER, tiny_overrides, write_dataset
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = write_dataset(tmp_path / "train.jsonl")
+    out = tmp_path / "run"
+    sets = tiny_overrides(model_dir, data, steps=2, **{"rollout.engine": "vllm", "data.max_prompt_tokens": 200,
+                                                       "train.save_every": 0, "eval.anchor_every": 1,
+                                                       "train.parallel": "fsdp"})
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(port),
+           LAUNCHER, "train", *sets, "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**_env(tmp_path), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["parallel"] == "sharded" and len(set(summary["anchor_sha256_per_rank"])) == 1
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").open()][1:]
+    assert [row["step"] for row in steps] == [1, 2]
+    for row in steps:
+        assert row["rollout/logprob_max_abs_diff"] < LOGPROB_TOL, row
+        assert "eval/anchor_accuracy" in row
