@@ -96,7 +96,9 @@ class Sharded:
         layers = [m for m in lm.modules() if type(m).__name__ in units]
         if not layers:
             raise RuntimeError(f"{type(lm).__name__} names no decoder-layer class in _no_split_modules; cannot shard it")
-        lm.to(self.acc.device)
+        # No lm.to(device) first: fully_shard moves each unit's own parameters to the device as it
+        # shards them, so a GPU never holds more than one whole unit (the model stays in CPU memory
+        # until then; each rank loads it there, and the float32 anchor copy too).
         # reshard_after_forward=True for the root too (FSDP2's default keeps a root's weights whole
         # after forward): outside a forward every unit then holds only its shard, which the EMA
         # update and the distance rely on, and the anchor, which never runs backward, frees them.
