@@ -42,7 +42,7 @@ DEFAULTS = {"cuda": dict(prompts=64, n=8, max_new_tokens=128, repeats=5),
 
 
 def paired_times(fn_a, fn_b, repeats: int, device: str) -> tuple[list[float], list[float]]:
-    """Wall times (seconds) of `repeats` interleaved calls a, b, a, b, ...; on CUDA after all queued work is done.
+    """Wall times (seconds) of `repeats` interleaved pairs (a, b), (b, a), ...; on CUDA after all queued work is done.
 
     Interleaving puts both sides under the same background load, so their per-pair ratio is far less
     noisy on a shared machine than two separate medians."""
@@ -50,8 +50,9 @@ def paired_times(fn_a, fn_b, repeats: int, device: str) -> tuple[list[float], li
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(repeats):
-        for fn, out in ((fn_a, times[0]), (fn_b, times[1])):
+    for i in range(repeats):
+        order = ((fn_a, times[0]), (fn_b, times[1]))
+        for fn, out in order if i % 2 == 0 else order[::-1]:  # alternate which side runs first
             sync()
             t0 = time.perf_counter()
             fn()
@@ -93,6 +94,7 @@ def run_eval(model_path: Path, work: Path) -> dict:
     data.write_text("".join(json.dumps({"id": str(i), "question": f"What is {i} + {i}?", "answers": [str(2 * i)]}) + "\n" for i in range(4)))
     cmd = [sys.executable, "-m", "emapg_cli", "eval", "--model", str(model_path), "--bench", str(data), "--backend", "vllm",
            "--limit", "4", "--n", "2", "--max-tokens", "16", "--max-model-len", "512", "--grader-workers", "1",
+           "--gpu-memory-utilization", "0.3",  # on a GPU the parent process still holds its own engine
            "--out", str(work / "eval")]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "EMAPG_HOME": str(work / "home")})
@@ -168,7 +170,8 @@ def main() -> int:
     tokens = sum(len(c.token_ids) for g in groups for c in g)
     check("bare_generate_s", True, round(bare, 4))
     check("engine_generate_s", True, round(ours, 4))
-    check("engine_overhead_pct", statistics.median(pairs) < 10.0,
+    # the target is <= 5% on a GPU; on a shared CPU single pairs scatter by +-10%, so only gross overhead fails there
+    check("engine_overhead_pct", statistics.median(pairs) < (5.0 if device == "cuda" else 10.0),
           f"{statistics.median(pairs):+.2f} (median of {len(pairs)} interleaved pairs; range {pairs[0]:+.2f} to {pairs[-1]:+.2f})")
     check("tokens_per_call", True, tokens)
     check("tokens_per_s", True, round(tokens / ours))

@@ -140,3 +140,16 @@ def test_fsdp_plan_divides_the_state_by_the_ranks():
                                                 processes=8).memory}
     assert exact["anchor gathered"] == 4 * p
     assert (plan.processes, plan.parallel) == (8, "fsdp")
+
+
+def test_fsdp_plan_is_per_rank():
+    # 64 prompts per mini-batch over 8 ranks = 8 prompts x 8 responses = 64 sequences per rank / 8 per micro-batch
+    plan = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp"]), processes=8)
+    assert plan.micro_batches_per_mini_batch == 8
+    assert any("of 128 per step on each rank" in n for n in plan.notes)  # 1,024 responses / 8 ranks
+    odd = make_plan(load_config("olympiad"), processes=3)
+    assert any("not a multiple of 3 processes" in n for n in odd.notes)
+    # evaluating the anchor gathers the whole fp32 anchor (4 B/param) in the rollout phase, more than the bf16 policy
+    anchor_eval = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp", "eval.anchor_every=10"]), processes=8)
+    terms = {t.name: t.bytes for t in anchor_eval.memory}
+    assert terms["anchor gathered (eval)"] == 4 * 1_777_088_000 and "policy gathered" not in terms

@@ -169,9 +169,14 @@ def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2
     assert all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
     stats = update_policy(Replicated(_OneProcess()), scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(0))
     assert stats.skipped == 0 and sched.last_epoch == 2
-    # no old-policy pass ran: the first mini-batch (before any step) compares its log-probs with the engine's
-    group_tokens = {int(batch.response_mask[:3].sum()), int(batch.response_mask[3:].sum())}  # either group may go first
-    assert sum(d.numel() for d in stats.logprob_diffs) in group_tokens
+    # one on-policy mini-batch (the only case without an old-policy pass): the update's own pass runs on the
+    # sampling weights and compares every response token's log-prob with the engine's
+    lm2 = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    one = load_config(overrides=["rollout.prompts_per_step=2", "rollout.n=3", "train.mini_batch_prompts=2", "kl.coef=0"])
+    opt2 = torch.optim.AdamW(lm2.parameters(), lr=1e-3)
+    stats = update_policy(Replicated(_OneProcess()), TokenScorer(lm2), batch, one, opt2, make_scheduler(opt2, one),
+                          torch.Generator().manual_seed(0))
+    assert sum(d.numel() for d in stats.logprob_diffs) == int(batch.response_mask.sum())
     assert float(torch.cat(stats.logprob_diffs).abs().max()) < 1e-3
     assert sched.get_last_lr()[0] == pytest.approx(0.75e-3)  # (2 + 1) / 4 after two steps taken
     assert not all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))

@@ -46,7 +46,13 @@ HERE = Path(__file__).parent
 def _cpu_platform():
     # skipped here, not at import: without vLLM a bare `pytest` then deselects the module without a skip
     pytest.importorskip("vllm")
-    if vllm_device() != "cpu":
+    from emapg_cli.errors import UserError
+
+    try:
+        device = vllm_device()
+    except UserError as e:  # e.g. vLLM's CUDA build on a machine without a GPU
+        pytest.skip(str(e))
+    if device != "cpu":
         pytest.skip("these tests are for vLLM's CPU build; on a GPU run scripts/vllm_check.py")
 
 
@@ -350,3 +356,15 @@ def test_emapg_train_fsdp_two_processes_push_gathered_weights(model_dir, tmp_pat
     for row in steps:
         assert row["rollout/logprob_max_abs_diff"] < LOGPROB_TOL, row
         assert "eval/anchor_accuracy" in row
+
+
+def test_kv_cache_too_small_is_a_user_error(model_dir, monkeypatch):
+    """vLLM refuses a KV cache that cannot hold one max_model_len sequence, advising gpu_memory_utilization (unused on
+    CPU); the engine turns that into a one-line UserError naming what does size it."""
+    from emapg_cli.errors import UserError
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with pytest.raises(UserError, match="VLLM_CPU_KVCACHE_SPACE") as err:
+        VLLMEngine(str(model_dir), dtype="float32", gpu_memory_utilization=0.5, seed=0, max_model_len=1024,
+                   kv_cache_memory_bytes=64 * 1024)
+    assert "\n" not in str(err.value)

@@ -57,8 +57,9 @@ _INPROCESS_WORKER_PATHS = (
 
 #: Where the in-process model lives, newest layout first (same layouts as above; the driver
 #: worker's wrapper forwards attributes to the real worker, hence both of the first two paths).
-#: Checked on vLLM 0.32 (CPU): the first path gives the `Qwen2ForCausalLM` module. Used only by
-#: the fallback for vLLM versions whose workers cannot reload weights from an iterator.
+#: Checked on vLLM 0.32 (CPU): the first path gives the `Qwen2ForCausalLM` module. Used by the
+#: reload path (to refresh tied output heads) and by the fallback for vLLM versions whose workers
+#: cannot reload weights from an iterator.
 _INPROCESS_MODEL_PATHS = (
     "llm_engine.model_executor.driver_worker.model_runner.model",
     "llm_engine.model_executor.driver_worker.worker.model_runner.model",
@@ -114,11 +115,6 @@ def sleep_mode_available() -> bool:
 
     check = getattr(current_platform, "is_sleep_mode_available", None)
     return bool(check()) if callable(check) else bool(current_platform.is_cuda())
-
-
-def check_vllm_usable() -> str:
-    """vLLM is installed and can run here: the device ("cuda" or "cpu"), else a UserError (for preflight checks)."""
-    return vllm_device(import_vllm())
 
 
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -332,10 +328,14 @@ def weight_loader(llm: Any, device: Optional[str] = None) -> Callable[[Iterable[
     reload = find_inprocess_reloader(llm)
     if reload is not None:
         model = find_inprocess_model(llm)
+        if model is None and device == "cpu":  # without the refresh a tied output layer would stay stale
+            raise UserError("cannot find vLLM's in-process model to refresh its tied output layer after a weight push "
+                            f"(vLLM {getattr(import_vllm(), '__version__', 'unknown')}; checked layouts: "
+                            f"{', '.join(_INPROCESS_MODEL_PATHS)})")
 
         def via_reload(weights: Iterable[tuple[str, Any]]) -> None:
             reload(weights_iterator=weights, is_checkpoint_format=True)
-            if model is not None:
+            if model is not None:  # on CUDA the tied head shares the reloaded storage; the refresh is a no-op there
                 refresh_tied_heads(model)
 
         return via_reload
@@ -446,7 +446,16 @@ class VLLMEngine:
             self._no_sleep_reason = f"vLLM sleep mode is not available on {self.device}"
         else:
             kwargs["enable_sleep_mode"] = True
-        self._llm = vllm.LLM(**kwargs)
+        try:
+            self._llm = vllm.LLM(**kwargs)
+        except ValueError as e:
+            # vLLM 0.32's two KV-cache refusals ("... KV cache is needed, which is larger than ...", "No available
+            # memory for the cache blocks") advise gpu_memory_utilization, which emapg does not use on CPU
+            if self.device == "cpu" and "cache" in str(e) and "gpu_memory_utilization" in str(e):
+                raise UserError(f"vLLM's KV cache on CPU is too small for one sequence of max_model_len ({max_model_len}): "
+                                "set VLLM_CPU_KVCACHE_SPACE=<GiB> or a smaller max_model_len (eval: --max-model-len). "
+                                f"vLLM said: {str(e).split('. Try')[0]}") from None
+            raise
         if self._no_sleep_reason is None and not callable(getattr(self._llm, "sleep", None)):
             self._no_sleep_reason = f"vLLM {getattr(vllm, '__version__', 'unknown')} has no LLM.sleep"
         self._sleep_mode = self._no_sleep_reason is None

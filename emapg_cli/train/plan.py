@@ -214,7 +214,8 @@ def memory_terms(
                        decoder layer gathered and the next prefetched
       anchor gathered  P * 4  the whole fp32 anchor during the update, for the exact estimator only
       policy gathered  P * bytes(dtype) in the rollout phase: hf generation and the vLLM weight
-                       push gather the whole policy
+                       push gather the whole policy (P * 4 for the fp32 anchor instead when
+                       eval.anchor_every evaluates it, one model at a time)
     With ddp (or one process) every rank holds everything.
 
     state (whole run):
@@ -266,7 +267,11 @@ def memory_terms(
                                 f"(root {_count(root)} + 2 layers) x {wb} B (FSDP all-gathers)", "update"))
         if cfg.derived.loads_anchor and INFO[cfg.kl.estimator].full_vocab:
             terms.append(MemoryTerm("anchor gathered", p * FP32, "P x 4 B (whole fp32 anchor; exact KL)", "update"))
-        terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
+        if cfg.derived.loads_anchor and cfg.eval.anchor_every and FP32 > wb:  # the anchor's turn is the larger one
+            terms.append(MemoryTerm("anchor gathered (eval)", p * FP32, "P x 4 B (whole fp32 anchor: generation for "
+                                    "eval.anchor_every / weight push; the policy's turn is smaller)", "rollout"))
+        else:
+            terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
     if cfg.model.gradient_checkpointing:
         terms.append(MemoryTerm("activations", b * t * (layers * m.hidden + a) * wb,
                                 f"b x T x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
@@ -330,7 +335,10 @@ def make_plan(
         model, source = None, "unknown model: pass a local path" if cfg.model.path else "model.path is not set"
         notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
 
-    per_mini = t.mini_batch_prompts * r.n
+    per_mini = max(1, t.mini_batch_prompts // processes) * r.n  # sequences per mini-batch on one rank
+    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
+        if value % processes:
+            notes.append(f"{name} ({value}) is not a multiple of {processes} processes: the trainer refuses this")
     plan = dict(
         name=cfg.name, model_path=cfg.model.path, model=model, model_source=source, dtype=cfg.model.dtype,
         steps=t.steps, prompts_per_step=r.prompts_per_step, n=r.n, responses_per_step=d.responses_per_step,
@@ -366,7 +374,7 @@ def make_plan(
         kv_tokens = max(0, next(x.bytes for x in terms if x.name == "vLLM engine") - model.n_params * DTYPE_BYTES[cfg.model.dtype]) // kv_per_token
         notes.append(
             f"vLLM KV cache: ~{kv_tokens:,} tokens ({kv_per_token:,} B/token), ~{kv_tokens // seq_len:,} "
-            f"full-length sequences at once, of {d.responses_per_step:,} per step"
+            f"full-length sequences at once, of {d.responses_per_step // processes:,} per step on each rank"
         )
         notes.append("assumes vLLM sleep mode: the engine's share is freed during the update")
     else:

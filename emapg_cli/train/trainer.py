@@ -68,17 +68,6 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     )
 
 
-def state_hash(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over a state dict (names and raw bytes, in order)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in state.items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def make_scheduler(optimizer, cfg: Config):
     """Linear warm-up over `optim.warmup_ratio` of all optimizer steps, then constant."""
     total = cfg.train.steps * cfg.derived.optimizer_steps_per_rl_step
@@ -204,6 +193,8 @@ class Trainer:
         cfg = self.cfg
         self.engine.release_memory()
         batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
+        if self.anchor is not None:
+            self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
         mask = batch.response_mask.bool()
@@ -320,13 +311,10 @@ class Trainer:
             "reward_mean_last": metrics.get("reward/mean"),
             "prompts_skipped_too_long": self.skipped_train + self.skipped_eval,
         }
-        if self.anchor is not None:  # the anchor must be the same on every rank; record each rank's hash
-            from accelerate.utils import gather_object
-
-            # replicated: each rank's own copy; sharded: the whole anchor as each rank gathers it from the shards
-            anchor_state = self.strategy.model_state(self.anchor, all_ranks=True)
-            summary["anchor_sha256_per_rank"] = gather_object([state_hash(anchor_state)])
-            summary["parallel"] = self.strategy.name
+        summary["parallel"] = self.strategy.name
+        hashes = self.strategy.replica_hashes(self.anchor) if self.anchor is not None else None
+        if hashes is not None:  # each rank's copy of the anchor, which must stay identical
+            summary["anchor_sha256_per_rank"] = hashes
         if acc.is_main_process:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         acc.wait_for_everyone()

@@ -25,15 +25,15 @@ class LossParts:
     clipped_tokens: float
     entropy_sum: float
     tokens: float
-    logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (see sampling_weights)
+    logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (no old-policy pass)
 
 
-def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None,
-                     sampling_weights: bool = False) -> LossParts:
+def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None) -> LossParts:
     """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation).
 
-    `sampling_weights`: the policy still has the weights that sampled this batch (no optimizer step
-    yet) and no old-policy pass ran; then this pass's log-probs are compared with the engine's.
+    Without old-policy log-probs (`passes.single_on_policy_step`: one epoch of one mini-batch) this
+    pass runs on the weights that sampled the batch, so its log-probs are also compared with the
+    engine's (`logprob_diff`).
     """
     kl_cfg, t = cfg.kl, cfg.train
     beta = kl_cfg.coef
@@ -68,7 +68,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
         loss = pg + beta * kl
         kl_value = float(kl.detach())
     m = mask.float()
-    record = sampling_weights and mb.old_logp is None and mb.sampling_logp is not None
+    record = mb.old_logp is None and mb.sampling_logp is not None
     diff = (logp.detach() - mb.sampling_logp)[mask.bool()] if record else None
     return LossParts(
         loss=loss, pg=float(pg.detach()), kl=kl_value,
@@ -134,20 +134,22 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
-    first = True  # no optimizer step taken yet in this update
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for g0 in range(0, n_groups, groups_per_mini):
             groups = order[g0:g0 + groups_per_mini]
             rows = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [rows]
             mask = batch.response_mask[rows]
-            num_tokens, num_seqs = global_token_share(accelerator, float(mask.sum())), float(rows.numel())
+            num_tokens = float(mask.sum())
+            if t.loss_agg == "token-mean":  # the only mode that divides by a token count
+                num_tokens = global_token_share(accelerator, num_tokens)
+            num_seqs = float(rows.numel())
             micros = [rows[i:i + t.micro_batch_size] for i in range(0, rows.numel(), t.micro_batch_size)]
             finite = True
             pg = kl = 0.0
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
-                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm, first)
+                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl
@@ -157,12 +159,15 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
                 if parts.logprob_diff is not None:
                     stats.logprob_diffs.append(parts.logprob_diff)
             norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
-            first = first and not stepped
             if stepped:
                 scheduler.step()
             stats.skipped += 0 if stepped else 1
             stats.pg.append(pg)
             stats.kl.append(kl)
             stats.grad_norm.append(norm)
+    if accelerator.num_processes > 1:  # each rank's loss is its share of the mini-batch loss: log their mean
+        losses = torch.tensor(stats.pg + stats.kl, dtype=torch.float64, device=accelerator.device)
+        losses = accelerator.reduce(losses, reduction="mean").tolist()
+        stats.pg, stats.kl = losses[:len(stats.pg)], losses[len(stats.pg):]
     return stats
 
