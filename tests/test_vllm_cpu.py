@@ -350,7 +350,7 @@ def test_emapg_train_fsdp_two_processes_push_gathered_weights(model_dir, tmp_pat
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**_env(tmp_path), "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["parallel"] == "sharded" and len(set(summary["anchor_sha256_per_rank"])) == 1
+    assert summary["parallel"] == "sharded"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").open()][1:]
     assert [row["step"] for row in steps] == [1, 2]
     for row in steps:
