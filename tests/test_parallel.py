@@ -69,7 +69,7 @@ def test_two_processes_keep_identical_anchors(runs, parallel):
 def test_fsdp_trains_the_same_model_as_ddp(runs):
     """Sharding changes where numbers live, not what is computed: with the same seed, FSDP2's final policy and
     anchor equal DDP's up to float32 reduction order (all-reduce vs reduce-scatter sum gradients in different
-    orders). Measured: max |diff| 4.3e-6 over every weight after 2 steps at lr 0.01; the tolerance is 1e-4.
+    orders). Measured: max |diff| 4.6e-6 over every weight after 2 steps at lr 0.01; the tolerance is 1e-4.
     A real defect is orders larger: an EMA averaging misaligned shards, gradients not reduced, or a
     token-mean normalised per rank each move weights by ~lr = 1e-2."""
     for part in ("policy", "anchor"):
