@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from emapg_cli.grpo import aggregate, ema_distance, ema_update_, grpo_advantages, ppo_clip_loss
+from train_helpers import OneProcess
 
 
 # ---------------------------------------------------------------- advantages
@@ -118,16 +119,6 @@ def test_ema_distance():
 
 
 # ---------------------------------------------------------------- skip on non-finite
-class _Acc:
-    """The two Accelerator methods finite_step uses, single process."""
-
-    device = torch.device("cpu")
-    num_processes = 1
-
-    def clip_grad_norm_(self, params, max_norm):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
 @pytest.mark.parametrize("bad", ["loss", "grad"])
 def test_non_finite_step_is_skipped(bad):
     from emapg_cli.train.parallel import Replicated
@@ -138,12 +129,12 @@ def test_non_finite_step_is_skipped(bad):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     # one good step so the optimizer has state to protect
     model(torch.ones(1, 3)).sum().backward()
-    assert finite_step(Replicated(_Acc()), list(model.parameters()), opt, 1.0, True)[1]
+    assert finite_step(Replicated(OneProcess()), list(model.parameters()), opt, 1.0, True)[1]
     before = [p.detach().clone() for p in model.parameters()]
     state_before = {k: v.clone() for k, v in opt.state[model.weight].items()}
     loss = model(torch.ones(1, 3)).sum() * (float("nan") if bad == "grad" else 1.0)
     loss.backward()
-    norm, stepped = finite_step(Replicated(_Acc()), list(model.parameters()), opt, 1.0, loss_finite=bad != "loss")
+    norm, stepped = finite_step(Replicated(OneProcess()), list(model.parameters()), opt, 1.0, loss_finite=bad != "loss")
     assert not stepped
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(torch.equal(state_before[k], v) for k, v in opt.state[model.weight].items())

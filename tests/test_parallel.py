@@ -4,27 +4,20 @@ trains the same model as DDP, keeps one consistent anchor, and resumes bit-ident
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from train_helpers import LAUNCHER, load_weights, run, tiny_overrides, train_cmd, write_dataset
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from train_helpers import LAUNCHER, free_port, load_weights, run, tiny_overrides, train_cmd, write_dataset
 
 
 def _launch(*args: str) -> None:
     """`emapg train ARGS` on 2 processes. `accelerate launch --multi_gpu` on a machine without GPUs starts the
     ranks through torchrun and the Accelerator runs them as MULTI_CPU over gloo (`--cpu` would need MPI)."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
            LAUNCHER, "train", *args]
     proc = run(cmd, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout[-1500:]}\nstderr: {proc.stderr[-3000:]}"

@@ -13,7 +13,7 @@ import torch
 from emapg_cli.config.loading import load_config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
-from train_helpers import load_weights, run, tiny_overrides, train_cmd, write_dataset
+from train_helpers import OneProcess, load_weights, run, tiny_overrides, train_cmd, write_dataset
 
 ESTIMATOR_CASES = [("k3", "reverse"), ("k5", "forward"), ("topk", "reverse"), ("topk", "forward"),
                    ("topk_paper", "reverse"), ("truncated", "forward"), ("exact", "reverse"), ("exact", "forward")]
@@ -127,23 +127,6 @@ def test_every_estimator_trains(lm_and_tok, estimator, direction):
     lm.zero_grad(set_to_none=True)
 
 
-class _OneProcess:
-    """The Accelerator methods the update uses, single process."""
-
-    device, num_processes = torch.device("cpu"), 1
-
-    def backward(self, loss):
-        loss.backward()
-
-    def no_sync(self, model):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def clip_grad_norm_(self, params, max_norm):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-
-
 def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2):
     """NaN advantages make every mini-batch's loss non-finite: 2 optimizer steps skipped, weights, AdamW state and
     the warm-up schedule unchanged; the same batch with finite advantages takes both steps and advances the schedule."""
@@ -163,18 +146,18 @@ def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2
     sched = make_scheduler(opt, cfg)  # 4 RL steps x 2 optimizer steps = 8; warm-up over 4: lr = 1e-3 * (i + 1) / 4
     before = [p.detach().clone() for p in lm.parameters()]
     bad = batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))
-    stats = update_policy(Replicated(_OneProcess()), scorer, bad, cfg, opt, sched, torch.Generator().manual_seed(0))
+    stats = update_policy(Replicated(OneProcess()), scorer, bad, cfg, opt, sched, torch.Generator().manual_seed(0))
     assert stats.skipped == 2 and sched.last_epoch == 0 and not opt.state
     assert sched.get_last_lr()[0] == pytest.approx(0.25e-3)
     assert all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
-    stats = update_policy(Replicated(_OneProcess()), scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(0))
+    stats = update_policy(Replicated(OneProcess()), scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(0))
     assert stats.skipped == 0 and sched.last_epoch == 2
     # one on-policy mini-batch (the only case without an old-policy pass): the update's own pass runs on the
     # sampling weights and compares every response token's log-prob with the engine's
     lm2 = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
     one = load_config(overrides=["rollout.prompts_per_step=2", "rollout.n=3", "train.mini_batch_prompts=2", "kl.coef=0"])
     opt2 = torch.optim.AdamW(lm2.parameters(), lr=1e-3)
-    stats = update_policy(Replicated(_OneProcess()), TokenScorer(lm2), batch, one, opt2, make_scheduler(opt2, one),
+    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm2), batch, one, opt2, make_scheduler(opt2, one),
                           torch.Generator().manual_seed(0))
     assert sum(d.numel() for d in stats.logprob_diffs) == int(batch.response_mask.sum())
     assert float(torch.cat(stats.logprob_diffs).abs().max()) < 1e-3

@@ -331,14 +331,10 @@ def test_emapg_train_fsdp_two_processes_push_gathered_weights(model_dir, tmp_pat
     """train.parallel=fsdp on 2 CPU processes, each with its own vLLM engine: every push gathers the whole policy
     (or anchor, for eval.anchor_every) from the shards. Step 2 samples with weights gathered and pushed after
     step 1's sharded update, and its log-probs match the trainer's old-policy pass over the shards."""
-    import socket
-
     sys.path.insert(0, str(HERE))
-    from train_helpers import LAUNCHER, tiny_overrides, write_dataset
+    from train_helpers import LAUNCHER, free_port, tiny_overrides, write_dataset
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     data = write_dataset(tmp_path / "train.jsonl")
     out = tmp_path / "run"
     sets = tiny_overrides(model_dir, data, steps=2, **{"rollout.engine": "vllm", "data.max_prompt_tokens": 200,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +55,25 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(folder / "model.safetensors"))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a launcher's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OneProcess:
+    """The Accelerator methods the update and finite_step use, for one process on CPU."""
+
+    device, num_processes = torch.device("cpu"), 1
+
+    def backward(self, loss):
+        loss.backward()
+
+    def no_sync(self, model):
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, params, max_norm):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
