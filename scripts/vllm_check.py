@@ -126,6 +126,7 @@ def main() -> int:
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.engines.vllm import VLLMEngine, sampling_kwargs, vllm_device
     from emapg_cli.models.tiny import save_tiny
+    from emapg_cli.train.rollout import render_prompt
 
     device = vllm_device()
     if args.device != "auto" and args.device != device:
@@ -151,9 +152,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="emapg-vllm-check-"))
     path = save_tiny(work / "tiny", arch="qwen2", hidden=256, layers=2, heads=4, kv_heads=2, max_positions=2048, init_std=0.3)
     tok = AutoTokenizer.from_pretrained(path)
-    texts = [tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {i + 1}?"}], tokenize=False, add_generation_prompt=True)
-             for i in range(args.prompts)]
-    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    prompts = [render_prompt(tok, f"What is {i} + {i + 1}?") for i in range(args.prompts)]
 
     # ---- 2. generation and overhead
     t0 = time.perf_counter()

@@ -35,6 +35,7 @@ import torch
 
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.vllm import VLLMEngine, named_weights, vllm_device, weight_loader  # imports vLLM lazily
+from emapg_cli.train.rollout import render_prompt
 
 pytestmark = pytest.mark.vllm
 
@@ -85,14 +86,9 @@ def engine(model_dir):
                       enable_sleep_mode=True, kv_cache_memory_bytes=256 * 2**20)
 
 
-def chat_prompt(tok, question: str) -> list[int]:
-    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
 @pytest.fixture(scope="module")
 def prompts(tok) -> list[list[int]]:
-    return [chat_prompt(tok, q) for q in ("What is 2 + 3?", "Name a prime.", "x", "Compute 17 * 23 step by step.")]
+    return [render_prompt(tok, q) for q in ("What is 2 + 3?", "Name a prime.", "x", "Compute 17 * 23 step by step.")]
 
 
 def hf_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> list[float]:
@@ -156,7 +152,7 @@ def test_seeded_batch_larger_than_a_step_does_not_crash(engine, tok):
     (`RuntimeError: CPU Generator does not use offset`); the engine turns chunked prefill off on CPU."""
     sched = engine.llm.llm_engine.vllm_config.scheduler_config
     assert sched.enable_chunked_prefill is False
-    many = [chat_prompt(tok, f"Problem {i}: " + "add the numbers one by one and explain each step. " * 4) for i in range(48)]
+    many = [render_prompt(tok, f"Problem {i}: " + "add the numbers one by one and explain each step. " * 4) for i in range(48)]
     assert sum(len(p) for p in many) * 8 > 4 * sched.max_num_batched_tokens  # many steps' worth of prefill
     groups = engine.generate(many, SamplingParams(n=8, max_new_tokens=4, seed=1))
     assert [len(g) for g in groups] == [8] * 48
@@ -238,7 +234,7 @@ def test_load_weights_changes_greedy_output_to_transformers_greedy(engine, hf, t
     from transformers import AutoModelForCausalLM
 
     # Prompts longer than the CPU backend's 128-token KV block, so vLLM's prefix cache holds them.
-    long_prompts = [chat_prompt(tok, f"Problem {i}: " + "add the numbers one by one and explain each step. " * 4)
+    long_prompts = [render_prompt(tok, f"Problem {i}: " + "add the numbers one by one and explain each step. " * 4)
                     for i in range(3)]
     assert all(len(p) > 128 for p in long_prompts)
     eos = tok.eos_token_id

@@ -29,6 +29,7 @@ from typing import Optional
 
 from emapg_cli.ablate.grid import RunSpec
 from emapg_cli.ablate.study import Sweep
+from emapg_cli.paths import write_text_atomic
 
 SUMMARY = "summary.json"
 ERROR_TAIL_LINES = 30
@@ -107,9 +108,7 @@ def shell_command(sweep: Sweep, spec: RunSpec, out: Path) -> str:
 
 def _write_status(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    write_text_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 def _tail(path: Path, lines: int) -> str:

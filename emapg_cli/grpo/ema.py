@@ -43,8 +43,7 @@ def ema_norms(current: Sequence[Tensor], shadow: Sequence[Tensor]) -> Tensor:
         return torch.zeros(2)
     cur = [c for c, _ in pairs]
     diff = torch._foreach_sub(cur, [s for _, s in pairs])
-    sq = lambda ts: torch.stack([n.square() for n in torch._foreach_norm(ts)]).sum()  # noqa: E731
-    return torch.stack([sq(diff), sq(cur)])
+    return torch.stack([torch.stack(torch._foreach_norm(ts)).square().sum() for ts in (diff, cur)])
 
 
 def distance_from_norms(norms: Tensor) -> float:

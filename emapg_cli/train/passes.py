@@ -18,6 +18,12 @@ def single_on_policy_step(cfg) -> bool:
     return cfg.train.epochs == 1 and cfg.derived.mini_batches_per_step == 1
 
 
+def anchor_inside_loss(cfg) -> bool:
+    """The exact estimator reads the anchor's decoder and output layer inside the policy's loss (its full
+    logits, chunk by chunk) instead of in a separate anchor pass."""
+    return cfg.kl.coef > 0 and INFO[cfg.kl.estimator].full_vocab
+
+
 def needs_old_pass(cfg) -> bool:
     """The old-policy pass runs unless `single_on_policy_step`; reverse Top-k needs it anyway for q
     (the sampling policy's top-k set, which must be fixed before the update)."""
@@ -74,7 +80,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
         if "topk_index" in fill:
             out["q_index"] = fill["topk_index"]
-    if cfg.kl.coef > 0 and not info.full_vocab:
+    if cfg.kl.coef > 0 and not anchor_inside_loss(cfg):
         fill = {"logp": zeros(b, r)}  # [B, R]
         if use_topk:
             fill["logp_q"] = zeros(b, r, k)  # [B, R, k]

@@ -26,7 +26,6 @@ from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_update_, grpo_advantages
-from emapg_cli.kl import INFO
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
@@ -34,7 +33,7 @@ from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import reference_passes
+from emapg_cli.train.passes import anchor_inside_loss, reference_passes
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import update_policy
 
@@ -98,7 +97,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _setup(self) -> int:
         """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
-        cfg, acc = self.cfg, self.acc
+        cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
         train_ex, self.train_prompts, self.skipped_train = prepare_prompts(
             self.tokenizer, self.inputs.train, cfg.data.max_prompt_tokens)
@@ -202,9 +201,7 @@ class Trainer:
                               if batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
-        # the exact estimator reads the anchor's decoder and output layer inside the policy's loss
-        exact = self.anchor is not None and cfg.kl.coef > 0 and INFO[cfg.kl.estimator].full_vocab
-        with self.strategy.full_weights(self.anchor) if exact else contextlib.nullcontext():
+        with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext():
             stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         self.scorer.eval()
         if stats.logprob_diffs:

@@ -12,6 +12,7 @@ from torch import Tensor
 from emapg_cli.grpo import aggregate, ppo_clip_loss
 from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
 from emapg_cli.train.logprobs import response_hidden
+from emapg_cli.train.passes import anchor_inside_loss
 from emapg_cli.train.rollout import RolloutBatch
 
 
@@ -39,7 +40,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
     beta = kl_cfg.coef
     info = INFO[kl_cfg.estimator]
     ref_hidden = ref_head = None
-    if beta > 0 and info.full_vocab:  # exact: the anchor's full logits, chunk by chunk inside the pass
+    if anchor_inside_loss(cfg):  # exact: the anchor's full logits, chunk by chunk inside the pass
         with torch.no_grad():
             ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len)  # [b, R, H]
         ref_head = anchor_lm.get_output_embeddings()
