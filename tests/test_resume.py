@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, write_dataset
+from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 
 def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
@@ -44,13 +44,29 @@ def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
         assert [r.get(key) for r in ref_rows] == [r.get(key) for r in res_rows], key
 
 
-def test_latest_checkpoint_ignores_half_written_ones(tmp_path):
-    from emapg_cli.train.checkpoint import latest_checkpoint
+def test_resume_falls_back_from_a_damaged_checkpoint_then_refuses_when_none_is_intact(tiny_qwen2, tmp_path):
+    """Through the CLI: a truncated newest policy.pt -> one warning line, training resumes from the
+    previous checkpoint and redoes the lost step; every anchor.pt emptied -> exit 2, one error line, nothing written."""
+    data = write_dataset(tmp_path / "train.jsonl")
+    run_dir = tmp_path / "r"
+    first = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=2), "--out", str(run_dir)))
+    assert first.returncode == 0, first.stderr[-2000:]
+    policy = run_dir / "checkpoints" / "step_2" / "policy.pt"
+    policy.write_bytes(policy.read_bytes()[:100])
+    resumed = run(train_cmd("--resume", str(run_dir), "--set", "train.steps=3"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning: passed over")]
+    assert warnings == [f"warning: passed over damaged checkpoint(s) step_2 (policy.pt has 100 bytes, manifest.json says "
+                        f"{json.loads((run_dir / 'checkpoints' / 'step_1' / 'manifest.json').read_text())['files']['policy.pt']['bytes']}); "
+                        "resuming from step_1"]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
 
-    root = tmp_path / "checkpoints"
-    for name in ("step_2", "step_10", ".tmp-step_12", "step_11"):
-        (root / name).mkdir(parents=True)
-    for name in ("step_2", "step_10", ".tmp-step_12"):
-        (root / name / "state.json").write_text("{}")
-    # step_11 has no state.json (cannot happen after the rename, but never trusted); .tmp-* is never picked
-    assert latest_checkpoint(tmp_path) == root / "step_10"
+    for step in (1, 2, 3):
+        (run_dir / "checkpoints" / f"step_{step}" / "anchor.pt").write_bytes(b"")
+    before = tree_hash(run_dir)
+    refused = run(train_cmd("--resume", str(run_dir), "--set", "train.steps=4"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no intact checkpoint in") and "step_3 (anchor.pt has 0 bytes" in last
+    assert tree_hash(run_dir) == before
