@@ -44,13 +44,24 @@ def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
         assert [r.get(key) for r in ref_rows] == [r.get(key) for r in res_rows], key
 
 
-def test_resume_falls_back_from_a_damaged_checkpoint_then_refuses_when_none_is_intact(tiny_qwen2, tmp_path):
-    """Through the CLI: a truncated newest policy.pt -> one warning line, training resumes from the
+def test_resume_finished_bad_set_damaged_and_no_intact_checkpoint(tiny_qwen2, tmp_path):
+    """Through the CLI, on one finished 2-step run: --resume leaves it as it is; a bad --set is refused
+    with nothing written; a truncated newest policy.pt -> one warning line, training resumes from the
     previous checkpoint and redoes the lost step; every anchor.pt emptied -> exit 2, one error line, nothing written."""
     data = write_dataset(tmp_path / "train.jsonl")
     run_dir = tmp_path / "r"
-    first = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=2), "--out", str(run_dir)))
+    first = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=2, **{"data.eval": "null"}), "--out", str(run_dir)))
     assert first.returncode == 0, first.stderr[-2000:]
+    finished = tree_hash(run_dir)
+    # resuming the finished run changes nothing (summary.json is not rewritten) and says so, exit 0
+    again = run(train_cmd("--resume", str(run_dir)))
+    assert again.returncode == 0 and f"{run_dir} is finished (2 steps" in again.stdout
+    # a bad --set on resume is refused before anything is written (config.yaml keeps the good value)
+    bad = run(train_cmd("--resume", str(run_dir), "--set", "optim.betas=[2,3]", "--set", "train.steps=3"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == "error: optim.betas: each beta must be in [0, 1) (got [2, 3])"
+    assert tree_hash(run_dir) == finished
+
     policy = run_dir / "checkpoints" / "step_2" / "policy.pt"
     policy.write_bytes(policy.read_bytes()[:100])
     resumed = run(train_cmd("--resume", str(run_dir), "--set", "train.steps=3"))
