@@ -10,7 +10,6 @@ takes the newest intact one, saying which ones it passed over and why.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -22,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from emapg_cli.datasets.prepare import sha256_file
 from emapg_cli.errors import UserError
 
 CHECKPOINTS = "checkpoints"
@@ -82,17 +82,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------- manifest
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_manifest(folder: Path) -> None:
     """`manifest.json`: size and sha256 of every file in `folder` (call it after all of them are written)."""
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
     tmp = folder / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2))
@@ -119,7 +111,7 @@ def verify(folder: Path, required: tuple[str, ...]) -> None:
             raise DamagedCheckpoint(f"{name} missing")
         if path.stat().st_size != size:
             raise DamagedCheckpoint(f"{name} has {path.stat().st_size} bytes, {MANIFEST} says {size}")
-        if _sha256(path) != digest:
+        if sha256_file(path) != digest:
             raise DamagedCheckpoint(f"{name} sha256 differs from {MANIFEST}")
 
 
