@@ -58,6 +58,14 @@ def test_non_finite_float_rejected_at_config_time(key, kind, bad):
         load_config("toy", None, [f"{key}={value}"])
 
 
+def test_issue_reproduction_lr_inf_is_refused_before_any_work(tmp_path):
+    """`emapg train --preset toy --set ema.update_period=1 --set optim.lr=.inf`: exit 2, one line, no run folder."""
+    out = tmp_path / "run"
+    r = cli("train", "--preset", "toy", "--set", "ema.update_period=1", "--set", "optim.lr=.inf", "--out", str(out))
+    assert r.returncode == 2 and r.stderr == "error: optim.lr: Input should be a finite number (got inf)\n"
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("betas", ["[2, 3]", "[0.9, 1.0]", "[-0.1, 0.9]"])
 def test_betas_outside_unit_interval_rejected(betas):
     with pytest.raises(UserError, match=r"optim.betas: each beta must be in \[0, 1\)"):

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from emapg_cli.train.checkpoint import write_manifest
+
 from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 
@@ -75,9 +77,27 @@ def test_resume_finished_bad_set_damaged_and_no_intact_checkpoint(tiny_qwen2, tm
 
     for step in (1, 2, 3):
         (run_dir / "checkpoints" / f"step_{step}" / "anchor.pt").write_bytes(b"")
+    # and the newest one's policy.pt is a pickled payload that would create `marker` when unpickled,
+    # under a manifest recomputed over it (so only the weights_only load stands in its way)
+    marker = tmp_path / "pwned"
+    step3 = run_dir / "checkpoints" / "step_3"
+    torch.save({"weight": OpenOnUnpickle(marker)}, step3 / "policy.pt")
+    write_manifest(step3)
     before = tree_hash(run_dir)
     refused = run(train_cmd("--resume", str(run_dir), "--set", "train.steps=4"))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: no intact checkpoint in") and "step_3 (anchor.pt has 0 bytes" in last
+    assert last.startswith("error: no intact checkpoint in") and "step_3 (policy.pt does not load" in last
+    assert "step_2 (anchor.pt has 0 bytes" in last and "step_1 (anchor.pt has 0 bytes" in last
+    assert not marker.exists(), "resume unpickled code"
     assert tree_hash(run_dir) == before
+
+
+class OpenOnUnpickle:
+    """Unpickling it calls open(marker, "w")."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
