@@ -41,7 +41,7 @@ ADVERSARIAL = {
     "unclosed \\frac": REASONING + "\\boxed{\\frac{1}{",
     "NUL bytes": "\x00" * 100_000 + "\\boxed{1\x002}",
     "lone surrogate": "\\boxed{\ud800}",
-    "1 MB text then box": "x" * 1_000_000 + "\\boxed{5}",
+    "1 MB text then box": "x" * 1_000_000 + "\\boxed{ANSWER}",
     "2 MB of dots in a box": "\\boxed{1" + " ." * 1_000_000 + "}",
     "1 MB sum in a box": "\\boxed{" + "1+" * 500_000 + "1}",
     "1 MB of open braces": "{" * 1_000_000,
@@ -49,7 +49,7 @@ ADVERSARIAL = {
     "nested braces 200k": "\\boxed{" + "{" * 200_000 + "1" + "}" * 200_000 + "}",
     "4000-digit integer": "\\boxed{" + "9" * 4000 + "}",
     "nested \\frac x600": "\\boxed{" + "\\frac{1}{" * 600 + "2" + "}" * 600 + "}",
-    "many </think>": "</think>" * 100_000 + "\\boxed{3}",
+    "many </think>": "</think>" * 100_000 + "\\boxed{ANSWER}",
 }
 #: Answers that pass every cheap check and are slow inside sympy: only the pool's kill bounds them,
 #: so each costs the timeout plus a worker restart. Timed one at a time, not part of the ratio.
@@ -71,8 +71,11 @@ def ordinary(n: int) -> tuple[list[str], list[str]]:
 
 
 def adversarial(n: int) -> tuple[list[str], list[str]]:
+    """Kinds cycled; where a kind's payload is around an ordinary answer (ANSWER), it is one of the
+    ordinary set's wrong answers, so the comparison itself costs what an ordinary one does."""
     kinds = list(ADVERSARIAL.values())
-    return [kinds[i % len(kinds)] for i in range(n)], [GOLDS[i % len(GOLDS)] for i in range(n)]
+    golds = [GOLDS[i % len(GOLDS)] for i in range(n)]
+    return [kinds[i % len(kinds)].replace("ANSWER", f"{golds[i]} + {i % 7 + 1}") for i in range(n)], golds
 
 
 class PeakRSS:
@@ -131,7 +134,7 @@ def each_kind_alone(workers: int, timeout: float) -> None:
         grader.grade(["\\boxed{x+1}"], [Gold(("y",))])  # start the workers first
         for name, response in {**ADVERSARIAL, **NEEDS_THE_TIMEOUT}.items():
             t0 = time.perf_counter()
-            (grade,) = grader.grade([response], [Gold(("5",))])
+            (grade,) = grader.grade([response.replace("ANSWER", "5")], [Gold(("5",))])
             print(f"  {name:36s} {time.perf_counter() - t0:6.3f} s  correct={grade.correct}")
         stats = grader.pool_stats
         print(f"  pool: {stats.timeouts} timeouts, {stats.errors} errors, {stats.crashes} crashes; {grader.refused} refused")
