@@ -6,7 +6,7 @@ factorials, unclosed braces, NUL bytes, lone surrogates, 1-2 MB strings of text 
 boxes, deep nesting, 4000-digit numbers). Each set
 is graded by a fresh `MathGrader` (worker start-up included in both), alternating ordinary and
 adversarial rounds so a machine shared with other work loads both alike. Prints per round the wall
-time, the ratio adversarial / ordinary, the pool's counts and the peak RSS of any grading worker
+time and the CPU time (this process and its workers), the ratio adversarial / ordinary, the pool's counts and the peak RSS of any grading worker
 (sampled every 20 ms), then the wall time of each adversarial kind graded alone (bounded by the
 timeout; two more kinds that are slow inside sympy itself, which only the timeout bounds, are timed
 here too), and finally the real CLI on one 2 MB response.
@@ -109,13 +109,20 @@ class PeakRSS:
 def grade_set(responses: list[str], golds: list[str], workers: int, timeout: float) -> dict:
     from emapg_cli.grading import Gold, MathGrader
 
-    t0 = time.perf_counter()
+    import resource
+
+    def cpu() -> float:  # this process plus its reaped children (the workers, once closed)
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    t0, c0 = time.perf_counter(), cpu()
     with MathGrader(workers=workers, timeout=timeout) as grader, PeakRSS(grader) as rss:
         grades = grader.grade(responses, [Gold((g,)) for g in golds])
         stats = grader.pool_stats
         refused = grader.refused
     return {
         "wall_s": time.perf_counter() - t0,
+        "cpu_s": cpu() - c0,
         "correct": sum(g.correct for g in grades),
         "refused": refused,
         "timeouts": stats.timeouts,
@@ -169,17 +176,19 @@ def main() -> None:
     sets = {"ordinary": ordinary(args.n), "adversarial": adversarial(args.n)}
     print(f"{args.n} responses per set, {args.workers} workers, timeout {args.timeout:g} s; "
           f"adversarial set: {len(ADVERSARIAL)} kinds cycled, {sum(map(len, sets['adversarial'][0])) / 2**20:.0f} MiB in all")
-    ratios = []
+    ratios, cpu_ratios = [], []
     for r in range(args.rounds):
         order = ("ordinary", "adversarial") if r % 2 == 0 else ("adversarial", "ordinary")
-        walls = {}
+        walls, cpus = {}, {}
         for name in order:
             res = grade_set(*sets[name], args.workers, args.timeout)
-            walls[name] = res["wall_s"]
+            walls[name], cpus[name] = res["wall_s"], res["cpu_s"]
             print(f"round {r + 1} {name:11s} " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in res.items()))
         ratios.append(walls["adversarial"] / walls["ordinary"])
-        print(f"round {r + 1} ratio adversarial / ordinary = {ratios[-1]:.2f}")
-    print(f"ratios: {', '.join(f'{x:.2f}' for x in ratios)} (max {max(ratios):.2f})")
+        cpu_ratios.append(cpus["adversarial"] / cpus["ordinary"])
+        print(f"round {r + 1} ratio adversarial / ordinary: wall {ratios[-1]:.2f}, cpu {cpu_ratios[-1]:.2f}")
+    print(f"wall ratios: {', '.join(f'{x:.2f}' for x in ratios)} (max {max(ratios):.2f}); "
+          f"cpu ratios: {', '.join(f'{x:.2f}' for x in cpu_ratios)} (max {max(cpu_ratios):.2f})")
     each_kind_alone(args.workers, args.timeout)
     cli_two_megabytes(args.timeout)
 

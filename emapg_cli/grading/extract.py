@@ -68,9 +68,13 @@ def _spelled(a, ends, word: bytes):
     """Boolean [len(ends)]: the bytes of `a` ending at each index of `ends` spell `word`."""
     import numpy as np
 
-    ok = ends >= len(word) - 1
-    for j, ch in enumerate(word):
-        ok &= a[np.clip(ends - (len(word) - 1) + j, 0, a.size - 1)] == ch
+    ok = np.zeros(ends.shape, dtype=bool)
+    room = np.flatnonzero(ends >= len(word) - 1)
+    starts = ends[room] - (len(word) - 1)
+    hit = a[starts] == word[0]
+    for j in range(1, len(word)):
+        hit &= a[starts + j] == word[j]
+    ok[room] = hit
     return ok
 
 
@@ -93,9 +97,9 @@ def _last_balanced(text: str, max_chars: int) -> Optional[str]:
     escaped = backslash[(backslash - run_start) % 2 == 0] + 1  # positions a backslash escapes
     events = np.flatnonzero((a == ord("{")) | (a == ord("}")))  # [E] brace positions, in order
     events = events[~np.isin(events, escaped, assume_unique=True)]
-    step = np.where(a[events] == ord("{"), 1, -1)  # [E]
-    depth = np.cumsum(step)  # [E]: depth after each brace
-    opens = np.flatnonzero(step == 1)
+    is_open = a[events] == ord("{")  # [E]
+    depth = np.cumsum(is_open.astype(np.int32) * 2 - 1, dtype=np.int32)  # [E]: depth after each brace
+    opens = np.flatnonzero(is_open)
     opens = opens[events[opens] > 0]  # [B] event indices of open braces
     before = events[opens] - 1  # [B] the byte before each open brace
     if np.isin(a[before], np.frombuffer(_SPACE, dtype=np.uint8)).any():  # `\boxed {`: skip the spaces
@@ -104,7 +108,8 @@ def _last_balanced(text: str, max_chars: int) -> Optional[str]:
     opens = opens[_spelled(a, before, b"\\boxed") | _spelled(a, before, b"\\fbox")]
     if opens.size == 0:
         return None
-    rest_min = np.append(np.minimum.accumulate(depth[::-1])[::-1], np.iinfo(np.int64).max)  # [E + 1]
+    rest_min = np.full(depth.size + 1, np.iinfo(np.int32).max, dtype=np.int32)  # [E + 1]: min of depth[i:]
+    rest_min[:-1] = np.minimum.accumulate(depth[::-1])[::-1]
     closing = opens[rest_min[opens + 1] < depth[opens]]  # boxes that close somewhere
     if closing.size == 0:
         return None
