@@ -105,6 +105,8 @@ def _last_balanced(text: str, max_chars: int) -> Optional[str]:
     if np.isin(a[before], np.frombuffer(_SPACE, dtype=np.uint8)).any():  # `\boxed {`: skip the spaces
         idx = np.arange(a.size)
         before = np.maximum.accumulate(np.where(np.isin(a, np.frombuffer(_SPACE, dtype=np.uint8)), -1, idx))[before]
+    maybe = np.flatnonzero((a[before] == ord("d")) | (a[before] == ord("x")))  # box-ends only: few checks
+    opens, before = opens[maybe], before[maybe]
     opens = opens[_spelled(a, before, b"\\boxed") | _spelled(a, before, b"\\fbox")]
     if opens.size == 0:
         return None
@@ -137,6 +139,9 @@ def last_boxed(text: str, max_chars: int = MAX_ANSWER_CHARS) -> Optional[str]:
         close = _close_within(text, last, max_chars)
         if close is not None:
             return text[last + 1 : close]
+    first = _BOX_OPEN.search(text)
+    if first is None or text.find("}", first.end()) < 0:  # no brace after the first box ever closes
+        return None
     return _last_balanced(text, max_chars)
 
 
