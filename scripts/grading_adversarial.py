@@ -153,6 +153,10 @@ def cli_two_megabytes(timeout: float) -> None:
         (tmp / "bench.jsonl").write_text(json.dumps({"id": "a", "question": "1?", "answers": ["1"]}) + "\n")
         response = "\\boxed{1" + " ." * 1_000_000 + "}"
         (tmp / "given.jsonl").write_text(json.dumps({"id": "a", "responses": [response]}) + "\n")
+        import resource
+
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        c0 = kids.ru_utime + kids.ru_stime
         t0 = time.perf_counter()
         r = subprocess.run(
             [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(tmp / "bench.jsonl"), "--responses", str(tmp / "given.jsonl"),
@@ -160,8 +164,10 @@ def cli_two_megabytes(timeout: float) -> None:
             capture_output=True, text=True,
         )
         wall = time.perf_counter() - t0
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = kids.ru_utime + kids.ru_stime - c0  # the whole CLI process: start-up, imports, reading, grading
         summary = json.loads((tmp / "out" / "summary.json").read_text()) if r.returncode == 0 else {}
-        print(f"\nCLI, one 2 MB response, --grader-timeout {timeout:g}: exit {r.returncode}, {wall:.2f} s wall, "
+        print(f"\nCLI, one 2 MB response, --grader-timeout {timeout:g}: exit {r.returncode}, {wall:.2f} s wall, {cpu:.2f} s CPU, "
               f"avg@n {summary.get('avg@n')}, grading_time_s {summary.get('grading_time_s', float('nan')):.3f}")
 
 
