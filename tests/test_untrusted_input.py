@@ -193,3 +193,29 @@ def test_kl_check_text_not_utf8(tmp_path, cli):
     text = tmp_path / "t.txt"
     text.write_bytes(b"caf\xe9\n")
     _one_line_error(cli("kl-check", "--model", str(tmp_path / "no-model"), "--text", str(text)), "t.txt", "not UTF-8")
+
+
+def test_ctrl_c_during_grading_prints_no_worker_traceback(bench, tmp_path):
+    # The probe: Ctrl-C made every grading worker print a KeyboardInterrupt traceback. SIGINT goes
+    # to the whole process group, as a terminal sends it.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    slow = "\\boxed{(x+1)^{1000}}"  # passes every cheap check; sympy's expansion runs until the kill
+    given = _jsonl(tmp_path / "given.jsonl", [{"id": i, "responses": [slow] * 8} for i in "123"])
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(bench), "--responses", str(given), "--grader-workers", "2",
+         "--grader-timeout", "30", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "run.json").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(8)  # the workers start and take their first answers
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
