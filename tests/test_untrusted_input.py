@@ -186,6 +186,7 @@ def test_kl_check_huge_logits_and_sizes(tmp_path, cli):
     _one_line_error(cli("kl-check", "--from-logits", str(tmp_path / "big.npz")), "big.npz", "'policy'", "magnitude 1e+308")
     t0 = time.perf_counter()  # was OOM-killed after 104 s with no message
     _one_line_error(cli("kl-check", "--vocab", "2000000000"), "2000000000", "GiB", "--vocab")
+    _one_line_error(cli("kl-check", "--samples", "20000000000"), "20000000000 samples", "GiB", "--samples")
     assert time.perf_counter() - t0 < 60
 
 
