@@ -1,9 +1,9 @@
 """Map a source row with any of the common field names onto the canonical schema.
 
 question <- question | problem | prompt (a chat `prompt` list: its last user message)
-answers  <- answer | final_answer | answers (string, number or list of alternatives),
+answers  <- answer | final_answer | answers | golden_answers (string, number or list of alternatives),
             else the last \\boxed{} of `solution`
-id       <- id | unique_id | problem_id, else the row index
+id       <- id | unique_id | problem_id | _id | question_id, else the row index
 A dataset spec's own field names (`registry.Fields`) are tried first; a row missing them falls
 back to the common names, so one spec reads both the hub copy and local copies of a dataset.
 Other scalar fields go to `meta` (worked solutions are left out: they are long and unused).
@@ -18,9 +18,9 @@ from emapg_cli.datasets.registry import DatasetSpec
 from emapg_cli.grading.extract import last_boxed
 
 QUESTION_FIELDS = ("question", "problem", "prompt")
-ANSWER_FIELDS = ("answer", "final_answer", "answers")
+ANSWER_FIELDS = ("answer", "final_answer", "answers", "golden_answers")
 SOLUTION_FIELDS = ("solution",)
-ID_FIELDS = ("id", "unique_id", "problem_id")
+ID_FIELDS = ("id", "unique_id", "problem_id", "_id", "question_id")
 SUBSET_FIELDS = ("subset", "subfield", "subject", "type")
 
 
@@ -34,6 +34,12 @@ def _first(row: dict[str, Any], preferred: Optional[str], common: tuple[str, ...
         if row.get(name) is not None:
             return name
     return None
+
+
+def source_id(row: Any, index: int) -> str:
+    """The id a source row is reported under (its first id field, else its index)."""
+    name = _first(row, None, ID_FIELDS) if isinstance(row, dict) else None
+    return str(row[name]) if name else str(index)
 
 
 def answer_text(value: Any) -> str:
@@ -92,6 +98,10 @@ def convert_row(row: dict[str, Any], index: int, spec: DatasetSpec) -> dict[str,
     """One canonical row {id, question, answers, source, meta}; raises RowError with the reason."""
     if not isinstance(row, dict):
         raise RowError(f"row is a {type(row).__name__}, not an object")
+    if spec.answer_format == "qa_aliases":
+        from emapg_cli.datasets.qa import convert_qa_row  # imports this module
+
+        return convert_qa_row(row, index, spec.name)
     f = spec.fields
     qname = _first(row, f.question, QUESTION_FIELDS)
     if qname is None:

@@ -13,8 +13,12 @@ from typing import Literal, Optional
 from emapg_cli.errors import UserError
 
 #: How a row holds its final answer: the answer itself (string, number or list of alternatives),
-#: or a worked solution whose last \boxed{} is the answer.
-AnswerFormat = Literal["answer", "boxed_solution"]
+#: a worked solution whose last \boxed{} is the answer, or an open-domain QA layout whose gold
+#: aliases all become accepted answers (`qa.py`: FlashRAG, Search-R1, HotpotQA, IRCoT, 2Wiki, MuSiQue).
+AnswerFormat = Literal["answer", "boxed_solution", "qa_aliases"]
+
+#: The FlashRAG collection every search benchmark below is published in (one config per dataset).
+FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,40 @@ DATASETS: dict[str, DatasetSpec] = {
         DatasetSpec(
             "minerva", "eval", "math-ai/minervamath", "test", expected_rows=272,
             description="Minerva Math (OCWCourses): undergraduate science and maths problems.",
+        ),
+        # Search QA (the paper's seven test sets, as Search-R1 builds them: FlashRAG `test`, else `dev`)
+        DatasetSpec(
+            "nq", "eval", FLASHRAG, "test", config="nq", answer_format="qa_aliases", expected_rows=3610,
+            description="Natural Questions (open), single-hop; every gold alias accepted.",
+        ),
+        DatasetSpec(
+            "triviaqa", "eval", FLASHRAG, "test", config="triviaqa", answer_format="qa_aliases", expected_rows=11313,
+            description="TriviaQA, single-hop trivia with many aliases per answer.",
+        ),
+        DatasetSpec(
+            "popqa", "eval", FLASHRAG, "test", config="popqa", answer_format="qa_aliases", expected_rows=14267,
+            description="PopQA, single-hop questions about long-tail entities.",
+        ),
+        DatasetSpec(
+            "hotpotqa", "eval", FLASHRAG, "dev", config="hotpotqa", answer_format="qa_aliases", expected_rows=7405,
+            description="HotpotQA dev, multi-hop (bridge and comparison questions).",
+        ),
+        DatasetSpec(
+            "2wikimultihopqa", "eval", FLASHRAG, "dev", config="2wikimultihopqa", answer_format="qa_aliases",
+            expected_rows=12576, description="2WikiMultihopQA dev, multi-hop over Wikipedia and Wikidata.",
+        ),
+        DatasetSpec(
+            "musique", "eval", FLASHRAG, "dev", config="musique", answer_format="qa_aliases", expected_rows=2417,
+            description="MuSiQue dev (answerable), 2-4 hop composed questions.",
+        ),
+        DatasetSpec(
+            "bamboogle", "eval", FLASHRAG, "test", config="bamboogle", answer_format="qa_aliases", expected_rows=125,
+            description="Bamboogle, 2-hop questions Google answered wrongly.",
+        ),
+        DatasetSpec(
+            "nq_hotpotqa_train", "train", "PeterJinGo/nq_hotpotqa_train", "train", answer_format="qa_aliases",
+            expected_rows=169615,
+            description="Search-R1's training set: NQ train + HotpotQA train (per-row data_source kept as source).",
         ),
     ]
 }
