@@ -7,7 +7,7 @@ import json
 import pytest
 
 from emapg_cli.data import load_examples
-from emapg_cli.datasets import DATASETS, get_spec
+from emapg_cli.datasets import get_spec
 from emapg_cli.datasets.convert import RowError, convert_row
 from emapg_cli.datasets.prepare import prepare_dataset
 
@@ -23,7 +23,7 @@ def test_registry_names_the_flashrag_sources():
         assert (s.hub_id, s.config, s.answer_format, s.role) == ("RUC-NLPIR/FlashRAG_datasets", name, "qa_aliases", "eval")
         assert (s.split, s.expected_rows) == expected[name]
     assert sum(n for _, n in expected.values()) == 51713  # the merged test parquet's size
-    assert DATASETS["nq_hotpotqa_train"].hub_id == "PeterJinGo/nq_hotpotqa_train"
+    assert get_spec("nq_hotpotqa_train").hub_id == "PeterJinGo/nq_hotpotqa_train"
 
 
 # Hand-written rows in each published layout (fields as the datasets' own files spell them).

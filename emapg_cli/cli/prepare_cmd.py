@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from emapg_cli.cli.common import console
+from emapg_cli.cli.common import console, err_console
 from emapg_cli.errors import UserError
 
 
@@ -55,6 +55,10 @@ def _show_manifest(out_dir: Path, manifest: dict) -> None:
         table.add_row("", f"... all {manifest['dropped']} in manifest.json")
     table.add_row("sha256", manifest["sha256"])
     console.print(table)
+    if note:
+        err_console.print(
+            f"[yellow]warning:[/] wrote {manifest['rows']} rows but the dataset card of '{manifest['name']}' expects {expected}: "
+            "a different copy, version or split of the dataset? (results will not be comparable)", markup=True, highlight=False)
 
 
 def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
@@ -91,14 +95,15 @@ def prepare(
     """Prepare a dataset in the canonical schema {id, question, answers, source, meta} with a manifest."""
     names = names or []
     if list_:
-        from emapg_cli.datasets import DATASETS
+        from emapg_cli.datasets import datasets
+        from emapg_cli.datasets.registry import cards_dir
 
-        table = Table(title="registered datasets")
-        for col in ("name", "role", "source", "rows", "description"):
+        table = Table(title=f"registered datasets (cards in {cards_dir()})")
+        for col in ("name", "role", "source", "rows", "licence", "description"):
             table.add_column(col)
-        for s in DATASETS.values():
-            src = s.hub_id + (f" ({s.config})" if s.config else "") + f", split {s.split}"
-            table.add_row(s.name, s.role, src, str(s.expected_rows or "?"), s.description)
+        for s in datasets().values():
+            src = (s.hub_id or "local file (--from)") + (f" ({s.config})" if s.config else "") + (f", split {s.split}" if s.split else "")
+            table.add_row(s.name, s.role, src, str(s.expected_rows or "?"), s.licence, s.description)
         console.print(table)
         return
     if preset is not None:

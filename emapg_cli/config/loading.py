@@ -6,7 +6,6 @@ Every failure is a `UserError` with one line naming the key and what is allowed.
 from __future__ import annotations
 
 import copy
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -15,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
+from emapg_cli.paths import shipped_dir
 
 
 def preset_dir() -> Path:
@@ -23,10 +23,7 @@ def preset_dir() -> Path:
     In an installed wheel the presets ship inside the package (`emapg_cli/presets`);
     in a source checkout (editable install, tests) they are the repository's `presets/`.
     """
-    packaged = Path(str(resources.files("emapg_cli"))) / "presets"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "presets"
+    return shipped_dir("presets")
 
 
 def list_presets() -> list[str]:

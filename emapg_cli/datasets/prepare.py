@@ -20,7 +20,7 @@ from emapg_cli import __version__
 from emapg_cli.data.schema import Example, first_error, load_examples, resolve_data_ref, write_jsonl
 from emapg_cli.datasets.convert import RowError, convert_row, source_id
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
-from emapg_cli.datasets.registry import DATASETS, DatasetSpec, get_spec
+from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_spec
 from emapg_cli.errors import UserError
 from emapg_cli.paths import emapg_home
 
@@ -93,9 +93,9 @@ def dataset_dir(name: str, out: Optional[Path] = None) -> Path:
 
 def spec_for(name: str, from_file: Optional[Path]) -> DatasetSpec:
     """The registered spec; an unregistered name is fine with a local file (fields auto-detected)."""
-    if name in DATASETS or from_file is None:
+    if name in datasets() or from_file is None:
         return get_spec(name)
-    return DatasetSpec(name=name, role="custom", hub_id="", split="")
+    return custom_spec(name)
 
 
 def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
@@ -107,6 +107,7 @@ def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any
         "role": spec.role,
         **provenance,
         "rows": rows,
+        "expected_rows": spec.expected_rows,
         "dropped": len(converted.dropped),
         "dropped_by_reason": converted.reasons(),
         "dropped_rows": converted.dropped,
@@ -149,7 +150,6 @@ def prepare_dataset(
             "config": spec.config,
             "split": spec.split,
             "revision": revision,
-            "expected_rows": spec.expected_rows,
         }
     advance = progress(len(rows)) if progress else None
     converted = convert_rows(rows, spec, advance)
