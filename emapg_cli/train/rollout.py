@@ -69,14 +69,20 @@ class RolloutBatch:
 
     input_ids: Tensor  # [B, P + R]
     attention_mask: Tensor  # [B, P + R]
-    response_mask: Tensor  # [B, R]
+    response_mask: Tensor  # [B, R] 1 = a real response token (policy or observation): the log-prob passes score these
     prompt_len: int
     advantages: Tensor  # [B]
+    loss_mask: Optional[Tensor] = None  # [B, R] 1 = a token the policy sampled (multi-turn: observations are 0); None = response_mask
     sampling_logp: Optional[Tensor] = None  # [B, R] engine's log-probs (diagnostic)
     old_logp: Optional[Tensor] = None  # [B, R]
     q_index: Optional[Tensor] = None  # [B, R, k]
     ref_logp: Optional[Tensor] = None  # [B, R]
     ref_logp_q: Optional[Tensor] = None  # [B, R, k]
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """[B, R] the tokens every loss term, the entropy metric and the token counts use (observation masking)."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
 
     @property
     def targets(self) -> Tensor:
@@ -108,7 +114,11 @@ class RolloutBatch:
 
 
 def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], advantages: Tensor, pad_id: int) -> RolloutBatch:
-    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch."""
+    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch.
+
+    A completion with a `policy_mask` (a multi-turn `agents.Episode`: 1 = sampled by the policy,
+    0 = an observation) sets the batch's `loss_mask`; otherwise every response token is the policy's.
+    """
     b = len(completions)
     plen = max(len(p) for p in prompt_ids)
     rlen = max(max(len(c.token_ids) for c in completions), 1)
@@ -116,6 +126,8 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
     attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
     resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
     samp = torch.zeros((b, rlen))  # [B, R]
+    multi = any(getattr(c, "policy_mask", None) is not None for c in completions)
+    loss_mask = torch.zeros((b, rlen), dtype=torch.bool) if multi else None  # [B, R]
     for i, (p, c) in enumerate(zip(prompt_ids, completions)):
         n = len(c.token_ids)
         input_ids[i, plen - len(p):plen] = torch.tensor(p, dtype=torch.long)
@@ -125,4 +137,7 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
             resp_mask[i, :n] = True
             if c.logprobs is not None:
                 samp[i, :n] = torch.tensor(c.logprobs)
-    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp)
+            if loss_mask is not None:
+                pm = getattr(c, "policy_mask", None)
+                loss_mask[i, :n] = torch.tensor(pm, dtype=torch.bool) if pm is not None else True
+    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, loss_mask=loss_mask)

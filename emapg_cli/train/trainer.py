@@ -196,7 +196,7 @@ class Trainer:
             self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
-        mask = batch.response_mask.bool()
+        mask = batch.policy_mask.bool()
         self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
                               if batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
