@@ -29,9 +29,10 @@ def eval_(
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM on a GPU: fraction of GPU memory to use (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")] = 0.9,
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
+    reward: Annotated[Literal["math", "em", "f1"], typer.Option("--reward", help="Grading: math (the final \\boxed{} answer, math-verify), or for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>.")] = "math",
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
 ) -> None:
-    """Sample --n responses per problem, grade the final \\boxed{} answers, write results.jsonl, summary.json and summary.md."""
+    """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from emapg_cli.evaluation.report import markdown
@@ -51,6 +52,7 @@ def eval_(
         temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
         instruction=instruction, chunk=chunk, max_model_len=max_model_len, dtype=dtype,
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
+        reward=reward,
     )
     bar = Progress(
         TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),

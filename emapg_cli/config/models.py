@@ -48,7 +48,7 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`).")
+    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
 

@@ -47,6 +47,7 @@ class EvalSettings:
     gpu_memory_utilization: float = 0.9
     grader_workers: Optional[int] = None
     grader_timeout: float = 5.0
+    reward: str = "math"  # math: boxed answers with math-verify; em / f1: the last <answer> (rewards/qa.py)
 
     def record(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -72,8 +73,12 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
     return [ex for ex in examples if ex.id in given], given
 
 
-def _item_scores(ex: Example, row: dict[str, Any]) -> ItemScores:
-    votes = [strict_key(e) if e is not None else None for e in row["extracted"]]
+def _item_scores(ex: Example, row: dict[str, Any], reward: str = "math") -> ItemScores:
+    if reward == "math":
+        key = strict_key
+    else:
+        from emapg_cli.rewards.exact_match import normalize_qa as key
+    votes = [key(e) if e is not None else None for e in row["extracted"]]
     return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"))
 
 
@@ -101,6 +106,7 @@ class _Grading:
                 "extracted": [g.extracted for g in gs],
                 "correct": [g.correct for g in gs],
                 "strict": [g.strict for g in gs],
+                **({"scores": [g.score for g in gs]} if gs and hasattr(gs[0], "score") else {}),
                 **more,
             })
         append_results(self.results, rows)
@@ -180,7 +186,15 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     todo = [ex for ex in examples if ex.id not in done]
 
     gen_stats: dict[str, Any] = {"generation_time_s": 0.0, "generated_tokens": 0, "tokens_per_s": None, "truncated_responses": 0}
-    with MathGrader(workers=s.grader_workers, timeout=s.grader_timeout) as grader:
+    if s.reward == "math":
+        grader_cm: Any = MathGrader(workers=s.grader_workers, timeout=s.grader_timeout)
+    elif s.reward in ("em", "f1"):
+        from emapg_cli.rewards.qa import QAGrader
+
+        grader_cm = QAGrader(s.reward)
+    else:
+        raise UserError(f"--reward must be math, em or f1 (got '{s.reward}')")
+    with grader_cm as grader:
         grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress)
         if progress:
             progress(resumed, len(examples), grading.correct / max(grading.responses, 1))
@@ -193,7 +207,11 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
             gen_stats = _generate_all(s, backend, todo, index_of, grading)
         timeouts = grader.timeouts
 
-    scores = [_item_scores(ex, done[ex.id]) for ex in examples]
+    scores = [_item_scores(ex, done[ex.id], s.reward) for ex in examples]
+    mean_score = None
+    if s.reward != "math":  # the reward itself (f1 is partial credit; avg@n counts full scores only)
+        per_item = [sum(done[ex.id]["scores"]) / len(done[ex.id]["scores"]) for ex in examples if "scores" in done[ex.id]]
+        mean_score = sum(per_item) / len(per_item) if per_item else None
     summary = {
         "bench": s.bench,
         "model": s.model if s.model else f"responses:{s.responses_file}",
@@ -204,7 +222,9 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
             "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
         },
         "instruction": s.instruction,
-        "grader_version": grader_version(),
+        "reward": s.reward,
+        "mean_score": mean_score,
+        "grader_version": grader_version() if s.reward == "math" else f"rewards.qa.{s.reward}",
         "grader_timeouts": timeouts,
         "resumed_items": resumed,
         "wall_time_s": time.perf_counter() - t_start,
