@@ -48,6 +48,8 @@ class Episode(Completion):
     invalid: int = 0  # turns with neither a search nor an answer (final turn excluded)
     obs_tokens: int = 0  # observation tokens appended (mask 0)
     obs_cut: int = 0  # observations cut at max_obs_tokens or at the context limit
+    queries: list[str] = field(default_factory=list)  # the searches issued, in order
+    retrieved: list[list[str]] = field(default_factory=list)  # per search: the ids of the hits shown, best first
 
 
 @dataclass
@@ -105,8 +107,10 @@ class SearchAgent:
                 t0 = time.perf_counter()
                 hits = self.retriever.search([q for _, q in queries], s.topk)
                 self.latencies.append(time.perf_counter() - t0)
-                for (st, _), h in zip(queries, hits):
+                for (st, q), h in zip(queries, hits):
                     st.episode.searches += 1
+                    st.episode.queries.append(q)
+                    st.episode.retrieved.append([x.id for x in h])
                     self._observe(st, protocol.information(h))
         for st in states:
             if not st.done:

@@ -30,9 +30,10 @@ from emapg_cli.toy.sft import IGNORE, SFTConfig, fit
 
 PRESET = "toy-search"
 SIZES = {"train": 600, "dev": 100, "test": 150}  # entities per split
-N_TRAIN, N_DEV, N_TEST = 2000, 200, 300  # questions per split
+N_TRAIN, N_DEV, N_TEST = 2000, 100, 300  # questions per split
 SFT = SFTConfig(hidden=64, layers=3, heads=4, kv_heads=2, max_steps=3000, check_every=50,
                 target_accuracy=0.3, batch_size=32, lr=3e-3, warmup=50)
+_DEBUG = bool(__import__('os').environ.get('EMAPG_TOY_DEBUG'))
 SFT_THREADS = 1  # as the maths toy: a 64-wide model gains nothing from threads
 
 
@@ -154,6 +155,7 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
 
             def reached_target() -> bool:
                 dev_curve.append(agent_accuracy(model, tokenizer, dev, cfg, retriever))
+                if _DEBUG: print("dev", dev_curve[-1], flush=True)
                 bar.update(task, dev=f"{dev_curve[-1]:.1%}")
                 return dev_curve[-1] >= sft.target_accuracy
 
