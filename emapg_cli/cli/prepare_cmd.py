@@ -41,6 +41,27 @@ def _prepare_toy(seed: int) -> None:
     console.print("next: emapg train --preset toy")
 
 
+def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
+    """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
+    import json
+
+    from emapg_cli.data.schema import write_jsonl
+    from emapg_cli.paths import emapg_home, write_text_atomic
+    from emapg_cli.retrieval.corpus import hotpotqa_corpus, sha256_file
+
+    if from_file is None:
+        raise UserError("hotpotqa-corpus needs --from FILE (HotpotQA JSONL rows with their context paragraphs)")
+    out_dir = out or emapg_home() / "data" / "hotpotqa-corpus"
+    docs, dups = hotpotqa_corpus(from_file)
+    path = out_dir / "corpus.jsonl"
+    write_jsonl(path, docs)
+    manifest = {"name": "hotpotqa-corpus", "source": str(from_file), "source_sha256": sha256_file(from_file),
+                "rows": len(docs), "duplicates_dropped": dups, "sha256": sha256_file(path)}
+    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    console.print(f"{len(docs):,} paragraphs ({dups:,} duplicates dropped) -> {path}", highlight=False)
+    console.print(f"next: emapg retriever index {path} --out DIR", highlight=False)
+
+
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
     table = Table(title=f"prepared {manifest['name']}", show_header=False)
     table.add_row("folder", str(out_dir))
@@ -82,7 +103,7 @@ def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
 
 
 def prepare(
-    names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from); with --decontaminate: TRAIN EVAL...")] = None,
+    names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from; `hotpotqa-corpus --from FILE` turns HotpotQA context paragraphs into a retrieval corpus); with --decontaminate: TRAIN EVAL...")] = None,
     from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
     preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: generate the toy task and its warm-started model).")] = None,
@@ -120,6 +141,9 @@ def prepare(
         raise UserError("--remove only applies with --decontaminate")
     if len(names) != 1:
         raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
+    if names[0] == "hotpotqa-corpus":
+        _prepare_hotpotqa_corpus(from_file, out)
+        return
     from emapg_cli.datasets.prepare import prepare_dataset
 
     bar, start = _progress_bar(f"converting {names[0]}")
