@@ -33,6 +33,9 @@ SIZES = {"train": 600, "dev": 100, "test": 150}  # entities per split
 N_TRAIN, N_DEV, N_TEST = 2000, 100, 300  # questions per split
 SFT = SFTConfig(hidden=64, layers=3, heads=4, kv_heads=2, max_steps=3000, check_every=50,
                 target_accuracy=0.3, batch_size=32, lr=3e-3, warmup=50)
+#: Byte-level BPE with merges learnt from the task's texts (`tokenizer_texts`): names and tags become
+#: single tokens, so episodes are ~60-100 tokens and copying a name is copying one token.
+VOCAB = 2048
 _DEBUG = bool(__import__('os').environ.get('EMAPG_TOY_DEBUG'))
 SFT_THREADS = 1  # as the maths toy: a 64-wide model gains nothing from threads
 
@@ -73,6 +76,21 @@ class EpisodeEncoder:
             ids, labels = ids + turn + obs, labels + turn + [IGNORE] * len(obs)
         turn = self._ids(f"<answer> {answer} </answer>")
         return ids + turn, labels + turn
+
+
+def tokenizer_texts(world, examples: list[Example], retriever, cfg) -> list[str]:
+    """Texts the toy's byte-level BPE learns its merges from: the corpus, the chat template's words and every
+    gold episode (prompt, searches, observations, answer), so a name, a tag or a template word is one token."""
+    from emapg_cli.agents import protocol
+    from emapg_cli.models.tiny import CHAT_TEMPLATE
+
+    texts = [d["contents"] for d in world.corpus()] + [CHAT_TEMPLATE, "<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n"]
+    queries = sorted({q for e in examples for q in e.meta["queries"]})
+    observations = dict(zip(queries, (protocol.information(h) for h in retriever.search(queries, cfg.search.topk))))
+    for e in examples:
+        turns = "".join(f"<search> {q} </search>{observations[q]}" for q in e.meta["queries"])
+        texts.append(f"{e.question}\n{turns}<answer> {e.answers[0]} </answer>")
+    return texts
 
 
 def agent_accuracy(model, tokenizer, examples: list[Example], cfg, retriever, max_turns: Optional[int] = None) -> float:
@@ -133,7 +151,7 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
 
     cfg = load_config(PRESET)  # its paths point under $EMAPG_HOME; set ours explicitly
     cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"prompt_template": str(out / "prompt.txt")})})
-    tokenizer = build_byte_tokenizer()
+    tokenizer = build_byte_tokenizer(corpus=tokenizer_texts(world, train + dev + test, retriever, cfg), vocab_size=VOCAB)
     model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers,
                              heads=sft.heads, kv_heads=sft.kv_heads, seed=seed)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

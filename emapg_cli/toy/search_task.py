@@ -7,8 +7,7 @@ entity of the same split). Each fact is one corpus passage, titled with the enti
     {"id": "Doka-city", "contents": "Doka\\ncity Rulo"}
 
 so a search for `Doka city` returns it first (both words match) and the entity's other facts as
-distractors. Questions need one search ("What is the city of Doka?") or two ("What is the city
-of the boss of Doka?": search `Doka boss`, read `boss Mipe`, search `Mipe city`). Train, dev and
+distractors. Questions need one search ("city of Doka?") or two ("city of boss of Doka?": search `Doka boss`, read `boss Mipe`, search `Mipe city`). Train, dev and
 test questions are about disjoint entity sets, so a model cannot have memorised a test answer: it
 must search and copy the answer from the passage. Without search, a guess from the value pool
 is right about 1/POOL of the time.
@@ -30,7 +29,7 @@ VALUE_ATTRS = ("city", "pet", "food")
 LINK_ATTR = "boss"
 POOL = 40  # values per value attribute: the no-search guessing rate is about 1/POOL
 #: The toy's user-message template (`search.prompt_template`); `{question}` is Search-R1's formatting of the question.
-TEMPLATE = "Search, then answer. {question}"
+TEMPLATE = "{question}"
 
 _CONS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 
@@ -83,8 +82,8 @@ class Question:
     @property
     def text(self) -> str:
         if self.hops == 1:
-            return f"What is the {self.attr} of {self.entity}?"
-        return f"What is the {self.attr} of the {LINK_ATTR} of {self.entity}?"
+            return f"{self.attr} of {self.entity}?"
+        return f"{self.attr} of {LINK_ATTR} of {self.entity}?"
 
     def answer(self, world: World) -> str:
         e = self.entity if self.hops == 1 else world.facts[self.entity][LINK_ATTR]
