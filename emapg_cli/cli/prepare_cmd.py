@@ -41,6 +41,22 @@ def _prepare_toy(seed: int) -> None:
     console.print("next: emapg train --preset toy")
 
 
+def _prepare_toy_search(seed: int) -> None:
+    from emapg_cli.paths import emapg_home
+    from emapg_cli.toy.search_prepare import PRESET, prepare_toy_search
+
+    home = emapg_home()
+    m = prepare_toy_search(home, seed, progress=True)
+    table = Table(title="prepared the toy search task", show_header=False)
+    table.add_row("folder", str(home / PRESET))
+    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
+    table.add_row("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)")
+    table.add_row("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
+                  f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")
+    console.print(table)
+    console.print(f"next: emapg train --preset {PRESET}")
+
+
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
     """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
     import json
@@ -106,8 +122,8 @@ def prepare(
     names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from; `hotpotqa-corpus --from FILE` turns HotpotQA context paragraphs into a retrieval corpus); with --decontaminate: TRAIN EVAL...")] = None,
     from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: generate the toy task and its warm-started model).")] = None,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy).")] = 0,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search).")] = 0,
     decontaminate: Annotated[bool, typer.Option("--decontaminate", help="Report training items (first NAME) that overlap the evaluation sets (the other NAMEs).")] = False,
     remove: Annotated[bool, typer.Option("--remove", help="With --decontaminate: also drop the overlapping items from the prepared training set.")] = False,
     ngram: Annotated[int, typer.Option("--ngram", min=1, help="With --decontaminate: word n-gram length of a partial match.")] = 13,
@@ -128,11 +144,11 @@ def prepare(
         console.print(table)
         return
     if preset is not None:
-        if preset != "toy":
-            raise UserError(f"--preset supports only 'toy' (got '{preset}')")
+        if preset not in ("toy", "toy-search"):
+            raise UserError(f"--preset supports 'toy' and 'toy-search' (got '{preset}')")
         if names or from_file:
-            raise UserError("--preset toy takes no NAME or --from")
-        _prepare_toy(seed)
+            raise UserError(f"--preset {preset} takes no NAME or --from")
+        (_prepare_toy if preset == "toy" else _prepare_toy_search)(seed)
         return
     if decontaminate:
         _decontaminate(names, ngram, remove)
