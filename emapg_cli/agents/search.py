@@ -117,6 +117,11 @@ class SearchAgent:
                 st.episode.outcome = "no_answer"
         return [[st.episode for st in states[i * n:(i + 1) * n]] for i in range(len(prompts))]
 
+    def bind(self, engine) -> "BoundAgent":
+        """An `Engine`-shaped object whose `generate(prompts, params)` runs this agent's episodes on `engine`
+        (what the trainer's rollout and evaluation call in place of the bare engine)."""
+        return BoundAgent(self, engine)
+
     def _take_turn(self, st: _State, c: Completion) -> tuple[Optional[str], str]:
         """Append one generated turn (mask 1); return its action."""
         ep = st.episode
@@ -146,6 +151,17 @@ class SearchAgent:
         if ep.logprobs is not None:
             ep.logprobs += [0.0] * len(ids)
         ep.obs_tokens += len(ids)
+
+
+@dataclass
+class BoundAgent:
+    """`SearchAgent.bind(engine)`: `generate` = the agent's episodes on that engine."""
+
+    agent: SearchAgent
+    engine: Any
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Episode]]:
+        return self.agent.generate(self.engine, prompts, params)
 
 
 def search_metrics(episodes: list[Episode], latencies: list[float]) -> dict[str, float]:

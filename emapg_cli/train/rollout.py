@@ -21,13 +21,17 @@ def render_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int) -> tuple[list[Example], list[list[int]], int]:
-    """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens)."""
+def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int,
+                    user_message: Optional[Callable[[str], str]] = None) -> tuple[list[Example], list[list[int]], int]:
+    """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens).
+
+    `user_message(question)` builds the user message (the search agent's prompt template); default: the question.
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; prompts are rendered with it (set one in tokenizer_config.json)")
     kept, ids = [], []
     for ex in examples:
-        p = render_prompt(tokenizer, ex.question)
+        p = render_prompt(tokenizer, user_message(ex.question) if user_message else ex.question)
         if len(p) <= max_prompt_tokens:
             kept.append(ex)
             ids.append(p)
@@ -125,7 +129,8 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
     input_ids = torch.full((b, plen + rlen), pad_id, dtype=torch.long)  # [B, P + R]
     attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
     resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
-    samp = torch.zeros((b, rlen))  # [B, R]
+    # engine log-probs (diagnostic); None when a completion has none (search.retokenize)
+    samp = torch.zeros((b, rlen)) if all(c.logprobs is not None for c in completions) else None  # [B, R]
     multi = any(getattr(c, "policy_mask", None) is not None for c in completions)
     loss_mask = torch.zeros((b, rlen), dtype=torch.bool) if multi else None  # [B, R]
     for i, (p, c) in enumerate(zip(prompt_ids, completions)):
@@ -135,7 +140,7 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
         if n:
             input_ids[i, plen:plen + n] = torch.tensor(c.token_ids, dtype=torch.long)
             resp_mask[i, :n] = True
-            if c.logprobs is not None:
+            if samp is not None:
                 samp[i, :n] = torch.tensor(c.logprobs)
             if loss_mask is not None:
                 pm = getattr(c, "policy_mask", None)
