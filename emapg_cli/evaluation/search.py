@@ -45,13 +45,11 @@ class SearchRunner:
 
     def __init__(self, tokenizer, cfg, max_turns: int):
         from emapg_cli.agents import SearchAgent, protocol
-        from emapg_cli.paths import expand
         from emapg_cli.retrieval.base import make_retriever
 
         self.tokenizer = tokenizer
-        self.template = protocol.load_template(str(expand(cfg.prompt_template)) if cfg.prompt_template else None)
-        index = str(expand(cfg.index)) if cfg.index else None
-        self.retriever = make_retriever(cfg.retriever, index=index, url=cfg.url, timeout_s=cfg.timeout_s,
+        self.template = protocol.load_template(cfg.prompt_template)
+        self.retriever = make_retriever(cfg.retriever, index=cfg.index, url=cfg.url, timeout_s=cfg.timeout_s,
                                         retries=cfg.retries, backoff_s=cfg.backoff_s)
         self.agent = SearchAgent(tokenizer, self.retriever, cfg, max_turns)
 

@@ -91,7 +91,9 @@ class BM25Retriever:
     def load(cls, folder: str | Path) -> "BM25Retriever":
         import bm25s
 
-        folder = Path(folder)
+        from emapg_cli.paths import expand
+
+        folder = expand(str(folder))  # ~ and $EMAPG_HOME (presets write search.index under it)
         if not (folder / MANIFEST).is_file():
             raise UserError(f"{folder}: not a bm25 index (no {MANIFEST}; build one with `emapg retriever index CORPUS --out DIR`)")
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
