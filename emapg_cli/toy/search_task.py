@@ -4,7 +4,7 @@ A world is a seeded set of entities with made-up names (`Doka`, `Mipe`, ...). Ea
 four facts: `city`, `pet` and `food` (values from pools of invented words) and `boss` (another
 entity of the same split). Each fact is one corpus passage, titled with the entity:
 
-    {"id": "Doka-city", "contents": "Doka\\ncity Rulo"}
+    {"id": "Doka-city", "contents": "Doka\\nDoka city Rulo"}
 
 so a search for `Doka city` returns it first (both words match) and the entity's other facts as
 distractors. Questions need one search ("city of Doka?") or two ("city of boss of Doka?": search `Doka boss`, read `boss Mipe`, search `Mipe city`). Train, dev and
@@ -53,8 +53,11 @@ class World:
     facts: dict[str, dict[str, str]]
 
     def corpus(self) -> list[dict[str, str]]:
-        """One FlashRAG row per fact: id `Entity-attr`, contents `Entity\\nattr value`."""
-        return [{"id": f"{e}-{a}", "contents": f"{e}\n{a} {v}"} for e, f in self.facts.items() for a, v in f.items()]
+        """One FlashRAG row per fact: id `Entity-attr`, contents `Entity\\nEntity attr value`.
+
+        The text repeats the title, as wiki-18's passages do; it also makes `Doka boss` rank Doka's own boss
+        passage above the passages of entities whose boss is Doka (those match both words once)."""
+        return [{"id": f"{e}-{a}", "contents": f"{e}\n{e} {a} {v}"} for e, f in self.facts.items() for a, v in f.items()]
 
 
 def make_world(seed: int, sizes: dict[str, int]) -> World:
