@@ -17,8 +17,6 @@ but copies the right answer only part of the time, which RL improves.
 
 from __future__ import annotations
 
-import json
-import platform
 import random
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any, Optional
 
 from emapg_cli.data.schema import Example, write_jsonl
 from emapg_cli.toy.search_task import SOURCE, TEMPLATE, make_questions, make_world, sample_question
+from emapg_cli.toy.prepare import SFT_THREADS, save_warm_start
 from emapg_cli.toy.sft import IGNORE, SFTConfig, fit
 
 PRESET = "toy-search"
@@ -37,7 +36,6 @@ CHECK_SPARSE = 5  # dev checks before the first correct answer: every 5th (every
 #: Byte-level BPE with merges learnt from the task's texts without the names (`tokenizer_texts`): tags and
 #: template words become single tokens, so episodes are ~90-140 tokens.
 VOCAB = 512
-SFT_THREADS = 1  # as the maths toy: a 64-wide model gains nothing from threads
 
 
 class EpisodeEncoder:
@@ -135,7 +133,6 @@ def _bar(enabled: bool):
 def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfig = SFT) -> dict[str, Any]:
     """Generate the task, index its corpus and warm-start its model under `home/toy-search`; returns the manifest."""
     import torch
-    import transformers
 
     from emapg_cli.config import load_config
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
@@ -208,26 +205,16 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
         torch.set_num_threads(threads)
         retriever.close()
 
-    model.save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
-    tail = losses[-50:]
-    manifest = {
+    return save_warm_start(out, model, tokenizer, {
         "name": PRESET,
         "source": SOURCE,
         "seed": seed,
         "rows": {"train": len(train), "test": len(test), "corpus": len(world.corpus())},
         "entities": SIZES,
-        "model": {"arch": "llama", "parameters": sum(p.numel() for p in model.parameters())},
-        "sft": sft.as_dict(),
-        "sft_steps": len(losses),
-        "sft_final_loss": sum(tail) / len(tail),
+    }, sft, losses, {
         "sft_dev_accuracy": [list(x) for x in dev_curve],
         "sft_wall_s": round(sft_seconds, 1),
         "sft_test_accuracy": accuracy,
         "sft_test_accuracy_no_search": no_search,
         "wall_s": round(time.perf_counter() - start, 1),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
-        "torch_threads": SFT_THREADS,
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    })
