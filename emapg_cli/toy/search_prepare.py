@@ -183,8 +183,8 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
 
             def reached_target() -> bool:
                 # Copying is learnt abruptly (0% -> 60% dev EM within ~50 steps after a ~300-step plateau):
-                # check every CHECK_SPARSE-th time until the model answers anything, then at every check.
-                if next(checks) % CHECK_SPARSE and not any(acc for _, acc in dev_curve[-1:]):
+                # check every CHECK_SPARSE-th time until the model has answered anything once, then at every check.
+                if next(checks) % CHECK_SPARSE and not any(acc for _, acc in dev_curve):
                     return False
                 dev_curve.append((step[0], agent_accuracy(model, tokenizer, dev, cfg, retriever)))
                 bar.update(task, dev=f"{dev_curve[-1][1]:.1%}")
