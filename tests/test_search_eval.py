@@ -110,18 +110,19 @@ def test_eval_search_errors(search_bench, tiny_llama, tmp_path, cli):
     assert r.returncode == 2 and "error" in r.stderr
 
 
-@pytest.mark.parametrize("name, file", [("bamboogle", "bamboogle_test.jsonl"), ("hotpotqa", "hotpotqa_dev_ircot500.jsonl")])
-def test_eval_shared_benches_with_a_hotpotqa_index(shared_data, name, file, tiny_llama, tmp_path, emapg_home, cli):
-    # the real files: the bench prepared from the shared copy, a BM25 index of HotpotQA's paragraphs
+def test_eval_shared_benches_with_a_hotpotqa_index(shared_data, tiny_llama, tmp_path, emapg_home, cli):
+    # the real files: Bamboogle and HotpotQA prepared from the shared copies, one BM25 index of HotpotQA's paragraphs
     src = shared_data / "search"
-    assert cli("prepare", name, "--from", str(src / file)).returncode == 0
     r = cli("prepare", "hotpotqa-corpus", "--from", str(src / "hotpotqa_dev_ircot500.jsonl"), "--out", str(tmp_path / "corpus"))
     assert r.returncode == 0, r.stderr
     r = cli("retriever", "index", str(tmp_path / "corpus" / "corpus.jsonl"), "--out", str(tmp_path / "index"))
     assert r.returncode == 0, r.stderr
-    out = tmp_path / "run"
-    r = cli("eval", "--bench", name, "--model", str(tiny_llama), "--backend", "hf", "--retriever", f"bm25:{tmp_path / 'index'}",
-            "--max-turns", "1", "--max-tokens", "8", "--limit", "3", "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
-    assert [x["id"] for x in rows] == [e.id for e in load_examples(name)[:3]]
+    for name, file in (("bamboogle", "bamboogle_test.jsonl"), ("hotpotqa", "hotpotqa_dev_ircot500.jsonl")):
+        assert cli("prepare", name, "--from", str(src / file)).returncode == 0
+        out = tmp_path / f"run-{name}"
+        r = cli("eval", "--bench", name, "--model", str(tiny_llama), "--backend", "hf", "--retriever", f"bm25:{tmp_path / 'index'}",
+                "--max-turns", "1", "--max-tokens", "8", "--limit", "3", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
+        assert [x["id"] for x in rows] == [e.id for e in load_examples(name)[:3]]
+        assert json.loads((out / "summary.json").read_text())["search"]["num_items"] == 3
