@@ -49,6 +49,9 @@ def test_search_qa_preset_matches_the_paper_run():
     assert (c.kl.estimator, c.kl.direction, c.kl.k, c.kl.iw, c.kl.coef) == ("topk", "reverse", 32, True, 0.001)
     assert (c.ema.decay, c.ema.update_period) == (0.9, 10)
     assert (c.rollout.max_turns, c.rollout.max_new_tokens) == (4, 500)
+    s = c.search  # Search-R1: retriever.topk 3, max_obs_length 500, max_start_length 2048, max_prompt_length 4096
+    assert (s.enabled, s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens, s.final_turn) == (True, "http", 3, 500, 4096, True)
+    assert c.data.max_prompt_tokens == 2048 and c.rollout.reward == "em"
 
 
 def test_sources_merge_in_order(tmp_path):

@@ -174,6 +174,11 @@ class Config(Section):
             raise ValueError(
                 f"train.mini_batch_prompts ({t.mini_batch_prompts}) must divide rollout.prompts_per_step ({r.prompts_per_step})"
             )
+        if self.search.enabled and self.data.max_prompt_tokens + r.max_new_tokens > self.search.max_context_tokens:
+            raise ValueError(
+                f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
+                f"({self.data.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}), or no turn could start"
+            )
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,

@@ -313,8 +313,8 @@ def make_plan(
 ) -> Plan:
     """The plan of `cfg`'s run; `model_config` is the model's config.json (None: look the path up in KNOWN_MODELS).
 
-    Sequence length T = max_prompt_tokens + max_turns * max_new_tokens (an upper bound: tool
-    outputs of multi-turn episodes come on top). Tokens per step = prompts_per_step * n * T.
+    Sequence length T = max_prompt_tokens + max_turns * max_new_tokens; for the search agent,
+    `search.max_context_tokens` (prompt, turns and observations together never exceed it). Tokens per step = prompts_per_step * n * T.
     Memory is per GPU of `device_memory_gib` (an 80 GiB H100 by default) when the run is launched
     on `processes` GPUs: the whole model on each with ddp, 1/N of it with fsdp (see
     `memory_terms`), and vLLM sleep mode during the update (the engine's share is freed).
@@ -324,7 +324,11 @@ def make_plan(
     seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
     device = int(device_memory_gib * GIB)
     notes: list[str] = []
-    if r.max_turns > 1:
+    if cfg.search.enabled:
+        seq_len = cfg.search.max_context_tokens
+        notes.append(f"T is search.max_context_tokens: the prompt, {r.max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
+                     f"and observations of <= {cfg.search.max_obs_tokens} tokens fit in it")
+    elif r.max_turns > 1:
         notes.append(f"T counts {r.max_turns} turns of {r.max_new_tokens} tokens; tool outputs come on top")
 
     if model_config is not None:
