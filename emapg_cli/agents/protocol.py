@@ -30,7 +30,9 @@ _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 @lru_cache(maxsize=8)
 def load_template(path: Optional[str] = None) -> str:
     """The user-message template (the packaged Search-R1 prompt when `path` is None); needs `{question}`."""
-    file = Path(path).expanduser() if path else PACKAGED_TEMPLATE
+    from emapg_cli.paths import expand
+
+    file = expand(path) if path else PACKAGED_TEMPLATE
     if not file.is_file():
         raise UserError(f"search.prompt_template: {file}: no such file")
     text = file.read_text(encoding="utf-8")
