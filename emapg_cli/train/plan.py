@@ -418,7 +418,10 @@ def render_plan(plan: Plan):
     run.add_row("model", model)
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
-    run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens")
+    budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
+    run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens"
+                if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "
+                f"turns of <= {plan.max_new_tokens:,} tokens and observations)")
     run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
     run.add_row("mini-batch", f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_prompts * plan.n:,} sequences; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
