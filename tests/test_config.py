@@ -53,6 +53,9 @@ def test_search_qa_preset_matches_the_paper_run():
     assert (c.rollout.top_p, c.train.dual_clip, c.optim.lr, c.rollout.reward) == (0.95, None, 1e-6, "em")
     assert (c.search.enabled, c.search.retriever, c.search.topk, c.search.max_obs_tokens) == (True, "http", 3, 500)
     assert c.data.train == "nq_hotpotqa_train"
+    s = c.search  # Search-R1: retriever.topk 3, max_obs_length 500, max_start_length 2048, max_prompt_length 4096
+    assert (s.enabled, s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens, s.final_turn) == (True, "http", 3, 500, 4096, True)
+    assert c.data.max_prompt_tokens == 2048 and c.rollout.reward == "em"
 
 
 def test_sources_merge_in_order(tmp_path):

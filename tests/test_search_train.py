@@ -65,7 +65,7 @@ def test_hf_episodes_are_exactly_what_the_policy_sampled(tiny_qwen2, index):
 
 
 def _opts(model, data, index, steps, *extra):
-    values = [f"model.path={model}", f"data.train={data}", f"data.eval={data}", "data.eval_limit=2", "data.max_prompt_tokens=1024",
+    values = [f"model.path={model}", f"data.train={data}", f"data.eval={data}", "data.eval_limit=2", "data.max_prompt_tokens=1000",
               "rollout.reward=em", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.max_turns=2",
               f"train.steps={steps}", "train.mini_batch_prompts=1", "train.micro_batch_size=2", "train.save_every=1",
               "kl.estimator=topk", "kl.k=8", "kl.coef=0.1", "ema.update_period=1", "eval.max_new_tokens=8",

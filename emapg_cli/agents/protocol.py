@@ -32,7 +32,7 @@ def load_template(path: Optional[str] = None) -> str:
     """The user-message template (the packaged Search-R1 prompt when `path` is None); needs `{question}`."""
     from emapg_cli.paths import expand
 
-    file = expand(path) if path else PACKAGED_TEMPLATE  # ~ and $EMAPG_HOME (the toy-search preset's template)
+    file = expand(path) if path else PACKAGED_TEMPLATE
     if not file.is_file():
         raise UserError(f"search.prompt_template: {file}: no such file")
     text = file.read_text(encoding="utf-8")

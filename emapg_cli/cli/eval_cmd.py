@@ -39,6 +39,7 @@ def eval_(
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
 ) -> None:
     """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md."""
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from emapg_cli.evaluation.report import markdown
@@ -73,7 +74,7 @@ def eval_(
         max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
     )
     bar = Progress(
-        TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(escape(f"eval {bench}")), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")
@@ -84,4 +85,4 @@ def eval_(
     with bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
-    console.print(f"results in {out}")
+    console.print(f"results in {out}", markup=False, highlight=False)

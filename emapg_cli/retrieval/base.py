@@ -56,9 +56,10 @@ def make_retriever(kind: str, *, index: Optional[str] = None, url: Optional[str]
     if kind == "bm25":
         if not index:
             raise UserError("search.index is not set: the folder written by `emapg retriever index CORPUS --out DIR`")
+        from emapg_cli.paths import expand
         from emapg_cli.retrieval.bm25 import BM25Retriever
 
-        return BM25Retriever.load(index)
+        return BM25Retriever.load(expand(index))
     if kind == "http":
         if not url:
             raise UserError("search.url is not set (a Search-R1 `/retrieve` endpoint, e.g. http://127.0.0.1:8000/retrieve)")

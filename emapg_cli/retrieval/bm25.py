@@ -19,16 +19,25 @@ from typing import Callable, Optional
 
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
-from emapg_cli.retrieval.corpus import read_corpus, sha256_file
+from emapg_cli.datasets.prepare import sha256_file
+from emapg_cli.retrieval.corpus import read_corpus
 
 MANIFEST = "manifest.json"
 DOCS = "docs.jsonl"
 FORMAT = "emapg-bm25/1"
 
 
-def _tokens(texts: list[str]) -> list[list[str]]:
-    import bm25s
+def _bm25s():
+    """The bm25s module, or a one-line UserError naming the extra that installs it."""
+    try:
+        import bm25s
+    except ImportError:
+        raise UserError("the bm25 retriever needs bm25s: pip install 'emapg[search]'") from None
+    return bm25s
 
+
+def _tokens(texts: list[str]) -> list[list[str]]:
+    bm25s = _bm25s()
     return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
@@ -38,7 +47,7 @@ def build_index(corpus: Path, out: Path, progress: Optional[Callable[[int], Call
 
     progress(total) -> advance(k), called per chunk of tokenised rows.
     """
-    import bm25s
+    bm25s = _bm25s()
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -89,7 +98,7 @@ class BM25Retriever:
 
     @classmethod
     def load(cls, folder: str | Path) -> "BM25Retriever":
-        import bm25s
+        bm25s = _bm25s()
 
         from emapg_cli.paths import expand
 

@@ -74,10 +74,13 @@ class QAGrade:
 class QAGrader:
     """`emapg eval --reward em|f1`: the `MathGrader` interface (`grade`, `timeouts`, a context manager) for QA."""
 
-    timeouts = 0
+    timeouts = refused = 0  # pure string work: nothing times out or is refused
 
     def __init__(self, reward: str):
+        from emapg_cli.grading.pool import PoolStats
+
         self.score = QA_SCORES[reward]
+        self.pool_stats = PoolStats()  # no worker pool: all counts stay 0
 
     def __enter__(self) -> "QAGrader":
         return self
