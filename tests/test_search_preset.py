@@ -31,6 +31,7 @@ def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_hom
         "train.save_every": "0", "data.train": "hotpotqa",
         "search.retriever": "bm25", "search.index": str(tmp_path / "index"), "search.max_obs_tokens": "64",
         "search.max_context_tokens": "1000",  # the tiny model has 1024 positions; Search-R1's prompt is ~700 bytes
+        "data.max_prompt_tokens": "900",  # prompt + one turn must fit in search.max_context_tokens (a config check)
     }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     r = cli("train", "--preset", "search-qa", *args, "--out", str(run), timeout=900)
