@@ -75,7 +75,8 @@ class TrainConfig(Section):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
-    logit_chunk: int = Field(1024, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory).")
+    logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
+    logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
 
