@@ -91,6 +91,7 @@ class Trainer:
             raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                             "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
         self.strategy = make_strategy(self.acc, cfg.train.parallel)
+        self.phase_s: dict[str, float] = {}  # wall seconds of the current step's phases (`step`)
         self.inputs = preflight(cfg)
         self.reward_fn = self.inputs.reward_fn
 
@@ -171,10 +172,23 @@ class Trainer:
         prompts = [self.train_prompts[i] for i in mine]
         params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
-        groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
+        with self._timed("generation"):
+            groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
-        rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
+        with self._timed("reward"):
+            rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
+        with self._timed("batch"):
+            batch, all_rewards = self._batch(rewards, completions, prompts, rank_slice)
+        lens = [len(c.token_ids) for c in completions]
+        truncated = sum(c.finish_reason == "length" for c in completions)
+        return batch, dict(rewards=all_rewards, reward_errors=errors, response_lens=lens, truncated=truncated)
+
+    def _batch(self, rewards, completions, prompts, rank_slice):
+        """GRPO advantages over all ranks' rewards, then this rank's padded batch on the device; (batch, all rewards [G, n])."""
+        cfg, acc = self.cfg, self.acc
+        r = cfg.rollout
+        per_rank = r.prompts_per_step // acc.num_processes
         local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
@@ -183,15 +197,14 @@ class Trainer:
         batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
         batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
                                ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
-        lens = [len(c.token_ids) for c in completions]
-        truncated = sum(c.finish_reason == "length" for c in completions)
-        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated)
+        return batch, all_rewards.cpu()
 
     def _update(self, step: int, batch) -> Any:
         """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
         cfg = self.cfg
         self.engine.release_memory()
-        batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
+        with self._timed("passes"):
+            batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         if self.anchor is not None:
             self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
@@ -201,7 +214,7 @@ class Trainer:
                               if batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
-        with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext():
+        with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self._timed("update"):
             stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         self.scorer.eval()
         if stats.logprob_diffs:
@@ -233,6 +246,33 @@ class Trainer:
                 model.save_pretrained(out, state_dict=state)
                 self.tokenizer.save_pretrained(out)
         self.acc.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        """Adds the wall time of the block to `phase_s[name]` (the step's breakdown, see `emapg bench step`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
+
+    def step(self, step: int):
+        """One RL step: rollout (generation, reward, batch), passes + update, EMA and weight push.
+
+        Returns (rollout metrics inputs, UpdateStats, EMA distance); `phase_s` holds its wall-time breakdown:
+        generation, reward, batch, passes, update, ema (and the totals rollout, update_total).
+        """
+        self.phase_s = {}
+        seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
+        with self._timed("rollout"):
+            batch, roll = self._rollout(step)
+        with self._timed("update_total"):
+            upd = self._update(step, batch)
+            self.state["skipped"] += upd.skipped
+            with self._timed("ema"):
+                dist = self._ema(step, upd.skipped > 0)
+                self._push(self.policy)
+        return roll, upd, dist
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
@@ -269,17 +309,10 @@ class Trainer:
         with progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=last, info="")
             for step in range(last + 1, cfg.train.steps + 1):
-                seed_everything(derive_seed(cfg.train.seed, step, acc.process_index))
-                t0 = time.time()
-                batch, roll = self._rollout(step)
-                t1 = time.time()
-                upd = self._update(step, batch)
-                self.state["skipped"] += upd.skipped
-                dist = self._ema(step, upd.skipped > 0)
-                self._push(self.policy)
-                t2 = time.time()
+                roll, upd, dist = self.step(step)
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
-                                       t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
+                                       t_rollout=self.phase_s["rollout"], t_update=self.phase_s["update_total"],
+                                       skipped_total=self.state["skipped"], ema_distance=dist)
                 metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
                 if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                     metrics["eval/accuracy"] = self._eval(self.policy, step)
