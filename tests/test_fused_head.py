@@ -166,3 +166,4 @@ def test_auto_chunk_from_budget():
     assert auto_chunk(151_936, 256) == 441
     assert auto_chunk(151_936, 256, buffers=8) == 55
     assert auto_chunk(10**9, 1) == 1
+

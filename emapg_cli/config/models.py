@@ -77,6 +77,7 @@ class TrainConfig(Section):
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
     logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
+    torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process on CPU (null: the cores the load average leaves free, split between local processes; the environment variable EMAPG_TORCH_THREADS or OMP_NUM_THREADS wins).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
 
