@@ -58,6 +58,18 @@ def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return z if z.dtype in (torch.float32, torch.float64) else z.float()
 
 
+def _exp_inplace(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Turn z [c, V] into e = exp(z - max z) in place; return (lse [c], row sums of e [c, 1]).
+
+    logsumexp would allocate a [c, V] temporary; here the softmax is e / sum(e), and callers fold the
+    1 / sum(e) into their [c]-sized coefficients instead of dividing the [c, V] block.
+    """
+    m = z.amax(-1, keepdim=True)  # [c, 1]
+    e = z.sub_(m).exp_()  # [c, V]
+    total = e.sum(-1, keepdim=True)  # [c, 1]
+    return (m + total.log()).squeeze(-1), total
+
+
 @dataclass
 class HeadSpec:
     """Everything but the differentiable tensors: what to gather, the loss, and how to chunk."""
@@ -110,8 +122,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             if exact:
                 gz, gathered, lse, per_tok, extra = _exact_chunk(spec, s, e, z, idx, inv_t)
             else:
-                lse = torch.logsumexp(z, -1)  # [c]
-                gathered = z.gather(1, idx) - lse[:, None]  # [c, 1 + k]
+                zg = z.gather(1, idx)  # [c, 1 + k]
+                lse, rowsum = _exp_inplace(z)  # z is now e = exp(z - max), softmax = e / rowsum
+                gathered = zg - lse[:, None]  # [c, 1 + k] log-probs
                 a = gathered.detach().requires_grad_()
                 with torch.enable_grad():
                     per_tok, extra = spec.loss_fn(s, e, a[:, 0], a[:, 1:] if k else None)
@@ -120,22 +133,25 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if m is not None:
                     g = torch.where(m[:, None], g, 0.0)
                 gsum = g.sum(-1)  # [c] G_t
-                p = z.sub_(lse[:, None]).exp_()  # [c, V] softmax, in place of z
-                pw = torch.mm(p.to(weight.dtype), weight)  # [c, H]  softmax(z) W
+                # softmax = z / rowsum: the 1 / rowsum goes into the [c]-sized factors, not the [c, V] block
+                ew = torch.mm(z.to(weight.dtype), weight)  # [c, H]  e W
+                pw = ew.float() / rowsum  # [c, H]  softmax(z) W
                 if spec.entropy:  # H = lse - sum_j p_j z_j, sum_j p_j z_j = h . (p W) (+ p . b)
-                    pz = (h.float() * pw.float()).sum(-1)
+                    pz = (h.float() * pw).sum(-1)
                     if bias is not None:
-                        pz = pz + p @ bt.float()
+                        pz = pz + (z @ bt.float()) / rowsum[:, 0]
                     ent[s:e] = lse - pz
                 if need_h:
                     sparse = torch.nn.functional.embedding_bag(idx, weight, per_sample_weights=g.to(weight.dtype), mode="sum")
-                    dh[s:e] = ((sparse - gsum[:, None].to(pw.dtype) * pw) * inv_t).to(dh.dtype)  # [c, H]
+                    dh[s:e] = ((sparse.float() - gsum[:, None] * pw) * inv_t).to(dh.dtype)  # [c, H]
+                coef = -gsum[:, None] / rowsum  # [c, 1]  -G_t / sum(e)
                 if need_w:
-                    dw.addmm_(p.t(), (h * (-gsum[:, None]).to(h.dtype)).to(acc))  # [V, H]; h is already h / tau
-                    rows = (g.to(acc)[:, :, None] * h.to(acc)[:, None, :]).reshape(-1, hdim)  # [c (1 + k), H]
-                    dw.index_add_(0, idx.reshape(-1), rows)
+                    dw.addmm_(z.t().to(acc), (h * coef.to(h.dtype)).to(acc))  # [V, H]; h is already h / tau
+                    for j in range(idx.shape[1]):  # the sparse term, one [c, H] block at a time
+                        dw.index_add_(0, idx[:, j], (h * g[:, j:j + 1].to(h.dtype)).to(acc))
                 if need_b:
-                    db.addmv_(p.t(), -gsum.to(acc), alpha=inv_t).index_add_(0, idx.reshape(-1), g.to(acc).reshape(-1), alpha=inv_t)
+                    db.addmv_(z.t().to(acc), coef[:, 0].to(acc), alpha=inv_t)
+                    db.index_add_(0, idx.reshape(-1), g.to(acc).reshape(-1), alpha=inv_t)
                 gz = None
             if gz is not None:  # exact: dL/dz from autograd, [c, V]
                 gzw = gz.to(weight.dtype)
@@ -257,16 +273,18 @@ def stream_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
         e = min(s + chunk, n)
         h = hidden[s:e] * inv_t if inv_t != 1.0 else hidden[s:e]  # [c, H]
         z = _logits(h, weight, bt)  # [c, V]
-        lse = torch.logsumexp(z, -1)  # [c]
-        lse_all[s:e] = lse
-        logp[s:e] = z.gather(1, targets[s:e, None])[:, 0] - lse
+        zt = z.gather(1, targets[s:e, None])[:, 0]  # [c]
         if topk:
-            vals, idx = z.topk(topk, -1)  # [c, k]
+            zq, idx = z.topk(topk, -1)  # [c, k]
             idx_all[s:e] = idx
         if q_index is not None:
-            lq[s:e] = z.gather(1, q_index[s:e]) - lse[:, None]
-        elif topk:
-            lq[s:e] = vals - lse[:, None]
+            zq = z.gather(1, q_index[s:e])  # [c, k]
+        pz = (torch.softmax(z, -1) * z).sum(-1) if entropy else None  # [c]
+        lse, _ = _exp_inplace(z)  # z is spent
+        lse_all[s:e] = lse
+        logp[s:e] = zt - lse
+        if kq:
+            lq[s:e] = zq - lse[:, None]
         if entropy:
-            ent[s:e] = lse - (torch.softmax(z, -1) * z).sum(-1)
+            ent[s:e] = lse - pz
     return StreamStats(logp=logp, lse=lse_all, topk_index=idx_all, logp_q=lq, entropy=ent)

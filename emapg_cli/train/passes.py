@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from emapg_cli.errors import UserError
 from emapg_cli.kl import INFO, topk_source
 from emapg_cli.train.logprobs import TokenStats
 from emapg_cli.train.rollout import RolloutBatch
@@ -24,9 +25,25 @@ def anchor_inside_loss(cfg) -> bool:
     return cfg.kl.coef > 0 and INFO[cfg.kl.estimator].full_vocab
 
 
+def old_from_engine(cfg) -> bool:
+    """The old-policy log-probs (and q) are the rollout engine's, recorded while sampling (`train.old_logprobs`)."""
+    source = cfg.train.old_logprobs
+    return source == "engine" or (source == "auto" and cfg.rollout.engine == "hf")
+
+
+def engine_topk(cfg, k: int) -> int:
+    """How many top-k ids the engine must record per token: k when reverse Top-k reads q from the engine, else 0."""
+    info = INFO[cfg.kl.estimator]
+    needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
+    return k if needs_q and old_from_engine(cfg) else 0
+
+
 def needs_old_pass(cfg) -> bool:
-    """The old-policy pass runs unless `single_on_policy_step`; reverse Top-k needs it anyway for q
-    (the sampling policy's top-k set, which must be fixed before the update)."""
+    """The old-policy pass runs unless the engine's log-probs stand in for it (`old_from_engine`) or
+    `single_on_policy_step`; reverse Top-k needs it anyway for q (the sampling policy's top-k set, which
+    must be fixed before the update) unless the engine recorded q."""
+    if old_from_engine(cfg):
+        return False
     info = INFO[cfg.kl.estimator]
     needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
     return not single_on_policy_step(cfg) or needs_q
@@ -69,7 +86,16 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)
     out = {}
-    if needs_old_pass(cfg):
+    if old_from_engine(cfg):  # the engine's own log-probs (and q) of the sampled tokens, under the same weights
+        if use_topk and source == "sampling" and batch.q_index is None:
+            raise UserError("train.old_logprobs=engine with reverse Top-k needs an engine that records the top-k "
+                            "ids while sampling (hf); use train.old_logprobs=pass")
+        if batch.sampling_logp is None:
+            raise UserError("train.old_logprobs=engine needs an engine that returns sampling log-probs")
+        out["old_logp"] = None if single_on_policy_step(cfg) else batch.sampling_logp
+        if use_topk and source == "sampling":
+            out["q_index"] = batch.q_index
+    elif needs_old_pass(cfg):
         fill = {"logp": zeros(b, r)}  # [B, R]
         if use_topk and source == "sampling":
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]

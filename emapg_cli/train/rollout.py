@@ -107,22 +107,40 @@ class RolloutBatch:
         return replace(self, **kw)
 
 
+def _ragged(lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """(row, position within the row) of every element of rows of `lengths` laid end to end. [sum], [sum]"""
+    n = torch.tensor(lengths, dtype=torch.long)  # [B]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), n)  # [sum]
+    starts = torch.cumsum(n, 0) - n  # [B]
+    return rows, torch.arange(int(n.sum())) - starts[rows]
+
+
 def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], advantages: Tensor, pad_id: int) -> RolloutBatch:
-    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch."""
+    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch (vectorised:
+    every token is placed by one indexed assignment). Completions that recorded their top-k ids
+    (`Completion.topk_index`, all or none) fill `q_index` [B, R, k]."""
     b = len(completions)
-    plen = max(len(p) for p in prompt_ids)
-    rlen = max(max(len(c.token_ids) for c in completions), 1)
+    plens = [len(p) for p in prompt_ids]
+    rlens = [len(c.token_ids) for c in completions]
+    plen, rlen = max(plens), max(max(rlens), 1)
     input_ids = torch.full((b, plen + rlen), pad_id, dtype=torch.long)  # [B, P + R]
     attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
     resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
     samp = torch.zeros((b, rlen))  # [B, R]
-    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        n = len(c.token_ids)
-        input_ids[i, plen - len(p):plen] = torch.tensor(p, dtype=torch.long)
-        attn[i, plen - len(p):plen + n] = 1
-        if n:
-            input_ids[i, plen:plen + n] = torch.tensor(c.token_ids, dtype=torch.long)
-            resp_mask[i, :n] = True
-            if c.logprobs is not None:
-                samp[i, :n] = torch.tensor(c.logprobs)
-    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp)
+    rows, pos = _ragged(plens)
+    cols = plen - torch.tensor(plens, dtype=torch.long)[rows] + pos  # left padding
+    input_ids[rows, cols] = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
+    attn[rows, cols] = 1
+    rows, pos = _ragged(rlens)
+    input_ids[rows, plen + pos] = torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.long)
+    attn[rows, plen + pos] = 1
+    resp_mask[rows, pos] = True
+    if any(c.logprobs is not None for c in completions):
+        samp[rows, pos] = torch.tensor([x for c in completions for x in (c.logprobs or [0.0] * len(c.token_ids))])
+    q_index = None
+    if completions and all(c.topk_index is not None for c in completions):
+        k = max(c.topk_index.shape[-1] for c in completions)
+        q_index = torch.zeros((b, rlen, k), dtype=torch.long)  # [B, R, k]
+        if rows.numel():
+            q_index[rows, pos] = torch.cat([c.topk_index.reshape(-1, k) for c in completions])
+    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, q_index=q_index)

@@ -33,7 +33,7 @@ from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import anchor_inside_loss, reference_passes
+from emapg_cli.train.passes import anchor_inside_loss, engine_topk, needs_old_pass, reference_passes
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import update_policy
 
@@ -171,7 +171,8 @@ class Trainer:
         mine = idx[rank_slice]
         prompts = [self.train_prompts[i] for i in mine]
         params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
+                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index),
+                                topk=engine_topk(cfg, self.k))
         with self._timed("generation"):
             groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
@@ -196,7 +197,8 @@ class Trainer:
         rows_prompts = [p for p in prompts for _ in range(r.n)]
         batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
         batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
-                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
+                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index")
+                               if getattr(batch, f) is not None})
         return batch, all_rewards.cpu()
 
     def _update(self, step: int, batch) -> Any:
@@ -211,7 +213,7 @@ class Trainer:
         # them itself when the old-policy pass was skipped)
         mask = batch.response_mask.bool()
         self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
-                              if batch.old_logp is not None and batch.sampling_logp is not None else None)
+                              if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self._timed("update"):

@@ -13,7 +13,7 @@ from emapg_cli.grpo import ppo_clip_loss, token_weights
 from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
 from emapg_cli.kl.fused import LossFn
 from emapg_cli.train.logprobs import response_hidden
-from emapg_cli.train.passes import anchor_inside_loss
+from emapg_cli.train.passes import anchor_inside_loss, needs_old_pass
 from emapg_cli.train.rollout import RolloutBatch
 
 
@@ -69,13 +69,14 @@ def token_loss_fn(cfg, mb: RolloutBatch, num_tokens: float, num_seqs: float, los
     return loss_fn
 
 
-def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None) -> LossParts:
+def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None,
+                     record: bool = False) -> LossParts:
     """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation).
 
     The loss is computed by the fused output layer (`emapg_cli.kl.fused`): its gradient w.r.t. the
-    logits is formed chunk by chunk inside the forward. Without old-policy log-probs
-    (`passes.single_on_policy_step`: one epoch of one mini-batch) this pass runs on the weights that
-    sampled the batch, so its log-probs are also compared with the engine's (`logprob_diff`).
+    logits is formed chunk by chunk inside the forward. With `record` (the first optimizer step of the
+    update, without an old-policy pass) this pass runs on the weights that sampled the batch, so its
+    log-probs are also compared with the engine's (`logprob_diff`).
     """
     kl_cfg, t = cfg.kl, cfg.train
     info = INFO[kl_cfg.estimator]
@@ -93,7 +94,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
         loss_mask=loss_mask, ref_hidden=ref_hidden, ref_head=ref_head,
     )
     m = loss_mask.float()
-    record = mb.old_logp is None and mb.sampling_logp is not None
+    record = record and mb.sampling_logp is not None
     diff = (stats.logp.detach() - mb.sampling_logp)[mask.bool()] if record else None
     kl = stats.aux.get("kl")
     return LossParts(
@@ -160,6 +161,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
+    record = not needs_old_pass(cfg)  # no old-policy pass measured the engine/trainer mismatch: the first step does
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for g0 in range(0, n_groups, groups_per_mini):
@@ -175,7 +177,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             pg = kl = 0.0
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
-                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
+                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm, record)
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl
@@ -184,6 +186,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
                 stats.tokens += parts.tokens
                 if parts.logprob_diff is not None:
                     stats.logprob_diffs.append(parts.logprob_diff)
+            record = False  # the weights change from here on
             norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
             if stepped:
                 scheduler.step()
