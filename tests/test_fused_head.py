@@ -9,6 +9,7 @@ of 4 so the last chunk is partial), so the whole matrix runs in seconds.
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -76,8 +77,9 @@ def reference(c, loss_fn, mask, exact: bool):
     logp_q = z.gather(1, c["q"]) - lse[:, None]
     rz = (c["ref_h"] @ c["ref_w"].t()) / TAU if exact else None
     per_tok, aux = loss_fn(0, N, logp, logp_q, logits=z if exact else None, ref_logits=rz)
-    loss = torch.where(mask, per_tok, 0.0).sum() if mask is not None else per_tok.sum()
-    return loss, logp.detach(), logp_q.detach(), aux
+    kept = torch.where(mask, per_tok, 0.0) if mask is not None else per_tok
+    aux["_scale"] = kept.detach().abs().sum()  # the loss's size before cancellations between tokens
+    return kept.sum(), logp.detach(), logp_q.detach(), aux
 
 
 def grads(c, loss):
@@ -92,7 +94,7 @@ CASES = [(est, d) for est in INFO for d in INFO[est].directions]
 def test_fused_loss_and_gradients_equal_plain_autograd(estimator, direction):
     exact = INFO[estimator].full_vocab
     for iw, tied, masked in itertools.product((False, True), (False, True), (False, True)):
-        c = make_case(hash((estimator, direction, iw, tied, masked)) % 1000, tied, bias=tied)
+        c = make_case(zlib.crc32(f"{estimator}{direction}{iw}{tied}{masked}".encode()), tied, bias=tied)
         mask = torch.ones(N, dtype=torch.bool)
         poisoned = dict(c, ref=c["ref"].clone(), ref_q=c["ref_q"].clone())
         if masked:  # masked tokens: a non-finite anchor log-prob there must not leak into value or gradient
@@ -110,7 +112,8 @@ def test_fused_loss_and_gradients_equal_plain_autograd(estimator, direction):
         got_g = grads(c, out.loss)
         label = f"{estimator}/{direction} iw={iw} tied={tied} masked={masked}"
         assert torch.isfinite(ref_loss), label
-        assert abs(float(out.loss.detach()) - float(ref_loss.detach())) <= REL * max(abs(float(ref_loss)), 1e-6), label
+        # the value to 1e-5 of sum_t |loss_t| (the loss itself can cancel to ~0 between tokens)
+        assert abs(float(out.loss.detach()) - float(ref_loss.detach())) <= REL * float(ref_aux["_scale"]), label
         assert rel_err(out.logp, ref_logp) <= REL and rel_err(out.logp_q, ref_lq) <= REL, label
         assert rel_err(out.aux["clipped"], ref_aux["clipped"]) == 0.0, label
         for name, a, b in zip(("W", "mix", "emb/b", "b"), got_g, ref_g):

@@ -29,9 +29,7 @@ def bench_step(preset: str, overrides: Iterable[str] = (), steps: int = 3, warmu
                 total = phases["rollout"] + phases["update_total"]
                 rows.append({**{p: phases.get(p, 0.0) for p in PHASES}, "step": total,
                              "tokens": float(sum(roll["response_lens"]))})
-        close = getattr(trainer.reward_fn, "close", None)
-        if close is not None:
-            close()
+        trainer.close()
     med = {key: statistics.median(r[key] for r in rows) for key in (*PHASES, "step", "tokens")}
     out: dict[str, Any] = {f"{p}_s": med[p] for p in PHASES}
     out["other_s"] = med["step"] - sum(med[p] for p in PHASES)

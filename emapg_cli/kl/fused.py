@@ -52,9 +52,12 @@ def auto_chunk(vocab: int, budget_mib: float = DEFAULT_BUDGET_MIB, buffers: int 
     return max(1, int(budget_mib * 2**20) // (buffers * vocab * 4))
 
 
-def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """z = h W^T (+ b) in float32 ([c, V]); h and b are already divided by the temperature."""
-    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())  # [c, V]
+def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor) -> Tensor:
+    """z = h W^T (+ b) in float32 ([c, V]), written into the reused buffer `buf` ([>= c, V], the weight's
+    dtype: fresh [c, V] memory per chunk would cost page faults on every chunk); h and b are already
+    divided by the temperature."""
+    out = buf[: h.shape[0]]
+    z = torch.mm(h, weight.t(), out=out) if bias is None else torch.addmm(bias, h, weight.t(), out=out)  # [c, V]
     return z if z.dtype in (torch.float32, torch.float64) else z.float()
 
 
@@ -100,7 +103,10 @@ class _FusedHeadLoss(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         dh = torch.empty(n, hdim, dtype=hidden.dtype, device=dev) if need_h else None  # [N, H]
-        dw = torch.zeros(vocab, hdim, dtype=acc, device=dev) if need_w else None  # [V, H]
+        dw = torch.empty(vocab, hdim, dtype=acc, device=dev) if need_w else None  # [V, H], set by the first addmm
+        if need_w and n == 0:
+            dw.zero_()
+        beta = 0.0  # the first chunk's addmm overwrites dw
         db = torch.zeros(vocab, dtype=acc, device=dev) if need_b else None  # [V]
         k = spec.q_index.shape[-1] if spec.q_index is not None else 0
         logp = torch.empty(n, dtype=torch.float32, device=dev)  # [N]
@@ -111,16 +117,17 @@ class _FusedHeadLoss(torch.autograd.Function):
         aux: dict[str, list[Tensor]] = {}
         inv_t = 1.0 / spec.temperature
         bt = bias * inv_t if bias is not None and inv_t != 1.0 else bias  # [V] b / tau
+        buf = torch.empty(min(chunk, n), vocab, dtype=weight.dtype, device=dev)  # [chunk, V] reused by every chunk
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e] * inv_t if inv_t != 1.0 else hidden[s:e]  # [c, H] h / tau
-            z = _logits(h, weight, bt)  # [c, V]
+            z = _logits(h, weight, bt, buf)  # [c, V]
             idx = spec.targets[s:e, None]  # [c, 1 + k]
             if k:
                 idx = torch.cat([idx, spec.q_index[s:e]], 1)
             m = mask[s:e] if mask is not None else None  # [c]
             if exact:
-                gz, gathered, lse, per_tok, extra = _exact_chunk(spec, s, e, z, idx, inv_t)
+                gz, gathered, lse, per_tok, extra = _exact_chunk(spec, s, e, z, idx, inv_t, buf.shape[0])
             else:
                 zg = z.gather(1, idx)  # [c, 1 + k]
                 lse, rowsum = _exp_inplace(z)  # z is now e = exp(z - max), softmax = e / rowsum
@@ -146,7 +153,7 @@ class _FusedHeadLoss(torch.autograd.Function):
                     dh[s:e] = ((sparse.float() - gsum[:, None] * pw) * inv_t).to(dh.dtype)  # [c, H]
                 coef = -gsum[:, None] / rowsum  # [c, 1]  -G_t / sum(e)
                 if need_w:
-                    dw.addmm_(z.t().to(acc), (h * coef.to(h.dtype)).to(acc))  # [V, H]; h is already h / tau
+                    dw.addmm_(z.t().to(acc), (h * coef.to(h.dtype)).to(acc), beta=beta)  # [V, H]; h is already h / tau
                     for j in range(idx.shape[1]):  # the sparse term, one [c, H] block at a time
                         dw.index_add_(0, idx[:, j], (h * g[:, j:j + 1].to(h.dtype)).to(acc))
                 if need_b:
@@ -158,11 +165,12 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if need_h:
                     dh[s:e] = (torch.mm(gzw, weight) * inv_t).to(dh.dtype)
                 if need_w:
-                    dw.addmm_(gz.t().to(acc), h.to(acc))
+                    dw.addmm_(gz.t().to(acc), h.to(acc), beta=beta)
                 if need_b:
                     db.add_(gz.sum(0).to(acc), alpha=inv_t)
                 if spec.entropy:
                     ent[s:e] = extra.pop("_entropy")
+            beta = 1.0
             logp[s:e] = gathered[:, 0].detach()
             if k:
                 logp_q[s:e] = gathered[:, 1:].detach()
@@ -185,11 +193,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         return out[0], out[1], out[2], None
 
 
-def _exact_chunk(spec: HeadSpec, s: int, e: int, z: Tensor, idx: Tensor, inv_t: float):
+def _exact_chunk(spec: HeadSpec, s: int, e: int, z: Tensor, idx: Tensor, inv_t: float, rows: int):
     """The `exact` estimator's chunk: the anchor's logits, then autograd on the [c, V] logits."""
     rh = spec.ref_hidden[s:e] * inv_t if inv_t != 1.0 else spec.ref_hidden[s:e]  # [c, H']
     rb = spec.ref_bias * inv_t if spec.ref_bias is not None else None  # [V]
-    rz = _logits(rh, spec.ref_weight, rb)  # [c, V]
+    rz = _logits(rh, spec.ref_weight, rb, torch.empty(rows, spec.ref_weight.shape[0], dtype=spec.ref_weight.dtype,
+                                                       device=z.device))  # [c, V]
     zl = z.detach().requires_grad_()
     k = idx.shape[1] - 1
     with torch.enable_grad():
@@ -269,10 +278,11 @@ def stream_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
     lq = torch.empty(n, kq, dtype=torch.float32, device=dev) if kq else None  # [N, k]
     ent = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None  # [N]
     bt = bias * inv_t if bias is not None and inv_t != 1.0 else bias  # [V]
+    buf = torch.empty(min(chunk, n), weight.shape[0], dtype=weight.dtype, device=dev)  # [chunk, V] reused
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         h = hidden[s:e] * inv_t if inv_t != 1.0 else hidden[s:e]  # [c, H]
-        z = _logits(h, weight, bt)  # [c, V]
+        z = _logits(h, weight, bt, buf)  # [c, V]
         zt = z.gather(1, targets[s:e, None])[:, 0]  # [c]
         if topk:
             zq, idx = z.topk(topk, -1)  # [c, k]

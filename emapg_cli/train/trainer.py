@@ -10,6 +10,7 @@ optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted o
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 import json
 import math
 import random
@@ -92,6 +93,7 @@ class Trainer:
                             "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
         self.strategy = make_strategy(self.acc, cfg.train.parallel)
         self.phase_s: dict[str, float] = {}  # wall seconds of the current step's phases (`step`)
+        self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
         self.inputs = preflight(cfg)
         self.reward_fn = self.inputs.reward_fn
 
@@ -162,13 +164,13 @@ class Trainer:
         return acc
 
     def _rollout(self, step: int):
-        """Generate this rank's groups, score them (all ranks), return (batch, metrics inputs)."""
+        """Generate this rank's groups, start grading them in the background and build the padded batch
+        (advantages still zero: `_advantages` fills them). Returns (batch, pending grades, metrics inputs)."""
         cfg, acc = self.cfg, self.acc
         r = cfg.rollout
         per_rank = r.prompts_per_step // acc.num_processes
         idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        rank_slice = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
-        mine = idx[rank_slice]
+        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
         prompts = [self.train_prompts[i] for i in mine]
         params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index),
@@ -177,32 +179,33 @@ class Trainer:
             groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
-        with self._timed("reward"):
-            rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
+        # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
+        grading = self._grader.submit(score, self.reward_fn, [c.text for c in completions], examples)
         with self._timed("batch"):
-            batch, all_rewards = self._batch(rewards, completions, prompts, rank_slice)
+            rows_prompts = [p for p in prompts for _ in range(r.n)]
+            batch = build_batch(rows_prompts, completions, torch.zeros(len(completions)), self.tokenizer.pad_token_id)
+            batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
+                                   ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index")
+                                   if getattr(batch, f) is not None})
         lens = [len(c.token_ids) for c in completions]
         truncated = sum(c.finish_reason == "length" for c in completions)
-        return batch, dict(rewards=all_rewards, reward_errors=errors, response_lens=lens, truncated=truncated)
+        return batch, grading, dict(response_lens=lens, truncated=truncated)
 
-    def _batch(self, rewards, completions, prompts, rank_slice):
-        """GRPO advantages over all ranks' rewards, then this rank's padded batch on the device; (batch, all rewards [G, n])."""
+    def _advantages(self, batch, grading) -> tuple[Any, Any, int]:
+        """Wait for the grades, then GRPO advantages over all ranks' rewards; (batch, all rewards [G, n], reward errors)."""
         cfg, acc = self.cfg, self.acc
         r = cfg.rollout
         per_rank = r.prompts_per_step // acc.num_processes
+        with self._timed("reward"):  # only the part of grading that the passes did not hide
+            rewards, errors = grading.result()
         local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
-        adv_local = adv[rank_slice].reshape(-1)  # [G_rank * n]
-        rows_prompts = [p for p in prompts for _ in range(r.n)]
-        batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
-        batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
-                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index")
-                               if getattr(batch, f) is not None})
-        return batch, all_rewards.cpu()
+        adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+        return batch.with_(advantages=adv_local.to(acc.device).float()), all_rewards.cpu(), errors
 
-    def _update(self, step: int, batch) -> Any:
-        """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
+    def _passes(self, batch):
+        """Old-policy and anchor passes (as the config needs them); records the engine/trainer log-prob mismatch."""
         cfg = self.cfg
         self.engine.release_memory()
         with self._timed("passes"):
@@ -214,6 +217,11 @@ class Trainer:
         mask = batch.response_mask.bool()
         self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
                               if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
+        return batch
+
+    def _update(self, step: int, batch) -> Any:
+        """The policy update; returns its UpdateStats."""
+        cfg = self.cfg
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self._timed("update"):
@@ -259,22 +267,32 @@ class Trainer:
             self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
 
     def step(self, step: int):
-        """One RL step: rollout (generation, reward, batch), passes + update, EMA and weight push.
+        """One RL step: generation, batch (grading runs in the background), passes, advantages, update, EMA and weight push.
 
         Returns (rollout metrics inputs, UpdateStats, EMA distance); `phase_s` holds its wall-time breakdown:
-        generation, reward, batch, passes, update, ema (and the totals rollout, update_total).
+        generation, batch, passes, reward (waiting for grades the passes did not hide), update, ema, and the
+        totals rollout (generation + batch) and update_total (the rest).
         """
         self.phase_s = {}
         seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
         with self._timed("rollout"):
-            batch, roll = self._rollout(step)
+            batch, grading, roll = self._rollout(step)
         with self._timed("update_total"):
+            batch = self._passes(batch)
+            batch, roll["rewards"], roll["reward_errors"] = self._advantages(batch, grading)
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
             with self._timed("ema"):
                 dist = self._ema(step, upd.skipped > 0)
                 self._push(self.policy)
         return roll, upd, dist
+
+    def close(self) -> None:
+        """Stop the grading thread and the reward's worker pool."""
+        self._grader.shutdown(wait=True)
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
@@ -331,9 +349,7 @@ class Trainer:
                 progress.update(task, advance=1, info=info)
         self._save_final()
         logger.close()
-        close = getattr(self.reward_fn, "close", None)
-        if close is not None:
-            close()
+        self.close()
         summary = {
             "eval_accuracy_initial": self.state.get("eval_accuracy_initial"),
             "eval_accuracy_final": self.state.get("eval_accuracy_final"),
