@@ -25,12 +25,15 @@ RepeatsOpt = Annotated[int, typer.Option("--repeats", "-r", help="Timed runs, ea
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
 PeakOpt = Annotated[Optional[float], typer.Option("--peak-tflops", help="The device's dense peak for --dtype (TFLOP/s); adds pct_of_peak (e.g. 989 for an H100/H200 in bf16).", min=0)]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's). On a shared machine 1 thread gives the steadiest CPU seconds: idle OpenMP threads spin and count as CPU time.", min=1)]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the result to this JSON file.")]
 
 
-def _check(device: str, dtype: str) -> None:
+def _check(device: str, dtype: str, threads: Optional[int] = None) -> None:
     import torch
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype must be float32 or bfloat16, not '{dtype}'")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -71,7 +74,7 @@ def update(
     estimator: Annotated[str, typer.Option("--estimator", "-e", help=f"KL estimator ({', '.join(ESTIMATORS)}).")] = "topk",
     direction: Annotated[str, typer.Option("--direction", help="KL direction: reverse or forward.")] = "reverse",
     budget_mib: BudgetOpt = 256.0, repeats: RepeatsOpt = 1, device: DeviceOpt = "cpu", dtype: DtypeOpt = "float32",
-    peak_tflops: PeakOpt = None, json_path: JsonOpt = None,
+    peak_tflops: PeakOpt = None, threads: ThreadsOpt = None, json_path: JsonOpt = None,
 ) -> None:
     """The output layer's part of the update (log-probs, PPO-clip + KL, backward) against its three GEMMs (logits, dH, dW).
 
@@ -83,7 +86,7 @@ def update(
     from emapg_cli.bench.head import bench_update
     from emapg_cli.kl import check_estimator
 
-    _check(device, dtype)
+    _check(device, dtype, threads)
     try:
         check_estimator(estimator, direction)
     except ValueError as e:
@@ -100,7 +103,7 @@ def update(
 def passes(
     tokens: TokensOpt = 1024, hidden: HiddenOpt = 1536, vocab: VocabOpt = 151_936, k: KOpt = 32, chunk: ChunkOpt = None,
     budget_mib: BudgetOpt = 256.0, repeats: RepeatsOpt = 1, device: DeviceOpt = "cpu", dtype: DtypeOpt = "float32",
-    peak_tflops: PeakOpt = None, json_path: JsonOpt = None,
+    peak_tflops: PeakOpt = None, threads: ThreadsOpt = None, json_path: JsonOpt = None,
 ) -> None:
     """The no-grad passes against one GEMM: old policy (log-probs, log-sum-exp, top-k) and anchor (gathers at q).
 
@@ -108,7 +111,7 @@ def passes(
     """
     from emapg_cli.bench.head import bench_passes
 
-    _check(device, dtype)
+    _check(device, dtype, threads)
     r = bench_passes(tokens, hidden, vocab, k, chunk=chunk, budget_mib=budget_mib, repeats=repeats, device=device,
                      dtype=dtype, peak_tflops=peak_tflops)
     rows = [("shape", f"T {tokens}, H {hidden}, V {vocab:,}, k {r['k']}, chunk {r['chunk']}, {dtype} on {device}, {r['threads']} threads")]
