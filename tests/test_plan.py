@@ -158,3 +158,17 @@ def test_fsdp_plan_is_per_rank():
     anchor_eval = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp", "eval.anchor_every=10"]), processes=8)
     terms = {t.name: t.bytes for t in anchor_eval.memory}
     assert terms["anchor gathered (eval)"] == 4 * 1_777_088_000 and "policy gathered" not in terms
+
+
+def test_token_budget_bounds_the_micro_batch_activations():
+    # olympiad with a 24k-token response stage: T = 1,024 + 24,576 = 25,600. A budget of 32,768 tokens per
+    # micro-batch caps b x T = 8 x 25,600 = 204,800 at 32,768, so activations shrink by 204,800 / 32,768 = 6.25x;
+    # a budget below one sequence still leaves T (a sequence is never split).
+    over = ["rollout.max_new_tokens=24576"]
+    full = {t.name: t.bytes for t in make_plan(load_config("olympiad", overrides=over)).memory}
+    capped = {t.name: t.bytes for t in make_plan(load_config(
+        "olympiad", overrides=over + ["train.max_tokens_per_micro_batch=32768"])).memory}
+    assert full["activations"] * 32_768 == capped["activations"] * 204_800
+    tiny = {t.name: t.bytes for t in make_plan(load_config(
+        "olympiad", overrides=over + ["train.max_tokens_per_micro_batch=100"])).memory}
+    assert tiny["activations"] * 204_800 == full["activations"] * 25_600

@@ -293,3 +293,18 @@ def test_rollout_mismatch_by_hand():
     assert m["rollout/logprob_max_abs_diff"] == pytest.approx(0.1)
     assert m["rollout/ratio_mean"] == pytest.approx((math.exp(-0.1) + 2) / 3)
     assert rollout_mismatch(None) == {} and rollout_mismatch(torch.zeros(0)) == {}
+
+
+def test_micro_batches_by_tokens():
+    """Rows sorted longest first, a micro-batch closed when rows x (longest prompt + longest response) would pass
+    the budget; without a budget: consecutive slices of max_rows."""
+    from emapg_cli.train.rollout import micro_batches
+
+    rows = torch.arange(5)
+    prompt = torch.tensor([4, 4, 2, 4, 2])
+    resp = torch.tensor([2, 10, 3, 6, 1])  # totals 6, 14, 5, 10, 3
+    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 2)] == [[0, 1], [2, 3], [4]]
+    # order by total: 1 (14), 3 (10), 0 (6), 2 (5), 4 (3). Budget 20: [1] (14; +3 -> 2 x 14 = 28 > 20),
+    # [3, 0] (2 x 10 = 20), [2, 4] (2 x (2 + 3) = 10; the prompt max is 2 for these two)
+    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 8, 20)] == [[1], [3, 0], [2, 4]]
+    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 8, 1)] == [[1], [3], [0], [2], [4]]  # each alone

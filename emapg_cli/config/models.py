@@ -68,6 +68,7 @@ class TrainConfig(Section):
     save_every: int = Field(0, ge=0, description="Write a checkpoint every this many RL steps (0: only at the end).")
     mini_batch_prompts: int = Field(64, ge=1, description="Prompts per optimizer step (their whole groups go together).")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass (gradient accumulation fills the mini-batch).")
+    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1, description="Batching by tokens: also cap each micro-batch (update and log-prob passes) at this many padded tokens (rows x (longest prompt + longest response) among them), filling micro-batches with rows sorted by length (verl's ppo_max_token_len_per_gpu); a longer sequence gets a micro-batch of its own. null: micro_batch_size rows in rollout order. One process or ddp only.")
     epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip: ratios below 1 - clip_low are clipped.")
     clip_high: float = Field(0.28, ge=0, description="PPO upper clip (clip-higher): ratios above 1 + clip_high are clipped.")

@@ -7,7 +7,7 @@ import torch
 from emapg_cli.errors import UserError
 from emapg_cli.kl import INFO, topk_source
 from emapg_cli.train.logprobs import TokenStats
-from emapg_cli.train.rollout import RolloutBatch
+from emapg_cli.train.rollout import RolloutBatch, micro_batches
 
 
 def single_on_policy_step(cfg) -> bool:
@@ -50,15 +50,16 @@ def needs_old_pass(cfg) -> bool:
 
 
 @torch.no_grad()
-def _run(scorer, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **kw) -> None:
+def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, torch.Tensor], **kw) -> None:
     """The scorer's pass over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro].
 
     Called through the scorer module (not `token_stats` on the bare model) so a sharded model's
     hooks gather its weights; every rank runs the same number of micro-batches.
     """
     b = batch.advantages.shape[0]
-    for s in range(0, b, micro):
-        rows = torch.arange(s, min(s + micro, b), device=batch.input_ids.device)
+    prompt_lens, response_lens = batch.lengths()
+    for rows in micro_batches(torch.arange(b), prompt_lens, response_lens, micro, max_tokens):
+        rows = rows.to(batch.input_ids.device)
         mb = batch.select(rows)  # trims every per-token field, q_index included
         stats: TokenStats = scorer(mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index, **kw)
         r = mb.response_mask.shape[1]
@@ -81,7 +82,9 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     # no-grad passes never report entropy: skip its [chunk, V] softmax
-    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk, entropy=False)
+    max_tokens = cfg.train.max_tokens_per_micro_batch
+    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk,
+                                                       budget_mib=cfg.train.logit_memory_mib, entropy=False)
     info = INFO[cfg.kl.estimator]
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)
@@ -101,7 +104,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
         was = policy_scorer.training
         policy_scorer.eval()
-        _run(policy_scorer, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
+        _run(policy_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k if "topk_index" in fill else 0, **common)
         policy_scorer.train(was)
         out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
         if "topk_index" in fill:
@@ -112,10 +115,10 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
             fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
         if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-            _run(anchor_scorer, batch.with_(q_index=None), micro, fill, topk=k, **common)
+            _run(anchor_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k, **common)
             out["q_index"] = fill["topk_index"]
         else:
-            _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, fill, **common)
+            _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, max_tokens, fill, **common)
         out["ref_logp"] = fill["logp"]
         if use_topk:
             out["ref_logp_q"] = fill["logp_q"]

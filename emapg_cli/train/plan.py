@@ -247,6 +247,9 @@ def memory_terms(
 
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
     b, t, layers = micro_batch, seq_len, m.layers
+    budget = cfg.train.max_tokens_per_micro_batch
+    bt = b * t if budget is None else min(b * t, max(t, budget))  # padded tokens of one micro-batch
+    bt_text = "b x T" if budget is None else f"min(b x T, max(T, max_tokens_per_micro_batch)) = {bt:,} tokens"
     a = activation_elems_per_token_per_layer(m)
     shards = processes if cfg.train.parallel == "fsdp" else 1
     per = f" / {shards} ranks" if shards > 1 else ""
@@ -275,13 +278,13 @@ def memory_terms(
         else:
             terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
     if cfg.model.gradient_checkpointing:
-        terms.append(MemoryTerm("activations", b * t * (layers * m.hidden + a) * wb,
-                                f"b x T x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
+        terms.append(MemoryTerm("activations", bt * (layers * m.hidden + a) * wb,
+                                f"{bt_text} x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
     else:
-        terms.append(MemoryTerm("activations", b * t * layers * a * wb, f"b x T x L x A x {wb} B, A = {a}", "update"))
+        terms.append(MemoryTerm("activations", bt * layers * a * wb, f"{bt_text} x L x A x {wb} B, A = {a}", "update"))
     exact = cfg.derived.loads_anchor and INFO[cfg.kl.estimator].full_vocab
     n_buf = EXACT_BUFFERS if exact else 1
-    c = min(cfg.train.logit_chunk or auto_chunk(m.vocab, cfg.train.logit_memory_mib, n_buf), b * t)
+    c = min(cfg.train.logit_chunk or auto_chunk(m.vocab, cfg.train.logit_memory_mib, n_buf), bt)
     copy = wb if wb != FP32 else 0
     terms.append(MemoryTerm("logits", c * m.vocab * (n_buf * FP32 + copy),
                             f"c x V x ({n_buf} x 4{f' + {copy}' if copy else ''}) B, c = {c}"
@@ -290,7 +293,7 @@ def memory_terms(
     if cfg.derived.loads_anchor:
         if INFO[cfg.kl.estimator].uses_topk:
             k = min(cfg.kl.k, m.vocab)
-            terms.append(MemoryTerm("top-k extras", b * t * k * (2 * FP32 + INT64), f"b x T x k x (4 + 4 + 8) B, k = {k}", "update"))
+            terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}", "update"))
     if cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
         terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))

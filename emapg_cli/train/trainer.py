@@ -88,6 +88,9 @@ class Trainer:
         for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
             if value % world:
                 raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
+        if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
+            raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
+                            "train.parallel=fsdp; use ddp or micro_batch_size")
         if self.acc.distributed_type.name == "FSDP":
             raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                             "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")

@@ -14,7 +14,7 @@ from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
 from emapg_cli.kl.fused import LossFn
 from emapg_cli.train.logprobs import response_hidden
 from emapg_cli.train.passes import anchor_inside_loss, needs_old_pass
-from emapg_cli.train.rollout import RolloutBatch
+from emapg_cli.train.rollout import RolloutBatch, micro_batches
 
 
 @dataclass
@@ -161,6 +161,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
+    prompt_lens, response_lens = batch.lengths()  # [B], [B]
     record = not needs_old_pass(cfg)  # no old-policy pass measured the engine/trainer mismatch: the first step does
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
@@ -172,7 +173,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
             num_seqs = float(rows.numel())
-            micros = [rows[i:i + t.micro_batch_size] for i in range(0, rows.numel(), t.micro_batch_size)]
+            micros = micro_batches(rows, prompt_lens, response_lens, t.micro_batch_size, t.max_tokens_per_micro_batch)
             finite = True
             pg = kl = 0.0
             for i, micro in enumerate(micros):
