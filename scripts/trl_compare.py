@@ -73,7 +73,7 @@ def trl_worker(steps: int, warmup: int, json_path: Path) -> None:
     torch.set_num_threads(2)
     d = toy_dir()
     tok = AutoTokenizer.from_pretrained(d / "model")
-    model = AutoModelForCausalLM.from_pretrained(d / "model", torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32)
     rows = [json.loads(line) for line in (d / "train.jsonl").read_text().splitlines()]
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answers": r["answers"]} for r in rows])
     # the same prompt token ids as emapg's render_prompt (chat template, then tokenise without special tokens)
@@ -91,7 +91,7 @@ def trl_worker(steps: int, warmup: int, json_path: Path) -> None:
 
     wanted = dict(
         output_dir=str(json_path.parent / "trl-out"), learning_rate=LR, beta=BETA, num_generations=N,
-        per_device_train_batch_size=MINI_PROMPTS * N, generation_batch_size=PROMPTS * N, steps_per_generation=2,
+        per_device_train_batch_size=MINI_PROMPTS * N, generation_batch_size=PROMPTS * N,  # -> 2 optimizer steps per generation
         gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=1.0, epsilon=0.2, epsilon_high=0.28,
         loss_type="grpo", sync_ref_model=True, ref_model_mixup_alpha=0.1, ref_model_sync_steps=10,
         max_steps=2 * (warmup + steps), logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
