@@ -96,6 +96,7 @@ def trl_worker(steps: int, warmup: int, json_path: Path) -> None:
         loss_type="grpo", sync_ref_model=True, ref_model_mixup_alpha=0.1, ref_model_sync_steps=10,
         max_steps=2 * (warmup + steps), logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
         bf16=False, seed=0, weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant",
+        gradient_checkpointing=False,  # TRL's default is on; emapg's toy preset recomputes nothing
     )
     import dataclasses
 
