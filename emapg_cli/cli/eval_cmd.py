@@ -32,6 +32,7 @@ def eval_(
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
 ) -> None:
     """Sample --n responses per problem, grade the final \\boxed{} answers, write results.jsonl, summary.json and summary.md."""
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from emapg_cli.evaluation.report import markdown
@@ -53,7 +54,7 @@ def eval_(
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
     )
     bar = Progress(
-        TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(escape(f"eval {bench}")), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")
@@ -64,4 +65,4 @@ def eval_(
     with bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
-    console.print(f"results in {out}")
+    console.print(f"results in {out}", markup=False, highlight=False)
