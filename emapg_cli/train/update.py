@@ -96,10 +96,14 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
     m = loss_mask.float()
     record = record and mb.sampling_logp is not None
     diff = (stats.logp.detach() - mb.sampling_logp)[mask.bool()] if record else None
-    kl = stats.aux.get("kl")
+
+    def total(name: str) -> float:  # over the tokens whose loss counts (masked ones may hold anything)
+        v = stats.aux.get(name)
+        return float(torch.where(loss_mask, v, torch.zeros_like(v)).sum()) if v is not None else 0.0
+
     return LossParts(
-        loss=stats.loss, pg=float(stats.aux["pg"].sum()), kl=float(kl.sum()) if kl is not None else 0.0,
-        clipped_tokens=float((stats.aux["clipped"] * m).sum()), entropy_sum=float((stats.entropy * m).sum()),
+        loss=stats.loss, pg=total("pg"), kl=total("kl"),
+        clipped_tokens=total("clipped"), entropy_sum=float((stats.entropy * m).sum()),
         tokens=float(m.sum()), logprob_diff=diff,
     )
 
