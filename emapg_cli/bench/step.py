@@ -24,7 +24,7 @@ def bench_step(preset: str, overrides: Iterable[str] = (), steps: int = 3, warmu
         trainer._setup()
         trainer.scorer.eval()
         for step in range(1, warmup + steps + 1):
-            roll, _, _ = trainer.step(step)
+            roll, _, _, _ = trainer.step(step)
             if step > warmup:
                 phases = dict(trainer.phase_s)
                 total = phases["rollout"] + phases["update_total"]

@@ -57,6 +57,9 @@ app.command("ablate")(ablate_cmd.ablate)
 from emapg_cli.cli import bench_cmd  # noqa: E402
 
 app.add_typer(bench_cmd.app, name="bench")
+from emapg_cli.cli import retriever_cmd  # noqa: E402
+
+app.add_typer(retriever_cmd.app, name="retriever")
 
 
 def _fail(message: str) -> None:

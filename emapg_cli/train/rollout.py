@@ -28,11 +28,13 @@ def max_chars_per_token(tokenizer) -> int:
     return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
 
-def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int) -> tuple[list[Example], list[list[int]], int]:
+def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int,
+                    user_message: Optional[Callable[[str], str]] = None) -> tuple[list[Example], list[list[int]], int]:
     """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens).
 
     A question longer than max_prompt_tokens x `max_chars_per_token` characters cannot fit in the
     token budget and is skipped before it is tokenised (a huge question costs no tokenizer time or memory).
+    `user_message(question)` builds the user message (the search agent's prompt template); default: the question.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; prompts are rendered with it (set one in tokenizer_config.json)")
@@ -41,7 +43,7 @@ def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: i
     for ex in examples:
         if len(ex.question) > char_bound:
             continue
-        p = render_prompt(tokenizer, ex.question)
+        p = render_prompt(tokenizer, user_message(ex.question) if user_message else ex.question)
         if len(p) <= max_prompt_tokens:
             kept.append(ex)
             ids.append(p)
@@ -83,14 +85,20 @@ class RolloutBatch:
 
     input_ids: Tensor  # [B, P + R]
     attention_mask: Tensor  # [B, P + R]
-    response_mask: Tensor  # [B, R]
+    response_mask: Tensor  # [B, R] 1 = a real response token (policy or observation): the log-prob passes score these
     prompt_len: int
     advantages: Tensor  # [B]
+    loss_mask: Optional[Tensor] = None  # [B, R] 1 = a token the policy sampled (multi-turn: observations are 0); None = response_mask
     sampling_logp: Optional[Tensor] = None  # [B, R] engine's log-probs (diagnostic)
     old_logp: Optional[Tensor] = None  # [B, R]
     q_index: Optional[Tensor] = None  # [B, R, k]
     ref_logp: Optional[Tensor] = None  # [B, R]
     ref_logp_q: Optional[Tensor] = None  # [B, R, k]
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """[B, R] the tokens every loss term, the entropy metric and the token counts use (observation masking)."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
 
     @property
     def targets(self) -> Tensor:
@@ -136,8 +144,12 @@ def _ragged(lengths: list[int]) -> tuple[Tensor, Tensor]:
 
 def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], advantages: Tensor, pad_id: int) -> RolloutBatch:
     """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch (vectorised:
-    every token is placed by one indexed assignment). Completions that recorded their top-k ids
-    (`Completion.topk_index`, all or none) fill `q_index` [B, R, k]."""
+    every token is placed by one indexed assignment).
+
+    A completion with a `policy_mask` (a multi-turn `agents.Episode`: 1 = sampled by the policy,
+    0 = an observation) sets the batch's `loss_mask`; otherwise every response token is the policy's.
+    Completions that recorded their top-k ids (`Completion.topk_index`, all or none) fill `q_index` [B, R, k].
+    """
     b = len(completions)
     plens = [len(p) for p in prompt_ids]
     rlens = [len(c.token_ids) for c in completions]
@@ -145,7 +157,8 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
     input_ids = torch.full((b, plen + rlen), pad_id, dtype=torch.long)  # [B, P + R]
     attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
     resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
-    samp = torch.zeros((b, rlen))  # [B, R]
+    # engine log-probs (diagnostic); None when a completion has none (search.retokenize)
+    samp = torch.zeros((b, rlen)) if all(c.logprobs is not None for c in completions) else None  # [B, R]
     rows, pos = _ragged(plens)
     cols = plen - torch.tensor(plens, dtype=torch.long)[rows] + pos  # left padding
     input_ids[rows, cols] = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
@@ -154,15 +167,21 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
     input_ids[rows, plen + pos] = torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.long)
     attn[rows, plen + pos] = 1
     resp_mask[rows, pos] = True
-    if any(c.logprobs is not None for c in completions):
-        samp[rows, pos] = torch.tensor([x for c in completions for x in (c.logprobs or [0.0] * len(c.token_ids))])
+    if samp is not None:
+        samp[rows, pos] = torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32)
+    loss_mask = None  # [B, R]
+    if any(getattr(c, "policy_mask", None) is not None for c in completions):
+        loss_mask = torch.zeros((b, rlen), dtype=torch.bool)
+        loss_mask[rows, pos] = torch.tensor([bool(x) for c in completions for x in
+                                             (getattr(c, "policy_mask", None) or [1] * len(c.token_ids))], dtype=torch.bool)
     q_index = None
-    if completions and all(c.topk_index is not None for c in completions):
+    if completions and all(getattr(c, "topk_index", None) is not None for c in completions):
         k = max(c.topk_index.shape[-1] for c in completions)
         q_index = torch.zeros((b, rlen, k), dtype=torch.long)  # [B, R, k]
         if rows.numel():
             q_index[rows, pos] = torch.cat([c.topk_index.reshape(-1, k) for c in completions])
-    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, q_index=q_index)
+    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, q_index=q_index,
+                        loss_mask=loss_mask)
 
 
 def micro_batches(rows: Tensor, prompt_lens: Tensor, response_lens: Tensor, max_rows: int,

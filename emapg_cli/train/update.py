@@ -86,7 +86,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
             ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len)  # [b, R, H]
         ref_head = anchor_lm.get_output_embeddings()
     mask = mb.response_mask
-    loss_mask = mask.bool()  # [b, R] the tokens whose loss counts (a subset of the response tokens)
+    loss_mask = mb.policy_mask.bool()  # [b, R] observation tokens (multi-turn) get no loss, no KL, no entropy, no count
     stats = scorer(
         mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
         temperature=cfg.rollout.temperature, q_index=mb.q_index if kl_cfg.coef > 0 and info.uses_topk else None,
@@ -95,7 +95,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
     )
     m = loss_mask.float()
     record = record and mb.sampling_logp is not None
-    diff = (stats.logp.detach() - mb.sampling_logp)[mask.bool()] if record else None
+    diff = (stats.logp.detach() - mb.sampling_logp)[loss_mask] if record else None
 
     def total(name: str) -> float:  # over the tokens whose loss counts (masked ones may hold anything)
         v = stats.aux.get(name)
@@ -198,7 +198,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
         for g0 in range(0, n_groups, groups_per_mini):
             groups = order[g0:g0 + groups_per_mini]
             rows = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [rows]
-            mask = batch.response_mask[rows]
+            mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
