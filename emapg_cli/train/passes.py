@@ -42,8 +42,11 @@ def needs_old_pass(cfg) -> bool:
     """The old-policy pass runs unless the engine's log-probs stand in for it (`old_from_engine`) or
     `single_on_policy_step`; reverse Top-k needs it anyway for q (the sampling policy's top-k set, which
     must be fixed before the update) unless the engine recorded q."""
-    if old_from_engine(cfg):
-        return False
+    return not old_from_engine(cfg) and _pass_needed(cfg)
+
+
+def _pass_needed(cfg) -> bool:
+    """Without the engine's records: old log-probs unless `single_on_policy_step`, and q for reverse Top-k."""
     info = INFO[cfg.kl.estimator]
     needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
     return not single_on_policy_step(cfg) or needs_q
@@ -89,7 +92,10 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)
     out = {}
-    if old_from_engine(cfg):  # the engine's own log-probs (and q) of the sampled tokens, under the same weights
+    recorded = batch.sampling_logp is not None and not (use_topk and source == "sampling" and batch.q_index is None)
+    # `auto` uses the engine's records when it made them (the search agent's episodes, or a hand-built batch,
+    # have none: then the pass runs); `engine` insists on them
+    if old_from_engine(cfg) and (recorded or cfg.train.old_logprobs == "engine"):
         if use_topk and source == "sampling" and batch.q_index is None:
             raise UserError("train.old_logprobs=engine with reverse Top-k needs an engine that records the top-k "
                             "ids while sampling (hf); use train.old_logprobs=pass")
@@ -98,7 +104,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         out["old_logp"] = None if single_on_policy_step(cfg) else batch.sampling_logp
         if use_topk and source == "sampling":
             out["q_index"] = batch.q_index
-    elif needs_old_pass(cfg):
+    elif _pass_needed(cfg):
         fill = {"logp": zeros(b, r)}  # [B, R]
         if use_topk and source == "sampling":
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
