@@ -90,7 +90,10 @@ def train(
     from emapg_cli.train.trainer import Trainer
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+        from emapg_cli.train.threads import choose_threads
+
+        threads, _ = choose_threads(cfg.train.torch_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(threads)
     trainer = Trainer(cfg, run_dir, resume=resume is not None)
     summary = trainer.run()
     if trainer.acc.is_main_process:
