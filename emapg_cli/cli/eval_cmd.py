@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
@@ -53,7 +54,7 @@ def eval_(
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
     )
     bar = Progress(
-        TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(f"eval {escape(bench)}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")
@@ -61,7 +62,14 @@ def eval_(
     def progress(done: int, total: int, acc: float) -> None:
         bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
 
-    with bar:
+    import json
+
+    from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
+    from emapg_cli.outputs import claim_folder, config_sha256
+
+    record = settings.record()
+    digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
+    with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
-    console.print(f"results in {out}")
+    console.print(f"results in {out}", markup=False, highlight=False)

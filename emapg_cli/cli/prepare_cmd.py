@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
+from emapg_cli.outputs import claim_folder
 
 
 def _progress_bar(label: str):
@@ -30,9 +33,10 @@ def _prepare_toy(seed: int) -> None:
     from emapg_cli.toy.prepare import prepare_toy
 
     home = emapg_home()
-    manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
+    with claim_folder(home / "toy", "prepare"):
+        manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
     table = Table(title="prepared the toy task", show_header=False)
-    table.add_row("folder", str(home / "toy"))
+    table.add_row("folder", escape(str(home / "toy")))
     table.add_row("rows", ", ".join(f"{split} {n}" for split, n in manifest["rows"].items()))
     table.add_row("model", f"{manifest['model']['arch']}, {manifest['model']['parameters']:,} parameters (toy/model)")
     table.add_row("warm start", f"{manifest['sft_steps']} steps in {manifest['sft_wall_s']:.0f} s, "
@@ -42,15 +46,15 @@ def _prepare_toy(seed: int) -> None:
 
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
-    table = Table(title=f"prepared {manifest['name']}", show_header=False)
-    table.add_row("folder", str(out_dir))
-    table.add_row("source", f"{manifest['source']}" + (f" @ {manifest['revision']}" if manifest.get("revision") else ""))
+    table = Table(title=f"prepared {escape(str(manifest['name']))}", show_header=False)
+    table.add_row("folder", escape(str(out_dir)))
+    table.add_row("source", escape(f"{manifest['source']}" + (f" @ {manifest['revision']}" if manifest.get("revision") else "")))
     expected = manifest.get("expected_rows")
     note = f" (expected {expected})" if expected and expected != manifest["rows"] else ""
     table.add_row("rows", f"{manifest['rows']}{note}")
-    table.add_row("dropped", ", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items()) or "0")
+    table.add_row("dropped", escape(", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items())) or "0")
     for d in manifest["dropped_rows"][:5]:
-        table.add_row("", f"row {d['index']} (id {d['id']}): {d['reason']}")
+        table.add_row("", escape(f"row {d['index']} (id {d['id']}): {d['reason']}"))
     if manifest["dropped"] > 5:
         table.add_row("", f"... all {manifest['dropped']} in manifest.json")
     table.add_row("sha256", manifest["sha256"])
@@ -62,17 +66,24 @@ def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
 
     if len(names) < 2:
         raise UserError("--decontaminate needs a training set and at least one evaluation set: TRAIN EVAL...")
-    overlaps, rewritten = decontaminate(names[0], names[1:], n=ngram, remove=remove)
-    table = Table(title=f"{names[0]} vs {', '.join(names[1:])}: {len(overlaps)} overlapping training items")
+    from emapg_cli.datasets.prepare import dataset_dir
+
+    # --remove rewrites the prepared training set: hold its folder (a prepared dataset) while doing so;
+    # anything else (a file path, a name never prepared) is refused by decontaminate itself
+    folder = dataset_dir(names[0]) if remove and "/" not in names[0] and not names[0].startswith(".") else None
+    claim = claim_folder(folder, "prepare") if folder is not None and folder.is_dir() else contextlib.nullcontext()
+    with claim:
+        overlaps, rewritten = decontaminate(names[0], names[1:], n=ngram, remove=remove)
+    table = Table(title=escape(f"{names[0]} vs {', '.join(names[1:])}: {len(overlaps)} overlapping training items"))
     for col in ("train id", "eval set", "eval id", "match"):
         table.add_column(col)
     for o in overlaps[:50]:
-        table.add_row(o.train_id, o.eval_set, o.eval_id, o.kind)
+        table.add_row(escape(o.train_id), escape(o.eval_set), escape(o.eval_id), o.kind)
     console.print(table)
     if len(overlaps) > 50:
         console.print(f"... {len(overlaps) - 50} more")
     if rewritten is not None:
-        console.print(f"removed {len(overlaps)} items from {rewritten / 'data.jsonl'} (recorded in its manifest)")
+        console.print(f"removed {len(overlaps)} items from {rewritten / 'data.jsonl'} (recorded in its manifest)", markup=False, highlight=False)
     elif overlaps and not remove:
         console.print("pass --remove to drop them from the training set")
 
@@ -115,9 +126,9 @@ def prepare(
         raise UserError("--remove only applies with --decontaminate")
     if len(names) != 1:
         raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
-    from emapg_cli.datasets.prepare import prepare_dataset
+    from emapg_cli.datasets.prepare import dataset_dir, prepare_dataset
 
-    bar, start = _progress_bar(f"converting {names[0]}")
-    with bar:
+    bar, start = _progress_bar(f"converting {escape(names[0])}")
+    with claim_folder(dataset_dir(names[0], out), "prepare"), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console, resolve_config
 from emapg_cli.errors import UserError
+from emapg_cli.outputs import marker_kind
 
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default: runs/<name>-<timestamp>).")]
 ResumeOpt = Annotated[
@@ -30,7 +33,14 @@ def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], 
         raise UserError("--resume takes the run's own config.yaml; use --set for changes, not --preset/--config")
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
-    return resolve_config(None, str(run_dir / "config.yaml"), overrides)
+    cfg = resolve_config(None, str(run_dir / "config.yaml"), overrides)
+    if overrides:  # a change that adds or drops the anchor cannot continue the saved checkpoints
+        saved = resolve_config(None, str(run_dir / "config.yaml"), [])
+        if saved.derived.loads_anchor != cfg.derived.loads_anchor:
+            had = "with" if saved.derived.loads_anchor else "without"
+            raise UserError(f"--resume {run_dir}: the run was trained {had} a KL anchor (kl.coef={saved.kl.coef}); "
+                            f"kl.coef={cfg.kl.coef} cannot change that on resume; start a new run")
+    return cfg
 
 
 def train(
@@ -53,7 +63,7 @@ def train(
         if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("pass --out DIR when launching several processes (they must share one run directory)")
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if (run_dir / "checkpoints").exists():
+        if (run_dir / "checkpoints").exists() or marker_kind(run_dir) == "train":
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
@@ -70,7 +80,16 @@ def train(
 
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    trainer = Trainer(cfg, run_dir, resume=resume is not None)
-    summary = trainer.run()
+    from emapg_cli.config.loading import to_yaml
+    from emapg_cli.outputs import claim_folder, config_sha256
+
+    # Only the main process owns the folder (the others of a multi-GPU launch write nothing but through it).
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=("checkpoints",))
+             if main_process else contextlib.nullcontext(run_dir))
+    with claim:
+        trainer = Trainer(cfg, run_dir, resume=resume is not None)
+        summary = trainer.run()
     if trainer.acc.is_main_process:
-        console.print(f"[bold green]done[/] {run_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items()), highlight=False)
+        console.print(f"[bold green]done[/] {escape(str(run_dir))}: " + ", ".join(f"{k}={v}" for k, v in summary.items()),
+                      highlight=False)

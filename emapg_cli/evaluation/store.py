@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 from emapg_cli.data.schema import write_jsonl
 from emapg_cli.errors import UserError
+from emapg_cli.paths import write_text_atomic
 
 RESULTS, RUN, SUMMARY, TABLE = "results.jsonl", "run.json", "summary.json", "summary.md"
 
@@ -27,12 +28,17 @@ def open_run(out_dir: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any
     out_dir.mkdir(parents=True, exist_ok=True)
     run = out_dir / RUN
     if run.is_file():
-        old = json.loads(run.read_text())
+        try:
+            old = json.loads(run.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{run}: corrupt ({e}); delete the folder to start over, or use another --out") from None
+        if not isinstance(old, dict):
+            raise UserError(f"{run}: corrupt (not a JSON object); delete the folder to start over, or use another --out")
         diff = [k for k in RESUME_KEYS if old.get(k) != settings.get(k)]
         if diff:
             changes = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
             raise UserError(f"{out_dir} holds a run with other settings ({changes}); use another --out")
-    run.write_text(json.dumps(settings, indent=2) + "\n")
+    write_text_atomic(run, json.dumps(settings, indent=2) + "\n")
     return read_results(out_dir / RESULTS)
 
 
