@@ -10,12 +10,15 @@
 - lock: an exclusive `fcntl.flock` on `.emapg.lock` for as long as the command runs; the kernel
   drops it when the process exits or dies, so a crash never leaves a stale lock. A second writer gets
   a UserError at once.
-- marker: written atomically (temp file + rename) after the lock is held.
+- marker: written atomically (temp file + rename) after the lock is held, when the folder has none;
+  it records the command and the hash of the settings the folder was made with. The lock file stays
+  (removing it would let a third process lock a new file while a second waits on the old one).
 - cleanup: a folder this call created is removed again when the command fails with a UserError or an
   OSError before it held anything worth keeping (`keep`), so a refused or failed command leaves no
   half-made folder.
 
-`current_folder()` names the claimed folder, where the CLI writes the traceback of an unexpected error.
+`current_folder()` names the claimed folder and `last_folder()` the most recent one, where the CLI
+writes the traceback of an unexpected error.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ LEGACY: dict[str, tuple[str, ...]] = {
 }
 
 _claimed: list[Path] = []
+_last: list[Path] = []  # the folder claimed most recently in this process (held or released)
 
 
 def config_sha256(text: str) -> str:
@@ -52,6 +56,11 @@ def config_sha256(text: str) -> str:
 def current_folder() -> Optional[Path]:
     """The output folder claimed by the running command (innermost), if any."""
     return _claimed[-1] if _claimed else None
+
+
+def last_folder() -> Optional[Path]:
+    """The output folder claimed most recently by this process, held or already released."""
+    return current_folder() or (_last[-1] if _last else None)
 
 
 def read_marker(path: Path) -> Optional[dict]:
@@ -165,8 +174,10 @@ def claim_folder(path: Path, kind: str, config_hash: Optional[str] = None, *, fr
                 pass
         fd = _lock(path)
         check_folder(path, kind, config_hash, fresh=fresh, same_config=same_config)  # again, now that no one else can write it
-        _write_marker(path, kind, config_hash)
+        if not (path / MARKER).exists():  # an existing marker stays as the folder's creator wrote it
+            _write_marker(path, kind, config_hash)
         _claimed.append(path)
+        _last[:] = [path]
         try:
             yield path
         finally:

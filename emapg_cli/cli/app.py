@@ -76,13 +76,15 @@ USER_ERRNOS = frozenset({
 
 def os_error_message(e: OSError) -> str:
     """One line naming the path and the problem (`runs/x/config.yaml: Permission denied`)."""
-    from emapg_cli.outputs import current_folder
+    from emapg_cli.outputs import last_folder
 
-    what = e.strerror or str(e)
+    what = e.strerror or (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if e.errno is None and e.filename is None:  # a library's message already says what and where
+        return what
     if e.filename is not None:
         where = f"{os.fsdecode(e.filename)}" + (f" -> {os.fsdecode(e.filename2)}" if e.filename2 is not None else "")
     else:  # a write to an open file (a full disk) names no path: name the output folder
-        folder = current_folder()
+        folder = last_folder()
         where = f"writing in {folder}" if folder is not None else "writing output"
     return f"{where}: {what}"
 
@@ -92,11 +94,11 @@ def _internal_error(e: BaseException) -> None:
     import tempfile
     import traceback
 
-    from emapg_cli.outputs import current_folder
+    from emapg_cli.outputs import last_folder
 
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     log = None
-    folder = current_folder()
+    folder = last_folder()
     candidates = ([folder / "error.log"] if folder is not None else []) + [None]
     for path in candidates:
         try:
@@ -106,7 +108,7 @@ def _internal_error(e: BaseException) -> None:
                     f.write(text)
                 log = name
             else:
-                path.write_text(text, encoding="utf-8", errors="replace")
+                path.write_text(text, encoding="utf-8", errors="replace")  # ENOENT if the folder was removed
                 log = str(path)
             break
         except OSError:
@@ -144,7 +146,9 @@ def main() -> None:
         err_console.print("aborted")
         sys.exit(130)
     except OSError as e:
-        if e.errno in USER_ERRNOS:
+        # errno None: libraries' own OSErrors (transformers: "not a local folder and not a valid model
+        # identifier", "couldn't connect to huggingface.co") are about the user's paths and network
+        if e.errno in USER_ERRNOS or (e.errno is None and e.filename is None):
             _fail(os_error_message(e))
         _internal_error(e)
     except Exception as e:  # noqa: BLE001 - the last resort: one line and a traceback file, never a raw traceback

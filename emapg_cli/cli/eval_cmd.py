@@ -54,7 +54,7 @@ def eval_(
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
     )
     bar = Progress(
-        TextColumn(f"eval {escape(bench)}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(f"eval {escape(bench)}".replace("{", "{{").replace("}", "}}")),  # the column formats its text BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")

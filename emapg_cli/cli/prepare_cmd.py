@@ -19,6 +19,7 @@ def _progress_bar(label: str):
     """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    label = label.replace("{", "{{").replace("}", "}}")  # TextColumn formats its text with str.format
     bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
     def start(total: int):
