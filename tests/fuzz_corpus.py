@@ -218,7 +218,7 @@ def config_cases() -> list[Case]:
         case("config", "set-betas-2-3", "config", "show", "--set", "optim.betas=[2,3]", owner="h9train"),
         case("config", "set-lr-inf", "config", "show", "--set", "optim.lr=.inf", owner="h9train"),
         case("config", "set-eps-inf", "config", "show", "--set", "optim.eps=.inf", owner="h9train"),
-        case("config", "set-coef-nan", "config", "show", "--set", "kl.coef=.nan", owner="h9train"),
+        case("config", "set-coef-nan", "config", "show", "--set", "kl.coef=.nan"),
         case("config", "preset-missing", "config", "show", "--preset", "no-such-preset"),
         case("config", "preset-markup", "config", "show", "--preset", "[/bold]"),
         case("config", "preset-dir", "config", "show", "--preset", "emptydir"),
@@ -288,7 +288,7 @@ def train_cases() -> list[Case]:
         case("train", "preset-and-markup", "train", "--preset", "[bold]x"),
         case("train", "unknown-option", "train", "--frobnicate"),
         case("train", "name-absolute", "train", "--config", "abs.yaml", "--set", "model.path=missing-model",
-             files={"abs.yaml": "name: /tmp/elsewhere\n"}, owner="h9train"),
+             files={"abs.yaml": "name: /tmp/elsewhere\n"}),
     ]
     return cases
 
@@ -353,7 +353,7 @@ def eval_cases() -> list[Case]:
         case("eval", "responses-non-utf8", "eval", "--bench", "bench.jsonl", "--responses", "latin.jsonl", "--out", "new",
              files={"latin.jsonl": b'{"id": "0", "responses": ["caf\xe9"]}\n'}, owner="h9grade"),
         case("eval", "bench-duplicate-ids", "eval", "--bench", "dup.jsonl", "--responses", "resp.jsonl", "--out", "new",
-             files={"dup.jsonl": jsonl([BENCH_ROWS[0], BENCH_ROWS[0], BENCH_ROWS[1]])}, owner="h9grade"),
+             files={"dup.jsonl": jsonl([BENCH_ROWS[0], BENCH_ROWS[0], BENCH_ROWS[1]])}),
         case("eval", "responses-duplicate-ids", "eval", "--bench", "bench.jsonl", "--responses", "dup.jsonl", "--out", "new",
              files={"dup.jsonl": jsonl([RESPONSE_ROWS[0], RESPONSE_ROWS[0]])}, owner="h9grade"),
     ]
@@ -399,7 +399,7 @@ def prepare_cases() -> list[Case]:
         case("prepare", "jsonl-non-utf8", "prepare", "x", "--from", "t.jsonl",
              files={"t.jsonl": b'{"id": "0", "question": "caf\xe9", "answer": "1"}\n'}, owner="h9grade"),
         case("prepare", "jsonl-lone-surrogate", "prepare", "x", "--from", "t.jsonl",
-             files={"t.jsonl": '{"id": "0", "question": "\\ud800", "answer": "1"}\n'}, owner="h9grade"),
+             files={"t.jsonl": '{"id": "0", "question": "\\ud800", "answer": "1"}\n'}),
         case("prepare", "jsonl-duplicate-ids", "prepare", "x", "--from", "t.jsonl",
              files={"t.jsonl": '{"id": "0", "question": "a", "answer": "1"}\n' * 2}, owner="h9grade"),
     ]
@@ -407,7 +407,7 @@ def prepare_cases() -> list[Case]:
         if name in PREPARE_ACCEPTS:
             continue
         cases.append(case("prepare", f"jsonl-{name}", "prepare", "x", "--from", "t.jsonl", files={"t.jsonl": text},
-                          owner=INPUT_READER_OWNER.get(name)))
+                          owner="h9grade" if name == "deep_nesting" else None))
     for i, s in enumerate(ODD_STRINGS):
         cases.append(case("prepare", f"odd-from-{i}", "prepare", "x", "--from", s))
     return cases
@@ -450,9 +450,9 @@ def ablate_cases() -> list[Case]:
         cases.append(case("ablate", f"study-yaml-{name}", "ablate", "--study", "s.yaml", "--out", "sweep", files={"s.yaml": text}))
     cases += [
         case("ablate", "study-empty-grid", "ablate", "--study", "s.yaml", "--out", "sweep",
-             files={"s.yaml": "name: s\npreset: toy\ngrid:\n  kl.k: []\n"}, owner="h9train"),
+             files={"s.yaml": "name: s\npreset: toy\ngrid:\n  kl.k: []\n"}),
         case("ablate", "study-grid-seed", "ablate", "--study", "s.yaml", "--out", "sweep",
-             files={"s.yaml": "name: s\npreset: toy\ngrid:\n  train.seed: [1, 2]\n"}, owner="h9train"),
+             files={"s.yaml": "name: s\npreset: toy\ngrid:\n  train.seed: [1, 2]\n"}),
     ]
     return cases
 

@@ -89,6 +89,14 @@ def os_error_message(e: OSError) -> str:
     return f"{where}: {what}"
 
 
+#: How torch.save reports a failed write (it raises RuntimeError, not OSError, without an errno).
+_TORCH_WRITE_FAILURES = ("PytorchStreamWriter failed writing", "file write failed", "inline_container.cc")
+
+
+def _is_torch_write_failure(e: BaseException) -> bool:
+    return type(e) is RuntimeError and any(s in str(e) for s in _TORCH_WRITE_FAILURES)
+
+
 def _internal_error(e: BaseException) -> None:
     """An unexpected exception (a bug): one line, the full traceback in a file, exit 1."""
     import tempfile
@@ -152,5 +160,10 @@ def main() -> None:
             _fail(os_error_message(e))
         _internal_error(e)
     except Exception as e:  # noqa: BLE001 - the last resort: one line and a traceback file, never a raw traceback
+        if _is_torch_write_failure(e):
+            from emapg_cli.outputs import last_folder
+
+            _fail(f"writing in {last_folder() or 'the output folder'}: a checkpoint file could not be written "
+                  "(disk full or a file-size limit?)")
         _internal_error(e)
     sys.exit(rv if isinstance(rv, int) else 0)
