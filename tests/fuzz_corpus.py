@@ -256,6 +256,9 @@ def train_cases() -> list[Case]:
         case("train", "out-is-file", "train", "--config", "good.yaml", "--out", "afile"),
         case("train", "out-under-file", "train", "--config", "good.yaml", "--out", "afile/run"),
         case("train", "out-foreign", "train", "--config", "good.yaml", "--out", "foreign"),
+        # the reproduction: a user's folder with a config.yaml and a metrics.jsonl but no checkpoints
+        case("train", "out-foreign-config-metrics", "train", "--config", "good.yaml", "--set", "model.path=emptydir",
+             "--out", "mine", files={"mine/config.yaml": "name: mine\n", "mine/metrics.jsonl": '{"step": 7}\n'}),
         case("train", "out-eval-run", "train", "--config", "good.yaml", "--out", "evalrun"),
         case("train", "out-ablate-run", "train", "--config", "good.yaml", "--out", "ablaterun"),
         case("train", "out-existing-run", "train", "--config", "good.yaml", "--out", "trainrun"),

@@ -111,7 +111,7 @@ def kl_check(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("measuring estimators", total=len(specs))
         result = run_check(logits, settings, progress=lambda label: bar.advance(task))
-    console.print(header(result), highlight=False)
+    console.print(header(result), markup=False, highlight=False)  # the source names a user path
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     for table in render_tables(result):
