@@ -90,7 +90,7 @@ def kl_check(
     if stability:
         _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot)
         return
-    from emapg_cli.klcheck.measure import CheckSettings, check_settings, plan, run_check
+    from emapg_cli.klcheck.measure import CheckSettings, check_memory, check_settings, plan, run_check
 
     settings = CheckSettings(
         ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
@@ -101,7 +101,10 @@ def kl_check(
         check_settings(settings)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if from_logits is None and model is None:  # synthetic: the sizes are known before anything is built
+        check_memory(positions, vocab, "synthetic logits")
     logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
+    check_memory(logits.positions, logits.vocab, logits.source)
     specs, _ = plan(settings, logits.vocab)
 
     from rich.progress import Progress
@@ -144,9 +147,11 @@ def _load_source(from_logits, model, anchor_model, text, perturb, positions, voc
         text_value = None
         if text is not None:
             try:
-                text_value = text.read_text()
+                text_value = text.read_text(encoding="utf-8")
             except OSError as e:
                 raise UserError(f"cannot read --text {text}: {e.strerror}") from None
+            except UnicodeDecodeError as e:
+                raise UserError(f"--text {text}: not UTF-8 text (byte {e.start})") from None
         from emapg_cli.klcheck.model_source import logits_from_model
 
         return logits_from_model(model, anchor_model, text_value, positions, perturb, seed)
