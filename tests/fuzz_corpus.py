@@ -156,9 +156,8 @@ BAD_JSONL = {
 }
 
 #: Malformed JSONL the shared reader (emapg_cli.data.schema.read_jsonl) does not yet turn into a
-#: one-line error: non-object rows, nesting deeper than the JSON parser's recursion limit.
-INPUT_READER_OWNER = {"array_row": "h9grade", "number_row": "h9grade", "string_row": "h9grade", "null_row": "h9grade",
-                      "deep_nesting": "h9grade"}
+#: one-line error: nesting deeper than the JSON parser's recursion limit.
+INPUT_READER_OWNER = {"deep_nesting": "h9grade"}
 
 BAD_RESPONSES = {
     "not_json": "garbage\n",
@@ -215,16 +214,16 @@ def config_cases() -> list[Case]:
         case("config", "set-zero-n", "config", "show", "--set", "rollout.n=0"),
         case("config", "set-temperature-neg", "config", "show", "--set", "rollout.temperature=-1"),
         case("config", "set-decay-2", "config", "show", "--set", "ema.decay=2"),
-        case("config", "set-betas-2-3", "config", "show", "--set", "optim.betas=[2,3]", owner="h9train"),
-        case("config", "set-lr-inf", "config", "show", "--set", "optim.lr=.inf", owner="h9train"),
-        case("config", "set-eps-inf", "config", "show", "--set", "optim.eps=.inf", owner="h9train"),
+        case("config", "set-betas-2-3", "config", "show", "--set", "optim.betas=[2,3]"),
+        case("config", "set-lr-inf", "config", "show", "--set", "optim.lr=.inf"),
+        case("config", "set-eps-inf", "config", "show", "--set", "optim.eps=.inf"),
         case("config", "set-coef-nan", "config", "show", "--set", "kl.coef=.nan"),
         case("config", "preset-missing", "config", "show", "--preset", "no-such-preset"),
         case("config", "preset-markup", "config", "show", "--preset", "[/bold]"),
         case("config", "preset-dir", "config", "show", "--preset", "emptydir"),
         case("config", "config-missing", "config", "show", "--config", "missing.yaml"),
         case("config", "config-dir", "config", "show", "--config", "emptydir"),
-        case("config", "duplicate-keys", "config", "show", "--config", "dup.yaml", files={"dup.yaml": "name: a\nname: b\n"}, owner="h9train"),
+        case("config", "duplicate-keys", "config", "show", "--config", "dup.yaml", files={"dup.yaml": "name: a\nname: b\n"}),
         case("config", "unknown-subcommand", "config", "frobnicate"),
         case("config", "unknown-option", "config", "show", "--frobnicate"),
     ]
@@ -352,13 +351,13 @@ def eval_cases() -> list[Case]:
         cases.append(case("eval", f"odd-bench-{i}", "eval", "--bench", s, "--responses", "resp.jsonl", "--out", "new"))
     cases += [
         case("eval", "bench-non-utf8", "eval", "--bench", "latin.jsonl", "--responses", "resp.jsonl", "--out", "new",
-             files={"latin.jsonl": b'{"id": "0", "question": "caf\xe9", "answers": ["1"]}\n'}, owner="h9grade"),
+             files={"latin.jsonl": b'{"id": "0", "question": "caf\xe9", "answers": ["1"]}\n'}),
         case("eval", "responses-non-utf8", "eval", "--bench", "bench.jsonl", "--responses", "latin.jsonl", "--out", "new",
-             files={"latin.jsonl": b'{"id": "0", "responses": ["caf\xe9"]}\n'}, owner="h9grade"),
+             files={"latin.jsonl": b'{"id": "0", "responses": ["caf\xe9"]}\n'}),
         case("eval", "bench-duplicate-ids", "eval", "--bench", "dup.jsonl", "--responses", "resp.jsonl", "--out", "new",
              files={"dup.jsonl": jsonl([BENCH_ROWS[0], BENCH_ROWS[0], BENCH_ROWS[1]])}),
         case("eval", "responses-duplicate-ids", "eval", "--bench", "bench.jsonl", "--responses", "dup.jsonl", "--out", "new",
-             files={"dup.jsonl": jsonl([RESPONSE_ROWS[0], RESPONSE_ROWS[0]])}, owner="h9grade"),
+             files={"dup.jsonl": jsonl([RESPONSE_ROWS[0], RESPONSE_ROWS[0]])}),
     ]
     return cases
 
@@ -396,15 +395,12 @@ def prepare_cases() -> list[Case]:
         case("prepare", "json-broken", "prepare", "x", "--from", "t.json", files={"t.json": '[{"id": 1,'}),
         case("prepare", "json-rows-numbers", "prepare", "x", "--from", "t.json", files={"t.json": "[1, 2, 3]"}),
         case("prepare", "json-empty-list", "prepare", "x", "--from", "t.json", files={"t.json": "[]"}),
-        case("prepare", "parquet-garbage", "prepare", "x", "--from", "t.parquet", files={"t.parquet": b"PAR1 not really"},
-             owner="h9grade"),
-        case("prepare", "parquet-empty", "prepare", "x", "--from", "t.parquet", files={"t.parquet": b""}, owner="h9grade"),
+        case("prepare", "parquet-garbage", "prepare", "x", "--from", "t.parquet", files={"t.parquet": b"PAR1 not really"}),
+        case("prepare", "parquet-empty", "prepare", "x", "--from", "t.parquet", files={"t.parquet": b""}),
         case("prepare", "jsonl-non-utf8", "prepare", "x", "--from", "t.jsonl",
-             files={"t.jsonl": b'{"id": "0", "question": "caf\xe9", "answer": "1"}\n'}, owner="h9grade"),
+             files={"t.jsonl": b'{"id": "0", "question": "caf\xe9", "answer": "1"}\n'}),
         case("prepare", "jsonl-lone-surrogate", "prepare", "x", "--from", "t.jsonl",
              files={"t.jsonl": '{"id": "0", "question": "\\ud800", "answer": "1"}\n'}),
-        case("prepare", "jsonl-duplicate-ids", "prepare", "x", "--from", "t.jsonl",
-             files={"t.jsonl": '{"id": "0", "question": "a", "answer": "1"}\n' * 2}, owner="h9grade"),
     ]
     for name, text in BAD_JSONL.items():
         if name in PREPARE_ACCEPTS:
@@ -506,9 +502,9 @@ def kl_check_cases() -> list[Case]:
         case("kl-check", "stability-steps-negative", "kl-check", "--stability", "--steps", "-1"),
         case("kl-check", "stability-beta-negative", "kl-check", "--stability", "--beta", "-1"),
         case("kl-check", "unknown-option", "kl-check", "--frobnicate"),
-        case("kl-check", "from-logits-huge", *small, "--from-logits", "h.npz", files={"h.npz": _npz(1e308)}, owner="h9grade"),
+        case("kl-check", "from-logits-huge", *small, "--from-logits", "h.npz", files={"h.npz": _npz(1e308)}),
         case("kl-check", "text-non-utf8", *small, "--model", "missing-model", "--text", "latin.txt",
-             files={"latin.txt": b"caf\xe9\n"}, owner="h9grade"),
+             files={"latin.txt": b"caf\xe9\n"}),
     ]
     for name, arrays in (("no-anchor", {"policy": [[0.0, 1.0]]}), ("int-arrays", {"policy": [[0, 1]], "anchor": [[0, 1]]}),
                          ("shape-mismatch", {"policy": [[0.0, 1.0]], "anchor": [[0.0, 1.0, 2.0]]}),
@@ -549,9 +545,6 @@ def counts(cases) -> dict[str, int]:
 
 # ------------------------------------------------------------------------- the randomised generator
 
-NON_OBJECT = (0, 4)  # _mutate_row kinds that make a row something other than a JSON object
-
-
 def _mutate_row(rng: random.Random, row: dict, kind: Optional[int] = None) -> tuple[int, object]:
     """(kind, a row made invalid for the canonical schema in one of several ways)."""
     kind = rng.randrange(6) if kind is None else kind
@@ -578,10 +571,10 @@ def generated(seed: int, n: int) -> list[Case]:
         if pick == 0:  # a bench with one broken row among good ones
             rows: list = [dict(r) for r in BENCH_ROWS]
             j = rng.randrange(len(rows))
-            kind, rows[j] = _mutate_row(rng, rows[j])
+            _, rows[j] = _mutate_row(rng, rows[j])
             text = "".join(json.dumps(r) + "\n" for r in rows)
             cases.append(case("eval", f"gen{seed}-{i}", "eval", "--bench", "g.jsonl", "--responses", "resp.jsonl", "--out", "new",
-                              files={"g.jsonl": text}, owner="h9grade" if kind in NON_OBJECT else None))
+                              files={"g.jsonl": text}))
         elif pick == 1:  # to prepare, which drops the rows it cannot use: every row unusable
             rows = [{"id": r["id"], "question": r["question"], "answer": r["answers"][0]} for r in BENCH_ROWS]
             rows = [_mutate_row(rng, r, rng.choice([0, 1, 4]))[1] for r in rows]
@@ -606,7 +599,7 @@ def generated(seed: int, n: int) -> list[Case]:
             rows[j] = rng.choice([{"id": rows[j]["id"], "responses": rng.choice([5, "x", {"a": 1}, [1]])}, [1], "s", 3])
             text = "".join(json.dumps(r) + "\n" for r in rows)
             cases.append(case("eval", f"gen{seed}-{i}", "eval", "--bench", "bench.jsonl", "--responses", "g.jsonl", "--out", "new",
-                              files={"g.jsonl": text}, owner=None if isinstance(rows[j], dict) else "h9grade"))
+                              files={"g.jsonl": text}))
     return cases
 
 
