@@ -58,6 +58,11 @@ def _finished_steps(run_dir: Path) -> Optional[int]:
     return steps
 
 
+def _is_main_process() -> bool:
+    """Rank 0 of a launch (or a plain single-process run): the process that owns the run folder."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def train(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
@@ -84,7 +89,8 @@ def train(
         if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("pass --out DIR when launching several processes (they must share one run directory)")
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if (run_dir / "checkpoints").exists() or marker_kind(run_dir) == "train":
+        # (the marker only on the main process: it writes it, and the other ranks start a moment later)
+        if (run_dir / "checkpoints").exists() or (_is_main_process() and marker_kind(run_dir) == "train"):
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
@@ -105,9 +111,8 @@ def train(
     from emapg_cli.outputs import claim_folder, config_sha256
 
     # Only the main process owns the folder (the others of a multi-GPU launch write nothing but through it).
-    main_process = int(os.environ.get("RANK", "0")) == 0
     claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=("checkpoints",))
-             if main_process else contextlib.nullcontext(run_dir))
+             if _is_main_process() else contextlib.nullcontext(run_dir))
     with claim:
         trainer = Trainer(cfg, run_dir, resume=resume is not None)
         summary = trainer.run()
