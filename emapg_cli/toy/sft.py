@@ -90,22 +90,43 @@ def warm_start(
     should_stop: Callable[[], bool],
     progress: Optional[Callable[[int, float], None]] = None,
 ) -> list[float]:
-    """Fine-tune `model` in place until `should_stop()` (asked every `cfg.check_every` steps) or `cfg.max_steps`.
+    """Fine-tune `model` in place on the addition stream until `should_stop()` or `cfg.max_steps` (see `fit`).
 
-    Returns the loss of every step. `exclude` holds questions never trained on (test and dev);
-    `progress(step, loss)` is called after each optimizer step. The model is left in eval mode.
+    `exclude` holds questions never trained on (test and dev).
+    """
+    encode = PairEncoder(tokenizer)
+    stream = problem_stream(seed + 1, exclude)
+
+    def next_batch() -> list[tuple[list[int], list[int]]]:
+        problems = [next(stream) for _ in range(cfg.batch_size)]
+        return [encode(p.question, response_text(p.value)) for p in problems]
+
+    return fit(model, cfg, seed, next_batch, tokenizer.pad_token_id, should_stop, progress)
+
+
+def fit(
+    model,
+    cfg: SFTConfig,
+    seed: int,
+    next_batch: Callable[[], list[tuple[list[int], list[int]]]],
+    pad_id: int,
+    should_stop: Callable[[], bool],
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> list[float]:
+    """The warm-start loop: AdamW on `next_batch()` (ids, labels with IGNORE off the trained tokens) until
+    `should_stop()` (asked every `cfg.check_every` steps) or `cfg.max_steps`.
+
+    Returns the loss of every step; `progress(step, loss)` is called after each optimizer step.
+    The model is left in eval mode.
     """
     import torch
 
     torch.manual_seed(seed)
-    encode = PairEncoder(tokenizer)
-    stream = problem_stream(seed + 1, exclude)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     losses: list[float] = []
     for step in range(cfg.max_steps):
         model.train()
-        problems = [next(stream) for _ in range(cfg.batch_size)]
-        ids, mask, labels = collate([encode(p.question, response_text(p.value)) for p in problems], tokenizer.pad_token_id)
+        ids, mask, labels = collate(next_batch(), pad_id)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
