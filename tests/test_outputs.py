@@ -143,13 +143,16 @@ def test_unexpected_exception_is_one_line_and_a_traceback_file(tmp_path, monkeyp
 
 
 def test_unexpected_exception_without_a_folder_uses_a_temp_file(tmp_path, monkeypatch):
-    from emapg_cli.cli import prepare_cmd
+    from emapg_cli.cli import config_cmd
+
+    def boom(*a, **k):
+        raise KeyError("kaboom")
 
     monkeypatch.setattr("emapg_cli.outputs._last", [])  # no folder claimed by this process
-    monkeypatch.setattr("emapg_cli.datasets.DATASETS", None)  # `prepare --list` iterates it: AttributeError
-    code, out, err = run_inprocess(["prepare", "--list"], tmp_path, {})
+    monkeypatch.setattr(config_cmd, "to_yaml", boom)  # `config show` writes no folder
+    code, out, err = run_inprocess(["config", "show"], tmp_path, {})
     lines = err.strip().splitlines()
-    assert code == 1 and len(lines) == 1
+    assert code == 1 and len(lines) == 1 and "KeyError" in lines[0], err
     log = Path(lines[0].rsplit("full traceback in ", 1)[1])
     assert log.parent == Path(tempfile.gettempdir()) and "Traceback" in log.read_text()
     log.unlink()
