@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 DEFAULT_HOME = "~/.cache/emapg"
 
@@ -47,8 +47,27 @@ SHIPPED = {"presets": "presets", "data": "dataset_cards"}
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: a reader (another rank, a crash)
-    sees the old file or the new one, never a half-written one."""
+    sees the old file or the new one, never a half-written one. A failed write (a full disk) leaves
+    the old file and no temporary one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_figure_atomic(fig: Any, path: Path, dpi: int) -> Path:
+    """Save a matplotlib figure to `path` through a temporary file and a rename (format from the suffix,
+    PNG without one): a failed save leaves the old file, if any, and no partial one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path

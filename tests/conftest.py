@@ -59,3 +59,23 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 def cli():
     """The `run_cli` helper as a fixture."""
     return run_cli
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz suite's case counts per command (tests/test_fuzz_cli.py), when it ran."""
+    import sys
+
+    fuzz = sys.modules.get("test_fuzz_cli")
+    if fuzz is None or not fuzz.RESULTS:
+        return
+    terminalreporter.section("fuzz cases per command")
+    for command in ("prepare", "train", "eval", "ablate", "kl-check", "config"):
+        parts = []
+        for how in ("in-process", "subprocess", "generated"):
+            counts = {o: fuzz.RESULTS[(command, how, o)] for o in ("ok", "xfail", "fail")}
+            if any(counts.values()):
+                parts.append(f"{how} {sum(counts.values())} (ok {counts['ok']}, xfail {counts['xfail']}, fail {counts['fail']})")
+        if parts:
+            terminalreporter.write_line(f"{command:9s} " + "; ".join(parts))
+    total = sum(fuzz.RESULTS.values())
+    terminalreporter.write_line(f"total     {total} case runs")

@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console
 from emapg_cli.errors import UserError
+from emapg_cli.outputs import claim_folder, config_sha256
 
 
 def ablate(
@@ -37,7 +39,10 @@ def ablate(
     if aggregate_only:
         if out is None:
             raise UserError("--aggregate-only needs --out, the folder of the sweep")
-        _report(out)
+        if not out.is_dir():
+            raise UserError(f"--aggregate-only: {out} is not a sweep folder")
+        with claim_folder(out, "ablate"):
+            _report(out)
         return
     sweep = build_sweep(study, preset, config, [parse_grid(g) for g in grid or []], seeds, list(set_ or []))
     runs = sweep.runs()  # every combination validated before anything is written or started
@@ -46,15 +51,20 @@ def ablate(
         for spec in runs:
             typer.echo(shell_command(sweep, spec, out))
         return
-    check_reuse(sweep, runs, out)  # never mix runs of another config into this sweep's results
-    save_sweep(sweep, out)
-    save_plan(out, runs)
-    configs = len({r.config_id for r in runs})
-    console.print(f"ablate [bold]{sweep.name}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = {len(runs)} runs -> {out}")
-    results = run_sweep(sweep, runs, out, jobs=jobs)
-    counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
-    console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
-    _report(out)
+    import yaml
+
+    digest = config_sha256(yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=True))
+    with claim_folder(out, "ablate", digest, keep=("runs",)):
+        check_reuse(sweep, runs, out)  # never mix runs of another config into this sweep's results
+        save_sweep(sweep, out)
+        save_plan(out, runs)
+        configs = len({r.config_id for r in runs})
+        console.print(f"ablate [bold]{escape(sweep.name)}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = "
+                      f"{len(runs)} runs -> {escape(str(out))}")
+        results = run_sweep(sweep, runs, out, jobs=jobs)
+        counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
+        console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
+        _report(out)
     if counts["failed"]:
         raise typer.Exit(1)
 
@@ -68,13 +78,13 @@ def _report(out: Path) -> None:
     plots = plot_all(out, summaries, records, sweep.name)
     from rich.table import Table
 
-    table = Table(title=f"{sweep.name}: final eval accuracy (mean ± std over seeds, 95% CI)")
+    table = Table(title=f"{escape(sweep.name)}: final eval accuracy (mean ± std over seeds, 95% CI)")
     for col in ("rank", "configuration", "seeds", "final accuracy", "95% CI"):
         table.add_column(col)
     for i, c in enumerate(summaries, 1):
         iv = c.stats["eval_accuracy_final"]
-        table.add_row(str(i), c.label, f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
+        table.add_row(str(i), escape(c.label), f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
                       format_mean_std(iv), format_ci(iv))
     console.print(table)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)

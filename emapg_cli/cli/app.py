@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 
 import typer
@@ -62,15 +64,82 @@ from emapg_cli.cli import retriever_cmd  # noqa: E402
 app.add_typer(retriever_cmd.app, name="retriever")
 
 
-def _fail(message: str) -> None:
-    # the message is plain text: escaped, so brackets in it (`pip install emapg[vllm]`) are not read as Rich markup
-    err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False, markup=True)
-    sys.exit(2)
+def _fail(message: str, code: int = 2) -> None:
+    # the message is plain text: escaped, so brackets in it (`pip install emapg[vllm]`) are not read as Rich markup;
+    # newlines are folded so it stays one line
+    line = " ".join(str(message).split())
+    err_console.print(f"[bold red]error:[/] {escape(line)}", soft_wrap=True, highlight=False, markup=True)
+    sys.exit(code)
+
+
+#: OSError numbers that are the user's environment, not a bug: a full disk, no permission, a read-only
+#: file system, a path that is a file where a folder is needed (or the reverse), a missing file.
+USER_ERRNOS = frozenset({
+    errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+    errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST, errno.ENOTEMPTY,
+})
+
+
+def os_error_message(e: OSError) -> str:
+    """One line naming the path and the problem (`runs/x/config.yaml: Permission denied`)."""
+    from emapg_cli.outputs import last_folder
+
+    what = e.strerror or (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if e.errno is None and e.filename is None:  # a library's message already says what and where
+        return what
+    if e.filename is not None:
+        where = f"{os.fsdecode(e.filename)}" + (f" -> {os.fsdecode(e.filename2)}" if e.filename2 is not None else "")
+    else:  # a write to an open file (a full disk) names no path: name the output folder
+        folder = last_folder()
+        where = f"writing in {folder}" if folder is not None else "writing output"
+    return f"{where}: {what}"
+
+
+#: How torch.save reports a failed write (it raises RuntimeError, not OSError, without an errno).
+_TORCH_WRITE_FAILURES = ("PytorchStreamWriter failed writing", "file write failed", "inline_container.cc")
+
+
+def _is_torch_write_failure(e: BaseException) -> bool:
+    return type(e) is RuntimeError and any(s in str(e) for s in _TORCH_WRITE_FAILURES)
+
+
+def _internal_error(e: BaseException) -> None:
+    """An unexpected exception (a bug): one line, the full traceback in a file, exit 1."""
+    import tempfile
+    import traceback
+
+    from emapg_cli.outputs import last_folder
+
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    log = None
+    folder = last_folder()
+    candidates = ([folder / "error.log"] if folder is not None else []) + [None]
+    for path in candidates:
+        try:
+            if path is None:
+                fd, name = tempfile.mkstemp(prefix="emapg-error-", suffix=".log")
+                with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+                    f.write(text)
+                log = name
+            else:
+                path.write_text(text, encoding="utf-8", errors="replace")  # ENOENT if the folder was removed
+                log = str(path)
+            break
+        except OSError:
+            continue
+    where = f"full traceback in {log}" if log else "no traceback file could be written"
+    summary = f"{type(e).__name__}: {e}"[:300]
+    _fail(f"internal error (a bug in emapg, please report it): {summary}; {where}", code=1)
 
 
 def main() -> None:
-    """Console-script entry point: bad input (a UserError, or a usage error such as an unknown or
-    out-of-range option) becomes one line on stderr and exit code 2, with no traceback."""
+    """Console-script entry point, the one error path of every command.
+
+    Bad input (a UserError, a usage error such as an unknown or out-of-range option, an OSError
+    that is the user's: disk full, no permission, a file where a folder is needed) becomes one
+    line on stderr and exit code 2, with no traceback. Any other exception is a bug: one line,
+    the full traceback written to the output folder (or a temp file), exit 1.
+    """
     try:  # typer >= 0.24 vendors click as typer._click; older releases use click itself
         from typer._click import exceptions as click
     except ImportError:  # pragma: no cover
@@ -90,4 +159,17 @@ def main() -> None:
     except typer.Abort:
         err_console.print("aborted")
         sys.exit(130)
+    except OSError as e:
+        # errno None: libraries' own OSErrors (transformers: "not a local folder and not a valid model
+        # identifier", "couldn't connect to huggingface.co") are about the user's paths and network
+        if e.errno in USER_ERRNOS or (e.errno is None and e.filename is None):
+            _fail(os_error_message(e))
+        _internal_error(e)
+    except Exception as e:  # noqa: BLE001 - the last resort: one line and a traceback file, never a raw traceback
+        if _is_torch_write_failure(e):
+            from emapg_cli.outputs import last_folder
+
+            _fail(f"writing in {last_folder() or 'the output folder'}: a checkpoint file could not be written "
+                  "(disk full or a file-size limit?)")
+        _internal_error(e)
     sys.exit(rv if isinstance(rv, int) else 0)

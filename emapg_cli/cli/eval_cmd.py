@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
@@ -74,7 +75,8 @@ def eval_(
         max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
     )
     bar = Progress(
-        TextColumn(escape(f"eval {bench}")), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(escape(f"eval {bench}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text
+        BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")
@@ -82,7 +84,14 @@ def eval_(
     def progress(done: int, total: int, acc: float) -> None:
         bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
 
-    with bar:
+    import json
+
+    from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
+    from emapg_cli.outputs import claim_folder, config_sha256
+
+    record = settings.record()
+    digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
+    with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
     console.print(f"results in {out}", markup=False, highlight=False)

@@ -13,6 +13,8 @@ from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
+from emapg_cli.outputs import writable_file
+from emapg_cli.paths import write_text_atomic
 
 from emapg_cli.kl.registry import ESTIMATORS
 
@@ -44,7 +46,7 @@ def _finite(obj: Any) -> Any:
 def _write_json(path: Path, payload: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite(payload), indent=2) + "\n")
+        write_text_atomic(path, json.dumps(_finite(payload), indent=2) + "\n")
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror}") from None
 
@@ -82,6 +84,9 @@ def kl_check(
 ) -> None:
     """Measure each KL estimator's value bias, gradient bias (w.r.t. the policy logits) and variance
     by Monte Carlo against the exact KL, next to its closed-form expectation (docs/estimators.md)."""
+    for option, path in (("--json", json_out), ("--plot", plot)):  # before any work, not after it
+        if path is not None:
+            writable_file(path, option)
     if stability:
         _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot)
         return
@@ -109,7 +114,7 @@ def kl_check(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("measuring estimators", total=len(specs))
         result = run_check(logits, settings, progress=lambda label: bar.advance(task))
-    console.print(header(result), highlight=False, markup=False)  # the source names a user file
+    console.print(header(result), markup=False, highlight=False)  # the source names a user path
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     for table in render_tables(result):
@@ -119,11 +124,11 @@ def kl_check(
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
     if json_out is not None:
         _write_json(json_out, result.to_dict())
-        console.print(f"wrote {json_out}", highlight=False, markup=False)
+        console.print(f"wrote {json_out}", markup=False, highlight=False)
     if plot is not None:
         from emapg_cli.klcheck.plot import plot_check
 
-        console.print(f"wrote {plot_check(result, plot)}", highlight=False, markup=False)
+        console.print(f"wrote {plot_check(result, plot)}", markup=False, highlight=False)
 
 
 def _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed):
@@ -175,7 +180,7 @@ def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, 
         console.print(render_table(result))
         results.append(result)
     if plot is not None:
-        console.print(f"wrote {plot_stability(results, plot)}", highlight=False, markup=False)
+        console.print(f"wrote {plot_stability(results, plot)}", markup=False, highlight=False)
     if json_out is not None:
         _write_json(json_out, {"stability": [r.to_dict() for r in results]})
-        console.print(f"wrote {json_out}", highlight=False, markup=False)
+        console.print(f"wrote {json_out}", markup=False, highlight=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,12 +12,14 @@ from rich.table import Table
 
 from emapg_cli.cli.common import console, err_console
 from emapg_cli.errors import UserError
+from emapg_cli.outputs import claim_folder
 
 
 def _progress_bar(label: str):
     """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    label = label.replace("{", "{{").replace("}", "}}")  # TextColumn formats its text with str.format
     bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
     def start(total: int):
@@ -31,9 +34,10 @@ def _prepare_toy(seed: int) -> None:
     from emapg_cli.toy.prepare import prepare_toy
 
     home = emapg_home()
-    manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
+    with claim_folder(home / "toy", "prepare"):
+        manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
     table = Table(title="prepared the toy task", show_header=False)
-    table.add_row("folder", str(home / "toy"))
+    table.add_row("folder", escape(str(home / "toy")))
     table.add_row("rows", ", ".join(f"{split} {n}" for split, n in manifest["rows"].items()))
     table.add_row("model", f"{manifest['model']['arch']}, {manifest['model']['parameters']:,} parameters (toy/model)")
     table.add_row("warm start", f"{manifest['sft_steps']} steps in {manifest['sft_wall_s']:.0f} s, "
@@ -72,12 +76,13 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
     out_dir = out or emapg_home() / "data" / "hotpotqa-corpus"
     docs, dups = hotpotqa_corpus(from_file)
     path = out_dir / "corpus.jsonl"
-    write_jsonl(path, docs)
-    manifest = {"name": "hotpotqa-corpus", "source": str(from_file), "source_sha256": sha256_file(from_file),
-                "rows": len(docs), "duplicates_dropped": dups, "sha256": sha256_file(path)}
-    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
-    console.print(f"{len(docs):,} paragraphs ({dups:,} duplicates dropped) -> {path}", highlight=False)
-    console.print(f"next: emapg retriever index {path} --out DIR", highlight=False)
+    with claim_folder(out_dir, "prepare"):
+        write_jsonl(path, docs)
+        manifest = {"name": "hotpotqa-corpus", "source": str(from_file), "source_sha256": sha256_file(from_file),
+                    "rows": len(docs), "duplicates_dropped": dups, "sha256": sha256_file(path)}
+        write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    console.print(f"{len(docs):,} paragraphs ({dups:,} duplicates dropped) -> {path}", markup=False, highlight=False)
+    console.print(f"next: emapg retriever index {path} --out DIR", markup=False, highlight=False)
 
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
@@ -106,7 +111,14 @@ def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
 
     if len(names) < 2:
         raise UserError("--decontaminate needs a training set and at least one evaluation set: TRAIN EVAL...")
-    overlaps, rewritten = decontaminate(names[0], names[1:], n=ngram, remove=remove)
+    from emapg_cli.datasets.prepare import dataset_dir
+
+    # --remove rewrites the prepared training set: hold its folder (a prepared dataset) while doing so;
+    # anything else (a file path, a name never prepared) is refused by decontaminate itself
+    folder = dataset_dir(names[0]) if remove and "/" not in names[0] and not names[0].startswith(".") else None
+    claim = claim_folder(folder, "prepare") if folder is not None and folder.is_dir() else contextlib.nullcontext()
+    with claim:
+        overlaps, rewritten = decontaminate(names[0], names[1:], n=ngram, remove=remove)
     table = Table(title=escape(f"{names[0]} vs {', '.join(names[1:])}: {len(overlaps)} overlapping training items"))
     for col in ("train id", "eval set", "eval id", "match"):
         table.add_column(col)
@@ -163,9 +175,9 @@ def prepare(
     if names[0] == "hotpotqa-corpus":
         _prepare_hotpotqa_corpus(from_file, out)
         return
-    from emapg_cli.datasets.prepare import prepare_dataset
+    from emapg_cli.datasets.prepare import dataset_dir, prepare_dataset
 
     bar, start = _progress_bar(escape(f"converting {names[0]}"))
-    with bar:
+    with claim_folder(dataset_dir(names[0], out), "prepare"), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -9,9 +10,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console, resolve_config
 from emapg_cli.errors import UserError
+from emapg_cli.outputs import marker_kind
 
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default: runs/<name>-<timestamp>).")]
 ResumeOpt = Annotated[
@@ -31,7 +34,14 @@ def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], 
         raise UserError("--resume takes the run's own config.yaml; use --set for changes, not --preset/--config")
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
-    return resolve_config(None, str(run_dir / "config.yaml"), overrides)
+    cfg = resolve_config(None, str(run_dir / "config.yaml"), overrides)
+    if overrides:  # a change that adds or drops the anchor cannot continue the saved checkpoints
+        saved = resolve_config(None, str(run_dir / "config.yaml"), [])
+        if saved.derived.loads_anchor != cfg.derived.loads_anchor:
+            had = "with" if saved.derived.loads_anchor else "without"
+            raise UserError(f"--resume {run_dir}: the run was trained {had} a KL anchor (kl.coef={saved.kl.coef}); "
+                            f"kl.coef={cfg.kl.coef} cannot change that on resume; start a new run")
+    return cfg
 
 
 def _finished_steps(run_dir: Path) -> Optional[int]:
@@ -46,6 +56,11 @@ def _finished_steps(run_dir: Path) -> Optional[int]:
     except (OSError, ValueError, KeyError, TypeError):
         raise UserError(f"{path} is unreadable: delete it to let --resume finish the run again") from None
     return steps
+
+
+def _is_main_process() -> bool:
+    """Rank 0 of a launch (or a plain single-process run): the process that owns the run folder."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def train(
@@ -67,14 +82,15 @@ def train(
         if done is not None and done >= cfg.train.steps and not dry_run:
             if os.environ.get("RANK", "0") == "0":
                 console.print(f"{run_dir} is finished ({done} steps, summary.json): nothing to do; raise train.steps "
-                              "with --set to train further", highlight=False)
+                              "with --set to train further", markup=False, highlight=False)
             return
     else:
         cfg = resolve_config(preset, config, set_)
         if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("pass --out DIR when launching several processes (they must share one run directory)")
         run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if (run_dir / "checkpoints").exists():
+        # (the marker only on the main process: it writes it, and the other ranks start a moment later)
+        if (run_dir / "checkpoints").exists() or (_is_main_process() and marker_kind(run_dir) == "train"):
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
@@ -94,7 +110,15 @@ def train(
 
         threads, _ = choose_threads(cfg.train.torch_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(threads)
-    trainer = Trainer(cfg, run_dir, resume=resume is not None)
-    summary = trainer.run()
+    from emapg_cli.config.loading import to_yaml
+    from emapg_cli.outputs import claim_folder, config_sha256
+
+    # Only the main process owns the folder (the others of a multi-GPU launch write nothing but through it).
+    claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=("checkpoints",))
+             if _is_main_process() else contextlib.nullcontext(run_dir))
+    with claim:
+        trainer = Trainer(cfg, run_dir, resume=resume is not None)
+        summary = trainer.run()
     if trainer.acc.is_main_process:
-        console.print(f"[bold green]done[/] {run_dir}: " + ", ".join(f"{k}={v}" for k, v in summary.items()), highlight=False)
+        console.print(f"[bold green]done[/] {escape(str(run_dir))}: " + ", ".join(f"{k}={v}" for k, v in summary.items()),
+                      highlight=False)

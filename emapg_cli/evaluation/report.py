@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from emapg_cli.evaluation.store import SUMMARY, TABLE
+from emapg_cli.paths import write_text_atomic
 
 _HEAD = ("maj@n", "strict")  # after the pass@k columns (avg@n is pass@1, not repeated)
 
@@ -43,5 +44,5 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def write_report(out_dir: Path, summary: dict[str, Any]) -> None:
-    (out_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / TABLE).write_text(markdown(summary))
+    write_text_atomic(out_dir / SUMMARY, json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out_dir / TABLE, markdown(summary))

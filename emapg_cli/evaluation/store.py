@@ -12,6 +12,7 @@ from typing import Any, Iterable
 
 from emapg_cli.data.schema import json_line, parse_json_line, write_jsonl
 from emapg_cli.errors import UserError
+from emapg_cli.paths import write_text_atomic
 
 RESULTS, RUN, SUMMARY, TABLE = "results.jsonl", "run.json", "summary.json", "summary.md"
 
@@ -33,7 +34,7 @@ def open_run(out_dir: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any
         if diff:
             changes = ", ".join(f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in diff)
             raise UserError(f"{out_dir} holds a run with other settings ({changes}); use another --out")
-    run.write_text(json.dumps(settings, indent=2) + "\n")
+    write_text_atomic(run, json.dumps(settings, indent=2) + "\n")
     return read_results(out_dir / RESULTS)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from emapg_cli.klcheck.measure import CheckResult
+from emapg_cli.paths import save_figure_atomic
 from emapg_cli.stats import t_quantile
 
 
@@ -62,6 +63,7 @@ def plot_check(result: CheckResult, path: str | Path) -> Path:
     fig.suptitle(f"kl-check: {result.source}, N={result.settings.samples}/position", fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure_atomic(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence, Union
 
+from emapg_cli.paths import save_figure_atomic
+
 from emapg_cli.klcheck.stability import OUTCOMES, StabilityResult, theory_radius
 
 _COLORS = {"converges": "#4daf4a", "oscillates": "#ffd92f", "diverges": "#e41a1c"}
@@ -63,5 +65,5 @@ def plot_stability(results: Union[StabilityResult, Sequence[StabilityResult]], p
     handles.append(Patch(facecolor="none", edgecolor="black", label="theory: radius = 1"))
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles))
     out = Path(path)
-    fig.savefig(out, dpi=120)
-    return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure_atomic(fig, out, dpi=120)

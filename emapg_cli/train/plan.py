@@ -413,8 +413,9 @@ def render_plan(plan: Plan):
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
+    from rich.markup import escape
 
-    run = Table(title=f"Plan: {plan.name}", show_header=False, title_justify="left")
+    run = Table(title=f"Plan: {escape(plan.name)}", show_header=False, title_justify="left")
     run.add_column("what", style="bold")
     run.add_column("value")
     model = plan.model_path or "-"
@@ -424,7 +425,7 @@ def render_plan(plan: Plan):
                   f"heads={m.heads}/{m.kv_heads}, I={m.intermediate}, V={m.vocab}{', tied' if m.tie_embeddings else ''})")
     else:
         model += f"  ({plan.model_source})"
-    run.add_row("model", model)
+    run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
     budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
