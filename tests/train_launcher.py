@@ -18,7 +18,7 @@ def install() -> None:
     """Register `test_digit` in the reward registry (the trainer looks rewards up there by name)."""
     from emapg_cli.rewards import register_reward
 
-    register_reward("test_digit", lambda: test_digit)
+    register_reward("test_digit", lambda think="emapg": test_digit)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from emapg_cli.errors import UserError
 
 Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated"]
 Direction = Literal["reverse", "forward"]
@@ -48,9 +50,22 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`).")
+    reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+
+
+    @field_validator("reward")
+    @classmethod
+    def _plugin_loads(cls, v: str) -> str:
+        from emapg_cli.rewards.plugin import is_plugin_ref, validate_ref
+
+        if is_plugin_ref(v):
+            try:
+                validate_ref(v)
+            except UserError as e:  # pydantic reports ValueErrors as the field's error
+                raise ValueError(str(e)) from None
+        return v
 
 
 class OptimConfig(Section):
@@ -74,6 +89,7 @@ class TrainConfig(Section):
     dual_clip: Optional[float] = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages (null: off).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
+    mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`) get no loss at all: neither policy gradient nor KL (DAPO's overlong filtering).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     logit_chunk: int = Field(1024, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
@@ -115,6 +131,16 @@ class EvalConfig(Section):
     max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens.")
 
 
+class RewardConfig(Section):
+    truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
+
+
+class GradingConfig(Section):
+    think: Literal["emapg", "paper"] = Field("emapg", description="Where the final answer is looked for: `emapg`: after the last `</think>` when there is one, else the whole response; `paper`: after `</think>` only when there is exactly one, else the whole response (the paper's rllm rule).")
+
+
 class LoggingConfig(Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files into the run directory.")
     wandb: bool = Field(False, description="Also log to Weights & Biases.")
@@ -143,6 +169,8 @@ class Config(Section):
     kl: KLConfig = Field(default_factory=KLConfig, description="KL regulariser towards the anchor.")
     ema: EMAConfig = Field(default_factory=EMAConfig, description="The EMA anchor.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses and the soft overlong penalty.")
+    grading: GradingConfig = Field(default_factory=GradingConfig, description="How answers are found in responses.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
 
     _derived: Optional[Derived] = PrivateAttr(None)
@@ -154,6 +182,8 @@ class Config(Section):
             raise ValueError(
                 f"train.mini_batch_prompts ({t.mini_batch_prompts}) must divide rollout.prompts_per_step ({r.prompts_per_step})"
             )
+        if self.reward.overlong_buffer >= r.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below rollout.max_new_tokens ({r.max_new_tokens})")
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,

@@ -8,7 +8,7 @@ from typing import Any
 
 from emapg_cli.evaluation.store import SUMMARY, TABLE
 
-_HEAD = ("maj@n", "strict")  # after the pass@k columns (avg@n is pass@1, not repeated)
+_HEAD = ("maj@n", "maj@n_strict", "strict")  # after the pass@k columns (avg@n is pass@1, not repeated)
 
 
 def _metric_columns(summary: dict[str, Any]) -> list[str]:
@@ -32,7 +32,7 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += ["", f"| subset | items | {names} |", "|" + "---|" * (2 + len(cols))]
         for name, s in subsets.items():
             lines.append(f"| {name} | {s['num_items']} | " + " | ".join(f"{100 * s[c]:.1f}" if c in s else "-" for c in cols) + " |")
-    lines += ["", "Scores in %. pass@1 = avg@n; pass@k unbiased (Chen et al. 2021); strict = exact match of the normalised boxed answer."]
+    lines += ["", "Scores in %. pass@1 = avg@n; pass@k unbiased (Chen et al. 2021); maj@n votes on mathematically equivalent answers, maj@n_strict on normalised strings; strict = exact match of the normalised boxed answer."]
     return "\n".join(lines) + "\n"
 
 

@@ -127,9 +127,10 @@ def default_workers() -> int:
 class MathGrader:
     """Grades batches of responses; owns a worker pool (started on first use; `close()` stops it)."""
 
-    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0) -> None:
+    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0, think: str = "emapg") -> None:
         self.workers = workers or default_workers()
         self.timeout = timeout
+        self.think = think  # where the answer is looked for (extract.answer_region)
         self._pool: Optional[TimeoutPool] = None
 
     @property
@@ -148,7 +149,7 @@ class MathGrader:
         """Grade `responses[i]` against `golds[i]`; `on_grade(i, grade)` is called as each finishes."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
-        extracted = [extract_answer(r) for r in responses]
+        extracted = [extract_answer(r, self.think) for r in responses]
         grades: list[Optional[Grade]] = [None] * len(responses)
         todo: list[int] = []
         gold_keys: dict[tuple[str, ...], set[str]] = {}  # eval repeats each gold n times: normalise it once
@@ -175,6 +176,17 @@ class MathGrader:
             tasks = [(extracted[i], golds[i].answers, golds[i].tolerance) for i in todo]
             self._get_pool().map(tasks, on_result=done)
         return grades  # type: ignore[return-value]
+
+    def equivalent(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """math-verify equivalence of each (a, b) pair of extracted answers, in the pool (same timeout;
+        a timeout or an error counts as not equivalent). Strict-key equality is decided here."""
+        out = [strict_key(a) == strict_key(b) for a, b in pairs]
+        todo = [i for i, same in enumerate(out) if not same and max(len(pairs[i][0]), len(pairs[i][1])) <= MAX_ANSWER_CHARS]
+        if todo:
+            results = self._get_pool().map([(pairs[i][0], (pairs[i][1],), None) for i in todo])
+            for i, r in zip(todo, results):
+                out[i] = bool(r)
+        return out
 
     def close(self) -> None:
         if self._pool is not None:

@@ -27,6 +27,7 @@ from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_update_, grpo_advantages
 from emapg_cli.paths import write_text_atomic
+from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
@@ -155,7 +156,7 @@ class Trainer:
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
-        acc = evaluate(self.engine, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc)
+        acc = evaluate(self.engine, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
         if model is not self.policy:
             self._push(self.policy)
         return acc
@@ -174,17 +175,23 @@ class Trainer:
         groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
-        rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
+        rw = cfg.reward
+        rewards, errors = score(self.reward_fn, completions, examples, shaping=dict(
+            truncated=rw.truncated, max_tokens=r.max_new_tokens, overlong_buffer=rw.overlong_buffer,
+            overlong_penalty_max=rw.overlong_penalty))
         local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
         adv_local = adv[rank_slice].reshape(-1)  # [G_rank * n]
         rows_prompts = [p for p in prompts for _ in range(r.n)]
         batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
+        cut = [is_truncated(c.finish_reason) for c in completions]
+        if cfg.train.mask_truncated:  # DAPO's overlong filtering: no loss (pg nor KL) on truncated responses
+            batch.response_mask[torch.tensor(cut, dtype=torch.bool)] = False
         batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
                                ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
         lens = [len(c.token_ids) for c in completions]
-        truncated = sum(c.finish_reason == "length" for c in completions)
+        truncated = sum(cut)
         return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated)
 
     def _update(self, step: int, batch) -> Any:
