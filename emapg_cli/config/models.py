@@ -58,13 +58,14 @@ class RolloutConfig(Section):
     @field_validator("reward")
     @classmethod
     def _plugin_loads(cls, v: str) -> str:
-        from emapg_cli.rewards.plugin import is_plugin_ref, validate_ref
+        from emapg_cli.rewards.plugin import is_plugin_ref, resolve_ref, validate_ref
 
         if is_plugin_ref(v):
             try:
                 validate_ref(v)
             except UserError as e:  # pydantic reports ValueErrors as the field's error
                 raise ValueError(str(e)) from None
+            return resolve_ref(v)  # a file path made absolute: resumes and ablate runs find the same file
         return v
 
 

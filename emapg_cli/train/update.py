@@ -151,6 +151,8 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
                     parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
+                    if not parts.loss.requires_grad:  # no response token left (train.mask_truncated): a zero gradient
+                        parts.loss = parts.loss + sum(p.sum() for p in params) * 0.0
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl
