@@ -98,12 +98,14 @@ class TrainConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Estimator = Field("topk", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only).")
+    estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only).")
     direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
     k: int = Field(32, ge=1, description="Size of the exact head for topk / topk_paper / truncated (at most the model's vocabulary size).")
     coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
     iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
     iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")
+    log_ratio_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp the log-ratio log(pi_anchor / pi_theta) to [-c, c] before use (the paper's K3 and verl's low_var_kl use 20; null: only the +-80 overflow guard).")
+    estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
 
     @model_validator(mode="after")
     def _check(self) -> "KLConfig":
@@ -148,6 +150,12 @@ class LoggingConfig(Section):
     wandb_project: str = Field("emapg", description="Weights & Biases project name.")
 
 
+class Stage(Section):
+    steps: int = Field(ge=1, description="RL steps in this stage.")
+    max_new_tokens: int = Field(ge=1, description="Response length cap in this stage (capped by rollout.max_new_tokens, which sizes the engine).")
+    mask_truncated: Optional[bool] = Field(None, description="train.mask_truncated in this stage (null: train.mask_truncated).")
+
+
 class Derived(BaseModel):
     """Values computed from the others, once, in `Config._derive`."""
 
@@ -173,6 +181,7 @@ class Config(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses and the soft overlong penalty.")
     grading: GradingConfig = Field(default_factory=GradingConfig, description="How answers are found in responses.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
+    stages: list[Stage] = Field(default_factory=list, description="Staged response lengths, e.g. [{steps: 300, max_new_tokens: 8192}, {steps: 200, max_new_tokens: 16384}]: stage i covers the next `steps` RL steps; steps past the last stage keep its settings; [] (default): rollout.max_new_tokens throughout. A pure function of the step, so a run resumes across stage boundaries.")
 
     _derived: Optional[Derived] = PrivateAttr(None)
 
@@ -183,8 +192,9 @@ class Config(Section):
             raise ValueError(
                 f"train.mini_batch_prompts ({t.mini_batch_prompts}) must divide rollout.prompts_per_step ({r.prompts_per_step})"
             )
-        if self.reward.overlong_buffer >= r.max_new_tokens:
-            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below rollout.max_new_tokens ({r.max_new_tokens})")
+        shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
+        if self.reward.overlong_buffer >= shortest:
+            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,
@@ -194,6 +204,22 @@ class Config(Section):
             ema_updates=t.steps // self.ema.update_period,
         )
         return self
+
+    def stage_at(self, step: int) -> Stage:
+        """The settings of RL step `step` (1-based): its stage's length (capped by rollout.max_new_tokens)
+        and mask_truncated, or rollout.max_new_tokens / train.mask_truncated without stages."""
+        r, t = self.rollout, self.train
+        chosen = None
+        end = 0
+        for st in self.stages:
+            chosen = st
+            end += st.steps
+            if step <= end:
+                break
+        if chosen is None:
+            return Stage(steps=t.steps, max_new_tokens=r.max_new_tokens, mask_truncated=t.mask_truncated)
+        mask = t.mask_truncated if chosen.mask_truncated is None else chosen.mask_truncated
+        return Stage(steps=chosen.steps, max_new_tokens=min(chosen.max_new_tokens, r.max_new_tokens), mask_truncated=mask)
 
     @property
     def derived(self) -> Derived:

@@ -170,14 +170,15 @@ class Trainer:
         rank_slice = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
         mine = idx[rank_slice]
         prompts = [self.train_prompts[i] for i in mine]
-        params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+        stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
+        params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
         groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
         rw = cfg.reward
         rewards, errors = score(self.reward_fn, completions, examples, shaping=dict(
-            truncated=rw.truncated, max_tokens=r.max_new_tokens, overlong_buffer=rw.overlong_buffer,
+            truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
             overlong_penalty_max=rw.overlong_penalty))
         local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
@@ -186,13 +187,14 @@ class Trainer:
         rows_prompts = [p for p in prompts for _ in range(r.n)]
         batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
         cut = [is_truncated(c.finish_reason) for c in completions]
-        if cfg.train.mask_truncated:  # DAPO's overlong filtering: no loss (pg nor KL) on truncated responses
+        if stage.mask_truncated:  # DAPO's overlong filtering: no loss (pg nor KL) on truncated responses
             batch.response_mask[torch.tensor(cut, dtype=torch.bool)] = False
         batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
                                ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
         lens = [len(c.token_ids) for c in completions]
         truncated = sum(cut)
-        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated)
+        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated,
+                           max_new_tokens=stage.max_new_tokens)
 
     def _update(self, step: int, batch) -> Any:
         """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""

@@ -64,6 +64,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
             kl_tok = kl_per_token(
                 kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=mb.ref_logp, iw=iw,
                 logp_q=stats.logp_q, ref_logp_q=mb.ref_logp_q, in_q=in_q,
+                log_ratio_clamp=kl_cfg.log_ratio_clamp, estimate_clamp=kl_cfg.estimate_clamp,
             )  # [b, R]
         kl = aggregate(kl_tok, mask, t.loss_agg, num_tokens, num_seqs)
         loss = pg + beta * kl
