@@ -90,6 +90,8 @@ class TrainConfig(Section):
     dual_clip: Optional[float] = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages (null: off).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
+    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO, Yu et al. 2025): drop groups whose rewards are all equal (zero advantage) and sample more prompts until the step has rollout.prompts_per_step informative groups, or train.filter_max_rounds extra rounds were spent (then uninformative groups fill the rest; counted in rollout/filter_*).")
+    filter_max_rounds: int = Field(4, ge=0, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
     mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`) get no loss at all: neither policy gradient nor KL (DAPO's overlong filtering).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     logit_chunk: int = Field(1024, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory).")
@@ -123,6 +125,7 @@ class KLConfig(Section):
 class EMAConfig(Section):
     decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline).")
     update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
+    anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
 
 
 class EvalConfig(Section):

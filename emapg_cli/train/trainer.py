@@ -25,7 +25,7 @@ from emapg_cli.config.models import Config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_update_, grpo_advantages
+from emapg_cli.grpo import ema_update_, grpo_advantages, informative_groups
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
@@ -39,7 +39,7 @@ from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, scor
 from emapg_cli.train.update import update_policy
 
 #: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
-_ROLLOUT, _UPDATE, _EVAL = 1, 2, 3
+_ROLLOUT, _UPDATE, _EVAL, _FILTER = 1, 2, 3, 4
 
 
 def seed_everything(seed: int) -> None:
@@ -161,26 +161,66 @@ class Trainer:
             self._push(self.policy)
         return acc
 
-    def _rollout(self, step: int):
-        """Generate this rank's groups, score them (all ranks), return (batch, metrics inputs)."""
-        cfg, acc = self.cfg, self.acc
-        r = cfg.rollout
-        per_rank = r.prompts_per_step // acc.num_processes
-        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        rank_slice = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
-        mine = idx[rank_slice]
-        prompts = [self.train_prompts[i] for i in mine]
-        stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
+    def _groups(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, torch.Tensor, int]:
+        """Generate and score this rank's groups for dataset indices `items` (may be empty: every rank
+        calls generate, which a sharded engine needs). Returns (prompt ids, completions, rewards [G, n], errors)."""
+        cfg, acc, r = self.cfg, self.acc, self.cfg.rollout
+        prompts = [self.train_prompts[i] for i in items]
+        seed = derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index, *((round_,) if round_ else ()))
         params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
+                                stop=tuple(r.stop), seed=seed)
         groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
-        examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
+        examples = [self.train_ex[i] for i in items for _ in range(r.n)]
         rw = cfg.reward
         rewards, errors = score(self.reward_fn, completions, examples, shaping=dict(
             truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
             overlong_penalty_max=rw.overlong_penalty))
-        local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
+        return prompts, completions, torch.tensor(rewards, dtype=torch.float32).view(len(items), r.n), errors  # [G, n]
+
+    def _global_max(self, value: int) -> int:
+        if self.acc.num_processes == 1:
+            return value
+        return int(self.acc.reduce(torch.tensor(float(value), device=self.acc.device), reduction="max"))
+
+    def _rollout(self, step: int):
+        """Generate this rank's groups, score them (all ranks), return (batch, metrics inputs).
+
+        With train.filter_groups (DAPO's dynamic sampling), groups whose rewards are all equal are
+        dropped and fresh prompts (a seeded draw per extra round) are sampled until this rank has its
+        share of prompts_per_step informative groups, or filter_max_rounds extra rounds were spent;
+        then uninformative groups fill the rest (advantage 0: only the KL term acts on them).
+        """
+        cfg, acc = self.cfg, self.acc
+        r, t = cfg.rollout, cfg.train
+        per_rank = r.prompts_per_step // acc.num_processes
+        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
+        rank_slice = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
+        stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
+        prompts, completions, rewards, errors = self._groups(idx[rank_slice], step, stage, 0)
+        # each group as (prompt ids, its n completions, its rewards [n])
+        groups = [(prompts[g], completions[g * r.n:(g + 1) * r.n], rewards[g]) for g in range(per_rank)]
+        rounds = dropped = filled = 0
+        if t.filter_groups:
+            flags = informative_groups(rewards).tolist()  # [G_rank]
+            keep = [g for g, ok in zip(groups, flags) if ok]
+            spare = [g for g, ok in zip(groups, flags) if not ok]
+            while self._global_max(per_rank - len(keep)) > 0 and rounds < t.filter_max_rounds:
+                rounds += 1
+                need = per_rank - len(keep)
+                draw = random.Random(derive_seed(cfg.train.seed, _FILTER, step, rounds, acc.process_index))
+                items = draw.sample(range(len(self.train_ex)), min(per_rank, len(self.train_ex))) if need > 0 else []
+                p2, c2, r2, e2 = self._groups(items, step, stage, rounds)
+                errors += e2
+                for g, ok in enumerate(informative_groups(r2).tolist()):
+                    (keep if ok else spare).append((p2[g], c2[g * r.n:(g + 1) * r.n], r2[g]))
+            dropped = len(spare)
+            filled = max(0, per_rank - len(keep))
+            groups = (keep + spare[:filled])[:per_rank]
+            dropped -= filled
+        prompts = [g[0] for g in groups]
+        completions = [c for g in groups for c in g[1]]
+        local = torch.stack([g[2] for g in groups]).to(acc.device)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
         adv_local = adv[rank_slice].reshape(-1)  # [G_rank * n]
@@ -193,8 +233,16 @@ class Trainer:
                                ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
         lens = [len(c.token_ids) for c in completions]
         truncated = sum(cut)
-        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated,
-                           max_new_tokens=stage.max_new_tokens)
+        roll = dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated,
+                    max_new_tokens=stage.max_new_tokens)
+        if t.filter_groups:
+            counts = torch.tensor([float(rounds), float(dropped), float(filled)], device=acc.device)
+            if acc.num_processes > 1:
+                counts = acc.reduce(counts, reduction="sum")
+                counts[0] = rounds  # every rank runs the same number of rounds
+            roll["filtering"] = {"rollout/filter_rounds": float(counts[0]), "rollout/filtered_groups": float(counts[1]),
+                                 "rollout/filter_filled": float(counts[2])}
+        return batch, roll
 
     def _update(self, step: int, batch) -> Any:
         """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
@@ -287,9 +335,11 @@ class Trainer:
                 dist = self._ema(step, upd.skipped > 0)
                 self._push(self.policy)
                 t2 = time.time()
+                filtering = roll.pop("filtering", {})
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
                                        t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
                 metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
+                metrics.update(filtering)
                 if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                     metrics["eval/accuracy"] = self._eval(self.policy, step)
                 if has_eval and self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:
