@@ -147,6 +147,14 @@ class GradingConfig(Section):
     think: Literal["emapg", "paper"] = Field("emapg", description="Where the final answer is looked for: `emapg`: after the last `</think>` when there is one, else the whole response; `paper`: after `</think>` only when there is exactly one, else the whole response (the paper's rllm rule).")
 
 
+class LoRAConfig(Section):
+    r: int = Field(0, ge=0, description="LoRA rank (peft, the `lora` extra); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      description="Names of the linear layers that get adapters (peft `target_modules`).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the update passes.")
+
+
 class LoggingConfig(Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files into the run directory.")
     wandb: bool = Field(False, description="Also log to Weights & Biases.")
@@ -183,6 +191,7 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses and the soft overlong penalty.")
     grading: GradingConfig = Field(default_factory=GradingConfig, description="How answers are found in responses.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full fine-tuning (lora.r > 0).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
     stages: list[Stage] = Field(default_factory=list, description="Staged response lengths, e.g. [{steps: 300, max_new_tokens: 8192}, {steps: 200, max_new_tokens: 16384}]: stage i covers the next `steps` RL steps; steps past the last stage keep its settings; [] (default): rollout.max_new_tokens throughout. A pure function of the step, so a run resumes across stage boundaries.")
 
@@ -198,6 +207,12 @@ class Config(Section):
         shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
         if self.reward.overlong_buffer >= shortest:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
+        if self.lora.r > 0:
+            for bad, why in ((r.engine == "vllm", "rollout.engine=vllm (use hf)"), (t.parallel == "fsdp", "train.parallel=fsdp"),
+                             (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
+                             (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0")):
+                if bad:
+                    raise ValueError(f"lora.r > 0 does not support {why} yet")
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,

@@ -110,7 +110,7 @@ class Trainer:
             ex = self.inputs.eval[: cfg.data.eval_limit]
             self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens)
         seed_everything(cfg.train.seed)
-        policy = load_policy(cfg.model)
+        policy = load_policy(cfg.model, cfg.lora)
         vocab = policy.get_output_embeddings().weight.shape[0]
         self.k = min(cfg.kl.k, vocab)
         opt = cfg.optim
@@ -284,9 +284,15 @@ class Trainer:
         for name, model in (("policy", self.policy), ("anchor", self.anchor)):
             if model is None:
                 continue
+            out = self.run_dir / "final" / name
+            if self.cfg.lora.r > 0:  # merged weights in save_pretrained format, plus the adapter
+                if self.acc.is_main_process:
+                    from emapg_cli.train.lora import save_merged
+
+                    save_merged(model, out, self.tokenizer)
+                continue
             state = self.strategy.model_state(model)
             if self.acc.is_main_process:
-                out = self.run_dir / "final" / name
                 model.save_pretrained(out, state_dict=state)
                 self.tokenizer.save_pretrained(out)
         self.acc.wait_for_everyone()
