@@ -262,7 +262,7 @@ def memory_terms(
         if cfg.derived.loads_anchor:
             terms.append(MemoryTerm("EMA anchor", ap * FP32, "P_lora x 4 B (fp32 adapters only: adapter-sized)", "state"))
         terms.append(MemoryTerm("gradients", ap * FP32, "P_lora x 4 B (adapters only)", "update"))
-        return terms + _activation_terms(cfg, m, b, t, wb, a)
+        return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
     terms = [
         MemoryTerm("policy weights", sharded(p * wb), f"P x {wb} B ({cfg.model.dtype}){per}", "state"),
         MemoryTerm("AdamW moments", sharded(2 * p * FP32), f"2 x P x 4 B (fp32 exp_avg, exp_avg_sq){per}", "state"),
@@ -283,10 +283,10 @@ def memory_terms(
                                     "eval.anchor_every / weight push; the policy's turn is smaller)", "rollout"))
         else:
             terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
-    return terms + _activation_terms(cfg, m, b, t, wb, a)
+    return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
 
 
-def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a: int) -> list[MemoryTerm]:
+def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a: int, device_memory_bytes: int) -> list[MemoryTerm]:
     """Activations, logits, anchor logits, top-k extras and the vLLM engine (the same with or without LoRA)."""
     from emapg_cli.kl.registry import INFO
 
