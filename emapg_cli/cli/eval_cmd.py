@@ -34,6 +34,7 @@ def eval_(
     think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
 ) -> None:
     """Sample --n responses per problem, grade the final \\boxed{} answers, write results.jsonl, summary.json and summary.md."""
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from emapg_cli.evaluation.report import markdown
@@ -56,7 +57,7 @@ def eval_(
         truncated=truncated, think=think,
     )
     bar = Progress(
-        TextColumn(f"eval {bench}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(escape(f"eval {bench}")), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")
@@ -67,4 +68,4 @@ def eval_(
     with bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
-    console.print(f"results in {out}")
+    console.print(f"results in {out}", markup=False, highlight=False)

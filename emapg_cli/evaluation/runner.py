@@ -19,7 +19,7 @@ from emapg_cli.errors import UserError
 from emapg_cli.evaluation.metrics import ItemScores, by_subset, candidate_pairs, candidates, equivalence_votes, summarize
 from emapg_cli.evaluation.report import write_report
 from emapg_cli.evaluation.store import RESULTS, append_results, open_run
-from emapg_cli.grading import Gold, MathGrader, grader_version, strict_key
+from emapg_cli.grading import MAX_ANSWER_CHARS, Gold, MathGrader, grader_version, strict_key
 from emapg_cli.rewards.shaping import is_truncated
 
 #: progress(items done, items total, accuracy so far over all graded responses)
@@ -66,15 +66,18 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
     Returns (items, responses by id, finish reasons by id: "length" marks a truncated response)."""
     given: dict[str, list[str]] = {}
     reasons: dict[str, list] = {}
-    for i, row in enumerate(read_jsonl(path), 1):
+    for i, row in read_jsonl(path, numbered=True):
         responses = row.get("responses")
         if "id" not in row or not isinstance(responses, list) or not responses or not all(isinstance(r, str) for r in responses):
             raise UserError(f"{path}:{i}: rows must be {{\"id\": ..., \"responses\": [str, ...]}}")
+        rid = str(row["id"])
+        if rid in given:
+            raise UserError(f"{path}:{i}: duplicate id {rid!r} (each item's responses must be in one row)")
         fr = row.get("finish_reasons")
         if fr is not None and (not isinstance(fr, list) or len(fr) != len(responses)):
             raise UserError(f"{path}:{i}: finish_reasons must be a list as long as responses")
-        given[str(row["id"])] = responses
-        reasons[str(row["id"])] = fr if fr is not None else [None] * len(responses)
+        given[rid] = responses
+        reasons[rid] = fr if fr is not None else [None] * len(responses)
     known = {ex.id for ex in examples}
     unknown = [i for i in given if i not in known]
     if unknown:
@@ -83,7 +86,9 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
 
 
 def _item_scores(ex: Example, row: dict[str, Any]) -> ItemScores:
-    votes = row.get("votes") or [strict_key(e) if e is not None else None for e in row["extracted"]]
+    # over-long answers (rows of older versions may hold them) never vote: strict_key stays bounded
+    votes = row.get("votes") or [strict_key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None
+                                 for e in row["extracted"]]
     return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"), row.get("classes"))
 
 
@@ -224,9 +229,11 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         elif todo:
             index_of = {ex.id: i for i, ex in enumerate(examples)}
             gen_stats = _generate_all(s, backend, todo, index_of, grading)
-        timeouts = grader.timeouts
+        timeouts, refused, stats = grader.timeouts, grader.refused, grader.pool_stats
 
+    t_scores = time.perf_counter()
     scores = [_item_scores(ex, done[ex.id]) for ex in examples]
+    grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
     summary = {
         "bench": s.bench,
         "model": s.model if s.model else f"responses:{s.responses_file}",
@@ -241,6 +248,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "think": s.think,
         "grader_version": grader_version(),
         "grader_timeouts": timeouts,
+        "grader_refused": refused,
+        "grader_errors": stats.errors,
+        "grader_out_of_memory": stats.out_of_memory,
+        "grader_crashes": stats.crashes,
         "resumed_items": resumed,
         "wall_time_s": time.perf_counter() - t_start,
         "grading_time_s": grading.seconds,
