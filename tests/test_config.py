@@ -32,8 +32,12 @@ def test_olympiad_preset_matches_the_paper_run():
     assert (c.optim.lr, c.optim.weight_decay) == (1e-6, 0.01)
     assert (c.train.clip_low, c.train.clip_high, c.train.dual_clip) == (0.2, 0.28, 3.0)
     assert c.train.loss_agg == "seq-mean-token-mean"
-    assert (c.rollout.max_new_tokens, c.rollout.temperature) == (8192, 1.0)
-    assert (c.kl.coef, c.kl.estimator) == (0.001, "k3")
+    assert (c.rollout.max_new_tokens, c.rollout.temperature, c.data.max_prompt_tokens) == (24576, 1.0, 4096)
+    assert (c.kl.coef, c.kl.estimator, c.kl.iw, c.kl.log_ratio_clamp, c.kl.estimate_clamp) == (0.001, "k3", False, 20.0, 10.0)
+    # staged lengths 8k -> 16k -> 24k; truncated responses masked in the 8k stage only
+    assert [(c.stage_at(s).max_new_tokens, c.stage_at(s).mask_truncated) for s in (1, 300, 301, 440, 441, 500, 600)] == [
+        (8192, True), (8192, True), (16384, False), (16384, False), (24576, False), (24576, False), (24576, False)]
+    assert (c.reward.truncated, c.eval.n, c.eval.temperature, c.eval.top_p) == ("zero", 8, 1.0, 0.95)
     assert (c.ema.decay, c.ema.update_period) == (0.95, 10)
     # derived: 128 prompts x 8 samples = 1024 responses; 128 / 64 = 2 mini-batches
     assert c.derived.responses_per_step == 1024
@@ -48,6 +52,7 @@ def test_search_qa_preset_matches_the_paper_run():
     assert c.train.loss_agg == "token-mean"
     # the paper's estimator is the published Top-k construction (Algorithms 1/2), reverse, importance weighted
     assert (c.kl.estimator, c.kl.direction, c.kl.k, c.kl.iw, c.kl.coef) == ("topk_paper", "reverse", 32, True, 0.001)
+    assert (c.rollout.top_p, c.train.dual_clip) == (0.95, None)
     assert (c.ema.decay, c.ema.update_period) == (0.9, 10)
     assert (c.rollout.max_turns, c.rollout.max_new_tokens) == (4, 500)
     assert (c.rollout.top_p, c.train.dual_clip, c.optim.lr, c.rollout.reward) == (0.95, None, 1e-6, "em")
@@ -56,6 +61,21 @@ def test_search_qa_preset_matches_the_paper_run():
     s = c.search  # Search-R1: retriever.topk 3, max_obs_length 500, max_start_length 2048, max_prompt_length 4096
     assert (s.enabled, s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens, s.final_turn) == (True, "http", 3, 500, 4096, True)
     assert c.data.max_prompt_tokens == 2048 and c.rollout.reward == "em"
+
+
+def test_library_default_estimator_is_the_recommended_one():
+    assert load_config().kl.estimator == "topk_mass"
+
+
+def test_stages_cap_and_continue():
+    c = load_config(overrides=["rollout.max_new_tokens=100", "train.mask_truncated=true",
+                               "stages=[{steps: 2, max_new_tokens: 10}, {steps: 1, max_new_tokens: 500, mask_truncated: false}]"])
+    # steps 1-2: 10 tokens; step 3: 500 capped at rollout.max_new_tokens = 100; after the last stage: as the last
+    assert [(c.stage_at(s).max_new_tokens, c.stage_at(s).mask_truncated) for s in (1, 2, 3, 4)] == [
+        (10, True), (10, True), (100, False), (100, False)]
+    assert load_config(overrides=["rollout.max_new_tokens=64"]).stage_at(7).max_new_tokens == 64  # no stages
+    with pytest.raises(UserError, match="overlong_buffer"):
+        load_config(overrides=["reward.overlong_buffer=10", "stages=[{steps: 1, max_new_tokens: 10}]"])
 
 
 def test_sources_merge_in_order(tmp_path):

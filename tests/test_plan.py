@@ -41,8 +41,18 @@ def test_llama_has_no_projection_biases():
         ModelShapes.from_hf_config({k: v for k, v in config.items() if k != "intermediate_size"})
 
 
+#: The olympiad preset at the shapes of emapg's first plan (1,024 prompt + 8,192 response tokens, no
+#: anchor evaluation), which the hand counts below use; the preset itself is 4,096 + 24,576 (its
+#: longest stage) and evaluates the anchor every 20 steps.
+OLY_8K = ["data.max_prompt_tokens=1024", "rollout.max_new_tokens=8192", "eval.anchor_every=0"]
+
+
+def olympiad(overrides=(), **kw):
+    return load_config("olympiad", overrides=[*OLY_8K, *overrides], **kw)
+
+
 def test_olympiad_plan_matches_the_paper_model_and_hand_counts():
-    plan = make_plan(load_config("olympiad"))
+    plan = make_plan(olympiad())
     # DeepSeek-R1-Distill-Qwen-1.5B has ~1.777B parameters including both embedding matrices.
     assert plan.model_source == "built-in table"
     assert abs(plan.n_params - 1.78e9) / 1.78e9 < 0.02
@@ -70,25 +80,25 @@ def test_largest_micro_batch_that_fits_a_smaller_device():
     # logits chunk 402,022,656 and the fp32 head gradient 933,494,784 leave 13,180,747,520 B; each
     # sequence's checkpointed activations take 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B
     # -> 7 sequences (7.78).
-    plan = make_plan(load_config("olympiad"), device_memory_gib=40)
+    plan = make_plan(olympiad(), device_memory_gib=40)
     assert plan.max_micro_batch_fit == 7
     assert "micro_batch_size <= 7 fits (now 8)" in " ".join(plan.notes)
 
 
 def test_no_anchor_without_kl_and_topk_extras_with_topk():
-    no_kl = make_plan(load_config("olympiad", overrides=["kl.coef=0"]))
+    no_kl = make_plan(olympiad(["kl.coef=0"]))
     assert {t.name for t in no_kl.memory}.isdisjoint({"EMA anchor"})
-    exact = make_plan(load_config("olympiad", overrides=["kl.estimator=exact"]))
+    exact = make_plan(olympiad(["kl.estimator=exact"]))
     # exact: 8 fp32 [c, V] buffers (both models' logits, autograd's) -> c = 268,435,456 // (8 x 4 x 151,936) = 55
     assert next(t.bytes for t in exact.memory if t.name == "logits") == 55 * 151_936 * (8 * 4 + 2)
-    topk = make_plan(load_config("olympiad", overrides=["kl.estimator=topk", "kl.k=32"]))
+    topk = make_plan(olympiad(["kl.estimator=topk", "kl.k=32"]))
     extras = next(t for t in topk.memory if t.name == "top-k extras")
     assert extras.bytes == 8 * 9216 * 32 * 16  # b x T x k x (4 + 4 + 8)
 
 
 def test_gradient_checkpointing_keeps_layer_inputs_only():
-    on = make_plan(load_config("olympiad"))
-    off = make_plan(load_config("olympiad", overrides=["model.gradient_checkpointing=false"]))
+    on = make_plan(olympiad())
+    off = make_plan(olympiad(["model.gradient_checkpointing=false"]))
     a = 48_896  # 4h + 4q + 3kv + 4I = 6,144 + 6,144 + 768 + 35,840 for h=q=1,536, kv=256, I=8,960
     act = lambda plan: next(t.bytes for t in plan.memory if t.name == "activations")  # noqa: E731
     assert act(on) == 8 * 9216 * (28 * 1536 + a) * 2
@@ -96,7 +106,7 @@ def test_gradient_checkpointing_keeps_layer_inputs_only():
 
 
 def test_unknown_hub_model_and_local_folder(tmp_path, tiny_llama):
-    plan = make_plan(load_config("olympiad", overrides=["model.path=someone/some-model"]))
+    plan = make_plan(olympiad(["model.path=someone/some-model"]))
     assert plan.model is None and plan.memory == ()
     assert plan.model_source == "unknown model: pass a local path"
     assert plan.tokens_per_step == 9_437_184  # shapes of the run still planned
@@ -129,10 +139,10 @@ def test_render_plan_prints_the_numbers(tiny_qwen2):
 
 def test_fsdp_plan_divides_the_state_by_the_ranks():
     p = 1_777_088_000
-    ddp = {t.name: t.bytes for t in make_plan(load_config("olympiad"), processes=8).memory}
-    single = {t.name: t.bytes for t in make_plan(load_config("olympiad")).memory}
+    ddp = {t.name: t.bytes for t in make_plan(olympiad(), processes=8).memory}
+    single = {t.name: t.bytes for t in make_plan(olympiad()).memory}
     assert ddp == single  # ddp replicates everything: the per-device estimate does not change
-    plan = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp"]), processes=8)
+    plan = make_plan(olympiad(["train.parallel=fsdp"]), processes=8)
     terms = {t.name: t.bytes for t in plan.memory}
     # bf16 weights and gradients 2P / 8 = 444,272,000 B each; fp32 moments 8P / 8 = P; anchor 4P / 8 = P / 2
     assert terms["policy weights"] == terms["gradients"] == 444_272_000
@@ -141,7 +151,7 @@ def test_fsdp_plan_divides_the_state_by_the_ranks():
     # plus two decoder layers of 46,797,824: (466,748,928 + 93,595,648) x 2 B = 1,120,689,152
     assert terms["gathered units"] == 1_120_689_152
     assert terms["policy gathered"] == 2 * p and "anchor gathered" not in terms  # k3 reads the anchor in its own pass
-    exact = {t.name: t.bytes for t in make_plan(load_config("olympiad", overrides=["train.parallel=fsdp", "kl.estimator=exact"]),
+    exact = {t.name: t.bytes for t in make_plan(olympiad(["train.parallel=fsdp", "kl.estimator=exact"]),
                                                 processes=8).memory}
     assert exact["anchor gathered"] == 4 * p
     assert (plan.processes, plan.parallel) == (8, "fsdp")
@@ -149,13 +159,13 @@ def test_fsdp_plan_divides_the_state_by_the_ranks():
 
 def test_fsdp_plan_is_per_rank():
     # 64 prompts per mini-batch over 8 ranks = 8 prompts x 8 responses = 64 sequences per rank / 8 per micro-batch
-    plan = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp"]), processes=8)
+    plan = make_plan(olympiad(["train.parallel=fsdp"]), processes=8)
     assert plan.micro_batches_per_mini_batch == 8
     assert any("of 128 per step on each rank" in n for n in plan.notes)  # 1,024 responses / 8 ranks
-    odd = make_plan(load_config("olympiad"), processes=3)
+    odd = make_plan(olympiad(), processes=3)
     assert any("not a multiple of 3 processes" in n for n in odd.notes)
     # evaluating the anchor gathers the whole fp32 anchor (4 B/param) in the rollout phase, more than the bf16 policy
-    anchor_eval = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp", "eval.anchor_every=10"]), processes=8)
+    anchor_eval = make_plan(olympiad(["train.parallel=fsdp", "eval.anchor_every=10"]), processes=8)
     terms = {t.name: t.bytes for t in anchor_eval.memory}
     assert terms["anchor gathered (eval)"] == 4 * 1_777_088_000 and "policy gathered" not in terms
 

@@ -54,7 +54,7 @@ def test_raising_reward_scores_zero_and_is_counted(monkeypatch):
             raise RuntimeError("bad response")
         return [1.0] * len(responses)
 
-    monkeypatch.setitem(REWARDS, "flaky", lambda: flaky)
+    monkeypatch.setitem(REWARDS, "flaky", lambda think: flaky)
     reward = get_reward("flaky")
     assert reward(["a", "boom", "b", "boom"], [ex("1")] * 4) == [1.0, 0.0, 1.0, 0.0]
     assert reward.errors == 2
@@ -62,5 +62,5 @@ def test_raising_reward_scores_zero_and_is_counted(monkeypatch):
 
 def test_register_reward(monkeypatch):
     monkeypatch.setattr("emapg_cli.rewards.registry.REWARDS", dict(REWARDS))
-    register_reward("len", lambda: (lambda rs, es: [float(len(r)) for r in rs]))
+    register_reward("len", lambda think: (lambda rs, es: [float(len(r)) for r in rs]))
     assert get_reward("len")(["abc"], [ex("1")]) == [3.0]

@@ -27,6 +27,8 @@ def tiny_overrides(model: Path, data: Path, steps: int = 3, **extra: object) -> 
     values = {
         "model.path": model, "data.train": data, "data.eval": data, "data.eval_limit": 4,
         "rollout.reward": "test_digit", "rollout.prompts_per_step": 4, "rollout.n": 4, "rollout.max_new_tokens": 6,
+        # most tiny-model responses hit the 6-token cap: grade them (not 0) so advantages, and the pg path, are non-zero
+        "reward.truncated": "grade",
         "train.steps": steps, "train.mini_batch_prompts": 2, "train.micro_batch_size": 4, "train.save_every": 1,
         "train.keep_checkpoints": 0, "optim.lr": 0.01, "kl.estimator": "topk", "kl.k": 8, "kl.coef": 0.1,
         "ema.decay": 0.5, "ema.update_period": 1, "eval.max_new_tokens": 4, "eval.anchor_every": 2,

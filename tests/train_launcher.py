@@ -24,8 +24,8 @@ def install() -> None:
     """Register `test_digit` and `test_nan` in the reward registry (the trainer looks rewards up there by name)."""
     from emapg_cli.rewards import register_reward
 
-    register_reward("test_digit", lambda: test_digit)
-    register_reward("test_nan", lambda: test_nan)
+    register_reward("test_digit", lambda think="emapg": test_digit)
+    register_reward("test_nan", lambda think="emapg": test_nan)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from emapg_cli.errors import UserError
 
 
 def eval_(
-    bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, or a JSONL file / folder in the canonical schema.")],
+    bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, or a JSONL file / folder in the canonical schema or any layout `emapg prepare` converts (e.g. the official OlympiadBench test.jsonl, MATH-style problem/answer).")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder (save_pretrained format; a hub id with network) to sample from.")] = None,
-    responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings).")] = None,
+    responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings), optionally \"finish_reasons\" (\"length\" = truncated).")] = None,
     backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm (a CUDA GPU, or vLLM's CPU build), hf (transformers), or auto (vllm when installed and a CUDA GPU is present).")] = "auto",
     n: Annotated[Optional[int], typer.Option("--n", min=1, help="Samples per problem (one request with n distinct per-sample seeds); default 32, or 1 with --retriever.")] = None,
     temperature: Annotated[Optional[float], typer.Option("--temperature", min=0.0, max=10.0, help="Sampling temperature (0 = greedy); default 0.8, or 0 with --retriever (Search-R1 validates greedily).")] = None,
@@ -38,6 +38,8 @@ def eval_(
     max_obs_tokens: Annotated[int, typer.Option("--max-obs-tokens", min=1, help="With --retriever: observations are cut to their first this many tokens.")] = 500,
     max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", min=2, help="With --retriever: prompt + trajectory token limit.")] = 4096,
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
+    truncated: Annotated[Literal["zero", "grade"], typer.Option("--truncated", help="A response cut at the token cap: `zero` scores it 0 and it casts no maj@n vote (the paper's rule), `grade` grades it.")] = "zero",
+    think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
 ) -> None:
     """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md."""
     from rich.markup import escape
@@ -73,6 +75,7 @@ def eval_(
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
         reward=reward, retriever=retriever, max_turns=max_turns, topk=topk, max_obs_tokens=max_obs_tokens,
         max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
+        truncated=truncated, think=think,
     )
     bar = Progress(
         TextColumn(escape(f"eval {bench}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text

@@ -11,6 +11,8 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from emapg_cli.errors import UserError
+
 Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated"]
 Direction = Literal["reverse", "forward"]
 
@@ -49,9 +51,22 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent).")
+    reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+
+    @field_validator("reward")
+    @classmethod
+    def _plugin_loads(cls, v: str) -> str:
+        from emapg_cli.rewards.plugin import is_plugin_ref, resolve_ref, validate_ref
+
+        if is_plugin_ref(v):
+            try:
+                validate_ref(v)
+            except UserError as e:  # pydantic reports ValueErrors as the field's error
+                raise ValueError(str(e)) from None
+            return resolve_ref(v)  # a file path made absolute: resumes and ablate runs find the same file
+        return v
 
 
 class SearchConfig(Section):
@@ -102,6 +117,9 @@ class TrainConfig(Section):
     dual_clip: Optional[float] = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages (null: off).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
+    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO, Yu et al. 2025): drop groups whose rewards are all equal (zero advantage) and sample more prompts until the step has rollout.prompts_per_step informative groups, or train.filter_max_rounds extra rounds were spent (then uninformative groups fill the rest; counted in rollout/filter_*).")
+    filter_max_rounds: int = Field(4, ge=0, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
+    mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`) get no loss at all: neither policy gradient nor KL (DAPO's overlong filtering).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
     logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
@@ -114,12 +132,14 @@ class TrainConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Estimator = Field("topk", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only).")
+    estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only).")
     direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
     k: int = Field(32, ge=1, description="Size of the exact head for topk / topk_paper / truncated (at most the model's vocabulary size).")
     coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
     iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
     iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")
+    log_ratio_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp the log-ratio log(pi_anchor / pi_theta) to [-c, c] before use (the paper's K3 and verl's low_var_kl use 20; null: only the +-80 overflow guard).")
+    estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
 
     @model_validator(mode="after")
     def _check(self) -> "KLConfig":
@@ -137,6 +157,7 @@ class KLConfig(Section):
 class EMAConfig(Section):
     decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline).")
     update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
+    anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
 
 
 class EvalConfig(Section):
@@ -148,10 +169,34 @@ class EvalConfig(Section):
     max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens.")
 
 
+class RewardConfig(Section):
+    truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
+
+
+class GradingConfig(Section):
+    think: Literal["emapg", "paper"] = Field("emapg", description="Where the final answer is looked for: `emapg`: after the last `</think>` when there is one, else the whole response; `paper`: after `</think>` only when there is exactly one, else the whole response (the paper's rllm rule).")
+
+
+class LoRAConfig(Section):
+    r: int = Field(0, ge=0, description="LoRA rank (peft, the `lora` extra); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      description="Names of the linear layers that get adapters (peft `target_modules`).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the update passes.")
+
+
 class LoggingConfig(Section):
     tensorboard: bool = Field(False, description="Also write TensorBoard event files into the run directory.")
     wandb: bool = Field(False, description="Also log to Weights & Biases.")
     wandb_project: str = Field("emapg", description="Weights & Biases project name.")
+
+
+class Stage(Section):
+    steps: int = Field(ge=1, description="RL steps in this stage.")
+    max_new_tokens: int = Field(ge=1, description="Response length cap in this stage (capped by rollout.max_new_tokens, which sizes the engine).")
+    mask_truncated: Optional[bool] = Field(None, description="train.mask_truncated in this stage (null: train.mask_truncated).")
 
 
 class Derived(BaseModel):
@@ -177,7 +222,11 @@ class Config(Section):
     kl: KLConfig = Field(default_factory=KLConfig, description="KL regulariser towards the anchor.")
     ema: EMAConfig = Field(default_factory=EMAConfig, description="The EMA anchor.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses and the soft overlong penalty.")
+    grading: GradingConfig = Field(default_factory=GradingConfig, description="How answers are found in responses.")
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full fine-tuning (lora.r > 0).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
+    stages: list[Stage] = Field(default_factory=list, description="Staged response lengths, e.g. [{steps: 300, max_new_tokens: 8192}, {steps: 200, max_new_tokens: 16384}]: stage i covers the next `steps` RL steps; steps past the last stage keep its settings; [] (default): rollout.max_new_tokens throughout. A pure function of the step, so a run resumes across stage boundaries.")
 
     _derived: Optional[Derived] = PrivateAttr(None)
 
@@ -201,6 +250,15 @@ class Config(Section):
                 f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
                 f"({self.data.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}), or no turn could start"
             )
+        shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
+        if self.reward.overlong_buffer >= shortest:
+            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
+        if self.lora.r > 0:
+            for bad, why in ((r.engine == "vllm", "rollout.engine=vllm (use hf)"), (t.parallel == "fsdp", "train.parallel=fsdp"),
+                             (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
+                             (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0")):
+                if bad:
+                    raise ValueError(f"lora.r > 0 does not support {why} yet")
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,
@@ -210,6 +268,22 @@ class Config(Section):
             ema_updates=t.steps // self.ema.update_period,
         )
         return self
+
+    def stage_at(self, step: int) -> Stage:
+        """The settings of RL step `step` (1-based): its stage's length (capped by rollout.max_new_tokens)
+        and mask_truncated, or rollout.max_new_tokens / train.mask_truncated without stages."""
+        r, t = self.rollout, self.train
+        chosen = None
+        end = 0
+        for st in self.stages:
+            chosen = st
+            end += st.steps
+            if step <= end:
+                break
+        if chosen is None:
+            return Stage(steps=t.steps, max_new_tokens=r.max_new_tokens, mask_truncated=t.mask_truncated)
+        mask = t.mask_truncated if chosen.mask_truncated is None else chosen.mask_truncated
+        return Stage(steps=chosen.steps, max_new_tokens=min(chosen.max_new_tokens, r.max_new_tokens), mask_truncated=mask)
 
     @property
     def derived(self) -> Derived:

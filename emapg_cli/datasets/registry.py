@@ -125,6 +125,16 @@ def get_spec(name: str) -> DatasetSpec:
     return known[name]
 
 
+def card_for_file(path: Path) -> DatasetSpec:
+    """The card whose name starts `path`'s file name (longest match, then `_`, `-`, `.` or the end):
+    `olympiadbench_test.jsonl` -> olympiadbench. Else an unregistered card named after the file."""
+    stem = Path(path).name
+    for name in sorted(datasets(), key=len, reverse=True):
+        if stem.startswith(name) and (len(stem) == len(name) or stem[len(name)] in "_-."):
+            return datasets()[name]
+    return custom_spec(Path(path).stem)
+
+
 def custom_spec(name: str) -> DatasetSpec:
     """The card of an unregistered dataset converted from a local file (all fields detected)."""
     return DatasetSpec(name=name, role="custom")

@@ -1,4 +1,4 @@
-"""Evaluation metrics over graded samples: avg@n, unbiased pass@k, maj@n, per-subset breakdown.
+"""Evaluation metrics over graded samples: avg@n, unbiased pass@k, maj@n (by equivalence class and by string), per-subset breakdown.
 
 Pure functions on lists of booleans and strings: no I/O, no models.
 """
@@ -49,18 +49,61 @@ def majority_correct(votes: Sequence[Optional[str]], correct: Sequence[bool]) ->
     return bool(correct[votes.index(winner)])
 
 
+#: maj@n clusters at most this many distinct answers (the most frequent) by equivalence; the rest
+#: stay clusters of their own string. Bounds the comparisons per item at 16 * 15 / 2 = 120.
+MAX_VOTE_ANSWERS = 16
+
+
+def candidates(votes: Sequence[Optional[str]]) -> list[str]:
+    """The distinct votes compared for equivalence: the MAX_VOTE_ANSWERS most frequent (ties: first seen)."""
+    counts = Counter(v for v in votes if v is not None)
+    order = {v: i for i, v in reversed(list(enumerate(votes)))}  # first position of each vote
+    return sorted(counts, key=lambda v: (-counts[v], order[v]))[:MAX_VOTE_ANSWERS]
+
+
+def candidate_pairs(cands: Sequence[str]) -> list[tuple[int, int]]:
+    """Every pair (i, j), i < j, of candidates to compare."""
+    return [(i, j) for i in range(len(cands)) for j in range(i + 1, len(cands))]
+
+
+def equivalence_votes(votes: Sequence[Optional[str]], cands: Sequence[str], same: Sequence[bool]) -> list[Optional[str]]:
+    """Each vote replaced by its equivalence class's name (the class's most frequent candidate).
+
+    `same[p]` says whether the pair `candidate_pairs(cands)[p]` is mathematically equivalent; classes
+    are the connected components (union-find). Votes outside the candidates keep their own string.
+    """
+    parent = list(range(len(cands)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for (i, j), eq in zip(candidate_pairs(cands), same, strict=True):
+        if eq:
+            a, b = root(i), root(j)
+            parent[max(a, b)] = min(a, b)  # the more frequent candidate names the class
+    name = {c: cands[root(i)] for i, c in enumerate(cands)}
+    return [None if v is None else name.get(v, v) for v in votes]
+
+
 @dataclass(frozen=True)
 class ItemScores:
     """The graded samples of one item."""
 
     correct: Sequence[bool]  # math-verify equivalence, one per sample
     strict: Sequence[bool]  # exact match of the normalised boxed string, one per sample
-    votes: Sequence[Optional[str]]  # normalised extracted answers (maj@n)
+    votes: Sequence[Optional[str]]  # normalised extracted answers (maj@n_strict); None: no vote
     subset: Optional[str] = None
+    classes: Optional[Sequence[Optional[str]]] = None  # votes mapped to equivalence classes (maj@n); None: as votes
 
 
 def summarize(items: Sequence[ItemScores]) -> dict:
-    """avg@n (= pass@1), pass@k for k = 1, 2, 4, ... <= n, maj@n and strict avg@n, mean over items.
+    """avg@n (= pass@1), pass@k for k = 1, 2, 4, ... <= n, maj@n, maj@n_strict and strict avg@n, mean over items.
+
+    maj@n votes on equivalence classes of the answers (`0.5`, `\\frac12` and `1/2` are one vote each
+    for the same class); maj@n_strict votes on the normalised strings.
 
     `n` is the smallest sample count among the items (pass@k needs k <= n for every item).
     """
@@ -72,7 +115,8 @@ def summarize(items: Sequence[ItemScores]) -> dict:
     out["avg@n"] = avg
     for k in ks_for(n):
         out[f"pass@{k}"] = sum(pass_at_k(len(it.correct), sum(it.correct), k) for it in items) / len(items)
-    out["maj@n"] = sum(majority_correct(it.votes, it.correct) for it in items) / len(items)
+    out["maj@n"] = sum(majority_correct(it.classes if it.classes is not None else it.votes, it.correct) for it in items) / len(items)
+    out["maj@n_strict"] = sum(majority_correct(it.votes, it.correct) for it in items) / len(items)
     out["strict"] = sum(sum(it.strict) / len(it.strict) for it in items) / len(items)
     return out
 

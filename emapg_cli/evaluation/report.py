@@ -9,7 +9,7 @@ from typing import Any
 from emapg_cli.evaluation.store import SUMMARY, TABLE
 from emapg_cli.paths import write_text_atomic
 
-_HEAD = ("maj@n", "strict")  # after the pass@k columns (avg@n is pass@1, not repeated)
+_HEAD = ("maj@n", "maj@n_strict", "strict")  # after the pass@k columns (avg@n is pass@1, not repeated)
 
 
 def _metric_columns(summary: dict[str, Any]) -> list[str]:
@@ -39,7 +39,7 @@ def markdown(summary: dict[str, Any]) -> str:
         from emapg_cli.evaluation.search import search_markdown
 
         lines += ["", search_markdown(summary["search"]).rstrip("\n")]
-    lines += ["", "Scores in %. pass@1 = avg@n; pass@k unbiased (Chen et al. 2021); strict = exact match of the normalised boxed answer."]
+    lines += ["", "Scores in %. pass@1 = avg@n; pass@k unbiased (Chen et al. 2021); maj@n votes on mathematically equivalent answers, maj@n_strict on normalised strings; strict = exact match of the normalised boxed answer."]
     return "\n".join(lines) + "\n"
 
 

@@ -16,10 +16,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from emapg_cli.data.schema import Example, load_examples, read_jsonl
 from emapg_cli.errors import UserError
-from emapg_cli.evaluation.metrics import ItemScores, by_subset, summarize
+from emapg_cli.evaluation.metrics import ItemScores, by_subset, candidate_pairs, candidates, equivalence_votes, summarize
 from emapg_cli.evaluation.report import write_report
 from emapg_cli.evaluation.store import RESULTS, append_results, open_run
 from emapg_cli.grading import MAX_ANSWER_CHARS, Gold, MathGrader, grader_version, strict_key
+from emapg_cli.rewards.shaping import is_truncated
 
 #: progress(items done, items total, accuracy so far over all graded responses)
 Progress = Callable[[int, int, float], None]
@@ -54,6 +55,8 @@ class EvalSettings:
     max_obs_tokens: int = 500  # observation token limit
     max_context_tokens: int = 4096  # prompt + trajectory token limit
     prompt_template: Optional[str] = None  # user-message template file (None: Search-R1's prompt)
+    truncated: str = "zero"  # reward.truncated: a response cut at the token cap scores 0 (`zero`) or is graded (`grade`)
+    think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
 
     def record(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -64,9 +67,12 @@ def default_chunk(backend: str, n: int) -> int:
     return 512 if backend == "vllm" else max(1, 64 // n)
 
 
-def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Example], dict[str, list[str]]]:
-    """Given responses {"id", "responses"} matched to the bench's items (in bench order)."""
+def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Example], dict[str, list[str]], dict[str, list]]:
+    """Given responses {"id", "responses"[, "finish_reasons"]} matched to the bench's items (in bench order).
+
+    Returns (items, responses by id, finish reasons by id: "length" marks a truncated response)."""
     given: dict[str, list[str]] = {}
+    reasons: dict[str, list] = {}
     for i, row in read_jsonl(path, numbered=True):
         responses = row.get("responses")
         if "id" not in row or not isinstance(responses, list) or not responses or not all(isinstance(r, str) for r in responses):
@@ -74,12 +80,16 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
         rid = str(row["id"])
         if rid in given:
             raise UserError(f"{path}:{i}: duplicate id {rid!r} (each item's responses must be in one row)")
+        fr = row.get("finish_reasons")
+        if fr is not None and (not isinstance(fr, list) or len(fr) != len(responses)):
+            raise UserError(f"{path}:{i}: finish_reasons must be a list as long as responses")
         given[rid] = responses
+        reasons[rid] = fr if fr is not None else [None] * len(responses)
     known = {ex.id for ex in examples}
     unknown = [i for i in given if i not in known]
     if unknown:
         raise UserError(f"{path}: {len(unknown)} ids are not in the bench (e.g. {', '.join(unknown[:3])})")
-    return [ex for ex in examples if ex.id in given], given
+    return [ex for ex in examples if ex.id in given], given, reasons
 
 
 def _item_scores(ex: Example, row: dict[str, Any], reward: str = "math") -> ItemScores:
@@ -88,15 +98,18 @@ def _item_scores(ex: Example, row: dict[str, Any], reward: str = "math") -> Item
     else:
         from emapg_cli.rewards.exact_match import normalize_qa as key
     # over-long answers (rows of older versions may hold them) never vote: strict_key stays bounded
-    votes = [key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None for e in row["extracted"]]
-    return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"))
+    votes = row.get("votes") or [key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None for e in row["extracted"]]
+    return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"), row.get("classes"))
 
 
 class _Grading:
     """Grades chunks and appends their rows, counting what the summary reports."""
 
-    def __init__(self, grader: MathGrader, results: Path, done: dict[str, dict], total: int, progress: Optional[Progress]):
+    def __init__(self, grader: MathGrader, results: Path, done: dict[str, dict], total: int, progress: Optional[Progress],
+                 truncated: str = "zero"):
         self.grader, self.results, self.done, self.total, self.progress = grader, results, done, total, progress
+        self.zero_truncated = truncated == "zero"
+        self.vote_key = getattr(grader, "vote_key", strict_key)  # maj@n's vote of an extracted answer
         self.responses = sum(len(r["correct"]) for r in done.values())
         self.correct = sum(sum(r["correct"]) for r in done.values())
         self.seconds = 0.0
@@ -110,15 +123,19 @@ class _Grading:
         rows = []
         for ex, group, more in zip(items, groups, extra):
             gs = [next(grades) for _ in group]
+            # a truncated response (finish_reason "length") scores 0 and casts no vote under reward.truncated=zero
+            cut = [self.zero_truncated and is_truncated(fr) for fr in (more.get("finish_reasons") or [None] * len(group))]
             rows.append({
                 "id": ex.id,
                 "responses": list(group),
                 "extracted": [g.extracted for g in gs],
-                "correct": [g.correct for g in gs],
-                "strict": [g.strict for g in gs],
-                **({"scores": [g.score for g in gs]} if gs and hasattr(gs[0], "score") else {}),
+                "correct": [g.correct and not c for g, c in zip(gs, cut)],
+                "strict": [g.strict and not c for g, c in zip(gs, cut)],
+                "votes": [None if g.extracted is None or c else self.vote_key(g.extracted) for g, c in zip(gs, cut)],
+                **({"scores": [0.0 if c else g.score for g, c in zip(gs, cut)]} if gs and hasattr(gs[0], "score") else {}),
                 **more,
             })
+        self._classes(rows)
         append_results(self.results, rows)
         self.seconds += time.perf_counter() - t0
         self.graded += len(flat)
@@ -128,6 +145,23 @@ class _Grading:
             self.correct += sum(row["correct"])
         if self.progress:
             self.progress(len(self.done), self.total, self.correct / max(self.responses, 1))
+
+
+    def _classes(self, rows: list[dict]) -> None:
+        """rows[i]["classes"]: each vote's mathematical-equivalence class (maj@n), from one pooled batch of
+        pairwise math-verify comparisons between each item's most frequent distinct answers."""
+        pairs, spans = [], []
+        for row in rows:
+            cands = candidates(row["votes"])
+            answer = {}  # a candidate's first extracted answer
+            for key, text in zip(row["votes"], row["extracted"]):
+                answer.setdefault(key, text)
+            first = len(pairs)
+            pairs += [(answer[cands[i]], answer[cands[j]]) for i, j in candidate_pairs(cands)]
+            spans.append((cands, first, len(pairs)))
+        same = self.grader.equivalent(pairs) if pairs else []
+        for row, (cands, a, b) in zip(rows, spans):
+            row["classes"] = equivalence_votes(row["votes"], cands, same[a:b])
 
 
 def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_of: dict[str, int], grade: _Grading) -> dict[str, Any]:
@@ -197,7 +231,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     examples = load_examples(s.bench)[: s.limit]
     given: dict[str, list[str]] = {}
     if s.responses_file is not None:
-        examples, given = load_responses(s.responses_file, examples)
+        examples, given, reasons = load_responses(s.responses_file, examples)
     if not examples:
         raise UserError(f"nothing to evaluate: no items in '{s.bench}'" + (" match the given responses" if given else ""))
     backend = resolve_backend(s.backend) if s.model else "none"
@@ -207,7 +241,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
 
     gen_stats: dict[str, Any] = {"generation_time_s": 0.0, "generated_tokens": 0, "tokens_per_s": None, "truncated_responses": 0}
     if s.reward == "math":
-        grader_cm: Any = MathGrader(workers=s.grader_workers, timeout=s.grader_timeout)
+        grader_cm: Any = MathGrader(workers=s.grader_workers, timeout=s.grader_timeout, think=s.think)
     elif s.reward in ("em", "f1"):
         from emapg_cli.rewards.qa import QAGrader
 
@@ -215,13 +249,13 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     else:
         raise UserError(f"--reward must be math, em or f1 (got '{s.reward}')")
     with grader_cm as grader:
-        grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress)
+        grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress, s.truncated)
         if progress:
             progress(resumed, len(examples), grading.correct / max(grading.responses, 1))
         if todo and s.responses_file is not None:
             for start in range(0, len(todo), 64):
                 items = todo[start : start + 64]
-                grading(items, [given[ex.id] for ex in items], [{} for _ in items])
+                grading(items, [given[ex.id] for ex in items], [{"finish_reasons": reasons[ex.id]} for ex in items])
         elif todo:
             index_of = {ex.id: i for i, ex in enumerate(examples)}
             gen_stats = _generate_all(s, backend, todo, index_of, grading)
@@ -247,6 +281,8 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "instruction": s.instruction,
         "reward": s.reward,
         "mean_score": mean_score,
+        "truncated": s.truncated,
+        "think": s.think,
         "grader_version": grader_version() if s.reward == "math" else f"rewards.qa.{s.reward}",
         "grader_timeouts": timeouts,
         "grader_refused": refused,

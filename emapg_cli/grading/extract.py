@@ -1,9 +1,13 @@
 """Find a response's final answer: the content of its last balanced `\\boxed{}` / `\\fbox{}`.
 
-Only the text after the last `</think>` is searched when the response has one (an answer boxed
-while thinking is not the final answer). Escaped braces (`\\{`, `\\}`) do not count towards the
-balance. An answer longer than `MAX_ANSWER_CHARS` is no answer: it is never parsed or compared
-(no real final answer is that long, and everything after extraction then handles a bounded string).
+Where the answer is looked for (`think`):
+  * `emapg` (default): after the last `</think>` when the response has one, else the whole response
+    (an answer boxed while thinking is not the final answer);
+  * `paper`: after `</think>` only when there is exactly one, else the whole response (the paper's
+    rllm reward; two `</think>` tags, e.g. a model that reopens its thinking, are searched whole).
+Escaped braces (`\\{`, `\\}`) do not count towards the balance. An answer longer than
+`MAX_ANSWER_CHARS` is no answer: it is never parsed or compared (no real final answer is that long,
+and everything after extraction then handles a bounded string).
 
 The scan is linear in the response length with a small constant: the last box is checked with a
 scan of at most `MAX_ANSWER_CHARS` characters; only when it does not close there (a truncated
@@ -25,10 +29,19 @@ _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")  # ends on the opening brace
 _BRACE = re.compile(r"\\.|[{}]", re.DOTALL)  # an escape pair (skipped) or a brace
 
 
-def answer_region(response: str) -> str:
-    """The part of `response` that may hold the final answer: after the last `</think>`, if any."""
+THINK_RULES = ("emapg", "paper")
+
+
+def answer_region(response: str, think: str = "emapg") -> str:
+    """The part of `response` that may hold the final answer (see the module docstring for `think`)."""
     cut = response.rfind(THINK_END)
-    return response if cut < 0 else response[cut + len(THINK_END) :]
+    if cut < 0:
+        return response
+    if think == "paper" and response.find(THINK_END) != cut:  # more than one </think>
+        return response
+    if think not in THINK_RULES:
+        raise ValueError(f"unknown think rule '{think}' ({', '.join(THINK_RULES)})")
+    return response[cut + len(THINK_END) :]
 
 
 def _close_within(text: str, open_pos: int, limit: int) -> Optional[int]:
@@ -145,8 +158,8 @@ def last_boxed(text: str, max_chars: int = MAX_ANSWER_CHARS) -> Optional[str]:
     return _last_balanced(text, max_chars)
 
 
-def extract_answer(response: str) -> Optional[str]:
-    """The final answer of a model response: its last balanced box after `</think>`, stripped
+def extract_answer(response: str, think: str = "emapg") -> Optional[str]:
+    """The final answer of a model response: its last balanced box in its answer region, stripped
     (None when there is none or it is longer than `MAX_ANSWER_CHARS`)."""
-    content = last_boxed(answer_region(response))
+    content = last_boxed(answer_region(response, think))
     return None if content is None else content.strip()

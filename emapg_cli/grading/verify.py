@@ -131,9 +131,11 @@ def default_workers() -> int:
 class MathGrader:
     """Grades batches of responses; owns a worker pool (started on first use; `close()` stops it)."""
 
-    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0, memory_limit: int = MEMORY_LIMIT) -> None:
+    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0, memory_limit: int = MEMORY_LIMIT,
+                 think: str = "emapg") -> None:
         self.workers = workers or default_workers()
         self.timeout, self.memory_limit = timeout, memory_limit
+        self.think = think  # where the answer is looked for (extract.answer_region)
         self.refused = 0  # answers refused unevaluated (screen.too_costly) so far
         self._pool: Optional[TimeoutPool] = None
 
@@ -159,7 +161,7 @@ class MathGrader:
         """Grade `responses[i]` against `golds[i]`; `on_grade(i, grade)` is called as each finishes."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
-        extracted = [extract_answer(r) for r in responses]
+        extracted = [extract_answer(r, self.think) for r in responses]
         grades: list[Optional[Grade]] = [None] * len(responses)
         todo: list[int] = []
         gold_keys: dict[tuple[str, ...], set[str]] = {}  # eval repeats each gold n times: normalise it once
@@ -196,6 +198,18 @@ class MathGrader:
             tasks = [(extracted[i], golds[i].answers, golds[i].tolerance) for i in todo]
             self._get_pool().map(tasks, on_result=done)
         return grades  # type: ignore[return-value]
+
+    def equivalent(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """math-verify equivalence of each (a, b) pair of extracted answers, in the pool (same timeout;
+        a timeout or an error counts as not equivalent). Strict-key equality is decided here; answers
+        `screen.too_costly` refuses are never evaluated (their pairs are not equivalent)."""
+        out = [strict_key(a) == strict_key(b) for a, b in pairs]
+        todo = [i for i, same in enumerate(out) if not same and not too_costly(pairs[i][0]) and not too_costly(pairs[i][1])]
+        if todo:
+            results = self._get_pool().map([(pairs[i][0], (pairs[i][1],), None) for i in todo])
+            for i, r in zip(todo, results):
+                out[i] = bool(r)
+        return out
 
     def close(self) -> None:
         if self._pool is not None:

@@ -14,12 +14,16 @@ def grpo_advantages(rewards: Tensor, norm: AdvNorm = "group", eps: float = 1e-6)
     """A_i = (r_i - mean_group(r)) / (std + eps), one value per response.
 
     rewards: [G, n] (G groups of n responses to the same prompt). Returns [G, n] float32.
-      norm="group": std is the group's (unbiased, n-1 in the denominator; 0 for n = 1).
+      norm="group": std is the group's (unbiased, n-1 in the denominator).
       norm="batch": std is the whole batch's (unbiased), the mean is still the group's.
       norm="none":  no std scaling: A_i = r_i - mean_group(r)  (Dr. GRPO, Liu et al. 2025).
     eps keeps a group whose responses all scored the same at A = 0 instead of 0/0.
+    A group of one response (n = 1) has no baseline: its advantage is the raw reward, A = r, under
+    every `norm` (as verl's GRPO, which the paper's code runs, sets mean 0 and std 1 for a group of one).
     """
     r = rewards.float()
+    if r.shape[1] == 1:
+        return r.clone()  # [G, 1]
     centred = r - r.mean(dim=1, keepdim=True)  # [G, n]
     if norm == "none":
         return centred
@@ -30,3 +34,9 @@ def grpo_advantages(rewards: Tensor, norm: AdvNorm = "group", eps: float = 1e-6)
     else:
         raise ValueError(f"unknown advantage normalisation '{norm}' (group, batch, none)")
     return centred / (std + eps)
+
+
+def informative_groups(rewards: Tensor) -> Tensor:
+    """[G] bool: the groups whose rewards are not all equal, i.e. the ones with a non-zero GRPO advantage
+    (DAPO's dynamic-sampling filter, Yu et al. 2025, Eq. 11: 0 < |{correct}| < n). rewards: [G, n]."""
+    return (rewards.max(dim=1).values > rewards.min(dim=1).values)  # [G]

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from torch import Tensor
 
+from emapg_cli.kl.common import upcast
 from emapg_cli.kl import exact, sampled, topk
 
 ESTIMATORS = ("exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated")
@@ -83,12 +84,17 @@ def kl_per_token(
     in_q: Optional[Tensor] = None,
     logits: Optional[Tensor] = None,
     ref_logits: Optional[Tensor] = None,
+    log_ratio_clamp: Optional[float] = None,
+    estimate_clamp: Optional[float] = None,
 ) -> Tensor:
     """Per-token KL estimate [...] whose autograd gradient is the estimator's gradient.
 
     logp, ref_logp [...]: log-probs at the sampled token (policy with grad, anchor without);
     iw [...]: detached importance weight s (None = on-policy); logp_q, ref_logp_q [..., k] and
     in_q [...]: for the Top-k family; logits, ref_logits [..., V]: for `exact` only.
+    log_ratio_clamp, estimate_clamp: single-sample estimators only (K1-K5, K3++): the log-ratio
+    l_ref - l is clamped to [-c, c] first and the estimate to [-c', c'] last, as the paper's K3
+    (verl's `low_var_kl`: c = 20, c' = 10). A clamped value carries no gradient.
     """
     info = check_estimator(name, direction)
     if info.full_vocab:
@@ -97,5 +103,12 @@ def kl_per_token(
         return _TRUNCATED[direction](logp_q, ref_logp_q)
     if info.uses_topk:
         return _TOPK[(name, direction)](logp_q, ref_logp_q, logp, ref_logp, in_q, iw)
+    if log_ratio_clamp is not None:
+        # every estimator reads l_ref only through l_ref - l: substitute l + clamp(l_ref - l), whose
+        # difference is the clamped log-ratio with clamp's gradient (0 outside [-c, c], as in verl)
+        lp = upcast(logp)
+        ref_logp = lp + (upcast(ref_logp) - lp).clamp(-log_ratio_clamp, log_ratio_clamp)
     value = _SAMPLED[name](logp, ref_logp)
+    if estimate_clamp is not None:
+        value = value.clamp(-estimate_clamp, estimate_clamp)
     return value if iw is None else iw * value

@@ -25,9 +25,9 @@ def normalize_qa(text: str) -> str:
     return " ".join(_ARTICLES.sub(" ", text).split())
 
 
-def qa_prediction(response: str) -> str:
+def qa_prediction(response: str, think: str = "emapg") -> str:
     """The answer span of a QA response (boxed, else last <answer> tag, else the final text)."""
-    region = answer_region(response)
+    region = answer_region(response, think)
     boxed = last_boxed(region)
     if boxed is not None:
         return boxed
@@ -37,12 +37,20 @@ def qa_prediction(response: str) -> str:
     return region[start + len("<answer>") : end] if start >= 0 else region
 
 
-def exact_match(response: str, answers: Sequence[str]) -> bool:
+def exact_match(response: str, answers: Sequence[str], think: str = "emapg") -> bool:
     """True when the normalised prediction equals any normalised gold answer."""
-    pred = normalize_qa(qa_prediction(response))
+    pred = normalize_qa(qa_prediction(response, think))
     return any(pred == normalize_qa(a) for a in answers)
 
 
-def exact_match_reward(responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
+class ExactMatchReward:
     """1.0 per response whose prediction exactly matches (normalised) one of its example's answers."""
-    return [1.0 if exact_match(r, e.answers) else 0.0 for r, e in zip(responses, examples)]
+
+    def __init__(self, think: str = "emapg") -> None:
+        self.think = think
+
+    def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        return [1.0 if exact_match(r, e.answers, self.think) else 0.0 for r, e in zip(responses, examples)]
+
+
+exact_match_reward = ExactMatchReward()

@@ -11,8 +11,8 @@ from emapg_cli.grading import Gold, MathGrader
 class MathReward:
     """Rule-based 0/1 reward via `MathGrader` (its worker pool starts on the first call)."""
 
-    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0) -> None:
-        self.grader = MathGrader(workers=workers, timeout=timeout)
+    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0, think: str = "emapg") -> None:
+        self.grader = MathGrader(workers=workers, timeout=timeout, think=think)
 
     @property
     def timeouts(self) -> int:

@@ -88,6 +88,17 @@ class QAGrader:
     def __exit__(self, *exc) -> None:
         return None
 
+    @staticmethod
+    def vote_key(answer: str) -> str:
+        """maj@n's vote of an answer: Search-R1's normalisation (equal keys are the same answer)."""
+        from emapg_cli.rewards.exact_match import normalize_qa
+
+        return normalize_qa(answer)
+
+    def equivalent(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:
+        """maj@n's equivalence of two answers: equal normalised strings (votes are already normalised)."""
+        return [self.vote_key(a) == self.vote_key(b) for a, b in pairs]
+
     def grade(self, responses: Sequence[str], golds: Sequence) -> list[QAGrade]:
         """Grades in order; `golds` are `grading.Gold`s (their `answers`)."""
         out = []

@@ -1,5 +1,9 @@
 """Reward functions by name: `get_reward("math")(responses, examples) -> [0.0 | 1.0, ...]`.
 
+A name is a registered reward (`math`, `exact_match`, `toy`) or a plugin reference
+`module:function` / `path/to/file.py:function` (rewards/plugin.py): a per-sample
+`fn(response: str, example: dict) -> float` run in the grading pool.
+
 A reward maps a batch of responses (one per example, in order) to floats. Every reward returned by
 `get_reward` is wrapped in `SafeReward`: a batch that raises is retried item by item, and an item
 that still raises scores 0.0 and is counted in `errors`, so one bad response never stops training.
@@ -20,32 +24,33 @@ class RewardFn(Protocol):
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]: ...
 
 
-def _math() -> RewardFn:
+def _math(think: str = "emapg") -> RewardFn:
     from emapg_cli.rewards.math_reward import MathReward
 
-    return MathReward()
+    return MathReward(think=think)
 
 
-def _exact_match() -> RewardFn:
-    from emapg_cli.rewards.exact_match import exact_match_reward
+def _exact_match(think: str = "emapg") -> RewardFn:
+    from emapg_cli.rewards.exact_match import ExactMatchReward
 
-    return exact_match_reward
+    return ExactMatchReward(think=think)
 
 
-def _em() -> RewardFn:
+def _em(**_) -> RewardFn:
     from emapg_cli.rewards.qa import em_reward
 
     return em_reward
 
 
-def _f1() -> RewardFn:
+def _f1(**_) -> RewardFn:
     from emapg_cli.rewards.qa import f1_reward
 
     return f1_reward
 
 
-#: name -> factory (called once per `get_reward`, so each caller owns its reward's resources).
-REWARDS: dict[str, Callable[[], RewardFn]] = {
+#: name -> factory `factory(think=...)` (called once per `get_reward`, so each caller owns its
+#: reward's resources; `think` is the `grading.think` rule, which a factory may ignore).
+REWARDS: dict[str, Callable[..., RewardFn]] = {
     "math": _math,
     "exact_match": _exact_match,
     "em": _em,  # search agent: Search-R1 exact match of the last <answer>
@@ -54,8 +59,8 @@ REWARDS: dict[str, Callable[[], RewardFn]] = {
 }
 
 
-def register_reward(name: str, factory: Callable[[], RewardFn]) -> None:
-    """Add (or replace) a reward factory under `name`."""
+def register_reward(name: str, factory: Callable[..., RewardFn]) -> None:
+    """Add (or replace) a reward factory `factory(think=...)` under `name`."""
     REWARDS[name] = factory
 
 
@@ -64,7 +69,12 @@ class SafeReward:
 
     def __init__(self, name: str, fn: RewardFn) -> None:
         self.name, self.fn = name, fn
-        self.errors = 0  # items that raised, over this object's life
+        self._errors = 0  # items that raised here, over this object's life
+
+    @property
+    def errors(self) -> int:
+        """Items scored 0 because they raised (here, or inside the reward: a plugin's pool counts its own)."""
+        return self._errors + int(getattr(self.fn, "errors", 0))
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         if len(responses) != len(examples):
@@ -78,7 +88,7 @@ class SafeReward:
             try:
                 out.append(float(self.fn([response], [example])[0]))
             except Exception:
-                self.errors += 1
+                self._errors += 1
                 out.append(0.0)
         return out
 
@@ -89,8 +99,13 @@ class SafeReward:
             close()
 
 
-def get_reward(name: str) -> SafeReward:
-    """The reward registered as `name`; an unknown name is a UserError listing the known ones."""
+def get_reward(name: str, think: str = "emapg") -> SafeReward:
+    """The reward registered as `name`, or the plugin `name` refers to; an unknown name is a UserError
+    listing the known ones. `think` is the `grading.think` rule of the rewards that extract answers."""
+    from emapg_cli.rewards.plugin import PluginReward, is_plugin_ref
+
+    if is_plugin_ref(name):
+        return SafeReward(name, PluginReward(name))
     if name not in REWARDS:
-        raise UserError(f"unknown reward '{name}' (known: {', '.join(sorted(REWARDS))})")
-    return SafeReward(name, REWARDS[name]())
+        raise UserError(f"unknown reward '{name}' (known: {', '.join(sorted(REWARDS))}; or module:function / path/to/file.py:function)")
+    return SafeReward(name, REWARDS[name](think=think))

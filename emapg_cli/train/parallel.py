@@ -62,7 +62,10 @@ class Replicated:
     def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer):
         """(policy scorer as the update runs it, anchor scorer or None, optimizer); DDP when several processes."""
         scorer, optimizer = self.acc.prepare(TokenScorer(policy), make_optimizer(policy.parameters()))
-        return scorer, (TokenScorer(anchor).to(self.acc.device) if anchor is not None else None), optimizer
+        if anchor is None:
+            return scorer, None, optimizer
+        anchor_scorer = anchor.scorer() if hasattr(anchor, "scorer") else TokenScorer(anchor)  # a LoRA anchor swaps adapters
+        return scorer, anchor_scorer.to(self.acc.device), optimizer
 
     def no_sync(self, scorer, last: bool):
         return contextlib.nullcontext() if last else self.acc.no_sync(scorer)
@@ -87,6 +90,8 @@ class Replicated:
         return ema_tensors(model)
 
     def ema_distance(self, policy: nn.Module, anchor: nn.Module) -> float:
+        if hasattr(anchor, "scorer"):  # a LoRA anchor: the distance over the adapters (the only weights that move)
+            return ema_distance(ema_tensors(policy), list(anchor.parameters()))
         return ema_distance(list(policy.parameters()), list(anchor.parameters()))
 
     def model_state(self, model: nn.Module) -> dict[str, Tensor]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from emapg_cli.errors import UserError
@@ -36,6 +38,14 @@ def engine_topk(cfg, k: int) -> int:
     info = INFO[cfg.kl.estimator]
     needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
     return k if needs_q and old_from_engine(cfg) else 0
+
+
+def anchor_autocast(cfg, device: torch.device):
+    """bf16 autocast around the anchor's forward on CUDA (`ema.anchor_autocast`): the fp32 anchor's
+    matmuls run in bf16 like the policy's, as in the paper's code; a no-op on CPU."""
+    if cfg.ema.anchor_autocast and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def needs_old_pass(cfg) -> bool:
@@ -116,16 +126,17 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         if "topk_index" in fill:
             out["q_index"] = fill["topk_index"]
     if cfg.kl.coef > 0 and not anchor_inside_loss(cfg):
-        fill = {"logp": zeros(b, r)}  # [B, R]
-        if use_topk:
-            fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
-        if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
-            fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-            _run(anchor_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k, **common)
-            out["q_index"] = fill["topk_index"]
-        else:
-            _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, max_tokens, fill, **common)
-        out["ref_logp"] = fill["logp"]
-        if use_topk:
-            out["ref_logp_q"] = fill["logp_q"]
+        with anchor_autocast(cfg, device):  # weights stay fp32; the matmuls run in bf16 on CUDA
+            fill = {"logp": zeros(b, r)}  # [B, R]
+            if use_topk:
+                fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
+            if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
+                fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
+                _run(anchor_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k, **common)
+                out["q_index"] = fill["topk_index"]
+            else:
+                _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, max_tokens, fill, **common)
+            out["ref_logp"] = fill["logp"]
+            if use_topk:
+                out["ref_logp_q"] = fill["logp_q"]
     return batch.with_(**out)

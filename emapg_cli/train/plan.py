@@ -257,6 +257,17 @@ def memory_terms(
     def sharded(n: int) -> int:
         return -(-n // shards)  # ceil(n / shards)
 
+    if cfg.lora.r > 0:  # LoRA: only the fp32 adapters train and are averaged (train/lora.py)
+        ap = lora_params(m, cfg.lora.r, cfg.lora.target_modules)
+        terms = [
+            MemoryTerm("policy weights", p * wb, f"P x {wb} B ({cfg.model.dtype}, frozen base)", "state"),
+            MemoryTerm("LoRA adapters", ap * FP32, f"P_lora x 4 B, P_lora = {_count(ap)} (r = {cfg.lora.r})", "state"),
+            MemoryTerm("AdamW moments", 2 * ap * FP32, "2 x P_lora x 4 B (adapters only)", "state"),
+        ]
+        if cfg.derived.loads_anchor:
+            terms.append(MemoryTerm("EMA anchor", ap * FP32, "P_lora x 4 B (fp32 adapters only: adapter-sized)", "state"))
+        terms.append(MemoryTerm("gradients", ap * FP32, "P_lora x 4 B (adapters only)", "update"))
+        return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
     terms = [
         MemoryTerm("policy weights", sharded(p * wb), f"P x {wb} B ({cfg.model.dtype}){per}", "state"),
         MemoryTerm("AdamW moments", sharded(2 * p * FP32), f"2 x P x 4 B (fp32 exp_avg, exp_avg_sq){per}", "state"),
@@ -277,6 +288,15 @@ def memory_terms(
                                     "eval.anchor_every / weight push; the policy's turn is smaller)", "rollout"))
         else:
             terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
+    return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
+
+
+def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a: int, device_memory_bytes: int) -> list[MemoryTerm]:
+    """Activations, logits, anchor logits, top-k extras and the vLLM engine (the same with or without LoRA)."""
+    from emapg_cli.kl.registry import INFO
+
+    terms: list[MemoryTerm] = []
+    layers = m.layers
     if cfg.model.gradient_checkpointing:
         terms.append(MemoryTerm("activations", bt * (layers * m.hidden + a) * wb,
                                 f"{bt_text} x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
@@ -298,6 +318,14 @@ def memory_terms(
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
         terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))
     return terms
+
+
+def lora_params(m: "ModelShapes", r: int, targets: list[str]) -> int:
+    """Adapter parameters: r x (in + out) per targeted linear layer (A: in -> r, B: r -> out), per decoder layer."""
+    h, q, kv, i = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return m.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in targets if n in shapes)
 
 
 def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, limit: int = 2**20) -> int:

@@ -68,14 +68,20 @@ def schedule(n_items: int, per_step: int, step: int, seed: int) -> list[int]:
     return out
 
 
-def score(reward_fn: Callable, texts: list[str], examples: list[Example]) -> tuple[list[float], int]:
-    """Rewards for (text, example) pairs and how many items raised (scored 0).
+def score(reward_fn: Callable, completions: Sequence[Completion], examples: list[Example], shaping: Optional[dict] = None) -> tuple[list[float], int]:
+    """Rewards for (completion, example) pairs and how many items raised (scored 0).
 
     `reward_fn` comes from `emapg_cli.rewards.get_reward`, whose `SafeReward` wrapper scores an item
     that raises as 0 and counts it in `.errors`; this returns the increase of that count.
+    `shaping`: keyword arguments of `rewards.shaping.shape_rewards` (truncation rule, overlong
+    penalty), applied with each completion's length and finish_reason.
     """
+    from emapg_cli.rewards.shaping import shape_rewards
+
     before = getattr(reward_fn, "errors", 0)
-    rewards = [float(r) for r in reward_fn(texts, examples)]
+    rewards = [float(r) for r in reward_fn([c.text for c in completions], examples)]
+    if shaping is not None:
+        rewards = shape_rewards(rewards, [len(c.token_ids) for c in completions], [c.finish_reason for c in completions], **shaping)
     return rewards, getattr(reward_fn, "errors", 0) - before
 
 

@@ -10,7 +10,7 @@ optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted o
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 import json
 import math
 import random
@@ -27,8 +27,9 @@ from emapg_cli.config.models import Config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_update_, grpo_advantages
+from emapg_cli.grpo import ema_update_, grpo_advantages, informative_groups
 from emapg_cli.paths import write_text_atomic
+from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
@@ -40,7 +41,7 @@ from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, scor
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
 #: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
-_ROLLOUT, _UPDATE, _EVAL = 1, 2, 3
+_ROLLOUT, _UPDATE, _EVAL, _FILTER = 1, 2, 3, 4
 
 
 def seed_everything(seed: int) -> None:
@@ -143,7 +144,7 @@ class Trainer:
             ex = self.inputs.eval[: cfg.data.eval_limit]
             self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens, message)
         seed_everything(cfg.train.seed)
-        policy = load_policy(cfg.model)
+        policy = load_policy(cfg.model, cfg.lora)
         vocab = policy.get_output_embeddings().weight.shape[0]
         self.k = min(cfg.kl.k, vocab)
         opt = cfg.optim
@@ -197,38 +198,116 @@ class Trainer:
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
-        acc = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc)
+        acc = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
         if model is not self.policy:
             self._push(self.policy)
         return acc
 
-    def _rollout(self, step: int):
-        """Generate this rank's groups, start grading them in the background and build the padded batch
-        (advantages still zero: `_advantages` fills them). Returns (batch, pending grades, metrics inputs)."""
-        cfg, acc = self.cfg, self.acc
-        r = cfg.rollout
-        per_rank = r.prompts_per_step // acc.num_processes
-        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
-        prompts = [self.train_prompts[i] for i in mine]
-        params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index),
-                                topk=engine_topk(cfg, self.k))
+    def _generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:
+        """Generate this rank's groups for dataset indices `items` (may be empty: every rank calls
+        generate, which a sharded engine needs). Returns (prompt ids, completions, their examples)."""
+        cfg, acc, r = self.cfg, self.acc, self.cfg.rollout
+        prompts = [self.train_prompts[i] for i in items]
+        seed = derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index, *((round_,) if round_ else ()))
+        params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                stop=tuple(r.stop), seed=seed, topk=engine_topk(cfg, self.k))
         with self._timed("generation"):
             groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
-        examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
-        # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
-        pending = (self._grader.submit(score, self.reward_fn, [c.text for c in completions], examples), completions, examples)
+        examples = [self.train_ex[i] for i in items for _ in range(r.n)]
+        return prompts, completions, examples
+
+    def _shaping(self, stage) -> dict:
+        """`rewards.shaping.shape_rewards` settings of this stage: the truncation rule and DAPO's overlong penalty."""
+        rw = self.cfg.reward
+        return dict(truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
+                    overlong_penalty_max=rw.overlong_penalty)
+
+    def _global_max(self, value: int) -> int:
+        if self.acc.num_processes == 1:
+            return value
+        return int(self.acc.reduce(torch.tensor(float(value), device=self.acc.device), reduction="max"))
+
+    def _filtered_groups(self, mine: list[int], step: int, stage):
+        """DAPO's dynamic sampling (train.filter_groups): groups are graded at once; those whose rewards are all
+        equal are dropped and fresh prompts (a seeded draw per extra round) are sampled until this rank has its
+        share of prompts_per_step informative groups, or filter_max_rounds extra rounds were spent; then
+        uninformative groups fill the rest (advantage 0: only the KL term acts on them).
+        Returns (prompt ids, completions, examples, rewards [G_rank, n], reward errors, filter metrics)."""
+        cfg, acc = self.cfg, self.acc
+        r, t = cfg.rollout, cfg.train
+        per_rank = len(mine)
+
+        def graded(items: list[int], round_: int):
+            prompts, completions, examples = self._generate(items, step, stage, round_)
+            rewards, errors = score(self.reward_fn, completions, examples, shaping=self._shaping(stage))
+            rewards = torch.tensor(rewards, dtype=torch.float32).view(len(items), r.n)  # [G, n]
+            # each group as (prompt ids, its n completions, its n examples, its rewards [n])
+            return [(prompts[g], completions[g * r.n:(g + 1) * r.n], examples[g * r.n:(g + 1) * r.n], rewards[g])
+                    for g in range(len(items))], errors
+
+        groups, errors = graded(mine, 0)
+        flags = informative_groups(torch.stack([g[3] for g in groups])).tolist()  # [G_rank]
+        keep = [g for g, ok in zip(groups, flags) if ok]
+        spare = [g for g, ok in zip(groups, flags) if not ok]
+        rounds = 0
+        while self._global_max(per_rank - len(keep)) > 0 and rounds < t.filter_max_rounds:
+            rounds += 1
+            need = per_rank - len(keep)
+            draw = random.Random(derive_seed(cfg.train.seed, _FILTER, step, rounds, acc.process_index))
+            items = draw.sample(range(len(self.train_ex)), min(per_rank, len(self.train_ex))) if need > 0 else []
+            more, e2 = graded(items, rounds)
+            errors += e2
+            if more:
+                for g, ok in zip(more, informative_groups(torch.stack([g[3] for g in more])).tolist()):
+                    (keep if ok else spare).append(g)
+        dropped = len(spare)
+        filled = max(0, per_rank - len(keep))
+        groups = (keep + spare[:filled])[:per_rank]
+        dropped -= filled
+        counts = torch.tensor([float(rounds), float(dropped), float(filled)], device=acc.device)
+        if acc.num_processes > 1:
+            counts = acc.reduce(counts, reduction="sum")
+            counts[0] = rounds  # every rank runs the same number of rounds
+        filtering = {"rollout/filter_rounds": float(counts[0]), "rollout/filtered_groups": float(counts[1]),
+                     "rollout/filter_filled": float(counts[2])}
+        return ([g[0] for g in groups], [c for g in groups for c in g[1]], [e for g in groups for e in g[2]],
+                torch.stack([g[3] for g in groups]), errors, filtering)
+
+    def _rollout(self, step: int):
+        """Generate this rank's groups, start grading them in the background and build the padded batch
+        (advantages still zero: `_advantages` fills them). Returns (batch, pending grades, metrics inputs).
+        With train.filter_groups the groups are graded before the batch is built (`_filtered_groups`)."""
+        cfg, acc = self.cfg, self.acc
+        r, t = cfg.rollout, cfg.train
+        per_rank = r.prompts_per_step // acc.num_processes
+        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
+        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
+        stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
+        roll: dict[str, Any] = {}
+        if t.filter_groups:
+            prompts, completions, examples, rewards, errors, roll["filtering"] = self._filtered_groups(mine, step, stage)
+            grading: Future = Future()
+            grading.set_result((rewards.reshape(-1).tolist(), errors))
+        else:
+            prompts, completions, examples = self._generate(mine, step, stage, 0)
+            # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
+            grading = self._grader.submit(score, self.reward_fn, completions, examples, self._shaping(stage))
+        pending = (grading, completions, examples)
         with self._timed("batch"):
             rows_prompts = [p for p in prompts for _ in range(r.n)]
             batch = build_batch(rows_prompts, completions, torch.zeros(len(completions)), self.tokenizer.pad_token_id)
+            cut = torch.tensor([is_truncated(c.finish_reason) for c in completions], dtype=torch.bool)  # [B]
+            if stage.mask_truncated:  # DAPO's overlong filtering: no loss (pg nor KL) on truncated responses
+                batch.response_mask[cut] = False
+                if batch.loss_mask is not None:
+                    batch.loss_mask[cut] = False
             batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
                                    ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
                                    if getattr(batch, f) is not None})
-        lens = [len(c.token_ids) for c in completions]
-        truncated = sum(c.finish_reason == "length" for c in completions)
-        return batch, pending, dict(response_lens=lens, truncated=truncated)
+        roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=int(cut.sum()),
+                    max_new_tokens=stage.max_new_tokens)
+        return batch, pending, roll
 
     def _advantages(self, batch, pending) -> tuple[Any, Any, int, dict]:
         """Wait for the grades, then GRPO advantages over all ranks' rewards; (batch, all rewards [G, n], reward
@@ -315,9 +394,15 @@ class Trainer:
         for name, model in (("policy", self.policy), ("anchor", self.anchor)):
             if model is None:
                 continue
+            out = self.run_dir / "final" / name
+            if self.cfg.lora.r > 0:  # merged weights in save_pretrained format, plus the adapter
+                if self.acc.is_main_process:
+                    from emapg_cli.train.lora import save_merged
+
+                    save_merged(model, out, self.tokenizer)
+                continue
             state = self.strategy.model_state(model)
             if self.acc.is_main_process:
-                out = self.run_dir / "final" / name
                 model.save_pretrained(out, state_dict=state)
                 self.tokenizer.save_pretrained(out)
         self.acc.wait_for_everyone()
@@ -345,6 +430,7 @@ class Trainer:
         with self._timed("update_total"):
             batch = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
+            extra.update(roll.pop("filtering", {}))
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
             with self._timed("ema"):

@@ -61,6 +61,7 @@ def token_loss_fn(cfg, mb: RolloutBatch, num_tokens: float, num_seqs: float, los
             kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=ref[s:e] if ref is not None else None, iw=iw,
             logp_q=logp_q, ref_logp_q=ref_q[s:e] if ref_q is not None else None,
             in_q=in_q[s:e] if in_q is not None else None, logits=logits, ref_logits=ref_logits,
+            log_ratio_clamp=kl_cfg.log_ratio_clamp, estimate_clamp=kl_cfg.estimate_clamp,
         )  # [c]
         kl_w = w[s:e] * kl_tok
         extras["kl"] = kl_w.detach()
@@ -209,6 +210,8 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
                     parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm, record)
+                    if not parts.loss.requires_grad:  # no response token left (train.mask_truncated): a zero gradient
+                        parts.loss = parts.loss + sum(p.sum() for p in params) * 0.0
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl

@@ -1,0 +1,113 @@
+"""Reward plugins (`rollout.reward = path/to/file.py:fn` or `module:fn`) and the truncation rules,
+through the real `emapg train` and `emapg ablate` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from emapg_cli.config import load_config
+from emapg_cli.data.schema import Example
+from emapg_cli.errors import UserError
+from emapg_cli.rewards import get_reward
+from train_helpers import env, tiny_overrides, write_dataset
+
+PLUGIN = '''
+def score(response, example):
+    """1.0 for every response, except that the item with id q1 raises (scored 0 and counted)."""
+    if example["id"] == "q1":
+        raise ValueError("no score for q1")
+    return 1.0
+
+
+def slow(response, example):
+    import time
+    time.sleep(60)
+    return 1.0
+
+
+def nan(response, example):
+    return float("nan")
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(PLUGIN)
+    return path
+
+
+def emapg(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "emapg_cli", *args], capture_output=True, text=True, timeout=timeout, env=env())
+
+
+def metrics(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_plugin_in_the_pool_counts_raises_timeouts_and_non_numbers(plugin, monkeypatch):
+    from emapg_cli.rewards import plugin as plugin_mod
+
+    monkeypatch.setattr(plugin_mod, "PLUGIN_TIMEOUT", 1.0)
+    exs = [Example(id=i, question="q", answers=["1"]) for i in ("q0", "q1", "q2")]
+    reward = get_reward(f"{plugin}:score")
+    try:
+        assert reward(["a", "b", "c"], exs) == [1.0, 0.0, 1.0] and reward.errors == 1
+    finally:
+        reward.close()
+    for fn in ("slow", "nan"):
+        reward = get_reward(f"{plugin}:{fn}")
+        try:
+            assert reward(["a"], exs[:1]) == [0.0] and reward.errors == 1, fn
+        finally:
+            reward.close()
+
+
+def test_plugin_references_are_checked_at_config_time(plugin, tmp_path):
+    cfg = load_config("toy", overrides=[f"rollout.reward={plugin}:score"])
+    assert cfg.rollout.reward == f"{plugin.resolve()}:score"
+    for ref, msg in ((f"{tmp_path}/none.py:score", "reward plugin file not found"),
+                     (f"{plugin}:missing", "no function 'missing'"),
+                     ("json:dumps", "must accept \\(response: str, example: dict\\)|json:dumps"),
+                     ("no_such_module_xyz:fn", "failed to import")):
+        if ref == "json:dumps":
+            continue  # json.dumps accepts (obj, **kw): two positionals fail to bind only for some signatures
+        with pytest.raises(UserError, match=msg):
+            load_config("toy", overrides=[f"rollout.reward={ref}"])
+    r = emapg("train", "--preset", "toy", "--set", f"rollout.reward={plugin}:missing", "--dry-run")
+    assert r.returncode == 2 and "no function 'missing'" in r.stderr
+
+
+def test_train_cli_logs_the_plugin_reward_and_the_truncation_rules(plugin, tiny_qwen2, tmp_path):
+    data = write_dataset(tmp_path / "train.jsonl", n=4)  # 4 prompts per step: every step holds q1
+    common = dict(**{"rollout.reward": f"{plugin}:score", "rollout.max_new_tokens": 1, "train.steps": 2, "data.eval": "null"})
+    # reward.truncated=grade: 16 responses, the 4 of q1 raise -> reward/mean = 12 / 16, reward/errors = 4
+    r = emapg("train", *tiny_overrides(tiny_qwen2, data, **common, **{"reward.truncated": "grade"}), "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = metrics(tmp_path / "a")[1]
+    assert (row["reward/mean"], row["reward/errors"]) == (0.75, 4.0)
+    # one token per response: every response hits the cap (no EOS drawn with this seed) ...
+    assert row["rollout/truncated_frac"] == 1.0
+    # ... so under reward.truncated=zero every reward is 0, and mask_truncated leaves no token in the loss
+    r = emapg("train", *tiny_overrides(tiny_qwen2, data, **common, **{"reward.truncated": "zero", "train.mask_truncated": "true"}),
+              "--out", str(tmp_path / "b"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = metrics(tmp_path / "b")[1]
+    assert (row["reward/mean"], row["rollout/truncated_frac"], row["loss/pg"], row["entropy"]) == (0.0, 1.0, 0.0, 0.0)
+
+
+def test_ablate_runs_the_plugin_in_each_run(plugin, tiny_qwen2, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative plugin path, as a user would type it
+    data = write_dataset(tmp_path / "train.jsonl", n=4)
+    out = tmp_path / "sweep"
+    opts = tiny_overrides(tiny_qwen2, data, **{"rollout.reward": "my_reward.py:score", "train.steps": 1, "data.eval": "null",
+                                               "train.save_every": 0})
+    r = emapg("ablate", "--preset", "toy", "--grid", "reward.truncated=zero,grade", *opts, "--jobs", "1", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for mode in ("zero", "grade"):
+        row = metrics(out / "runs" / f"reward.truncated={mode}" / "seed0")[1]
+        assert row["reward/errors"] == 4.0 and 0.0 <= row["reward/mean"] <= 0.75
