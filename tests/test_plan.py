@@ -175,10 +175,8 @@ def test_token_budget_bounds_the_micro_batch_activations():
     # micro-batch caps b x T = 8 x 25,600 = 204,800 at 32,768, so activations shrink by 204,800 / 32,768 = 6.25x;
     # a budget below one sequence still leaves T (a sequence is never split).
     over = ["rollout.max_new_tokens=24576"]
-    full = {t.name: t.bytes for t in make_plan(load_config("olympiad", overrides=over)).memory}
-    capped = {t.name: t.bytes for t in make_plan(load_config(
-        "olympiad", overrides=over + ["train.max_tokens_per_micro_batch=32768"])).memory}
+    full = {t.name: t.bytes for t in make_plan(olympiad(over)).memory}
+    capped = {t.name: t.bytes for t in make_plan(olympiad(over + ["train.max_tokens_per_micro_batch=32768"])).memory}
     assert full["activations"] * 32_768 == capped["activations"] * 204_800
-    tiny = {t.name: t.bytes for t in make_plan(load_config(
-        "olympiad", overrides=over + ["train.max_tokens_per_micro_batch=100"])).memory}
+    tiny = {t.name: t.bytes for t in make_plan(olympiad(over + ["train.max_tokens_per_micro_batch=100"])).memory}
     assert tiny["activations"] * 204_800 == full["activations"] * 25_600

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
-from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError

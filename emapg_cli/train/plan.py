@@ -242,14 +242,10 @@ def memory_terms(
     rollout:
       vLLM engine      gpu_memory_utilization * device memory (weights + KV cache of the engine)
     """
-    from emapg_cli.kl.fused import EXACT_BUFFERS, auto_chunk
     from emapg_cli.kl.registry import INFO
 
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
-    b, t, layers = micro_batch, seq_len, m.layers
-    budget = cfg.train.max_tokens_per_micro_batch
-    bt = b * t if budget is None else min(b * t, max(t, budget))  # padded tokens of one micro-batch
-    bt_text = "b x T" if budget is None else f"min(b x T, max(T, max_tokens_per_micro_batch)) = {bt:,} tokens"
+    b, t = micro_batch, seq_len
     a = activation_elems_per_token_per_layer(m)
     shards = processes if cfg.train.parallel == "fsdp" else 1
     per = f" / {shards} ranks" if shards > 1 else ""
@@ -293,10 +289,14 @@ def memory_terms(
 
 def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a: int, device_memory_bytes: int) -> list[MemoryTerm]:
     """Activations, logits, anchor logits, top-k extras and the vLLM engine (the same with or without LoRA)."""
+    from emapg_cli.kl.fused import EXACT_BUFFERS, auto_chunk
     from emapg_cli.kl.registry import INFO
 
     terms: list[MemoryTerm] = []
     layers = m.layers
+    budget = cfg.train.max_tokens_per_micro_batch
+    bt = b * t if budget is None else min(b * t, max(t, budget))  # padded tokens of one micro-batch
+    bt_text = "b x T" if budget is None else f"min(b x T, max(T, max_tokens_per_micro_batch)) = {bt:,} tokens"
     if cfg.model.gradient_checkpointing:
         terms.append(MemoryTerm("activations", bt * (layers * m.hidden + a) * wb,
                                 f"{bt_text} x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))

@@ -86,7 +86,6 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
         with torch.no_grad():
             ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len)  # [b, R, H]
         ref_head = anchor_lm.get_output_embeddings()
-    mask = mb.response_mask
     loss_mask = mb.policy_mask.bool()  # [b, R] observation tokens (multi-turn) get no loss, no KL, no entropy, no count
     stats = scorer(
         mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
