@@ -85,15 +85,13 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     dev = train[:N_DEV]
-    dev_curve: list[float] = []
     reward = get_reward(preset.rollout.reward)
     budget = preset.eval.max_new_tokens
 
     dev_prompts = render_all(tokenizer, dev)  # rendered once, checked every few steps
 
-    def reached_target() -> bool:
-        dev_curve.append(greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget))
-        return dev_curve[-1] >= sft.target_accuracy
+    def dev_accuracy() -> float:
+        return greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget)
 
     sft_start = time.perf_counter()
     threads = torch.get_num_threads()
@@ -101,7 +99,7 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     try:
         with _bar(progress) as bar:
             task = bar.add_task("warm start (SFT)", total=sft.max_steps, loss=float("nan"))
-            losses = warm_start(model, tokenizer, sft, seed, frozenset(e.question for e in test + dev), reached_target,
+            losses, dev_curve = warm_start(model, tokenizer, sft, seed, frozenset(e.question for e in test + dev), dev_accuracy,
                                 progress=lambda step, loss: bar.update(task, completed=step, loss=loss))
             sft_seconds = time.perf_counter() - sft_start
             bar.update(task, total=len(losses), description="greedy test accuracy ...")
@@ -123,7 +121,7 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
         "sft": sft.as_dict(),
         "sft_steps": len(losses),
         "sft_final_loss": sum(tail) / len(tail),
-        "sft_dev_accuracy": dev_curve,
+        "sft_dev_accuracy": [{"step": step, "accuracy": acc} for step, acc in dev_curve],
         "sft_wall_s": round(sft_seconds, 1),
         "sft_test_accuracy": accuracy,
         "wall_s": round(time.perf_counter() - start, 1),
