@@ -30,6 +30,16 @@ def expand(path: str) -> Path:
     return Path(os.path.expandvars(path)).expanduser()
 
 
+def prepare_hint(path: Path) -> str:
+    """' (run: emapg prepare --preset toy)' when `path` lies in the toy task's folder, else ''."""
+    toy = emapg_home() / "toy"
+    try:
+        Path(path).resolve().relative_to(toy.resolve())
+    except ValueError:
+        return ""
+    return "; run: emapg prepare --preset toy"
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: a reader (another rank, a crash)
     sees the old file or the new one, never a half-written one."""

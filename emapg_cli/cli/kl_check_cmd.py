@@ -12,8 +12,7 @@ import typer
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
-
-from emapg_cli.kl.registry import ESTIMATORS
+from emapg_cli.estimator_names import ESTIMATORS
 
 ESTIMATOR_NAMES = ",".join(ESTIMATORS)
 

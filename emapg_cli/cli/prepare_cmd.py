@@ -29,6 +29,9 @@ def _prepare_toy(seed: int) -> None:
     from emapg_cli.paths import emapg_home
     from emapg_cli.toy.prepare import prepare_toy
 
+    from emapg_cli.hf_quiet import quiet_transformers
+
+    quiet_transformers()
     home = emapg_home()
     manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
     table = Table(title="prepared the toy task", show_header=False)

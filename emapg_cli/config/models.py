@@ -11,12 +11,10 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated"]
-Direction = Literal["reverse", "forward"]
+from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 
-#: Estimators that only estimate one direction of the KL (the paper's Table 1).
-REVERSE_ONLY = ("k1", "k2", "k3", "k3pp", "k4")
-FORWARD_ONLY = ("k5",)
+Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
+Direction = Literal["reverse", "forward"]
 
 
 class Section(BaseModel):

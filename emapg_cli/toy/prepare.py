@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.sft import SFTConfig, warm_start
+from emapg_cli.toy.sft import SFTConfig, smoothed_accuracy, warm_start
 from emapg_cli.toy.task import SOURCE, make_splits
 
 N_TRAIN = 4000
@@ -50,11 +50,14 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], prompts: list[lis
 
 
 def _bar(enabled: bool):
-    """A rich progress bar showing the SFT loss (a no-op context when disabled)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A rich progress bar for the warm start (a no-op context when disabled). The warm start stops
+    on a dev accuracy, not after a known number of steps, so the bar shows the steps done and the
+    smoothed dev accuracy against its target instead of an invented total."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("loss {task.fields[loss]:.3f}"), disable=not enabled)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+                    TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[dev]}"), TimeElapsedColumn(),
+                    disable=not enabled)
 
 
 def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfig = SFTConfig()) -> dict[str, Any]:
@@ -90,19 +93,24 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
 
     dev_prompts = render_all(tokenizer, dev)  # rendered once, checked every few steps
 
+    recent: list[float] = []
+
     def dev_accuracy() -> float:
-        return greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget)
+        recent.append(greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget))
+        smoothed = smoothed_accuracy(recent, sft.smooth)
+        bar.update(task, dev=f"dev accuracy {smoothed:.0%} (stops at {sft.target_accuracy:.0%})")
+        return recent[-1]
 
     sft_start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(SFT_THREADS)
     try:
         with _bar(progress) as bar:
-            task = bar.add_task("warm start (SFT)", total=sft.max_steps, loss=float("nan"))
+            task = bar.add_task("warm start (SFT)", total=None, loss=float("nan"), dev="")
             losses, dev_curve = warm_start(model, tokenizer, sft, seed, frozenset(e.question for e in test + dev), dev_accuracy,
                                 progress=lambda step, loss: bar.update(task, completed=step, loss=loss))
             sft_seconds = time.perf_counter() - sft_start
-            bar.update(task, total=len(losses), description="greedy test accuracy ...")
+            bar.update(task, total=len(losses), completed=len(losses), description="greedy test accuracy ...")
             accuracy = greedy_accuracy(model, tokenizer, test, render_all(tokenizer, test), reward, budget)
             bar.update(task, description=f"warm start {sft_seconds:.0f}s, greedy test accuracy {accuracy:.1%}")
     finally:

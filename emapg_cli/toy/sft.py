@@ -89,6 +89,12 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup)
 
 
+def smoothed_accuracy(accuracies: list[float], smooth: int) -> float:
+    """The stopping statistic: the mean of the last `smooth` dev accuracies."""
+    recent = accuracies[-smooth:]
+    return sum(recent) / len(recent)
+
+
 def warm_start(
     model,
     tokenizer,
@@ -131,8 +137,7 @@ def warm_start(
         if (step + 1) % (cfg.fine_every if fine else cfg.check_every) == 0:
             model.eval()
             checks.append((step + 1, dev_accuracy()))
-            recent = [acc for _, acc in checks[-cfg.smooth:]]
-            if sum(recent) / len(recent) >= cfg.target_accuracy:
+            if smoothed_accuracy([acc for _, acc in checks], cfg.smooth) >= cfg.target_accuracy:
                 break
     model.eval()
     return losses, checks
