@@ -187,6 +187,7 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
     Returns one RunResult per run, in the order of `runs`. Ctrl-C stops the running trainers; the
     interrupted runs are simply started again by the next invocation.
     """
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results: dict[str, RunResult] = {}
@@ -210,7 +211,7 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
                 res = fut.result()
                 results[res.run_id] = res
                 failed += res.status == "failed"
-                progress.update(task, advance=1, description=f"last: {res.run_id} {res.status}" + (f" | {failed} failed" if failed else ""))
+                progress.update(task, advance=1, description=escape(f"last: {res.run_id} {res.status}" + (f" | {failed} failed" if failed else "")))
         except KeyboardInterrupt:
             pool.stop()
             executor.shutdown(wait=True, cancel_futures=True)

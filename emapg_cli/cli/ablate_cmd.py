@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console
 from emapg_cli.errors import UserError
@@ -48,7 +49,7 @@ def ablate(
     save_sweep(sweep, out)
     save_plan(out, runs)
     configs = len({r.config_id for r in runs})
-    console.print(f"ablate [bold]{sweep.name}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = {len(runs)} runs -> {out}")
+    console.print(f"ablate [bold]{escape(sweep.name)}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = {len(runs)} runs -> {escape(str(out))}")
     results = run_sweep(sweep, runs, out, jobs=jobs)
     counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
     console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
@@ -66,13 +67,13 @@ def _report(out: Path) -> None:
     plots = plot_all(out, summaries, records, sweep.name)
     from rich.table import Table
 
-    table = Table(title=f"{sweep.name}: final eval accuracy (mean ± std over seeds, 95% CI)")
+    table = Table(title=f"{escape(sweep.name)}: final eval accuracy (mean ± std over seeds, 95% CI)")
     for col in ("rank", "configuration", "seeds", "final accuracy", "95% CI"):
         table.add_column(col)
     for i, c in enumerate(summaries, 1):
         iv = c.stats["eval_accuracy_final"]
-        table.add_row(str(i), c.label, f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
+        table.add_row(str(i), escape(c.label), f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
                       format_mean_std(iv), format_ci(iv))
     console.print(table)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    console.print("wrote " + escape(", ".join(str(p) for p in written)), highlight=False)

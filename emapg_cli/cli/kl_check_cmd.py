@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
@@ -104,21 +105,21 @@ def kl_check(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("measuring estimators", total=len(specs))
         result = run_check(logits, settings, progress=lambda label: bar.advance(task))
-    console.print(header(result), highlight=False)
+    console.print(escape(header(result)), highlight=False)
     for note in result.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     for table in render_tables(result):
         console.print(table)
-    console.print(f"[dim]{LEGEND}[/]", highlight=False)
+    console.print(f"[dim]{escape(LEGEND)}[/]", highlight=False)
     if markdown:
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
     if json_out is not None:
         _write_json(json_out, result.to_dict())
-        console.print(f"wrote {json_out}", highlight=False)
+        console.print(f"wrote {escape(str(json_out))}", highlight=False)
     if plot is not None:
         from emapg_cli.klcheck.plot import plot_check
 
-        console.print(f"wrote {plot_check(result, plot)}", highlight=False)
+        console.print(f"wrote {escape(str(plot_check(result, plot)))}", highlight=False)
 
 
 def _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed):
@@ -168,7 +169,7 @@ def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, 
         console.print(render_table(result))
         results.append(result)
     if plot is not None:
-        console.print(f"wrote {plot_stability(results, plot)}", highlight=False)
+        console.print(f"wrote {escape(str(plot_stability(results, plot)))}", highlight=False)
     if json_out is not None:
         _write_json(json_out, {"stability": [r.to_dict() for r in results]})
-        console.print(f"wrote {json_out}", highlight=False)
+        console.print(f"wrote {escape(str(json_out))}", highlight=False)

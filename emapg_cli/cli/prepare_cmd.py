@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from emapg_cli.cli.common import console
@@ -16,7 +17,7 @@ def _progress_bar(label: str):
     """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+    bar = Progress(TextColumn(escape(label)), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
     def start(total: int):
         task = bar.add_task(label, total=total)
@@ -35,7 +36,7 @@ def _prepare_toy(seed: int) -> None:
     home = emapg_home()
     manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
     table = Table(title="prepared the toy task", show_header=False)
-    table.add_row("folder", str(home / "toy"))
+    table.add_row("folder", escape(str(home / "toy")))
     table.add_row("rows", ", ".join(f"{split} {n}" for split, n in manifest["rows"].items()))
     table.add_row("model", f"{manifest['model']['arch']}, {manifest['model']['parameters']:,} parameters (toy/model)")
     table.add_row("warm start", f"{manifest['sft_steps']} steps in {manifest['sft_wall_s']:.0f} s, "
@@ -46,14 +47,14 @@ def _prepare_toy(seed: int) -> None:
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
     table = Table(title=f"prepared {manifest['name']}", show_header=False)
-    table.add_row("folder", str(out_dir))
-    table.add_row("source", f"{manifest['source']}" + (f" @ {manifest['revision']}" if manifest.get("revision") else ""))
+    table.add_row("folder", escape(str(out_dir)))
+    table.add_row("source", escape(f"{manifest['source']}" + (f" @ {manifest['revision']}" if manifest.get("revision") else "")))
     expected = manifest.get("expected_rows")
     note = f" (expected {expected})" if expected and expected != manifest["rows"] else ""
     table.add_row("rows", f"{manifest['rows']}{note}")
-    table.add_row("dropped", ", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items()) or "0")
+    table.add_row("dropped", escape(", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items())) or "0")
     for d in manifest["dropped_rows"][:5]:
-        table.add_row("", f"row {d['index']} (id {d['id']}): {d['reason']}")
+        table.add_row("", escape(f"row {d['index']} (id {d['id']}): {d['reason']}"))
     if manifest["dropped"] > 5:
         table.add_row("", f"... all {manifest['dropped']} in manifest.json")
     table.add_row("sha256", manifest["sha256"])
@@ -70,12 +71,12 @@ def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
     for col in ("train id", "eval set", "eval id", "match"):
         table.add_column(col)
     for o in overlaps[:50]:
-        table.add_row(o.train_id, o.eval_set, o.eval_id, o.kind)
+        table.add_row(*(escape(str(x)) for x in (o.train_id, o.eval_set, o.eval_id, o.kind)))
     console.print(table)
     if len(overlaps) > 50:
         console.print(f"... {len(overlaps) - 50} more")
     if rewritten is not None:
-        console.print(f"removed {len(overlaps)} items from {rewritten / 'data.jsonl'} (recorded in its manifest)")
+        console.print(f"removed {len(overlaps)} items from {escape(str(rewritten / 'data.jsonl'))} (recorded in its manifest)")
     elif overlaps and not remove:
         console.print("pass --remove to drop them from the training set")
 
@@ -101,7 +102,7 @@ def prepare(
             table.add_column(col)
         for s in DATASETS.values():
             src = s.hub_id + (f" ({s.config})" if s.config else "") + f", split {s.split}"
-            table.add_row(s.name, s.role, src, str(s.expected_rows or "?"), s.description)
+            table.add_row(*(escape(x) for x in (s.name, s.role, src, str(s.expected_rows or "?"), s.description)))
         console.print(table)
         return
     if preset is not None:

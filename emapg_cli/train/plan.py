@@ -398,10 +398,11 @@ def _count(n: int) -> str:
 def render_plan(plan: Plan):
     """The plan as a rich renderable: run shape, memory table, totals and notes."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
-    run = Table(title=f"Plan: {plan.name}", show_header=False, title_justify="left")
+    run = Table(title=f"Plan: {escape(plan.name)}", show_header=False, title_justify="left")
     run.add_column("what", style="bold")
     run.add_column("value")
     model = plan.model_path or "-"
@@ -411,7 +412,7 @@ def render_plan(plan: Plan):
                   f"heads={m.heads}/{m.kv_heads}, I={m.intermediate}, V={m.vocab}{', tied' if m.tie_embeddings else ''})")
     else:
         model += f"  ({plan.model_source})"
-    run.add_row("model", model)
+    run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
     run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens")
@@ -432,7 +433,7 @@ def render_plan(plan: Plan):
         mem.add_column("GiB", justify="right")
         mem.add_column("formula")
         for term in plan.memory:
-            mem.add_row(term.name, term.phase, _gib(term.bytes), term.formula)
+            mem.add_row(term.name, term.phase, _gib(term.bytes), escape(term.formula))
         mem.add_section()
         mem.add_row("update peak", "state + update", _gib(plan.update_peak_bytes), "", style="bold")
         mem.add_row("rollout peak", "state + rollout", _gib(plan.rollout_peak_bytes), "", style="bold")
