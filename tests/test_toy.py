@@ -127,16 +127,17 @@ def test_warm_start_learns_is_deterministic_and_stops_on_request(tokenizer):
 
 
 def test_warm_start_checks_finely_during_the_climb_and_stops_on_the_smoothed_accuracy(tokenizer):
-    # coarse checks every 10 steps until an accuracy >= fine_from 0.1, then every 2; stop once the mean
-    # of the last 3 checks >= 0.3. Scripted accuracies: 0.0 (step 10), 0.1 (step 20, switches to fine),
-    # 0.5 (22): mean(0, .1, .5) = 0.2; 0.2 (24): mean(.1, .5, .2) = 0.267; 0.4 (26): mean(.5, .2, .4)
-    # = 0.367 >= 0.3 -> stop after step 26. A single check at 0.5 (step 22) alone does not stop it.
+    # coarse checks every 10 steps until an accuracy >= fine_from 0.1, then every 2 for good (a later
+    # check below 0.1 does not switch back); stop once the mean of the last 3 checks >= 0.3.
+    # Scripted: 0.0 (step 10), 0.1 (20: fine from now on), 0.05 (22): mean(0, .1, .05) = 0.05;
+    # 0.5 (24): mean(.1, .05, .5) = 0.217; 0.2 (26): mean(.05, .5, .2) = 0.25; 0.4 (28): mean(.5, .2, .4)
+    # = 0.367 >= 0.3 -> stop after step 28. A single check at 0.5 (step 24) alone does not stop it.
     cfg = SFTConfig(**{**SMALL.as_dict(), "max_steps": 40, "check_every": 10, "fine_every": 2,
                        "fine_from": 0.1, "smooth": 3, "target_accuracy": 0.3})
-    scripted = iter([0.0, 0.1, 0.5, 0.2, 0.4, 0.9, 0.9])
+    scripted = iter([0.0, 0.1, 0.05, 0.5, 0.2, 0.4, 0.9, 0.9])
     losses, checks = warm_start(_model(tokenizer), tokenizer, cfg, 0, frozenset(), lambda: next(scripted))
-    assert checks == [(10, 0.0), (20, 0.1), (22, 0.5), (24, 0.2), (26, 0.4)]
-    assert len(losses) == 26
+    assert checks == [(10, 0.0), (20, 0.1), (22, 0.05), (24, 0.5), (26, 0.2), (28, 0.4)]
+    assert len(losses) == 28
 
 
 def test_prepare_toy_writes_the_task_the_model_and_a_manifest(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ abruptly: the loss plateaus, then accuracy climbs from ~5% to ~90% within a few 
 The warm start stops in the middle of that climb, once the dev accuracy (the caller's
 `dev_accuracy`), averaged over the last `smooth` checks, reaches `target_accuracy`, leaving the
 RL stage a model that formats perfectly and adds correctly only part of the time. Checks are
-coarse (every `check_every` steps) on the plateau and fine (every `fine_every` steps) once the dev
-accuracy reaches `fine_from`: during the climb accuracy rises by about a point per step, so a
+coarse (every `check_every` steps) on the plateau and fine (every `fine_every` steps) from the first
+check at or above `fine_from` on: during the climb accuracy rises by 1-3 points per step, so a
 coarse check would overshoot the target by up to ~20 points, by an amount that depends on where
 the climb happens to fall between two checks, which differs between CPUs (floating-point reduction
 order) and seeds. Stopping on a smoothed, finely sampled accuracy rather than a step count keeps the
@@ -35,7 +35,7 @@ class SFTConfig:
     kv_heads: int = 2
     max_steps: int = 2500
     check_every: int = 20  # steps between dev checks on the plateau
-    fine_every: int = 2  # steps between dev checks once the dev accuracy reached `fine_from`
+    fine_every: int = 1  # steps between dev checks once the dev accuracy reached `fine_from`
     fine_from: float = 0.10
     smooth: int = 3  # stop on the mean of the last `smooth` dev accuracies ...
     target_accuracy: float = 0.30  # ... once it reaches this
@@ -133,7 +133,7 @@ def warm_start(
         losses.append(loss.item())
         if progress is not None:
             progress(step + 1, losses[-1])
-        fine = bool(checks) and checks[-1][1] >= cfg.fine_from
+        fine = any(acc >= cfg.fine_from for _, acc in checks)  # latched: noise on the climb must not fall back to coarse
         if (step + 1) % (cfg.fine_every if fine else cfg.check_every) == 0:
             model.eval()
             checks.append((step + 1, dev_accuracy()))
