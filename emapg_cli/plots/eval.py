@@ -63,6 +63,10 @@ def plot_evals(evals: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]
         if isinstance(s.get("maj@n"), (int, float)):
             ax.axhline(100 * s["maj@n"], color=color, ls="--", lw=1, alpha=0.7)
     ax.set_xscale("log", base=2)
+    ks = sorted({k for _, s in evals for k, _ in pass_at_k(s)})
+    if ks:
+        ax.set_xticks(ks, [str(k) for k in ks])  # 1, 2, 4, ... rather than 2^0, 2^1, ...
+        ax.minorticks_off()
     ax.set_xlabel("k (samples per problem)")
     ax.set_ylabel("pass@k (%)")
     ax.set_title("unbiased pass@k (dashed: maj@n)", fontsize=10)
