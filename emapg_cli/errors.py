@@ -7,3 +7,10 @@ class UserError(Exception):
     The CLI catches it at the top level, prints ``error: <message>`` on one line
     and exits with code 2 without a traceback.
     """
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message, at most `limit` characters (for one-line errors)."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

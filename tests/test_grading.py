@@ -122,22 +122,132 @@ def test_grader_batch(grader):
 
 
 def test_pathological_answers_cost_at_most_the_timeout(grader):
-    # An exponent tower never returns from C code (signal-based timeouts cannot stop it): the pool
-    # kills the worker at 1.5 s. A 1 MB answer and 200k nested braces are refused without parsing.
+    # Exponent towers are refused before any worker sees them (sympy would build an integer of
+    # billions of digits in C code); a 1 MB answer is over MAX_ANSWER_CHARS (no answer); 200k nested
+    # braces likewise. (x+1)^{1000} is symbolic and passes the screen: sympy's expansion is slow,
+    # so it is the pool's kill at 1.5 s that bounds it.
     cases = [
         "\\boxed{10^{10^{10^{10}}}}",
+        "\\boxed{2^{2^{40}}}",
         "\\boxed{" + "1+" * 500_000 + "1}",
         "\\boxed{" + "{" * 200_000 + "1" + "}" * 200_000 + "}",
+        "\\boxed{(x+1)^{1000}}",
     ]
-    before = grader.timeouts
+    grader.grade(["\\boxed{x+1}"], [Gold(("y",))])  # start the workers: not part of any answer's time
+    refused, timeouts = grader.refused, grader.timeouts
     for response in cases:
         t0 = time.perf_counter()
         (grade,) = grader.grade([response], [Gold(("5",))])
         assert not grade.correct
         assert time.perf_counter() - t0 < 1.5 + 1.0  # timeout + slack for a loaded machine
-    assert grader.timeouts == before + 1  # only the tower needed the kill
+    assert grader.refused == refused + 2  # the two towers
+    assert grader.timeouts <= timeouts + 1  # only (x+1)^{1000} may need the kill
     (grade,) = grader.grade(["\\boxed{5}"], [Gold(("5",))])  # the pool recovered
     assert grade.correct
+
+
+@pytest.mark.parametrize(
+    "answer, refused",
+    [
+        ("2^{2^{40}}", True),  # exponent 2^40 ~ 1.1e12
+        ("10^{10^{10^{10}}}", True),  # inner 10^{10^{10}} overflows: infinity
+        ("x^{2^{2^{40}}}", True),  # symbolic base, numeric tower exponent
+        ("e^{x 2^{10^{10}}}", True),  # symbolic exponent holding 2^{10^{10}}: its own ^ is read
+        ("10^{-10^{10}}", True),  # |exponent| counts
+        ("2^{1000000 \\cdot 1000000}", True),  # 1e12
+        ("1000001!", True),  # > 1e5
+        ("10^{10}!", True),  # factorial of 1e10
+        ("2^{2^{3}}", False),  # a small tower: 2^8
+        ("2^{2023}", False),
+        ("9^{99999}", False),  # exponent 99 999 <= 1e5
+        ("e^{-x^2/2}", False),  # symbolic
+        ("100000!", False),  # exactly the limit
+        ("(x+1)!", False),
+    ],
+)
+def test_screen_refuses_huge_powers_only(answer, refused):
+    from emapg_cli.grading.screen import too_costly
+
+    assert (too_costly(answer) is not None) is refused
+
+
+def test_screen_is_fast_on_deep_nesting():
+    from emapg_cli.grading.screen import too_costly
+
+    # 1365 nested exponents fill the 4096-character cap; each character is read about once.
+    for answer in ("2^{" * 1365 + "2" + "}" * 1365, "x^{" * 1365 + "1" + "}" * 1365):
+        t0 = time.perf_counter()
+        too_costly(answer)
+        assert time.perf_counter() - t0 < 0.5
+
+
+def test_strip_trailing_is_linear():
+    # 0.2 MB of " ." took 2.4 s with the old quadratic loop; 2 MB now takes ~1 s on a loaded core.
+    # Linear: 10x the input may cost at most ~20x (noise), quadratic would be 100x.
+    small, big = "1" + " ." * 20_000, "1" + " ." * 200_000
+    t0 = time.perf_counter()
+    assert strict_key(small) == "1"
+    t_small = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert strict_key(big) == "1"
+    assert time.perf_counter() - t0 < 20 * t_small + 0.05
+
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("\\boxed{1" + " ." * 1_000_000 + "}", None),  # 2 MB box: over the cap, no answer
+        ("\\boxed{5} and \\boxed{" + "7" * 5000 + "}", None),  # the last box is over-long: no answer
+        ("\\boxed{5} then \\boxed{" + "{" * 1_000_000, "5"),  # truncated last box: the previous one
+        ("\\boxed{\\x00" * 100_000 + "\\boxed{3}", "3"),
+        ("\\boxed{" + "a" * 4096 + "}", "a" * 4096),  # exactly the cap
+    ],
+)
+def test_extract_caps_answers(response, expected):
+    t0 = time.perf_counter()
+    assert extract_answer(response) == expected
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.fixture
+def importable_tests(monkeypatch):
+    """Workers are fresh interpreters: let them import this test module (for `_allocate`)."""
+    import os
+    from pathlib import Path
+
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+
+
+def test_worker_memory_cap_scores_wrong_and_counts(importable_tests):
+    # A task allocating 2 GiB in a worker capped at 512 MiB raises MemoryError: scored the default,
+    # counted, and the pool goes on.
+    with TimeoutPool(_allocate, workers=1, timeout=20, default=False, memory_limit=512 << 20) as pool:
+        assert pool.fn_ref.endswith(":_allocate")
+        out = pool.map([(1,), (2048,), (1,)])
+    assert out == [True, False, True]
+    assert pool.stats.out_of_memory == 1 and pool.stats.errors == 1
+
+
+def test_workers_ignore_sigint(importable_tests):
+    # Ctrl-C reaches the whole process group; a worker must not die on it (nor print a traceback).
+    import os
+    import signal
+
+    with TimeoutPool(_allocate, workers=1, timeout=20, default=False) as pool:
+        assert pool.map([(1,)]) == [True]
+        (worker,) = pool._workers
+        os.kill(worker.proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert worker.proc.poll() is None
+        assert pool.map([(1,)]) == [True] and pool.stats.crashes == 0
+
+
+def test_pool_reports_a_worker_that_cannot_start():
+    with TimeoutPool(is_equivalent, workers=1, timeout=5, default=False) as pool:
+        pool.fn_ref = "emapg_cli.no_such_module:f"
+        with pytest.raises(RuntimeError, match="exited while starting"):
+            pool.map([("1", ("1",))])
 
 
 def test_pool_counts_errors():
@@ -145,6 +255,12 @@ def test_pool_counts_errors():
         out = pool.map([("2", ("2",)), ("2", None), ("3", ("3",))])  # iterating None raises in the worker
     assert out == [True, False, True]
     assert pool.stats.errors == 1 and pool.stats.timeouts == 0
+
+
+def _allocate(mib: int) -> bool:
+    """A pool task: allocate `mib` MiB (module-level so a worker can import it)."""
+    block = bytearray(mib << 20)
+    return len(block) > 0
 
 
 # --- acceptance on the real OlympiadBench file ---------------------------------------------------------

@@ -9,7 +9,9 @@ import time
 
 import torch
 
-from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, write_dataset
+from emapg_cli.train.checkpoint import write_manifest
+
+from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 
 def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
@@ -44,13 +46,58 @@ def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
         assert [r.get(key) for r in ref_rows] == [r.get(key) for r in res_rows], key
 
 
-def test_latest_checkpoint_ignores_half_written_ones(tmp_path):
-    from emapg_cli.train.checkpoint import latest_checkpoint
+def test_resume_finished_bad_set_damaged_and_no_intact_checkpoint(tiny_qwen2, tmp_path):
+    """Through the CLI, on one finished 2-step run: --resume leaves it as it is; a bad --set is refused
+    with nothing written; a truncated newest policy.pt -> one warning line, training resumes from the
+    previous checkpoint and redoes the lost step; every anchor.pt emptied -> exit 2, one error line, nothing written."""
+    data = write_dataset(tmp_path / "train.jsonl")
+    run_dir = tmp_path / "r"
+    first = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=2, **{"data.eval": "null"}), "--out", str(run_dir)))
+    assert first.returncode == 0, first.stderr[-2000:]
+    finished = tree_hash(run_dir)
+    # resuming the finished run changes nothing (summary.json is not rewritten) and says so, exit 0
+    again = run(train_cmd("--resume", str(run_dir)))
+    assert again.returncode == 0 and f"{run_dir} is finished (2 steps" in again.stdout
+    # a bad --set on resume is refused before anything is written (config.yaml keeps the good value)
+    bad = run(train_cmd("--resume", str(run_dir), "--set", "optim.betas=[2,3]", "--set", "train.steps=3"))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == "error: optim.betas: each beta must be in [0, 1) (got [2, 3])"
+    assert tree_hash(run_dir) == finished
 
-    root = tmp_path / "checkpoints"
-    for name in ("step_2", "step_10", ".tmp-step_12", "step_11"):
-        (root / name).mkdir(parents=True)
-    for name in ("step_2", "step_10", ".tmp-step_12"):
-        (root / name / "state.json").write_text("{}")
-    # step_11 has no state.json (cannot happen after the rename, but never trusted); .tmp-* is never picked
-    assert latest_checkpoint(tmp_path) == root / "step_10"
+    policy = run_dir / "checkpoints" / "step_2" / "policy.pt"
+    policy.write_bytes(policy.read_bytes()[:100])
+    resumed = run(train_cmd("--resume", str(run_dir), "--set", "train.steps=3"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    warnings = [line for line in resumed.stderr.splitlines() if line.startswith("warning: passed over")]
+    assert warnings == [f"warning: passed over damaged checkpoint(s) step_2 (policy.pt has 100 bytes, manifest.json says "
+                        f"{json.loads((run_dir / 'checkpoints' / 'step_1' / 'manifest.json').read_text())['files']['policy.pt']['bytes']}); "
+                        "resuming from step_1"]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+
+    for step in (1, 2, 3):
+        (run_dir / "checkpoints" / f"step_{step}" / "anchor.pt").write_bytes(b"")
+    # and the newest one's policy.pt is a pickled payload that would create `marker` when unpickled,
+    # under a manifest recomputed over it (so only the weights_only load stands in its way)
+    marker = tmp_path / "pwned"
+    step3 = run_dir / "checkpoints" / "step_3"
+    torch.save({"weight": OpenOnUnpickle(marker)}, step3 / "policy.pt")
+    write_manifest(step3)
+    before = tree_hash(run_dir)
+    refused = run(train_cmd("--resume", str(run_dir), "--set", "train.steps=4"))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no intact checkpoint in") and "step_3 (policy.pt does not load" in last
+    assert "step_2 (anchor.pt has 0 bytes" in last and "step_1 (anchor.pt has 0 bytes" in last
+    assert not marker.exists(), "resume unpickled code"
+    assert tree_hash(run_dir) == before
+
+
+class OpenOnUnpickle:
+    """Unpickling it calls open(marker, "w")."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))

@@ -57,6 +57,14 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def tree_hash(folder: Path) -> dict[str, str]:
+    """sha256 of every file under `folder` by relative path (to show a command changed nothing)."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a launcher's rendezvous)."""
     with socket.socket() as s:

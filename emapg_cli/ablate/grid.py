@@ -104,23 +104,26 @@ def _split_top_level(text: str) -> list[str]:
 def parse_grid(item: str) -> Axis:
     """`KEY=V1,V2,...` -> Axis(KEY, (V1, V2, ...)); an empty or repeated value is a UserError."""
     key, raw = split_key_value(item, "grid", "KEY=V1,V2,..., e.g. kl.k=8,32")
-    if key == SEED_KEY:
-        raise UserError("do not grid over train.seed; use --seeds N")
     tokens = _split_top_level(raw)
     if any(not t.strip() for t in tokens):
         raise UserError(f"grid '{item}' has an empty value")
-    values = tuple(parse_value(t) for t in tokens)
-    if len({format_value(v) for v in values}) != len(values):
-        raise UserError(f"grid '{item}' repeats a value")
-    return Axis(key, values)
+    axis = Axis(key, tuple(parse_value(t) for t in tokens))
+    check_axes([axis])
+    return axis
 
 
 def check_axes(axes: list[Axis]) -> None:
-    """Each grid key at most once."""
+    """Each grid key at most once, never train.seed (seeds are `--seeds`), with at least one value and no value twice."""
     seen: set[str] = set()
     for axis in axes:
+        if axis.key == SEED_KEY:
+            raise UserError("do not grid over train.seed; use --seeds N (runs take train.seed = 0..N-1)")
         if axis.key in seen:
             raise UserError(f"grid key '{axis.key}' is given twice; list all its values in one --grid")
+        if not axis.values:
+            raise UserError(f"grid key '{axis.key}' has no values (the sweep would have no runs)")
+        if len({format_value(v) for v in axis.values}) != len(axis.values):
+            raise UserError(f"grid key '{axis.key}' repeats a value")
         seen.add(axis.key)
 
 
@@ -189,8 +192,8 @@ def plan_runs(
     seed); a bad key or value is a UserError naming the combination, raised before any run starts.
     """
     check_axes(axes)
-    if any(s.split("=", 1)[0].strip() == SEED_KEY for s in sets):
-        raise UserError("do not set train.seed; use --seeds N")
+    if any(s.split("=", 1)[0].strip() == SEED_KEY for s in sets) or any(SEED_KEY in v.overrides for v in variants):
+        raise UserError("do not set train.seed; use --seeds N (runs take train.seed = 0..N-1)")
     configs = []
     for variant, raw in combinations(variants, axes):
         what = ", ".join(([f"variant {variant}"] if variant else []) + [f"{k}={format_value(v)}" for k, v in raw.items()]) or "base"

@@ -9,7 +9,9 @@ Layout of the output folder (`--out`):
 
 Resumable: a run whose directory holds `summary.json` (the trainer writes it last) is finished
 and skipped; any other run (never started, failed, interrupted) is started again, from its latest
-checkpoint (`emapg train --resume`) when it left one.
+checkpoint (`emapg train --resume`) when it left one. A finished or checkpointed run is reused only
+when its `config.yaml` equals the run's full resolved config now (`check_reuse`); otherwise the
+sweep refuses before writing anything, so results of two configurations are never mixed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from emapg_cli.ablate.grid import RunSpec
 from emapg_cli.ablate.study import Sweep
@@ -123,6 +125,46 @@ def launcher(processes: int = 1, template: Optional[str] = None) -> list[str]:
 def shell_command(sweep: Sweep, spec: RunSpec, out: Path, prefix: Sequence[str] = ("emapg",)) -> str:
     """The run as one portable shell line (`emapg train ...`, or the launcher's line), what `--dry-run` prints."""
     return shlex.join([*prefix, *train_args(sweep, spec, out)])
+
+
+def config_differences(expected: Any, found: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dumps (nested mappings compared key by key)."""
+    if isinstance(expected, dict) and isinstance(found, dict):
+        out = []
+        for key in [*expected, *(k for k in found if k not in expected)]:
+            out += config_differences(expected.get(key), found.get(key), f"{prefix}{key}.")
+        return out
+    return [] if expected == found else [prefix.rstrip(".")]
+
+
+def check_reuse(sweep: Sweep, runs: list[RunSpec], out: Path) -> None:
+    """UserError (one line naming the run and the differing keys) when a run folder that this sweep would
+    reuse (finished, or resumed from its checkpoint) was made with another config than the run's now."""
+    from emapg_cli.config.loading import load_config, read_yaml_mapping, validate
+
+    for spec in runs:
+        if not (is_finished(out, spec) or has_checkpoint(out, spec)):
+            continue  # a fresh start: launch_args clears what a previous attempt left
+        path = run_dir(out, spec) / "config.yaml"
+        hint = "use another --out, or delete that run folder to run it again"
+        if not path.is_file():
+            raise UserError(f"run {spec.run_id} in {out} has results but no config.yaml to compare with this sweep; {hint}")
+        try:
+            found = validate(read_yaml_mapping(path, "run config")).model_dump(mode="json")
+        except UserError as e:
+            raise UserError(f"run {spec.run_id} in {out}: {e}; {hint}") from None
+        expected = load_config(sweep.preset, sweep.config, spec.overrides).model_dump(mode="json")
+        diff = config_differences(expected, found)
+        if diff:
+            shown = ", ".join(f"{k}: {_at(found, k)!r} there, {_at(expected, k)!r} now" for k in diff[:5])
+            more = f" and {len(diff) - 5} more" if len(diff) > 5 else ""
+            raise UserError(f"run {spec.run_id} in {out} was made with another config ({shown}{more}); {hint}")
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def _write_status(path: Path, record: dict) -> None:

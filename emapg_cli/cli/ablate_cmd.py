@@ -28,13 +28,14 @@ def ablate(
 ) -> None:
     """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots.
 
-    Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep;
+    Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep; a
+    run folder made with another config than the run's now is refused (exit 2), never mixed in;
     a failed run is recorded with its error and the sweep goes on.
     """
     from emapg_cli.ablate.aggregate import save_plan
     from emapg_cli.ablate.grid import parse_grid
     from emapg_cli.ablate.runner import launcher as launch_prefix
-    from emapg_cli.ablate.runner import run_sweep, shell_command
+    from emapg_cli.ablate.runner import check_reuse, run_sweep, shell_command
     from emapg_cli.ablate.study import build_sweep, save_sweep
 
     if aggregate_only:
@@ -51,6 +52,7 @@ def ablate(
         for spec in runs:
             typer.echo(shell_command(sweep, spec, out, prefix))
         return
+    check_reuse(sweep, runs, out)  # never mix runs of another config into this sweep's results
     save_sweep(sweep, out)
     save_plan(out, runs)
     configs = len({r.config_id for r in runs})

@@ -32,14 +32,12 @@ def eval_(
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
 ) -> None:
     """Sample --n responses per problem, grade the final \\boxed{} answers, write results.jsonl, summary.json and summary.md."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from emapg_cli.evaluation.naming import bench_ref, default_out
     from emapg_cli.evaluation.report import markdown
     from emapg_cli.evaluation.runner import EvalSettings, run_eval
-
     from emapg_cli.hf_quiet import quiet_transformers
 
     quiet_transformers()
@@ -57,7 +55,7 @@ def eval_(
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
     )
     bar = Progress(
-        TextColumn(f"eval {escape(bench)}"), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TextColumn(escape(f"eval {bench}")), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
         TimeElapsedColumn(), console=console,
     )
     task = bar.add_task("eval", total=None, acc="-")

@@ -84,7 +84,7 @@ def kl_check(
     if stability:
         _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot)
         return
-    from emapg_cli.klcheck.measure import CheckSettings, check_settings, plan, run_check
+    from emapg_cli.klcheck.measure import CheckSettings, check_memory, check_settings, plan, run_check
 
     settings = CheckSettings(
         ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
@@ -95,7 +95,10 @@ def kl_check(
         check_settings(settings)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if from_logits is None and model is None:  # synthetic: the sizes are known before anything is built
+        check_memory(positions, vocab, "synthetic logits")
     logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
+    check_memory(logits.positions, logits.vocab, logits.source)
     specs, _ = plan(settings, logits.vocab)
 
     from rich.progress import Progress
@@ -105,7 +108,7 @@ def kl_check(
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("measuring estimators", total=len(specs))
         result = run_check(logits, settings, progress=lambda label: bar.advance(task))
-    console.print(escape(header(result)), highlight=False)
+    console.print(header(result), highlight=False, markup=False)  # the source names a user file
     for note in result.notes:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     for table in render_tables(result):
@@ -115,11 +118,11 @@ def kl_check(
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
     if json_out is not None:
         _write_json(json_out, result.to_dict())
-        console.print(f"wrote {escape(str(json_out))}", highlight=False)
+        console.print(f"wrote {json_out}", highlight=False, markup=False)
     if plot is not None:
         from emapg_cli.klcheck.plot import plot_check
 
-        console.print(f"wrote {escape(str(plot_check(result, plot)))}", highlight=False)
+        console.print(f"wrote {plot_check(result, plot)}", highlight=False, markup=False)
 
 
 def _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed):
@@ -138,9 +141,11 @@ def _load_source(from_logits, model, anchor_model, text, perturb, positions, voc
         text_value = None
         if text is not None:
             try:
-                text_value = text.read_text()
+                text_value = text.read_text(encoding="utf-8")
             except OSError as e:
                 raise UserError(f"cannot read --text {text}: {e.strerror}") from None
+            except UnicodeDecodeError as e:
+                raise UserError(f"--text {text}: not UTF-8 text (byte {e.start})") from None
         from emapg_cli.klcheck.model_source import logits_from_model
 
         return logits_from_model(model, anchor_model, text_value, positions, perturb, seed)
@@ -169,7 +174,7 @@ def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, 
         console.print(render_table(result))
         results.append(result)
     if plot is not None:
-        console.print(f"wrote {escape(str(plot_stability(results, plot)))}", highlight=False)
+        console.print(f"wrote {plot_stability(results, plot)}", highlight=False, markup=False)
     if json_out is not None:
         _write_json(json_out, {"stability": [r.to_dict() for r in results]})
-        console.print(f"wrote {escape(str(json_out))}", highlight=False)
+        console.print(f"wrote {json_out}", highlight=False, markup=False)

@@ -46,13 +46,14 @@ def _prepare_toy(seed: int) -> None:
 
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
-    table = Table(title=f"prepared {manifest['name']}", show_header=False)
+    # every string from the data or the user is escaped: `[/bold]` in an id is text, not Rich markup
+    table = Table(title=escape(f"prepared {manifest['name']}"), show_header=False)
     table.add_row("folder", escape(str(out_dir)))
     table.add_row("source", escape(f"{manifest['source']}" + (f" @ {manifest['revision']}" if manifest.get("revision") else "")))
     expected = manifest.get("expected_rows")
     note = f" (expected {expected})" if expected and expected != manifest["rows"] else ""
     table.add_row("rows", f"{manifest['rows']}{note}")
-    table.add_row("dropped", escape(", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items())) or "0")
+    table.add_row("dropped", escape(", ".join(f"{k}: {v}" for k, v in manifest["dropped_by_reason"].items()) or "0"))
     for d in manifest["dropped_rows"][:5]:
         table.add_row("", escape(f"row {d['index']} (id {d['id']}): {d['reason']}"))
     if manifest["dropped"] > 5:
@@ -67,16 +68,16 @@ def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
     if len(names) < 2:
         raise UserError("--decontaminate needs a training set and at least one evaluation set: TRAIN EVAL...")
     overlaps, rewritten = decontaminate(names[0], names[1:], n=ngram, remove=remove)
-    table = Table(title=f"{names[0]} vs {', '.join(names[1:])}: {len(overlaps)} overlapping training items")
+    table = Table(title=escape(f"{names[0]} vs {', '.join(names[1:])}: {len(overlaps)} overlapping training items"))
     for col in ("train id", "eval set", "eval id", "match"):
         table.add_column(col)
     for o in overlaps[:50]:
-        table.add_row(*(escape(str(x)) for x in (o.train_id, o.eval_set, o.eval_id, o.kind)))
+        table.add_row(*(escape(x) for x in (o.train_id, o.eval_set, o.eval_id, o.kind)))
     console.print(table)
     if len(overlaps) > 50:
         console.print(f"... {len(overlaps) - 50} more")
     if rewritten is not None:
-        console.print(f"removed {len(overlaps)} items from {escape(str(rewritten / 'data.jsonl'))} (recorded in its manifest)")
+        console.print(escape(f"removed {len(overlaps)} items from {rewritten / 'data.jsonl'} (recorded in its manifest)"))
     elif overlaps and not remove:
         console.print("pass --remove to drop them from the training set")
 
@@ -121,7 +122,7 @@ def prepare(
         raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
     from emapg_cli.datasets.prepare import prepare_dataset
 
-    bar, start = _progress_bar(f"converting {names[0]}")
+    bar, start = _progress_bar(escape(f"converting {names[0]}"))
     with bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from emapg_cli.errors import UserError
 OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Run directory (default: runs/<name>-<timestamp>).")]
 ResumeOpt = Annotated[
     Optional[Path],
-    typer.Option("--resume", help="Continue the run in DIR from its latest complete checkpoint (its config.yaml, plus any --set overrides)."),
+    typer.Option("--resume", help="Continue the run in DIR from its newest intact checkpoint (its config.yaml, plus any --set overrides, validated before anything is written). A finished run is left as it is."),
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and a GPU memory estimate without loading weights, then exit.")]
 ProcessesOpt = Annotated[
@@ -33,6 +34,20 @@ def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], 
     return resolve_config(None, str(run_dir / "config.yaml"), overrides)
 
 
+def _finished_steps(run_dir: Path) -> Optional[int]:
+    """The step count of a finished run (its summary.json, written last), None when it has none."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        steps = json.loads(path.read_text())["steps"]
+        if not isinstance(steps, int):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path} is unreadable: delete it to let --resume finish the run again") from None
+    return steps
+
+
 def train(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
@@ -48,6 +63,12 @@ def train(
             raise UserError("--resume DIR already names the run directory; drop --out")
         cfg = _resume_config(resume, preset, config, set_)
         run_dir = resume
+        done = _finished_steps(run_dir)
+        if done is not None and done >= cfg.train.steps and not dry_run:
+            if os.environ.get("RANK", "0") == "0":
+                console.print(f"{run_dir} is finished ({done} steps, summary.json): nothing to do; raise train.steps "
+                              "with --set to train further", highlight=False)
+            return
     else:
         cfg = resolve_config(preset, config, set_)
         if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:

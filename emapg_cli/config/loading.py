@@ -6,6 +6,7 @@ Every failure is a `UserError` with one line naming the key and what is allowed.
 from __future__ import annotations
 
 import copy
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -39,12 +40,36 @@ def is_path_like(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or "/" in name
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (line {key_node.start_mark.line + 1})", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def safe_load_yaml(text: str) -> Any:
+    """yaml.safe_load, with a repeated mapping key an error (yaml.YAMLError)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
-    """A YAML file holding a mapping ({} when empty); every problem is a one-line UserError naming `what`."""
+    """A YAML file holding a mapping ({} when empty); every problem (a duplicate key too) is a
+    one-line UserError naming `what`."""
     if not path.is_file():
         raise UserError(f"{what} not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = safe_load_yaml(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot read {what} {path}: {first}") from None
@@ -110,7 +135,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     """Split `a.b=value` into (["a", "b"], value); the value is parsed as YAML (so 64 is an int)."""
     key, raw = split_key_value(item, "override", "KEY=VALUE, e.g. kl.k=64")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -161,13 +186,30 @@ def validate(data: dict[str, Any]) -> Config:
         raise UserError(_format_validation_error(err)) from None
 
 
+_warned_remote_code: set[str] = set()
+
+
+def warn_remote_code(source: str, data: dict[str, Any]) -> None:
+    """One line on stderr (once per source and process) when a preset or config file switches on
+    model.trust_remote_code, which lets the model's repository run Python code at load time."""
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("trust_remote_code") is True and source not in _warned_remote_code:
+        _warned_remote_code.add(source)
+        print(f"warning: {source} switches on model.trust_remote_code: loading the model may run Python code "
+              "from the model's folder or repository", file=sys.stderr)
+
+
 def load_config(preset: Optional[str] = None, config_file: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
     """Resolve a Config: preset, then user file, then dotted overrides (later sources win)."""
     data: dict[str, Any] = {}
     if preset:
-        data = deep_merge(data, read_preset(preset))
+        raw = read_preset(preset)
+        warn_remote_code(f"preset {preset}", raw)
+        data = deep_merge(data, raw)
     if config_file:
-        data = deep_merge(data, read_yaml_mapping(Path(config_file), "config file"))
+        raw = read_yaml_mapping(Path(config_file), "config file")
+        warn_remote_code(f"config file {config_file}", raw)
+        data = deep_merge(data, raw)
     data = apply_overrides(data, overrides)
     return validate(data)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 
@@ -18,9 +18,10 @@ Direction = Literal["reverse", "forward"]
 
 
 class Section(BaseModel):
-    """Base for every config group: unknown keys are errors, assignments are validated."""
+    """Base for every config group: unknown keys are errors, assignments are validated, and no float
+    field takes inf or nan (none of them has a meaning for a non-finite value)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -54,10 +55,17 @@ class RolloutConfig(Section):
 class OptimConfig(Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of `train.steps` with linear learning-rate warm-up.")
     grad_clip: Optional[float] = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null: no clipping).")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
 
 
 class TrainConfig(Section):
@@ -75,6 +83,8 @@ class TrainConfig(Section):
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     logit_chunk: int = Field(1024, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
+    skip_window: int = Field(20, ge=1, description="RL steps over which skipped optimizer steps (non-finite loss or gradient) are counted; the run stops with an error when more than `max_skipped_fraction` of the window's optimizer steps were skipped.")
+    max_skipped_fraction: float = Field(0.5, ge=0, le=1, description="Stop the run when more than this fraction of the optimizer steps of the last `skip_window` RL steps were skipped (1: never stop).")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
 
 
@@ -132,7 +142,7 @@ class Derived(BaseModel):
 class Config(Section):
     """The whole configuration of an emapg run."""
 
-    name: str = Field("custom", description="A short name for the run/preset (used in output directories).")
+    name: str = Field("custom", description="A short name for the run/preset (used in output directories): one path component, no '/', '\\', '.' or '..'.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training and evaluation data.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Response generation.")
@@ -144,6 +154,14 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
 
     _derived: Optional[Derived] = PrivateAttr(None)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        # the default run directory is runs/<name>-<time>: a name must not move it elsewhere
+        if not value or value in (".", "..") or any(c in value for c in "/\\\0") or value != value.strip():
+            raise ValueError("must be a plain name (one path component, no '/', '\\', '.' or '..')")
+        return value
 
     @model_validator(mode="after")
     def _derive(self) -> "Config":

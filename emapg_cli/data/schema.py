@@ -8,6 +8,7 @@ A data reference (config `data.train` / `data.eval`, `eval --bench`) is one of:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -36,16 +37,58 @@ class Example(BaseModel):
         return v
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows of a JSONL file; a malformed line is a UserError naming the file and line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
+
+
+def parse_json_line(line: str, where: str, unicode_only: bool = True) -> dict[str, Any]:
+    """One JSONL row: a JSON object (of valid Unicode text with `unicode_only`); anything else is a
+    UserError naming `where`.
+
+    JSON allows a lone surrogate escape (`"\\ud800"`); Python reads it into a string that is not
+    valid Unicode, so user input holding one is refused here, not when its text is written later.
+    """
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if unicode_only and _SURROGATE_ESCAPE.search(line):
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{where}: holds a lone surrogate escape (\\ud800-\\udfff): not valid Unicode text") from None
+    return row
+
+
+def read_jsonl(path: Path, numbered: bool = False) -> Iterator[Any]:
+    """Rows (JSON objects) of a UTF-8 JSONL file, or (line number, row) with `numbered`; a
+    malformed line (not UTF-8, not JSON, not an object) is a UserError naming the file and line."""
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            row = parse_json_line(line, f"{path}:{lineno}")
+            yield (lineno, row) if numbered else row
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One JSONL line: UTF-8 text as is; a row holding a lone surrogate (which UTF-8 cannot encode)
+    is written with JSON escapes instead, which read back to the same string."""
+    line = json.dumps(row, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(row)
+    return line + "\n"
 
 
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
@@ -55,7 +98,7 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
     n = 0
     with open(tmp, "w", encoding="utf-8") as f:
         for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(json_line(row))
             n += 1
     tmp.replace(path)
     return n
@@ -83,20 +126,26 @@ def resolve_data_ref(ref: str) -> Path:
 
 
 def load_examples(ref: str) -> list[Example]:
-    """Load and validate every row of a canonical dataset; the first bad row is a one-line UserError.
+    """Load and validate every row of a canonical dataset; the first bad row (or a repeated id) is a
+    one-line UserError.
 
     A row with a single `answer` string is accepted as `answers: [answer]`.
     """
     path = resolve_data_ref(ref)
     out = []
-    for i, row in enumerate(read_jsonl(path)):
+    seen: set[str] = set()
+    for i, (lineno, row) in enumerate(read_jsonl(path, numbered=True)):
         if "answer" in row and "answers" not in row:
             row = {**{k: v for k, v in row.items() if k != "answer"}, "answers": [str(row["answer"])]}
         row.setdefault("id", str(i))
         try:
-            out.append(Example.model_validate(row))
+            ex = Example.model_validate(row)
         except ValidationError as err:
-            raise UserError(f"{path}: row {i + 1} (id {row.get('id')!r}): {first_error(err)}") from None
+            raise UserError(f"{path}:{lineno}: id {row.get('id')!r}: {first_error(err)}") from None
+        if ex.id in seen:
+            raise UserError(f"{path}:{lineno}: duplicate id {ex.id!r} (ids must be unique within a dataset)")
+        seen.add(ex.id)
+        out.append(ex)
     if not out:
         raise UserError(f"{path}: no rows")
     return out

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from emapg_cli.data.schema import read_jsonl
-from emapg_cli.errors import UserError
+from emapg_cli.errors import UserError, first_line
 
 
 def read_records(path: Path) -> list[Any]:
@@ -20,6 +20,8 @@ def read_records(path: Path) -> list[Any]:
     if suffix == ".json":
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if isinstance(data, dict):  # {"data": [...]} and similar wrappers
@@ -35,5 +37,8 @@ def read_records(path: Path) -> list[Any]:
             import pyarrow.parquet as pq
         except ImportError:
             raise UserError("reading parquet needs pyarrow: pip install pyarrow (it comes with the emapg extra `hub`)") from None
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors share no base class: all mean "not a readable parquet file"
+            raise UserError(f"{path}: not a readable parquet file ({type(e).__name__}: {first_line(e)})") from None
     raise UserError(f"{path}: unsupported file type '{suffix}' (use .json, .jsonl or .parquet)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from emapg_cli.datasets.registry import DatasetSpec
-from emapg_cli.errors import UserError
+from emapg_cli.errors import UserError, first_line
 
 
 def load_dataset(spec: DatasetSpec) -> Iterable[dict[str, Any]]:
@@ -17,7 +17,13 @@ def load_dataset(spec: DatasetSpec) -> Iterable[dict[str, Any]]:
             f"loading '{spec.name}' from the hub needs the `datasets` package: "
             "pip install datasets, i.e. the emapg extra `hub` (or convert a local copy with --from FILE)"
         ) from None
-    return datasets.load_dataset(spec.hub_id, spec.config, split=spec.split, revision=spec.revision)
+    try:
+        return datasets.load_dataset(spec.hub_id, spec.config, split=spec.split, revision=spec.revision)
+    except Exception as e:  # offline, unknown revision, hub errors: one line, with the way out
+        raise UserError(
+            f"cannot load '{spec.name}' from the hub ({spec.hub_id}): {type(e).__name__}: {first_line(e)}; "
+            "this needs network access to huggingface.co (or convert a local copy with --from FILE)"
+        ) from None
 
 
 def resolve_revision(spec: DatasetSpec) -> str:

@@ -19,7 +19,7 @@ from emapg_cli.errors import UserError
 from emapg_cli.evaluation.metrics import ItemScores, by_subset, summarize
 from emapg_cli.evaluation.report import write_report
 from emapg_cli.evaluation.store import RESULTS, append_results, open_run
-from emapg_cli.grading import Gold, MathGrader, grader_version, strict_key
+from emapg_cli.grading import MAX_ANSWER_CHARS, Gold, MathGrader, grader_version, strict_key
 
 #: progress(items done, items total, accuracy so far over all graded responses)
 Progress = Callable[[int, int, float], None]
@@ -60,11 +60,14 @@ def default_chunk(backend: str, n: int) -> int:
 def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Example], dict[str, list[str]]]:
     """Given responses {"id", "responses"} matched to the bench's items (in bench order)."""
     given: dict[str, list[str]] = {}
-    for i, row in enumerate(read_jsonl(path), 1):
+    for i, row in read_jsonl(path, numbered=True):
         responses = row.get("responses")
         if "id" not in row or not isinstance(responses, list) or not responses or not all(isinstance(r, str) for r in responses):
             raise UserError(f"{path}:{i}: rows must be {{\"id\": ..., \"responses\": [str, ...]}}")
-        given[str(row["id"])] = responses
+        rid = str(row["id"])
+        if rid in given:
+            raise UserError(f"{path}:{i}: duplicate id {rid!r} (each item's responses must be in one row)")
+        given[rid] = responses
     known = {ex.id for ex in examples}
     unknown = [i for i in given if i not in known]
     if unknown:
@@ -73,7 +76,8 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
 
 
 def _item_scores(ex: Example, row: dict[str, Any]) -> ItemScores:
-    votes = [strict_key(e) if e is not None else None for e in row["extracted"]]
+    # over-long answers (rows of older versions may hold them) never vote: strict_key stays bounded
+    votes = [strict_key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None for e in row["extracted"]]
     return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"))
 
 
@@ -191,9 +195,11 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         elif todo:
             index_of = {ex.id: i for i, ex in enumerate(examples)}
             gen_stats = _generate_all(s, backend, todo, index_of, grading)
-        timeouts = grader.timeouts
+        timeouts, refused, stats = grader.timeouts, grader.refused, grader.pool_stats
 
+    t_scores = time.perf_counter()
     scores = [_item_scores(ex, done[ex.id]) for ex in examples]
+    grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
     summary = {
         "bench": s.bench,
         "model": s.model if s.model else f"responses:{s.responses_file}",
@@ -209,6 +215,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "instruction": s.instruction,
         "grader_version": grader_version(),
         "grader_timeouts": timeouts,
+        "grader_refused": refused,
+        "grader_errors": stats.errors,
+        "grader_out_of_memory": stats.out_of_memory,
+        "grader_crashes": stats.crashes,
         "resumed_items": resumed,
         "wall_time_s": time.perf_counter() - t_start,
         "grading_time_s": grading.seconds,

@@ -35,17 +35,20 @@ def clean_answer(answer: str) -> str:
 def _strip_trailing(s: str) -> str:
     """Drop a sentence's final period and LaTeX spacing at the end (an ellipsis is kept).
 
-    A loop, not an end-anchored regex: that would backtrack quadratically on a long run of dots.
+    An end index moved left, never a copy per step and never an end-anchored regex (either would
+    be quadratic on a long run of dots or spaces): linear in the length of what is dropped.
     """
+    end = len(s)
     while True:
-        s = s.rstrip()
-        if s.endswith(".") and not s.endswith("..."):
-            s = s[:-1]
+        while end and s[end - 1].isspace():
+            end -= 1
+        if end and s[end - 1] == "." and not s.endswith("...", 0, end):
+            end -= 1
             continue
-        cut = next((t for t in _TRAILING_SPACING if s.endswith(t)), None)
+        cut = next((t for t in _TRAILING_SPACING if s.endswith(t, 0, end)), None)
         if cut is None:
-            return s
-        s = s[: -len(cut)]
+            return s[:end]
+        end -= len(cut)
 
 
 def as_math(answer: str) -> str:

@@ -9,6 +9,11 @@ rest of its chunk is re-queued, and a fresh worker takes the slot.
 Workers are fresh interpreters (running `_worker_main("MODULE:FUNCTION", ...)`) talking over
 two pipes: they never inherit the parent's threads (torch's) or memory, and never re-run the
 caller's main script, so the pool is safe to use from any program, guarded by `__main__` or not.
+
+Workers ignore SIGINT (Ctrl-C reaches the whole process group: the parent handles it and stops
+them) and may get an address-space cap (`memory_limit`): a task that needs more raises
+MemoryError (counted in `stats.errors` and `stats.out_of_memory`) or kills its worker (counted in
+`stats.crashes`); either way it scores the default and the pool goes on.
 """
 
 from __future__ import annotations
@@ -48,9 +53,23 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _worker_main(fn_ref: str, warmup_ref: str, read_fd: int, write_fd: int, parent_pid: int) -> None:
+def _limit_memory(max_bytes: int) -> None:
+    """Cap this process's address space (RLIMIT_AS) at `max_bytes` where the platform allows it."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        cap = max_bytes if hard == resource.RLIM_INFINITY else min(max_bytes, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: the timeout still bounds the task
+        log.debug("could not cap worker memory at %d bytes", max_bytes)
+
+
+def _worker_main(fn_ref: str, warmup_ref: str, read_fd: int, write_fd: int, parent_pid: int, memory_limit: int = 0) -> None:
     """Worker loop: warm up, say "ready", then per chunk [(index, args)] send (index, result, error)."""
     _die_with_parent(parent_pid)
+    if memory_limit:
+        _limit_memory(memory_limit)
     fn = _resolve(fn_ref)
     if warmup_ref:
         _resolve(warmup_ref)()
@@ -83,8 +102,9 @@ class PoolStats:
 
     tasks: int = 0
     timeouts: int = 0  # tasks killed at the deadline
-    errors: int = 0  # tasks whose function raised
-    crashes: int = 0  # workers that died without a timeout (e.g. out of memory)
+    errors: int = 0  # tasks whose function raised (MemoryError included)
+    out_of_memory: int = 0  # of those, MemoryError (the worker's memory cap)
+    crashes: int = 0  # workers that died without a timeout (e.g. killed at the memory cap)
 
 
 @dataclass
@@ -105,7 +125,8 @@ class TimeoutPool:
     out, or whose worker dies, gets `default`; one whose `fn` raises gets `default` too. Either way it
     is counted in `stats`, and the pool keeps going. `warmup` (module-level, no arguments) runs once
     in each new worker before it takes tasks, so slow imports never count against a task's time; a
-    replacement worker warms up while the others keep working.
+    replacement worker warms up while the others keep working. `memory_limit` (bytes, 0: none)
+    caps each worker's address space.
     """
 
     def __init__(
@@ -117,12 +138,13 @@ class TimeoutPool:
         default: Any = None,
         chunk_size: int = 16,
         warmup: Optional[Callable[[], Any]] = None,
+        memory_limit: int = 0,
     ) -> None:
         if workers < 1 or timeout <= 0 or chunk_size < 1:
             raise ValueError("workers >= 1, timeout > 0 and chunk_size >= 1 are required")
         self.fn_ref, self.warmup_ref = _ref(fn), _ref(warmup) if warmup else ""
         self.timeout, self.default, self.chunk_size = timeout, default, chunk_size
-        self.n_workers = workers
+        self.n_workers, self.memory_limit = workers, memory_limit
         self.stats = PoolStats()
         self._workers: list[_Worker] = []
 
@@ -130,8 +152,10 @@ class TimeoutPool:
     def _start(self) -> _Worker:
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
-        args = f"{self.fn_ref!r}, {self.warmup_ref!r}, {to_child_r}, {to_parent_w}, {os.getpid()}"
-        cmd = [sys.executable, "-c", f"from {__name__} import _worker_main; _worker_main({args})"]
+        args = f"{self.fn_ref!r}, {self.warmup_ref!r}, {to_child_r}, {to_parent_w}, {os.getpid()}, {self.memory_limit}"
+        # SIGINT is ignored before anything is imported: Ctrl-C is the parent's to handle.
+        boot = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)"
+        cmd = [sys.executable, "-c", f"{boot}; from {__name__} import _worker_main; _worker_main({args})"]
         proc = subprocess.Popen(cmd, pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL)
         os.close(to_child_r)
         os.close(to_parent_w)
@@ -204,6 +228,9 @@ class TimeoutPool:
                         self._receive(w, finish)
                         continue
                     except (EOFError, OSError):
+                        if not w.ready:  # it could not even start: replacing it would loop forever
+                            self._kill(w)
+                            raise RuntimeError(f"a worker for {self.fn_ref} exited while starting (exit code {w.proc.returncode})") from None
                         self.stats.crashes += 1
                 elif not w.ready:
                     if time.monotonic() < w.started + STARTUP_TIMEOUT:
@@ -234,6 +261,7 @@ class TimeoutPool:
             w.pending.popleft()
             if error is not None:
                 self.stats.errors += 1
+                self.stats.out_of_memory += error.startswith("MemoryError")
                 log.debug("task %d raised %s", index, error)
                 value = self.default
             finish(index, value)

@@ -1,13 +1,16 @@
 """Grade model responses against gold answers with math-verify, safely.
 
-`MathGrader.grade(responses, golds)` extracts each response's final answer (`extract.py`),
-decides the easy cases in the parent (no box: wrong; same strict key as a gold: right) and sends
-the rest to a `TimeoutPool` whose workers run `verify(parse(gold), parse(pred))`.
+`MathGrader.grade(responses, golds)` extracts each response's final answer (`extract.py`, linear,
+answers capped at `MAX_ANSWER_CHARS`), decides the easy cases in the parent (no box or an
+over-long one: wrong; same strict key as a gold: right; a power or factorial too big to evaluate
+(`screen.py`): wrong, counted as refused) and sends the rest to a `TimeoutPool` whose workers run
+`verify(parse(gold), parse(pred))`.
 
 Safety: only math-verify's LaTeX extraction is used (its plain-expression extractor hands text to
-sympy's `parse_expr`, which evaluates Python), so nothing in a response is run as code. Every
-comparison has a hard wall-clock budget (`timeout`): a megabyte answer, deeply nested braces or an
-exponent tower cost at most that and score 0.
+sympy's `parse_expr`, which evaluates Python), so nothing in a response is run as code. What runs
+in the parent is linear in the response and bounded by the answer cap; every comparison has a hard
+wall-clock budget (`timeout`) and each worker a memory cap (`MEMORY_LIMIT`): an answer over either
+scores 0 and is counted.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from typing import Optional, Sequence
 
 from emapg_cli.grading.extract import extract_answer
 from emapg_cli.grading.normalize import as_math, strict_key
-from emapg_cli.grading.pool import TimeoutPool
+from emapg_cli.grading.pool import PoolStats, TimeoutPool
+from emapg_cli.grading.screen import too_costly
 
-#: Answers longer than this are not parsed (no real final answer is); they can still match by string.
-MAX_ANSWER_CHARS = 4096
+#: Address-space cap of each grading worker (bytes): a comparison that needs more scores wrong.
+MEMORY_LIMIT = 1 << 30
 
 
 def grader_version() -> str:
@@ -127,9 +131,10 @@ def default_workers() -> int:
 class MathGrader:
     """Grades batches of responses; owns a worker pool (started on first use; `close()` stops it)."""
 
-    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0) -> None:
+    def __init__(self, workers: Optional[int] = None, timeout: float = 5.0, memory_limit: int = MEMORY_LIMIT) -> None:
         self.workers = workers or default_workers()
-        self.timeout = timeout
+        self.timeout, self.memory_limit = timeout, memory_limit
+        self.refused = 0  # answers refused unevaluated (screen.too_costly) so far
         self._pool: Optional[TimeoutPool] = None
 
     @property
@@ -137,10 +142,16 @@ class MathGrader:
         """Comparisons killed at the deadline so far."""
         return self._pool.stats.timeouts if self._pool else 0
 
+    @property
+    def pool_stats(self) -> PoolStats:
+        """The worker pool's counts so far (timeouts, errors, out_of_memory, crashes)."""
+        return self._pool.stats if self._pool else PoolStats()
+
     def _get_pool(self) -> TimeoutPool:
         if self._pool is None:
             self._pool = TimeoutPool(
-                is_equivalent, workers=self.workers, timeout=self.timeout, default=False, warmup=warmup
+                is_equivalent, workers=self.workers, timeout=self.timeout, default=False, warmup=warmup,
+                memory_limit=self.memory_limit,
             )
         return self._pool
 
@@ -155,10 +166,13 @@ class MathGrader:
         for i, (pred, gold) in enumerate(zip(extracted, golds)):
             if gold.answers not in gold_keys:
                 gold_keys[gold.answers] = {strict_key(a) for a in gold.answers}
-            if pred is None or len(pred) > MAX_ANSWER_CHARS:
+            if pred is None:  # no box, or one over MAX_ANSWER_CHARS
                 grades[i] = Grade(pred, False, False)
             elif strict_key(pred) in gold_keys[gold.answers]:
                 grades[i] = Grade(pred, True, True)
+            elif too_costly(pred):
+                self.refused += 1
+                grades[i] = Grade(pred, False, False)
             else:
                 todo.append(i)
                 continue

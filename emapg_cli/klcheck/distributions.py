@@ -19,6 +19,9 @@ from emapg_cli.errors import UserError
 
 #: The top-k size whose complement the synthetic `tail_mass` refers to.
 SYNTHETIC_HEAD = 32
+#: Largest |logit| accepted: beyond it, squared log-ratios overflow float64 (-1e3 already means
+#: probability zero next to ordinary logits).
+LOGIT_LIMIT = 1e100
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ def check_logits(policy: Tensor, anchor: Tensor, sampling: Optional[Tensor], whe
             raise UserError(f"{where}: array '{name}' contains NaN")
         if not torch.isfinite(a).all():
             raise UserError(f"{where}: array '{name}' contains +-inf (use a large negative logit such as -1e3 for zero probability)")
+        peak = float(a.abs().max())
+        if peak > LOGIT_LIMIT:
+            raise UserError(f"{where}: array '{name}' holds a logit of magnitude {peak:.3g} > {LOGIT_LIMIT:g} (use a large negative logit such as -1e3 for zero probability)")
     conv = {n: a.to(torch.float64) for n, a in arrays.items()}
     return LogitSet(conv["policy"], conv["anchor"], conv.get("sampling"), source=where)
 

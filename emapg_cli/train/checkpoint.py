@@ -1,7 +1,11 @@
 """Checkpoints: `checkpoints/step_N/` written under a temporary name and renamed, so resume never sees half of one.
 
-A checkpoint holds the policy and anchor state dicts, optimizer and scheduler state, each rank's
-RNG states and `state.json` (step = the data cursor, counters, elapsed time, initial accuracy).
+A checkpoint holds the policy and anchor state dicts, optimizer and scheduler state (`*.pt`, read
+back with `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary
+objects), each rank's RNG states (`rng_rank{R}.json`: plain JSON), `state.json` (step = the data
+cursor, counters, elapsed time, initial accuracy) and, written last, `manifest.json`: the size and
+sha256 of every other file. Resume verifies the manifest of each checkpoint, newest first, and
+takes the newest intact one, saying which ones it passed over and why.
 """
 
 from __future__ import annotations
@@ -17,54 +21,108 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from emapg_cli.datasets.prepare import sha256_file
 from emapg_cli.errors import UserError
 
 CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
+class DamagedCheckpoint(Exception):
+    """A checkpoint file is missing, truncated, altered or unreadable (the message says which and how)."""
+
+
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run as (step, path), oldest first (temporary folders are ignored)."""
+    """The renamed (complete or damaged) checkpoints of a run as (step, path), oldest first; the
+    temporary `.tmp-step_N` folders of an interrupted save are never listed."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and (p / "state.json").is_file():
+        if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint, or None."""
-    dirs = checkpoint_dirs(run_dir)
-    return dirs[-1][1] if dirs else None
-
-
+# ---------------------------------------------------------------------------------- RNG states
 def rng_state() -> dict[str, Any]:
-    """Every RNG this process draws from."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG this process draws from, as plain JSON values (byte states as hex)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
+def _byte_tensor(hex_text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(bytes.fromhex(hex_text)), dtype=torch.uint8)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` saved."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    """Restore what `rng_state` saved (ValueError/TypeError/KeyError on a malformed record)."""
+    version, internal, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    python = (int(version), tuple(int(x) for x in internal), None if gauss is None else float(gauss))
+    numpy = (str(name), np.array(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+    torch_state = _byte_tensor(state["torch"])
+    random.setstate(python)
+    np.random.set_state(numpy)
+    torch.set_rng_state(torch_state)
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
 
 
+# ---------------------------------------------------------------------------------- manifest
+def write_manifest(folder: Path) -> None:
+    """`manifest.json`: size and sha256 of every file in `folder` (call it after all of them are written)."""
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+             for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=2))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def verify(folder: Path, required: tuple[str, ...]) -> None:
+    """Raise DamagedCheckpoint unless `folder`'s manifest is readable, lists `required`, and every file
+    it lists is present with its recorded size and sha256."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        files = manifest["files"]
+        entries = {name: (int(e["bytes"]), str(e["sha256"])) for name, e in files.items()}
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"no {MANIFEST}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedCheckpoint(f"{MANIFEST} unreadable ({type(e).__name__})") from None
+    for name in required:
+        if name not in entries:
+            raise DamagedCheckpoint(f"{name} not in {MANIFEST}")
+    for name, (size, digest) in entries.items():
+        path = folder / name
+        if not path.is_file():
+            raise DamagedCheckpoint(f"{name} missing")
+        if path.stat().st_size != size:
+            raise DamagedCheckpoint(f"{name} has {path.stat().st_size} bytes, {MANIFEST} says {size}")
+        if sha256_file(path) != digest:
+            raise DamagedCheckpoint(f"{name} sha256 differs from {MANIFEST}")
+
+
+# ---------------------------------------------------------------------------------- save
 def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, anchor, optimizer, scheduler,
                     state: dict[str, Any], keep: int = 0) -> Path:
     """Write checkpoints/step_{step}/ atomically (every rank must call it); prune to the newest `keep` (0: all).
 
     Model and optimizer states are whole (unsharded) whatever the `strategy` (train/parallel.py);
-    gathering them is collective, so every rank takes part and the main process writes.
+    gathering them is collective, so every rank takes part and the main process writes. The
+    manifest is written after every rank's files, then the folder is renamed into place.
     """
     accelerator = strategy.acc
     policy_state = strategy.model_state(policy)
@@ -77,7 +135,7 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    torch.save(rng_state(), tmp / f"rng_rank{accelerator.process_index}.pt")
+    (tmp / f"rng_rank{accelerator.process_index}.json").write_text(json.dumps(rng_state()))
     if accelerator.is_main_process:
         torch.save(policy_state, tmp / "policy.pt")
         if anchor_state is not None:
@@ -87,6 +145,7 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
         (tmp / "state.json").write_text(json.dumps({**state, "step": step, "parallel": strategy.name}, indent=2))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        write_manifest(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if keep > 0:
@@ -96,25 +155,79 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
     return final
 
 
-def load_checkpoint(strategy, path: Path, *, scorer, policy, anchor, optimizer, scheduler) -> dict[str, Any]:
-    """Restore a checkpoint into the live objects (every rank reads the files); returns its state.json."""
-    path = Path(path)
+# ---------------------------------------------------------------------------------- load
+def _read(folder: Path, rank: int, with_anchor: bool) -> dict[str, Any]:
+    """Every file this rank needs from a verified checkpoint, deserialised without running code
+    (DamagedCheckpoint naming the file when one does not load)."""
+    def tensors(name: str):
+        try:
+            return torch.load(folder / name, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated, not a torch file, or objects outside weights_only's allow-list
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise DamagedCheckpoint(f"{name} does not load ({first})") from None
+
+    def plain(name: str) -> Any:
+        try:
+            value = json.loads((folder / name).read_text())
+        except (OSError, ValueError) as e:
+            raise DamagedCheckpoint(f"{name} is not valid JSON ({type(e).__name__})") from None
+        if not isinstance(value, dict):
+            raise DamagedCheckpoint(f"{name} is not a JSON object")
+        return value
+
+    saved = plain("state.json")
+    if not isinstance(saved.get("step"), int):
+        raise DamagedCheckpoint("state.json has no integer step")
+    out = {"state": saved, "policy": tensors("policy.pt"), "optimizer": tensors("optimizer.pt"),
+           "scheduler": tensors("scheduler.pt"), "rng": plain(f"rng_rank{rank}.json")}
+    if with_anchor:
+        out["anchor"] = tensors("anchor.pt")
+    return out
+
+
+def _one_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimizer, scheduler,
+                    notify=print) -> Optional[dict[str, Any]]:
+    """Restore the newest intact checkpoint of `run_dir` into the live objects (every rank reads the files).
+
+    Returns its state.json, or None when the run has no checkpoint. A damaged checkpoint (manifest
+    check or a file that does not load) is passed over with one line through `notify`; none intact
+    is a UserError. A checkpoint that does not fit this run's config (parallel strategy, no anchor,
+    other shapes) is a UserError too: an older checkpoint would not fit either.
+    """
     accelerator = strategy.acc
-    saved = json.loads((path / "state.json").read_text())
-    written_by = saved.get("parallel", "replicated")
-    if written_by != strategy.name:
-        raise UserError(f"{path} was written by a {written_by} run and this one is {strategy.name}: resume with the "
-                        "train.parallel that wrote it, on several processes for fsdp (optimizer states differ in format)")
-
-    def load(name: str):
-        return torch.load(path / name, map_location="cpu", weights_only=True)
-
-    strategy.load_model_state(policy, load("policy.pt"))
-    if anchor is not None:
-        strategy.load_model_state(anchor, load("anchor.pt"))
-    strategy.load_optimizer_state(scorer, optimizer, load("optimizer.pt"))
-    scheduler.load_state_dict(load("scheduler.pt"))
-    rng = path / f"rng_rank{accelerator.process_index}.pt"
-    if rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
-    return saved
+    rank = accelerator.process_index
+    found = checkpoint_dirs(run_dir)
+    if not found:
+        return None
+    damaged: list[str] = []
+    for _, path in reversed(found):
+        try:
+            verify(path, ("state.json", "policy.pt", "optimizer.pt", "scheduler.pt", f"rng_rank{rank}.json"))
+            files = _read(path, rank, with_anchor=anchor is not None and (path / "anchor.pt").is_file())
+        except DamagedCheckpoint as e:
+            damaged.append(f"{path.name} ({e})")
+            continue
+        written_by = files["state"].get("parallel", "replicated")
+        if written_by != strategy.name:
+            raise UserError(f"{path} was written by a {written_by} run and this one is {strategy.name}: resume with "
+                            "the train.parallel that wrote it, on several processes for fsdp (optimizer states differ in format)")
+        if anchor is not None and "anchor" not in files:
+            raise UserError(f"{path} holds no EMA anchor (the run was trained with kl.coef=0): resume with "
+                            "kl.coef=0, or start a new run to train with a KL term")
+        try:
+            strategy.load_model_state(policy, files["policy"])
+            if anchor is not None:
+                strategy.load_model_state(anchor, files["anchor"])
+            strategy.load_optimizer_state(scorer, optimizer, files["optimizer"])
+            scheduler.load_state_dict(files["scheduler"])
+            set_rng_state(files["rng"])
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as e:
+            raise UserError(f"{path} does not fit this run's config: {_one_line(e)}") from None
+        if damaged:
+            notify(f"warning: passed over damaged checkpoint(s) {'; '.join(damaged)}; resuming from {path.name}")
+        return files["state"]
+    raise UserError(f"no intact checkpoint in {Path(run_dir) / CHECKPOINTS}: {'; '.join(damaged)}")

@@ -21,12 +21,26 @@ def render_prompt(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token can stand for: the longest vocabulary entry (a raw entry is at
+    least as long as its text: byte-level entries spell each byte with one character, sentencepiece
+    ones each character with one, byte-fallback `<0xNN>` ones one byte with six)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
 def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int) -> tuple[list[Example], list[list[int]], int]:
-    """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens)."""
+    """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens).
+
+    A question longer than max_prompt_tokens x `max_chars_per_token` characters cannot fit in the
+    token budget and is skipped before it is tokenised (a huge question costs no tokenizer time or memory).
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; prompts are rendered with it (set one in tokenizer_config.json)")
+    char_bound = max_prompt_tokens * max_chars_per_token(tokenizer)
     kept, ids = [], []
     for ex in examples:
+        if len(ex.question) > char_bound:
+            continue
         p = render_prompt(tokenizer, ex.question)
         if len(p) <= max_prompt_tokens:
             kept.append(ex)

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -36,7 +37,7 @@ from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import anchor_inside_loss, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
-from emapg_cli.train.update import update_policy
+from emapg_cli.train.update import NonFiniteWeights, update_policy
 
 #: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
 _ROLLOUT, _UPDATE, _EVAL = 1, 2, 3
@@ -122,17 +123,23 @@ class Trainer:
         self.scorer, self.anchor_scorer, self.optimizer = self.strategy.wrap(policy, anchor, make_optimizer)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None}
+        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
         last = 0
         if self.resume:
-            path = ckpt.latest_checkpoint(self.run_dir)
-            if path is not None:
-                self.state = ckpt.load_checkpoint(self.strategy, path, scorer=self.scorer, policy=self.policy,
-                                                  anchor=self.anchor, optimizer=self.optimizer, scheduler=self.scheduler)
+            saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy,
+                                         anchor=self.anchor, optimizer=self.optimizer, scheduler=self.scheduler,
+                                         notify=self._warn)
+            if saved is not None:
+                self.state = {**self.state, **saved}
                 last = self.state["step"]
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self.strategy.full_weights)
         self._push(self.policy)
         return last
+
+    def _warn(self, line: str) -> None:
+        """One line on stderr, from the main process only."""
+        if self.acc.is_main_process:
+            print(line, file=sys.stderr, flush=True)
 
     @property
     def policy(self):
@@ -202,8 +209,12 @@ class Trainer:
                               if batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
-        with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext():
-            stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
+        try:
+            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext():
+                stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
+        except NonFiniteWeights as e:
+            raise UserError(f"step {step}: {e}; stopped before the EMA anchor or a checkpoint could take them (the "
+                            "newest checkpoint is unchanged): lower optim.lr or optim.weight_decay, then --resume") from None
         self.scorer.eval()
         if stats.logprob_diffs:
             self._logprob_diff = torch.cat(stats.logprob_diffs)
@@ -217,6 +228,21 @@ class Trainer:
         if step % e.update_period == 0 and not skipped_now:
             ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), e.decay)
         return self.strategy.ema_distance(self.policy, self.anchor)
+
+    def _check_skips(self, step: int, skipped: int) -> None:
+        """Stop (UserError) when more than train.max_skipped_fraction of the optimizer steps of the last
+        train.skip_window RL steps were skipped (judged once the window, or the whole run if shorter, is full)."""
+        t = self.cfg.train
+        window = [*self.state.get("skip_window", []), skipped][-t.skip_window:]  # skipped optimizer steps per RL step
+        self.state["skip_window"] = window
+        per_step = self.cfg.derived.optimizer_steps_per_rl_step
+        if len(window) < min(t.skip_window, t.steps):
+            return
+        total = len(window) * per_step
+        if sum(window) > t.max_skipped_fraction * total:
+            raise UserError(f"step {step}: {sum(window)} of the last {total} optimizer steps ({len(window)} RL steps) were skipped "
+                            f"for a non-finite loss or gradient, more than train.max_skipped_fraction={t.max_skipped_fraction}: "
+                            "stopping (the run is not training; see metrics.jsonl, lower optim.lr or check the data/reward)")
 
     def _save(self, step: int) -> None:
         ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
@@ -244,12 +270,13 @@ class Trainer:
 
         cfg, acc = self.cfg, self.acc
         start_time = time.time()
+        last = self._setup()  # nothing is written before the data, models and checkpoint loaded
         if acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            # on resume: the saved config plus any --set; atomic, as the other ranks may be reading the old one
+            # on resume: the saved config plus any --set, written only now that the checkpoint took it;
+            # atomic, as the other ranks may be reading the old one
             write_text_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
         acc.wait_for_everyone()
-        last = self._setup()
         elapsed0 = float(self.state.get("elapsed_s", 0.0))
         # On resume, metrics of steps after the checkpoint are dropped (they are logged again); with no
         # checkpoint at all, every row goes (-1), step 0 included.
@@ -291,6 +318,7 @@ class Trainer:
                     metrics["eval/accuracy"] = self._eval(self.policy, step)
                     self.state["eval_accuracy_final"] = metrics["eval/accuracy"]
                 logger.log(metrics, step)
+                self._check_skips(step, upd.skipped)
                 self.state["elapsed_s"] = elapsed0 + time.time() - start_time
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                     self._save(step)
@@ -316,6 +344,6 @@ class Trainer:
         if hashes is not None:  # each rank's copy of the anchor, which must stay identical
             summary["anchor_sha256_per_rank"] = hashes
         if acc.is_main_process:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         acc.wait_for_everyone()
         return summary

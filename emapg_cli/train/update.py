@@ -78,21 +78,47 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
     )
 
 
+class NonFiniteWeights(Exception):
+    """An optimizer step left inf or nan in the policy's weights (finite loss and gradient notwithstanding)."""
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every element of `tensors` (this rank's shards of DTensors) is finite: one fused
+    max-|x| reduction per tensor (inf for an inf element, nan for a nan), no copy of the weights."""
+    local = [t.detach().to_local() if hasattr(t, "to_local") else t.detach() for t in tensors]
+    local = [t for t in local if t.numel()]  # a rank's shard may be empty
+    if not local:
+        return True
+    norms = torch._foreach_norm(local, ord=math.inf)  # one 0-d tensor per parameter
+    return bool(torch.stack([n.float() for n in norms]).isfinite().all())
+
+
+def _any_rank(accelerator, flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank gets the same answer)."""
+    if accelerator.num_processes == 1:
+        return flag
+    t = torch.tensor(1.0 if flag else 0.0, device=accelerator.device)
+    return float(accelerator.reduce(t, reduction="sum")) > 0
+
+
 def finite_step(strategy, params, optimizer, grad_clip: Optional[float], loss_finite: bool) -> tuple[float, bool]:
     """Clip and step the optimizer unless the loss or the gradient norm is non-finite.
 
     Returns (pre-clip global grad norm, stepped). On a non-finite value (agreed across ranks) the
     gradients are dropped and the optimizer state is left untouched. The norm is computed even
-    without clipping (max_norm = inf).
+    without clipping (max_norm = inf). After a step the weights are checked (`all_finite`, agreed
+    across ranks): a step that made them non-finite raises NonFiniteWeights, so the trainer stops
+    before the EMA anchor or a checkpoint can take them.
     """
     accelerator = strategy.acc
     norm = strategy.clip_grad_norm(params, grad_clip if grad_clip is not None else math.inf)
-    bad = torch.tensor(0.0 if (loss_finite and math.isfinite(norm)) else 1.0, device=accelerator.device)
-    bad = float(accelerator.reduce(bad, reduction="sum")) if accelerator.num_processes > 1 else float(bad)
-    if bad == 0:
+    stepped = not _any_rank(accelerator, not (loss_finite and math.isfinite(norm)))
+    if stepped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm, bad == 0
+    if stepped and _any_rank(accelerator, not all_finite(params)):
+        raise NonFiniteWeights(f"the optimizer step made the policy's weights non-finite (finite loss, grad norm {norm:.3g})")
+    return norm, stepped
 
 
 @dataclass
