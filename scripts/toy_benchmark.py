@@ -6,6 +6,9 @@ wall time and greedy test accuracy, the RL wall time and the final accuracy, the
 
     python scripts/toy_benchmark.py                 # seeds 0 1 2, under ./toy-benchmark
     python scripts/toy_benchmark.py --seeds 0 --out bench-seed0
+    python scripts/toy_benchmark.py --prepare-only --out ws-avx512   # the warm start alone
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python scripts/toy_benchmark.py --prepare-only --out ws-avx2  # ... as on a CPU without AVX-512
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import time
 from pathlib import Path
 
 
-def run_seed(seed: int, out: Path) -> dict:
+def run_seed(seed: int, out: Path, prepare_only: bool = False) -> dict:
     from emapg_cli.toy.prepare import prepare_toy
 
     home = out / f"home-{seed}"
     manifest = prepare_toy(home, seed, progress=True)
+    if prepare_only:
+        return {"seed": seed, "sft_s": manifest["sft_wall_s"], "sft_steps": manifest["sft_steps"],
+                "initial": manifest["sft_test_accuracy"]}
     run_dir = out / f"run-{seed}"
     start = time.perf_counter()
     subprocess.run(
@@ -45,10 +51,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for prepare and train.")
     parser.add_argument("--out", type=Path, default=Path("toy-benchmark"), help="Folder for the homes and runs.")
+    parser.add_argument("--prepare-only", action="store_true", help="Only the warm start: its steps, time and initial accuracy.")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
         sys.exit(f"{args.out} is not empty; pass another --out")
-    rows = [run_seed(s, args.out) for s in args.seeds]
+    rows = [run_seed(s, args.out, args.prepare_only) for s in args.seeds]
+    if args.prepare_only:
+        import torch
+
+        print(f"\ntorch CPU kernels: {torch.backends.cpu.get_cpu_capability()}\n| seed | warm start (s) | steps | initial acc |\n|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['seed']} | {r['sft_s']:.0f} | {r['sft_steps']} | {r['initial']:.1%} |")
+        (args.out / "benchmark.json").write_text(json.dumps(rows, indent=2) + "\n")
+        return
     print("\n| seed | warm start (s) | initial acc | RL wall (s) | final acc | gain |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
