@@ -207,3 +207,19 @@ def test_eval_plots_draw_pass_at_k_and_groups(tmp_path):
     assert pass_at_k(s) == [(1, 0.25), (2, 0.4), (4, 0.55)]
     paths = plot_evals([("m", s)], tmp_path)
     assert [p.name for p in paths] == ["pass_at_k.png", "accuracy_by_subset.png"]  # no sources: no source plot
+
+
+def test_readme_quick_start_is_what_the_newcomer_check_runs():
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("newcomer_check", root / "scripts" / "newcomer_check.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    readme = (root / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("## Install")]
+    first = next(line for line in quick.splitlines() if line.startswith("python3 -m venv"))
+    # one line: venv, the CPU torch wheel, emapg, then the main job
+    assert first == (f"python3 -m venv .venv && . .venv/bin/activate && {script.README_TORCH} && "
+                     f"{script.README_INSTALL} && {script.README_RUN}")
+    assert '. .venv/bin/activate && pip install ".[dev]" && pytest -q' in quick
