@@ -40,6 +40,21 @@ def prepare_hint(path: Path) -> str:
     return "; run: emapg prepare --preset toy"
 
 
+def shipped_dir(name: str) -> Path:
+    """A data folder shipped with emapg (`presets`, `data`): inside the installed wheel it is
+    `emapg_cli/<packaged name>`; in a source checkout (editable install, tests) the repository's top-level folder."""
+    from importlib import resources
+
+    packaged = Path(str(resources.files("emapg_cli"))) / SHIPPED[name]
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[1] / name
+
+
+#: top-level folder -> its name inside the wheel (pyproject's force-include; `data` is a package already)
+SHIPPED = {"presets": "presets", "data": "dataset_cards"}
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: a reader (another rank, a crash)
     sees the old file or the new one, never a half-written one."""

@@ -1,14 +1,17 @@
-"""Prepare the toy task and train on it for several seeds; print the table the README quotes.
+"""Prepare a toy task and train on it for several seeds; print the table the docs quote.
 
-For each seed s: `prepare_toy` (seed s) into its own EMAPG_HOME, then the real CLI
-`emapg train --preset toy --set train.seed=s` in a subprocess. Prints, per seed, the warm start's
+For each seed s: the preset's prepare (seed s) into its own EMAPG_HOME, then the real CLI
+`emapg train --preset PRESET --set train.seed=s` in a subprocess. Prints, per seed, the warm start's
 wall time and greedy test accuracy, the RL wall time and the final accuracy, then the mean gain.
+For `toy-search`, the final policy is also evaluated with search disabled (`emapg eval
+--retriever ... --max-turns 0`: only the final turn, no search).
 
     python scripts/toy_benchmark.py                 # seeds 0 1 2, under ./toy-benchmark
     python scripts/toy_benchmark.py --seeds 0 --out bench-seed0
     python scripts/toy_benchmark.py --prepare-only --out ws-avx512   # the warm start alone
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
         python scripts/toy_benchmark.py --prepare-only --out ws-avx2  # ... as on a CPU without AVX-512
+    python scripts/toy_benchmark.py --preset toy-search --seeds 0 1 2 --out toy-search-benchmark
 """
 
 from __future__ import annotations
@@ -22,22 +25,40 @@ import time
 from pathlib import Path
 
 
-def run_seed(seed: int, out: Path, prepare_only: bool = False) -> dict:
-    from emapg_cli.toy.prepare import prepare_toy
+def no_search_accuracy(home: Path, run_dir: Path) -> float:
+    """Greedy test exact match of the final toy-search policy with search disabled (`--max-turns 0`)."""
+    task, out = home / "toy-search", run_dir / "eval-no-search"
+    subprocess.run(
+        [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(task / "test.jsonl"), "--model", str(run_dir / "final" / "policy"),
+         "--backend", "hf", "--retriever", f"bm25:{task / 'index'}", "--prompt-template", str(task / "prompt.txt"),
+         "--max-turns", "0", "--max-tokens", "12", "--max-obs-tokens", "80", "--max-context-tokens", "320", "--out", str(out)],
+        env={**os.environ, "EMAPG_HOME": str(home)}, check=True,
+    )
+    return json.loads((out / "summary.json").read_text())["search"]["exact_match"]
 
+
+def run_seed(seed: int, out: Path, preset: str, prepare_only: bool = False) -> dict:
     home = out / f"home-{seed}"
-    manifest = prepare_toy(home, seed, progress=True)
+    if preset == "toy":
+        from emapg_cli.toy.prepare import prepare_toy
+
+        manifest = prepare_toy(home, seed, progress=True)
+    else:
+        from emapg_cli.toy.search_prepare import prepare_toy_search
+
+        manifest = prepare_toy_search(home, seed, progress=True)
     if prepare_only:
         return {"seed": seed, "sft_s": manifest["sft_wall_s"], "sft_steps": manifest["sft_steps"],
                 "initial": manifest["sft_test_accuracy"]}
     run_dir = out / f"run-{seed}"
     start = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "emapg_cli", "train", "--preset", "toy", "--set", f"train.seed={seed}", "--out", str(run_dir)],
+        [sys.executable, "-m", "emapg_cli", "train", "--preset", preset, "--set", f"train.seed={seed}", "--out", str(run_dir)],
         env={**os.environ, "EMAPG_HOME": str(home)}, check=True,
     )
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {
+    extra = {"final_no_search": no_search_accuracy(home, run_dir)} if preset == "toy-search" else {}
+    return {**extra,
         "seed": seed,
         "sft_s": manifest["sft_wall_s"],
         "initial": summary["eval_accuracy_initial"],
@@ -51,11 +72,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for prepare and train.")
     parser.add_argument("--out", type=Path, default=Path("toy-benchmark"), help="Folder for the homes and runs.")
+    parser.add_argument("--preset", choices=("toy", "toy-search"), default="toy", help="Which toy task.")
     parser.add_argument("--prepare-only", action="store_true", help="Only the warm start: its steps, time and initial accuracy.")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
         sys.exit(f"{args.out} is not empty; pass another --out")
-    rows = [run_seed(s, args.out, args.prepare_only) for s in args.seeds]
+    rows = [run_seed(s, args.out, args.preset, args.prepare_only) for s in args.seeds]
     if args.prepare_only:
         import torch
 
@@ -69,6 +91,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['seed']} | {r['sft_s']:.0f} | {r['initial']:.1%} | {r['rl_s']:.0f} | {r['final']:.1%} "
               f"| {100 * (r['final'] - r['initial']):+.1f} pts |")
+    if args.preset == "toy-search":
+        print("\nsearch disabled, final policy: " + ", ".join(f"seed {r['seed']} {r['final_no_search']:.1%}" for r in rows))
     gains = [r["final"] - r["initial"] for r in rows]
     print(f"\nmean gain over {len(rows)} seeds: {100 * sum(gains) / len(gains):+.1f} points")
     (args.out / "benchmark.json").write_text(json.dumps(rows, indent=2) + "\n")

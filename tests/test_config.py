@@ -46,9 +46,16 @@ def test_search_qa_preset_matches_the_paper_run():
     assert (c.rollout.prompts_per_step, c.rollout.n) == (512, 5)
     assert c.optim.betas == (0.9, 0.95) and c.optim.warmup_ratio == 0.285
     assert c.train.loss_agg == "token-mean"
-    assert (c.kl.estimator, c.kl.direction, c.kl.k, c.kl.iw, c.kl.coef) == ("topk", "reverse", 32, True, 0.001)
+    # the paper's estimator is the published Top-k construction (Algorithms 1/2), reverse, importance weighted
+    assert (c.kl.estimator, c.kl.direction, c.kl.k, c.kl.iw, c.kl.coef) == ("topk_paper", "reverse", 32, True, 0.001)
     assert (c.ema.decay, c.ema.update_period) == (0.9, 10)
     assert (c.rollout.max_turns, c.rollout.max_new_tokens) == (4, 500)
+    assert (c.rollout.top_p, c.train.dual_clip, c.optim.lr, c.rollout.reward) == (0.95, None, 1e-6, "em")
+    assert (c.search.enabled, c.search.retriever, c.search.topk, c.search.max_obs_tokens) == (True, "http", 3, 500)
+    assert c.data.train == "nq_hotpotqa_train"
+    s = c.search  # Search-R1: retriever.topk 3, max_obs_length 500, max_start_length 2048, max_prompt_length 4096
+    assert (s.enabled, s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens, s.final_turn) == (True, "http", 3, 500, 4096, True)
+    assert c.data.max_prompt_tokens == 2048 and c.rollout.reward == "em"
 
 
 def test_sources_merge_in_order(tmp_path):

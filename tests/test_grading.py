@@ -206,7 +206,7 @@ def test_strip_trailing_is_linear():
 def test_extract_caps_answers(response, expected):
     t0 = time.perf_counter()
     assert extract_answer(response) == expected
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 5.0  # ~0.05 s idle; a quadratic scan of 1-2 MB would take minutes
 
 
 @pytest.fixture

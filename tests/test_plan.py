@@ -106,7 +106,7 @@ def test_unknown_hub_model_and_local_folder(tmp_path, tiny_llama):
 def test_search_qa_plan_counts_turns_and_qwen_3b():
     plan = make_plan(load_config("search-qa"))
     assert plan.n_params == 3_085_938_688  # 151,936 * 2,048 (tied) + 36 * 77,076,992 + 2,048
-    assert plan.seq_len == 1024 + 4 * 500
+    assert plan.seq_len == 4096  # search.max_context_tokens: prompt (<= 2048), 4 + 1 turns of 500 and observations
 
 
 def test_render_plan_prints_the_numbers(tiny_qwen2):

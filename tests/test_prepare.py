@@ -7,23 +7,62 @@ import json
 import pytest
 
 from emapg_cli.data import load_examples
-from emapg_cli.datasets import DATASETS, get_spec
-from emapg_cli.datasets import hub
+from emapg_cli.datasets import datasets, get_spec
+from emapg_cli.datasets import Fields, hub
 from emapg_cli.datasets.convert import RowError, convert_row
 from emapg_cli.datasets.decontaminate import find_overlaps
 from emapg_cli.datasets.prepare import decontaminate, prepare_dataset, sha256_file
-from emapg_cli.datasets.registry import DatasetSpec
+from emapg_cli.datasets.registry import cards_dir, custom_spec, read_card
 from emapg_cli.errors import UserError
 
-GENERIC = DatasetSpec(name="mine", role="custom", hub_id="", split="")
+GENERIC = custom_spec("mine")
 
 
 def test_registry_describes_each_dataset_once():
-    assert {"deepscaler", "math", "olympiadbench", "aime24", "aime25", "amc23", "math500", "minerva"} <= set(DATASETS)
+    assert {"deepscaler", "math", "olympiadbench", "aime24", "aime25", "amc23", "math500", "minerva"} <= set(datasets())
     ob = get_spec("olympiadbench")
     assert (ob.hub_id, ob.config, ob.expected_rows) == ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", 675)
     with pytest.raises(UserError, match="unknown dataset 'nope'"):
         get_spec("nope")
+
+
+@pytest.mark.parametrize("path", sorted(cards_dir().glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_dataset_card_is_valid(path):
+    card = read_card(path)  # raises UserError on an unknown key, a bad value or a 'name' key
+    assert card.name == path.stem and card.role in ("train", "eval")
+    assert card.description and card.licence, "every card states what it is and its licence"
+    assert card.hub_id or card.source.url, "a card says where the data comes from"
+
+
+def test_bad_cards_are_one_line_errors(tmp_path):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("role: eval\nsource: {hub: a/b, split: test, branch: main}\n")
+    with pytest.raises(UserError, match=r"x.yaml: source.branch: Extra inputs are not permitted"):
+        read_card(bad)
+    bad.write_text("name: y\nrole: eval\n")
+    with pytest.raises(UserError, match="a card's name is its file name"):
+        read_card(bad)
+    bad.write_text("role: eval\nexpected_rows: 0\n")
+    with pytest.raises(UserError, match="expected_rows"):
+        read_card(bad)
+
+
+def test_qa_layouts_aliases_and_nested_fields():
+    # FlashRAG JSONL: golden_answers is a list of aliases, all kept (any one is correct).
+    flash = {"id": "test_0", "question": "Who?", "golden_answers": ["A. Lincoln", "Lincoln"], "metadata": {"x": 1}}
+    out = convert_row(flash, 0, GENERIC)
+    assert (out["id"], out["answers"]) == ("test_0", ["A. Lincoln", "Lincoln"])
+    # HotpotQA: one answer string; the nested context (not a string) is neither prepended nor kept in meta;
+    # `type` (bridge / comparison) is a common subset name, so eval breaks results down by it.
+    hotpot = {"_id": "5a8b", "question": "Which?", "answer": "yes", "type": "comparison", "context": {"title": ["t"]}}
+    out = convert_row(hotpot, 0, GENERIC)
+    assert (out["id"], out["question"], out["answers"]) == ("5a8b", "Which?", ["yes"])
+    assert out["meta"] == {"type": "comparison", "subset": "comparison"}
+    # IRCoT layout, read through a card's dotted paths.
+    ircot = {"question_id": "q1", "question_text": "When?", "answers_objects": [{"number": "", "spans": ["1999", "in 1999"]}]}
+    card = get_spec("olympiadbench").model_copy(update={"fields": Fields(question="question_text", answer="answers_objects.0.spans")})
+    out = convert_row(ircot, 0, card)
+    assert (out["id"], out["question"], out["answers"], out["meta"]) == ("q1", "When?", ["1999", "in 1999"], {})
 
 
 @pytest.mark.parametrize(
@@ -153,6 +192,17 @@ def test_cli_prepare_olympiadbench_and_math(shared_data, emapg_home, cli):
     assert (manifest["rows"], manifest["dropped"]) == (7469, 5)
     assert manifest["dropped_by_reason"] == {"invalid": 4, "duplicate": 1}
     assert len(load_examples("math")) == 7469
+
+
+def test_cli_prepare_warns_on_a_row_count_the_card_does_not_expect(shared_data, emapg_home, cli):
+    # rllm's amc.json holds AMC 12 2022 and 2023 (83 rows); the amc23 card expects the 40 AMC 2023 problems.
+    r = cli("prepare", "amc23", "--from", str(shared_data / "math" / "amc_test.json"))
+    assert r.returncode == 0, r.stderr
+    assert "warning: wrote 83 rows but the dataset card of 'amc23' expects 40" in " ".join(r.stderr.split())
+    manifest = json.loads((emapg_home / "data" / "amc23" / "manifest.json").read_text())
+    assert (manifest["rows"], manifest["expected_rows"]) == (83, 40)
+    r = cli("prepare", "mine", "--from", str(shared_data / "math" / "amc_test.json"))  # no card: no expectation
+    assert r.returncode == 0 and "warning" not in r.stderr
 
 
 def test_cli_errors(cli, emapg_home, tmp_path):

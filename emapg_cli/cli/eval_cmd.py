@@ -16,10 +16,10 @@ def eval_(
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder (save_pretrained format; a hub id with network) to sample from.")] = None,
     responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings).")] = None,
     backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm (a CUDA GPU, or vLLM's CPU build), hf (transformers), or auto (vllm when installed and a CUDA GPU is present).")] = "auto",
-    n: Annotated[int, typer.Option("--n", min=1, help="Samples per problem (one request with n distinct per-sample seeds).")] = 32,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, max=10.0, help="Sampling temperature (0 = greedy).")] = 0.8,
+    n: Annotated[Optional[int], typer.Option("--n", min=1, help="Samples per problem (one request with n distinct per-sample seeds); default 32, or 1 with --retriever.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", min=0.0, max=10.0, help="Sampling temperature (0 = greedy); default 0.8, or 0 with --retriever (Search-R1 validates greedily).")] = None,
     top_p: Annotated[float, typer.Option("--top-p", max=1.0, help="Nucleus sampling threshold, in (0, 1].")] = 0.9,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Maximum response length in tokens.")] = 28000,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Maximum response length in tokens; with --retriever, per turn. Default 28000, or 500 with --retriever.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Base sampling seed.")] = 429,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N problems.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<run name> for a run's final/policy, e.g. runs/eval/toy-toy-20260101-120000; <bench>-<folder name> otherwise); rerunning with the same folder resumes.")] = None,
@@ -29,9 +29,16 @@ def eval_(
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM on a GPU: fraction of GPU memory to use (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")] = 0.9,
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
+    reward: Annotated[Optional[Literal["math", "em", "f1"]], typer.Option("--reward", help="Grading: math (the final \\boxed{} answer, math-verify), or for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>. Default math, or em with --retriever.")] = None,
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
+    retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR (an index from `emapg retriever index`) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`).")] = None,
+    max_turns: Annotated[int, typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled).")] = 4,
+    topk: Annotated[int, typer.Option("--topk", min=1, help="With --retriever: passages per search.")] = 3,
+    max_obs_tokens: Annotated[int, typer.Option("--max-obs-tokens", min=1, help="With --retriever: observations are cut to their first this many tokens.")] = 500,
+    max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", min=2, help="With --retriever: prompt + trajectory token limit.")] = 4096,
+    prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
 ) -> None:
-    """Sample --n responses per problem, grade the final \\boxed{} answers, write results.jsonl, summary.json and summary.md."""
+    """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md."""
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -47,12 +54,25 @@ def eval_(
         raise UserError("give --model (sample and grade) or --responses (grade given responses)")
     if responses is not None and not responses.is_file():
         raise UserError(f"{responses}: no such file")
+    searching = retriever is not None
+    if searching and responses is not None:
+        raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
+    if not searching and prompt_template is not None:
+        raise UserError("--prompt-template applies only with --retriever")
+    n = n if n is not None else (1 if searching else 32)
+    temperature = temperature if temperature is not None else (0.0 if searching else 0.8)
+    max_tokens = max_tokens if max_tokens is not None else (500 if searching else 28000)
+    reward = reward if reward is not None else ("em" if searching else "math")
+    if searching and reward == "math":
+        raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
     out = out or default_out(bench, model, responses)
     settings = EvalSettings(
         bench=bench_ref(bench), out=out, model=model, responses_file=responses, backend=backend, n=n,
         temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
         instruction=instruction, chunk=chunk, max_model_len=max_model_len, dtype=dtype,
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
+        reward=reward, retriever=retriever, max_turns=max_turns, topk=topk, max_obs_tokens=max_obs_tokens,
+        max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
     )
     bar = Progress(
         TextColumn(escape(f"eval {bench}")), BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),

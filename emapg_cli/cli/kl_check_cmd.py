@@ -96,9 +96,9 @@ def kl_check(
     except ValueError as e:
         raise UserError(str(e)) from None
     if from_logits is None and model is None:  # synthetic: the sizes are known before anything is built
-        check_memory(positions, vocab, "synthetic logits")
+        check_memory(positions, vocab, samples, "synthetic logits")
     logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
-    check_memory(logits.positions, logits.vocab, logits.source)
+    check_memory(logits.positions, logits.vocab, samples, logits.source)
     specs, _ = plan(settings, logits.vocab)
 
     from rich.progress import Progress

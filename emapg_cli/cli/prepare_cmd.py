@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from emapg_cli.cli.common import console
+from emapg_cli.cli.common import console, err_console
 from emapg_cli.errors import UserError
 
 
@@ -45,6 +45,44 @@ def _prepare_toy(seed: int) -> None:
     console.print("next: emapg train --preset toy")
 
 
+def _prepare_toy_search(seed: int) -> None:
+    from emapg_cli.paths import emapg_home
+    from emapg_cli.toy.search_prepare import PRESET, prepare_toy_search
+
+    home = emapg_home()
+    m = prepare_toy_search(home, seed, progress=True)
+    table = Table(title="prepared the toy search task", show_header=False)
+    table.add_row("folder", str(home / PRESET))
+    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
+    table.add_row("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)")
+    table.add_row("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
+                  f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")
+    console.print(table)
+    console.print(f"next: emapg train --preset {PRESET}")
+
+
+def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
+    """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
+    import json
+
+    from emapg_cli.data.schema import write_jsonl
+    from emapg_cli.paths import emapg_home, write_text_atomic
+    from emapg_cli.datasets.prepare import sha256_file
+    from emapg_cli.retrieval.corpus import hotpotqa_corpus
+
+    if from_file is None:
+        raise UserError("hotpotqa-corpus needs --from FILE (HotpotQA JSONL rows with their context paragraphs)")
+    out_dir = out or emapg_home() / "data" / "hotpotqa-corpus"
+    docs, dups = hotpotqa_corpus(from_file)
+    path = out_dir / "corpus.jsonl"
+    write_jsonl(path, docs)
+    manifest = {"name": "hotpotqa-corpus", "source": str(from_file), "source_sha256": sha256_file(from_file),
+                "rows": len(docs), "duplicates_dropped": dups, "sha256": sha256_file(path)}
+    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    console.print(f"{len(docs):,} paragraphs ({dups:,} duplicates dropped) -> {path}", highlight=False)
+    console.print(f"next: emapg retriever index {path} --out DIR", highlight=False)
+
+
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
     # every string from the data or the user is escaped: `[/bold]` in an id is text, not Rich markup
     table = Table(title=escape(f"prepared {manifest['name']}"), show_header=False)
@@ -60,6 +98,10 @@ def _show_manifest(out_dir: Path, manifest: dict) -> None:
         table.add_row("", f"... all {manifest['dropped']} in manifest.json")
     table.add_row("sha256", manifest["sha256"])
     console.print(table)
+    if note:
+        err_console.print(
+            f"[yellow]warning:[/] wrote {manifest['rows']} rows but the dataset card of '{manifest['name']}' expects {expected}: "
+            "a different copy, version or split of the dataset? (results will not be comparable)", markup=True, highlight=False)
 
 
 def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
@@ -83,11 +125,11 @@ def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
 
 
 def prepare(
-    names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from); with --decontaminate: TRAIN EVAL...")] = None,
+    names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from; `hotpotqa-corpus --from FILE` turns HotpotQA context paragraphs into a retrieval corpus); with --decontaminate: TRAIN EVAL...")] = None,
     from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: generate the toy task and its warm-started model).")] = None,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy).")] = 0,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search).")] = 0,
     decontaminate: Annotated[bool, typer.Option("--decontaminate", help="Report training items (first NAME) that overlap the evaluation sets (the other NAMEs).")] = False,
     remove: Annotated[bool, typer.Option("--remove", help="With --decontaminate: also drop the overlapping items from the prepared training set.")] = False,
     ngram: Annotated[int, typer.Option("--ngram", min=1, help="With --decontaminate: word n-gram length of a partial match.")] = 13,
@@ -96,22 +138,23 @@ def prepare(
     """Prepare a dataset in the canonical schema {id, question, answers, source, meta} with a manifest."""
     names = names or []
     if list_:
-        from emapg_cli.datasets import DATASETS
+        from emapg_cli.datasets import datasets
+        from emapg_cli.datasets.registry import cards_dir
 
-        table = Table(title="registered datasets")
-        for col in ("name", "role", "source", "rows", "description"):
+        table = Table(title=f"registered datasets (cards in {cards_dir()})")
+        for col in ("name", "role", "source", "rows", "licence", "description"):
             table.add_column(col)
-        for s in DATASETS.values():
-            src = s.hub_id + (f" ({s.config})" if s.config else "") + f", split {s.split}"
-            table.add_row(*(escape(x) for x in (s.name, s.role, src, str(s.expected_rows or "?"), s.description)))
+        for s in datasets().values():
+            src = (s.hub_id or "local file (--from)") + (f" ({s.config})" if s.config else "") + (f", split {s.split}" if s.split else "")
+            table.add_row(*(escape(x) for x in (s.name, s.role, src, str(s.expected_rows or "?"), s.licence, s.description)))
         console.print(table)
         return
     if preset is not None:
-        if preset != "toy":
-            raise UserError(f"--preset supports only 'toy' (got '{preset}')")
+        if preset not in ("toy", "toy-search"):
+            raise UserError(f"--preset supports 'toy' and 'toy-search' (got '{preset}')")
         if names or from_file:
-            raise UserError("--preset toy takes no NAME or --from")
-        _prepare_toy(seed)
+            raise UserError(f"--preset {preset} takes no NAME or --from")
+        (_prepare_toy if preset == "toy" else _prepare_toy_search)(seed)
         return
     if decontaminate:
         _decontaminate(names, ngram, remove)
@@ -120,6 +163,9 @@ def prepare(
         raise UserError("--remove only applies with --decontaminate")
     if len(names) != 1:
         raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
+    if names[0] == "hotpotqa-corpus":
+        _prepare_hotpotqa_corpus(from_file, out)
+        return
     from emapg_cli.datasets.prepare import prepare_dataset
 
     bar, start = _progress_bar(escape(f"converting {names[0]}"))

@@ -47,9 +47,28 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`).")
+    reward: str = Field("math", description="Reward function by registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+
+
+class SearchConfig(Section):
+    """The Search-R1 agent protocol (docs/search.md); its defaults are the values of Search-R1 / EMA-PG's code."""
+
+    enabled: bool = Field(False, description="Run rollouts as the search agent: multi-turn <search>/<answer> episodes with retrieved observations (rollout.max_turns search turns, then one final turn without search).")
+    prompt_template: Optional[str] = Field(None, description="User-message template file with a `{question}` placeholder (null: the packaged Search-R1 prompt, emapg_cli/agents/prompts/search_r1.txt).")
+    retriever: Literal["bm25", "http"] = Field("http", description="`bm25`: in-process over `search.index`; `http`: a Search-R1 `/retrieve` server at `search.url`.")
+    index: Optional[str] = Field(None, description="bm25 only: index folder written by `emapg retriever index`.")
+    url: str = Field("http://127.0.0.1:8000/retrieve", description="http only: the server's /retrieve endpoint (`emapg retriever serve`, or a Search-R1 e5/FAISS server).")
+    topk: int = Field(3, ge=1, description="Passages per search.")
+    max_obs_tokens: int = Field(500, ge=1, description="Observations (retrieved passages, the invalid-action message) are cut to their first this many tokens.")
+    max_context_tokens: int = Field(4096, ge=2, description="Prompt + trajectory token limit: a turn starts only if a full rollout.max_new_tokens turn fits; observations are cut to fit (the episode then ends, counted as `search/context_full_frac`).")
+    final_turn: bool = Field(True, description="After rollout.max_turns turns, give episodes without an answer one more turn with search disabled.")
+    retokenize: bool = Field(False, description="Compatibility with Search-R1: decode each turn, cut after the first </search> or </answer>, re-tokenise (drops EOS, may shift token boundaries; no engine log-probs). Default: keep the sampled token ids.")
+    invalid_message: str = Field("\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n", description="Observation after a turn with neither a <search> nor an <answer> action.")
+    timeout_s: float = Field(30.0, gt=0, description="http only: seconds per request.")
+    retries: int = Field(3, ge=0, description="http only: retries after a failed request (back-off doubles each time).")
+    backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry, in seconds.")
 
 
 class OptimConfig(Section):
@@ -146,6 +165,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training and evaluation data.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Response generation.")
+    search: SearchConfig = Field(default_factory=SearchConfig, description="The search agent (multi-turn retrieval rollouts).")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer and schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="RL loop and policy loss.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL regulariser towards the anchor.")
@@ -169,6 +189,11 @@ class Config(Section):
         if r.prompts_per_step % t.mini_batch_prompts != 0:
             raise ValueError(
                 f"train.mini_batch_prompts ({t.mini_batch_prompts}) must divide rollout.prompts_per_step ({r.prompts_per_step})"
+            )
+        if self.search.enabled and self.data.max_prompt_tokens + r.max_new_tokens > self.search.max_context_tokens:
+            raise ValueError(
+                f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
+                f"({self.data.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}), or no turn could start"
             )
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(

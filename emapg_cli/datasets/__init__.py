@@ -1,5 +1,5 @@
-"""Datasets: the registry (`registry.DATASETS`), conversion to the canonical schema, hub loading, decontamination."""
+"""Datasets: the dataset cards (`registry`, one YAML file per dataset in `data/`), conversion to the canonical schema, hub loading, decontamination."""
 
-from emapg_cli.datasets.registry import DATASETS, DatasetSpec, Fields, get_spec
+from emapg_cli.datasets.registry import DatasetSpec, Fields, datasets, get_spec
 
-__all__ = ["DATASETS", "DatasetSpec", "Fields", "get_spec"]
+__all__ = ["DatasetSpec", "Fields", "datasets", "get_spec"]

@@ -1,11 +1,12 @@
 """Map a source row with any of the common field names onto the canonical schema.
 
 question <- question | problem | prompt (a chat `prompt` list: its last user message)
-answers  <- answer | final_answer | answers (string, number or list of alternatives),
+answers  <- answer | final_answer | answers | golden_answers (string, number or list of aliases),
             else the last \\boxed{} of `solution`
-id       <- id | unique_id | problem_id, else the row index
-A dataset spec's own field names (`registry.Fields`) are tried first; a row missing them falls
-back to the common names, so one spec reads both the hub copy and local copies of a dataset.
+id       <- id | unique_id | problem_id | _id | question_id, else the row index
+A dataset card's own field names (`registry.Fields`, dotted paths for nested values) are tried
+first; a row missing them falls back to the common names, so one card reads both the hub copy and
+local copies of a dataset.
 Other scalar fields go to `meta` (worked solutions are left out: they are long and unused).
 """
 
@@ -18,9 +19,9 @@ from emapg_cli.datasets.registry import DatasetSpec
 from emapg_cli.grading.extract import last_boxed
 
 QUESTION_FIELDS = ("question", "problem", "prompt")
-ANSWER_FIELDS = ("answer", "final_answer", "answers")
+ANSWER_FIELDS = ("answer", "final_answer", "answers", "golden_answers")
 SOLUTION_FIELDS = ("solution",)
-ID_FIELDS = ("id", "unique_id", "problem_id")
+ID_FIELDS = ("id", "unique_id", "problem_id", "_id", "question_id")
 SUBSET_FIELDS = ("subset", "subfield", "subject", "type")
 
 
@@ -28,12 +29,36 @@ class RowError(ValueError):
     """A row that cannot be converted; the message is the reason reported in the manifest."""
 
 
+def lookup(row: Any, path: str) -> Any:
+    """row[path], where a dotted path reads nested values (`a.0.b` is row["a"][0]["b"]); None when absent."""
+    value = row
+    for key in path.split("."):
+        if isinstance(value, dict):
+            value = value.get(key)
+        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
+            value = value[int(key)]
+        else:
+            return None
+    return value
+
+
 def _first(row: dict[str, Any], preferred: Optional[str], common: tuple[str, ...]) -> Optional[str]:
-    """The first field name present (and not None) in `row`: the spec's, then the common ones."""
+    """The first field name present (and not None) in `row`: the card's, then the common ones."""
     for name in ((preferred,) if preferred else ()) + common:
-        if row.get(name) is not None:
+        if lookup(row, name) is not None:
             return name
     return None
+
+
+def source_id(row: Any, index: int) -> str:
+    """The id a source row is reported under (its first id field, else its index)."""
+    name = _first(row, None, ID_FIELDS) if isinstance(row, dict) else None
+    return str(row[name]) if name else str(index)
+
+
+def _top(names) -> set[str]:
+    """The top-level columns of (possibly dotted) field names, left out of meta once used."""
+    return {n.split(".")[0] for n in names if n}
 
 
 def answer_text(value: Any) -> str:
@@ -60,7 +85,7 @@ def _question(value: Any) -> str:
 
 def _answers(row: dict[str, Any], spec: DatasetSpec) -> tuple[list[str], set[str]]:
     """(answers, fields used). The spec's field in its declared format first, then the common names."""
-    preferred = spec.fields.answer if spec.fields.answer in row else None
+    preferred = spec.fields.answer if spec.fields.answer and lookup(row, spec.fields.answer) is not None else None
     if preferred and spec.answer_format == "boxed_solution":
         name, boxed = preferred, True
     elif (name := _first(row, preferred, ANSWER_FIELDS)) is not None:
@@ -69,7 +94,7 @@ def _answers(row: dict[str, Any], spec: DatasetSpec) -> tuple[list[str], set[str
         boxed = True
     else:
         raise RowError("no answer field (answer | final_answer | answers | solution)")
-    value = row[name]
+    value = lookup(row, name)
     if boxed:
         found = last_boxed(value) if isinstance(value, str) else None
         if found is None or not found.strip():
@@ -92,29 +117,34 @@ def convert_row(row: dict[str, Any], index: int, spec: DatasetSpec) -> dict[str,
     """One canonical row {id, question, answers, source, meta}; raises RowError with the reason."""
     if not isinstance(row, dict):
         raise RowError(f"row is a {type(row).__name__}, not an object")
+    if spec.answer_format == "qa_aliases":
+        from emapg_cli.datasets.qa import convert_qa_row  # imports this module
+
+        return convert_qa_row(row, index, spec.name)
     f = spec.fields
     qname = _first(row, f.question, QUESTION_FIELDS)
     if qname is None:
         raise RowError("no question field (question | problem | prompt)")
-    question = _question(row[qname])
-    context = row.get(f.context) if f.context else None
+    question = _question(lookup(row, qname))
+    context = lookup(row, f.context) if f.context else None
     if isinstance(context, str) and context.strip():
         question = f"{context.strip()}\n\n{question}"
     answers, used = _answers(row, spec)
     id_name = _first(row, f.id, ID_FIELDS)
-    used |= {qname, *(n for n in (id_name, f.context) if n)}
+    used = _top(used | {qname, id_name, f.context})
 
     meta = {k: v for k, v in row.items() if k not in used and k not in SOLUTION_FIELDS and v is not None and _meta_value(v)}
     subset_name = _first(row, f.subset, SUBSET_FIELDS)
     if subset_name is not None:
-        meta["subset"] = str(row[subset_name])
-    if f.tolerance and row.get(f.tolerance) not in (None, ""):
+        meta["subset"] = str(lookup(row, subset_name))
+    tolerance = lookup(row, f.tolerance) if f.tolerance else None
+    if tolerance not in (None, ""):
         try:
-            meta["tolerance"] = float(row[f.tolerance])
+            meta["tolerance"] = float(tolerance)
         except (TypeError, ValueError):
-            raise RowError(f"tolerance '{f.tolerance}' is not a number: {row[f.tolerance]!r}") from None
+            raise RowError(f"tolerance '{f.tolerance}' is not a number: {tolerance!r}") from None
     return {
-        "id": str(row[id_name]) if id_name else str(index),
+        "id": str(lookup(row, id_name)) if id_name else str(index),
         "question": question,
         "answers": answers,
         "source": spec.name,

@@ -10,6 +10,8 @@ from emapg_cli.errors import UserError, first_line
 
 def load_dataset(spec: DatasetSpec) -> Iterable[dict[str, Any]]:
     """`datasets.load_dataset(hub_id, config, split=..., revision=...)` (rows as dicts)."""
+    if not spec.hub_id:
+        raise UserError(f"dataset '{spec.name}' has no hub source in its card; convert a local copy with --from FILE")
     try:
         import datasets
     except ImportError:

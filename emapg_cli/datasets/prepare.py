@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from emapg_cli import __version__
 from emapg_cli.data.schema import Example, first_error, load_examples, resolve_data_ref, write_jsonl
-from emapg_cli.datasets.convert import RowError, convert_row
+from emapg_cli.datasets.convert import RowError, convert_row, source_id
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
-from emapg_cli.datasets.registry import DATASETS, DatasetSpec, get_spec
+from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_spec
 from emapg_cli.errors import UserError
 from emapg_cli.paths import emapg_home
 
@@ -40,14 +40,19 @@ class Converted:
 
 
 def convert_rows(rows: Sequence[Any], spec: DatasetSpec, progress: Optional[Callable[[int], None]] = None) -> Converted:
-    """Convert, validate and de-duplicate (by normalised question, then by id; the first one wins)."""
+    """Convert, validate and de-duplicate (by normalised question, then by id; the first one wins).
+
+    QA benchmarks keep repeated questions (PopQA asks "Who was the composer of Easy Living?" about
+    different works, with different answers): their published row counts are the benchmark.
+    """
+    keep_same_questions = spec.answer_format == "qa_aliases"
     out = Converted()
     seen_questions: dict[str, str] = {}
     seen_ids: set[str] = set()
     for index, raw in enumerate(rows):
         if progress:
             progress(1)
-        rid = str(raw.get("id", index)) if isinstance(raw, dict) else str(index)
+        rid = source_id(raw, index)
         try:
             ex = Example.model_validate(convert_row(raw, index, spec))
         except RowError as e:
@@ -57,13 +62,13 @@ def convert_rows(rows: Sequence[Any], spec: DatasetSpec, progress: Optional[Call
             out.dropped.append({"index": index, "id": rid, "reason": f"invalid: {first_error(err)}"})
             continue
         key = question_key(ex.question)
-        if key in seen_questions:
+        if key in seen_questions and not keep_same_questions:
             out.dropped.append({"index": index, "id": ex.id, "reason": f"duplicate: same question as id {seen_questions[key]}"})
             continue
         if ex.id in seen_ids:
             out.dropped.append({"index": index, "id": ex.id, "reason": "duplicate: id already used"})
             continue
-        seen_questions[key] = ex.id
+        seen_questions.setdefault(key, ex.id)
         seen_ids.add(ex.id)
         out.examples.append(ex)
     return out
@@ -88,9 +93,9 @@ def dataset_dir(name: str, out: Optional[Path] = None) -> Path:
 
 def spec_for(name: str, from_file: Optional[Path]) -> DatasetSpec:
     """The registered spec; an unregistered name is fine with a local file (fields auto-detected)."""
-    if name in DATASETS or from_file is None:
+    if name in datasets() or from_file is None:
         return get_spec(name)
-    return DatasetSpec(name=name, role="custom", hub_id="", split="")
+    return custom_spec(name)
 
 
 def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
@@ -102,6 +107,7 @@ def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any
         "role": spec.role,
         **provenance,
         "rows": rows,
+        "expected_rows": spec.expected_rows,
         "dropped": len(converted.dropped),
         "dropped_by_reason": converted.reasons(),
         "dropped_rows": converted.dropped,
@@ -144,7 +150,6 @@ def prepare_dataset(
             "config": spec.config,
             "split": spec.split,
             "revision": revision,
-            "expected_rows": spec.expected_rows,
         }
     advance = progress(len(rows)) if progress else None
     converted = convert_rows(rows, spec, advance)

@@ -32,6 +32,12 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += ["", f"| subset | items | {names} |", "|" + "---|" * (2 + len(cols))]
         for name, s in subsets.items():
             lines.append(f"| {name} | {s['num_items']} | " + " | ".join(f"{100 * s[c]:.1f}" if c in s else "-" for c in cols) + " |")
+    if summary.get("mean_score") is not None:
+        lines += ["", f"mean {summary['reward']}: {100 * summary['mean_score']:.1f} (avg@n counts full scores only)"]
+    if summary.get("search"):
+        from emapg_cli.evaluation.search import search_markdown
+
+        lines += ["", search_markdown(summary["search"]).rstrip("\n")]
     lines += ["", "Scores in %. pass@1 = avg@n; pass@k unbiased (Chen et al. 2021); strict = exact match of the normalised boxed answer."]
     return "\n".join(lines) + "\n"
 

@@ -47,6 +47,13 @@ class EvalSettings:
     gpu_memory_utilization: float = 0.9
     grader_workers: Optional[int] = None
     grader_timeout: float = 5.0
+    reward: str = "math"  # math: boxed answers with math-verify; em / f1: the last <answer> (rewards/qa.py)
+    retriever: Optional[str] = None  # bm25:DIR or http://HOST:PORT: answer with the search agent (evaluation/search.py)
+    max_turns: int = 4  # search turns (then one final turn without search)
+    topk: int = 3  # passages per search
+    max_obs_tokens: int = 500  # observation token limit
+    max_context_tokens: int = 4096  # prompt + trajectory token limit
+    prompt_template: Optional[str] = None  # user-message template file (None: Search-R1's prompt)
 
     def record(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -75,9 +82,13 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
     return [ex for ex in examples if ex.id in given], given
 
 
-def _item_scores(ex: Example, row: dict[str, Any]) -> ItemScores:
+def _item_scores(ex: Example, row: dict[str, Any], reward: str = "math") -> ItemScores:
+    if reward == "math":
+        key = strict_key
+    else:
+        from emapg_cli.rewards.exact_match import normalize_qa as key
     # over-long answers (rows of older versions may hold them) never vote: strict_key stays bounded
-    votes = [strict_key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None for e in row["extracted"]]
+    votes = [key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None for e in row["extracted"]]
     return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"))
 
 
@@ -105,6 +116,7 @@ class _Grading:
                 "extracted": [g.extracted for g in gs],
                 "correct": [g.correct for g in gs],
                 "strict": [g.strict for g in gs],
+                **({"scores": [g.score for g in gs]} if gs and hasattr(gs[0], "score") else {}),
                 **more,
             })
         append_results(self.results, rows)
@@ -133,30 +145,40 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
         gpu_memory_utilization=s.gpu_memory_utilization,
     )
     suffix = f"\n\n{s.instruction}" if s.instruction else ""
+    search = None
+    if s.retriever:
+        from emapg_cli.evaluation.search import SearchRunner, search_config
+
+        search = SearchRunner(tokenizer, search_config(s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens,
+                                                       s.prompt_template), s.max_turns)
     size = s.chunk or default_chunk(backend, s.n)
     gen_seconds, tokens, truncated = 0.0, 0, 0
     pending: Optional[Future] = None
     with ThreadPoolExecutor(max_workers=1) as background:
         for start in range(0, len(todo), size):
             items = todo[start : start + size]
-            prompts = [render_prompt(tokenizer, ex.question + suffix) for ex in items]
+            prompts = [search.prompt(ex.question + suffix) if search else render_prompt(tokenizer, ex.question + suffix)
+                       for ex in items]
             # Seeded by the chunk's first item: per-sample seeds never repeat across chunks.
             params = SamplingParams(
                 n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                 seed=derive_seed(s.seed, index_of[items[0].id]) % 2**31,
             )
             t0 = time.perf_counter()
-            completions = engine.generate(prompts, params)
+            completions = search.generate(engine, prompts, params) if search else engine.generate(prompts, params)
             gen_seconds += time.perf_counter() - t0
             tokens += sum(len(c.token_ids) for g in completions for c in g)
             truncated += sum(c.finish_reason == "length" for g in completions for c in g)
             if pending is not None:
                 pending.result()  # surface a grading error before queueing more
             groups = [[c.text for c in g] for g in completions]
-            extra = [{"num_tokens": [len(c.token_ids) for c in g], "finish_reasons": [c.finish_reason for c in g]} for g in completions]
+            extra = [{"num_tokens": [len(c.token_ids) for c in g], "finish_reasons": [c.finish_reason for c in g],
+                      **(search.extra(g) if search else {})} for g in completions]
             pending = background.submit(grade, items, groups, extra)
         if pending is not None:
             pending.result()
+    if search is not None:
+        search.close()
     return {
         "generation_time_s": gen_seconds,
         "generated_tokens": tokens,
@@ -184,7 +206,15 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     todo = [ex for ex in examples if ex.id not in done]
 
     gen_stats: dict[str, Any] = {"generation_time_s": 0.0, "generated_tokens": 0, "tokens_per_s": None, "truncated_responses": 0}
-    with MathGrader(workers=s.grader_workers, timeout=s.grader_timeout) as grader:
+    if s.reward == "math":
+        grader_cm: Any = MathGrader(workers=s.grader_workers, timeout=s.grader_timeout)
+    elif s.reward in ("em", "f1"):
+        from emapg_cli.rewards.qa import QAGrader
+
+        grader_cm = QAGrader(s.reward)
+    else:
+        raise UserError(f"--reward must be math, em or f1 (got '{s.reward}')")
+    with grader_cm as grader:
         grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress)
         if progress:
             progress(resumed, len(examples), grading.correct / max(grading.responses, 1))
@@ -198,8 +228,12 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         timeouts, refused, stats = grader.timeouts, grader.refused, grader.pool_stats
 
     t_scores = time.perf_counter()
-    scores = [_item_scores(ex, done[ex.id]) for ex in examples]
+    scores = [_item_scores(ex, done[ex.id], s.reward) for ex in examples]
     grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
+    mean_score = None
+    if s.reward != "math":  # the reward itself (f1 is partial credit; avg@n counts full scores only)
+        per_item = [sum(done[ex.id]["scores"]) / len(done[ex.id]["scores"]) for ex in examples if "scores" in done[ex.id]]
+        mean_score = sum(per_item) / len(per_item) if per_item else None
     summary = {
         "bench": s.bench,
         "model": s.model if s.model else f"responses:{s.responses_file}",
@@ -211,9 +245,12 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         if len({ex.source for ex in examples}) > 1 else {},
         "sampling": None if s.model is None else {
             "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
+            **({"retriever": s.retriever, "max_turns": s.max_turns, "topk": s.topk} if s.retriever else {}),
         },
         "instruction": s.instruction,
-        "grader_version": grader_version(),
+        "reward": s.reward,
+        "mean_score": mean_score,
+        "grader_version": grader_version() if s.reward == "math" else f"rewards.qa.{s.reward}",
         "grader_timeouts": timeouts,
         "grader_refused": refused,
         "grader_errors": stats.errors,
@@ -225,5 +262,9 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "graded_per_s": grading.graded / grading.seconds if grading.seconds > 0 else None,
         **gen_stats,
     }
+    if s.retriever or s.reward in ("em", "f1"):
+        from emapg_cli.evaluation.search import search_summary
+
+        summary["search"] = search_summary(examples, done)
     write_report(s.out, summary)
     return summary

@@ -262,6 +262,9 @@ def check_settings(settings: CheckSettings) -> None:
 #: Peak memory of a check, in float64 copies of the [P, V] logits: measured ~36 (the synthetic
 #: source's permutation and noise, log-softmax tables, exact references, per-estimator gradients).
 COPIES_OF_LOGITS = 40
+#: ... plus float64 copies of the [P, N] samples (tokens, per-sample values and projections):
+#: measured ~16.
+COPIES_OF_SAMPLES = 16
 
 
 def available_memory() -> Optional[int]:
@@ -284,14 +287,13 @@ def available_memory() -> Optional[int]:
     return min(found) if found else None
 
 
-def check_memory(positions: int, vocab: int, where: str) -> None:
-    """UserError (one line) when a check over [positions, vocab] logits cannot fit in memory: said
-    up front, instead of being killed by the kernel minutes later."""
-    need = COPIES_OF_LOGITS * 8 * positions * vocab
+def check_memory(positions: int, vocab: int, samples: int, where: str) -> None:
+    """UserError (one line) when a check over [positions, vocab] logits with `samples` draws per
+    position cannot fit in memory: said up front, instead of being killed by the kernel later."""
+    need = 8 * positions * (COPIES_OF_LOGITS * vocab + COPIES_OF_SAMPLES * samples)
     free = available_memory()
     if free is not None and need > free:
         raise UserError(
-            f"{where}: {positions} positions x {vocab} vocabulary needs about {need / 2**30:.1f} GiB of memory "
-            f"({COPIES_OF_LOGITS} float64 copies of the logits), but {free / 2**30:.1f} GiB are available; "
-            "lower --positions or --vocab"
+            f"{where}: {positions} positions x {vocab} vocabulary x {samples} samples needs about {need / 2**30:.1f} GiB "
+            f"of memory, but {free / 2**30:.1f} GiB are available; lower --positions, --vocab or --samples"
         )

@@ -32,10 +32,24 @@ def _exact_match() -> RewardFn:
     return exact_match_reward
 
 
+def _em() -> RewardFn:
+    from emapg_cli.rewards.qa import em_reward
+
+    return em_reward
+
+
+def _f1() -> RewardFn:
+    from emapg_cli.rewards.qa import f1_reward
+
+    return f1_reward
+
+
 #: name -> factory (called once per `get_reward`, so each caller owns its reward's resources).
 REWARDS: dict[str, Callable[[], RewardFn]] = {
     "math": _math,
     "exact_match": _exact_match,
+    "em": _em,  # search agent: Search-R1 exact match of the last <answer>
+    "f1": _f1,  # search agent: SQuAD token F1 of the last <answer>
     "toy": _math,  # the toy task's answers are integers in \boxed{}: maths grading
 }
 

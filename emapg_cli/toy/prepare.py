@@ -67,7 +67,6 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     preset's `eval.max_new_tokens`, the preset's reward), so the two numbers agree.
     """
     import torch
-    import transformers
 
     from emapg_cli.config import load_config
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
@@ -117,22 +116,36 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
         torch.set_num_threads(threads)
         reward.close()
 
-    model.save_pretrained(out / "model")
-    tokenizer.save_pretrained(out / "model")
-    tail = losses[-50:]
-    manifest = {
+    return save_warm_start(out, model, tokenizer, {
         "name": "toy",
         "source": SOURCE,
         "seed": seed,
         "rows": {"train": len(train), "test": len(test)},
-        "model": {"arch": "llama", "parameters": sum(p.numel() for p in model.parameters())},
-        "sft": sft.as_dict(),
-        "sft_steps": len(losses),
-        "sft_final_loss": sum(tail) / len(tail),
+    }, sft, losses, {
         "sft_dev_accuracy": [{"step": step, "accuracy": acc} for step, acc in dev_curve],
         "sft_wall_s": round(sft_seconds, 1),
         "sft_test_accuracy": accuracy,
         "wall_s": round(time.perf_counter() - start, 1),
+    })
+
+
+def save_warm_start(out: Path, model, tokenizer, head: dict[str, Any], sft: SFTConfig, losses: list[float],
+                    results: dict[str, Any]) -> dict[str, Any]:
+    """Save a toy's warm-started `model/` and its `manifest.json` (head, model size, SFT settings and loss,
+    results, versions); returns the manifest."""
+    import torch
+    import transformers
+
+    model.save_pretrained(out / "model")
+    tokenizer.save_pretrained(out / "model")
+    tail = losses[-50:]
+    manifest = {
+        **head,
+        "model": {"arch": model.config.model_type, "parameters": sum(p.numel() for p in model.parameters())},
+        "sft": sft.as_dict(),
+        "sft_steps": len(losses),
+        "sft_final_loss": sum(tail) / len(tail),
+        **results,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()},
         "torch_threads": SFT_THREADS,
     }

@@ -104,25 +104,59 @@ def warm_start(
     dev_accuracy: Callable[[], float],
     progress: Optional[Callable[[int, float], None]] = None,
 ) -> tuple[list[float], list[tuple[int, float]]]:
-    """Fine-tune `model` in place until the smoothed `dev_accuracy()` reaches `cfg.target_accuracy`
-    (see the module docstring for the check schedule) or `cfg.max_steps`.
+    """Fine-tune `model` in place on the addition stream until the smoothed `dev_accuracy()` reaches
+    `cfg.target_accuracy` (see the module docstring for the check schedule) or `cfg.max_steps`.
 
     Returns the loss of every step and the dev checks as (step, accuracy). `exclude` holds
     questions never trained on (test and dev); `progress(step, loss)` is called after each
     optimizer step. The model is left in eval mode.
     """
+    from dataclasses import replace
+
+    encode = PairEncoder(tokenizer)
+    stream = problem_stream(seed + 1, exclude)
+    checks: list[tuple[int, float]] = []
+    steps = iter(range(1, cfg.max_steps + 1))  # `fit` asks after every step (check_every=1 below)
+
+    def next_batch() -> list[tuple[list[int], list[int]]]:
+        problems = [next(stream) for _ in range(cfg.batch_size)]
+        return [encode(p.question, response_text(p.value)) for p in problems]
+
+    def should_stop() -> bool:
+        step = next(steps)
+        fine = any(acc >= cfg.fine_from for _, acc in checks)  # latched: noise on the climb must not fall back to coarse
+        if step % (cfg.fine_every if fine else cfg.check_every):
+            return False
+        checks.append((step, dev_accuracy()))
+        return smoothed_accuracy([acc for _, acc in checks], cfg.smooth) >= cfg.target_accuracy
+
+    losses = fit(model, replace(cfg, check_every=1), seed, next_batch, tokenizer.pad_token_id, should_stop, progress)
+    return losses, checks
+
+
+def fit(
+    model,
+    cfg: SFTConfig,
+    seed: int,
+    next_batch: Callable[[], list[tuple[list[int], list[int]]]],
+    pad_id: int,
+    should_stop: Callable[[], bool],
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> list[float]:
+    """The warm-start loop: AdamW on `next_batch()` (ids, labels with IGNORE off the trained tokens) until
+    `should_stop()` (asked every `cfg.check_every` steps) or `cfg.max_steps`.
+
+    Returns the loss of every step; `progress(step, loss)` is called after each optimizer step.
+    The model is left in eval mode.
+    """
     import torch
 
     torch.manual_seed(seed)
-    encode = PairEncoder(tokenizer)
-    stream = problem_stream(seed + 1, exclude)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     losses: list[float] = []
-    checks: list[tuple[int, float]] = []
     for step in range(cfg.max_steps):
         model.train()
-        problems = [next(stream) for _ in range(cfg.batch_size)]
-        ids, mask, labels = collate([encode(p.question, response_text(p.value)) for p in problems], tokenizer.pad_token_id)
+        ids, mask, labels = collate(next_batch(), pad_id)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -133,11 +167,9 @@ def warm_start(
         losses.append(loss.item())
         if progress is not None:
             progress(step + 1, losses[-1])
-        fine = any(acc >= cfg.fine_from for _, acc in checks)  # latched: noise on the climb must not fall back to coarse
-        if (step + 1) % (cfg.fine_every if fine else cfg.check_every) == 0:
+        if (step + 1) % cfg.check_every == 0:
             model.eval()
-            checks.append((step + 1, dev_accuracy()))
-            if smoothed_accuracy([acc for _, acc in checks], cfg.smooth) >= cfg.target_accuracy:
+            if should_stop():
                 break
     model.eval()
-    return losses, checks
+    return losses

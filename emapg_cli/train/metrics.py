@@ -63,3 +63,11 @@ def rollout_mismatch(diff: Tensor | None) -> dict[str, float]:
         "rollout/logprob_max_abs_diff": float(diff.abs().max()),
         "rollout/ratio_mean": float(diff.exp().mean()),
     }
+
+
+def reward_by_source(rewards: list[float], examples: list) -> dict[str, float]:
+    """`reward/source/{source}`: mean reward of the responses to each data source's examples (this process's)."""
+    sums: dict[str, list[float]] = {}
+    for r, ex in zip(rewards, examples):
+        sums.setdefault(ex.source or "unknown", []).append(r)
+    return {f"reward/source/{name}": mean(values) for name, values in sorted(sums.items())}

@@ -313,8 +313,8 @@ def make_plan(
 ) -> Plan:
     """The plan of `cfg`'s run; `model_config` is the model's config.json (None: look the path up in KNOWN_MODELS).
 
-    Sequence length T = max_prompt_tokens + max_turns * max_new_tokens (an upper bound: tool
-    outputs of multi-turn episodes come on top). Tokens per step = prompts_per_step * n * T.
+    Sequence length T = max_prompt_tokens + max_turns * max_new_tokens; for the search agent,
+    `search.max_context_tokens` (prompt, turns and observations together never exceed it). Tokens per step = prompts_per_step * n * T.
     Memory is per GPU of `device_memory_gib` (an 80 GiB H100 by default) when the run is launched
     on `processes` GPUs: the whole model on each with ddp, 1/N of it with fsdp (see
     `memory_terms`), and vLLM sleep mode during the update (the engine's share is freed).
@@ -324,7 +324,11 @@ def make_plan(
     seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
     device = int(device_memory_gib * GIB)
     notes: list[str] = []
-    if r.max_turns > 1:
+    if cfg.search.enabled:
+        seq_len = cfg.search.max_context_tokens
+        notes.append(f"T is search.max_context_tokens: the prompt, {r.max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
+                     f"and observations of <= {cfg.search.max_obs_tokens} tokens fit in it")
+    elif r.max_turns > 1:
         notes.append(f"T counts {r.max_turns} turns of {r.max_new_tokens} tokens; tool outputs come on top")
 
     if model_config is not None:
@@ -415,7 +419,10 @@ def render_plan(plan: Plan):
     run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
-    run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens")
+    budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
+    run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens"
+                if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "
+                f"turns of <= {plan.max_new_tokens:,} tokens and observations)")
     run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
     run.add_row("mini-batch", f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_prompts * plan.n:,} sequences; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"

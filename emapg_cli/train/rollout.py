@@ -28,11 +28,13 @@ def max_chars_per_token(tokenizer) -> int:
     return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
 
 
-def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int) -> tuple[list[Example], list[list[int]], int]:
+def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int,
+                    user_message: Optional[Callable[[str], str]] = None) -> tuple[list[Example], list[list[int]], int]:
     """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens).
 
     A question longer than max_prompt_tokens x `max_chars_per_token` characters cannot fit in the
     token budget and is skipped before it is tokenised (a huge question costs no tokenizer time or memory).
+    `user_message(question)` builds the user message (the search agent's prompt template); default: the question.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; prompts are rendered with it (set one in tokenizer_config.json)")
@@ -41,7 +43,7 @@ def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: i
     for ex in examples:
         if len(ex.question) > char_bound:
             continue
-        p = render_prompt(tokenizer, ex.question)
+        p = render_prompt(tokenizer, user_message(ex.question) if user_message else ex.question)
         if len(p) <= max_prompt_tokens:
             kept.append(ex)
             ids.append(p)
@@ -83,14 +85,20 @@ class RolloutBatch:
 
     input_ids: Tensor  # [B, P + R]
     attention_mask: Tensor  # [B, P + R]
-    response_mask: Tensor  # [B, R]
+    response_mask: Tensor  # [B, R] 1 = a real response token (policy or observation): the log-prob passes score these
     prompt_len: int
     advantages: Tensor  # [B]
+    loss_mask: Optional[Tensor] = None  # [B, R] 1 = a token the policy sampled (multi-turn: observations are 0); None = response_mask
     sampling_logp: Optional[Tensor] = None  # [B, R] engine's log-probs (diagnostic)
     old_logp: Optional[Tensor] = None  # [B, R]
     q_index: Optional[Tensor] = None  # [B, R, k]
     ref_logp: Optional[Tensor] = None  # [B, R]
     ref_logp_q: Optional[Tensor] = None  # [B, R, k]
+
+    @property
+    def policy_mask(self) -> Tensor:
+        """[B, R] the tokens every loss term, the entropy metric and the token counts use (observation masking)."""
+        return self.loss_mask if self.loss_mask is not None else self.response_mask
 
     @property
     def targets(self) -> Tensor:
@@ -122,14 +130,21 @@ class RolloutBatch:
 
 
 def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], advantages: Tensor, pad_id: int) -> RolloutBatch:
-    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch."""
+    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch.
+
+    A completion with a `policy_mask` (a multi-turn `agents.Episode`: 1 = sampled by the policy,
+    0 = an observation) sets the batch's `loss_mask`; otherwise every response token is the policy's.
+    """
     b = len(completions)
     plen = max(len(p) for p in prompt_ids)
     rlen = max(max(len(c.token_ids) for c in completions), 1)
     input_ids = torch.full((b, plen + rlen), pad_id, dtype=torch.long)  # [B, P + R]
     attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
     resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
-    samp = torch.zeros((b, rlen))  # [B, R]
+    # engine log-probs (diagnostic); None when a completion has none (search.retokenize)
+    samp = torch.zeros((b, rlen)) if all(c.logprobs is not None for c in completions) else None  # [B, R]
+    multi = any(getattr(c, "policy_mask", None) is not None for c in completions)
+    loss_mask = torch.zeros((b, rlen), dtype=torch.bool) if multi else None  # [B, R]
     for i, (p, c) in enumerate(zip(prompt_ids, completions)):
         n = len(c.token_ids)
         input_ids[i, plen - len(p):plen] = torch.tensor(p, dtype=torch.long)
@@ -137,6 +152,9 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
         if n:
             input_ids[i, plen:plen + n] = torch.tensor(c.token_ids, dtype=torch.long)
             resp_mask[i, :n] = True
-            if c.logprobs is not None:
+            if samp is not None:
                 samp[i, :n] = torch.tensor(c.logprobs)
-    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp)
+            if loss_mask is not None:
+                pm = getattr(c, "policy_mask", None)
+                loss_mask[i, :n] = torch.tensor(pm, dtype=torch.bool) if pm is not None else True
+    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, loss_mask=loss_mask)

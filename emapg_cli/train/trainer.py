@@ -32,7 +32,7 @@ from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
-from emapg_cli.train.metrics import rollout_mismatch, step_metrics
+from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import anchor_inside_loss, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
@@ -62,11 +62,36 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.train.loading import model_ref
 
+    # the search agent's contexts grow over turns, up to search.max_context_tokens
+    max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     return VLLMEngine(
         model_ref(cfg.model.path), dtype=cfg.model.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        seed=cfg.train.seed, max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens,
+        seed=cfg.train.seed, max_model_len=max_len,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+
+
+def make_search_agent(cfg: Config, tokenizer):
+    """The search agent (rollout.max_turns turns, retriever from the `search` section), or None when search is off."""
+    if not cfg.search.enabled:
+        return None
+    from emapg_cli.agents import SearchAgent
+    from emapg_cli.retrieval import make_retriever
+
+    s = cfg.search
+    retriever = make_retriever(s.retriever, index=s.index, url=s.url, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s)
+    retriever.search(["test"], 1)  # a server that is down fails here, before any rollout (one-line UserError)
+    return SearchAgent(tokenizer, retriever, s, cfg.rollout.max_turns)
+
+
+def user_message_fn(cfg: Config):
+    """question -> user message: the search agent's prompt template, or None (the question alone)."""
+    if not cfg.search.enabled:
+        return None
+    from emapg_cli.agents.protocol import format_question, load_template
+
+    template = load_template(cfg.search.prompt_template)
+    return lambda question: format_question(question, template)
 
 
 def make_scheduler(optimizer, cfg: Config):
@@ -101,15 +126,17 @@ class Trainer:
         """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model)
+        self.agent = make_search_agent(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
+        message = user_message_fn(cfg)
         train_ex, self.train_prompts, self.skipped_train = prepare_prompts(
-            self.tokenizer, self.inputs.train, cfg.data.max_prompt_tokens)
+            self.tokenizer, self.inputs.train, cfg.data.max_prompt_tokens, message)
         if not train_ex:
             raise UserError(f"every training prompt is longer than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")
         self.train_ex = train_ex
         self.eval_ex, self.eval_prompts, self.skipped_eval = [], [], 0
         if cfg.data.eval:
             ex = self.inputs.eval[: cfg.data.eval_limit]
-            self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens)
+            self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens, message)
         seed_everything(cfg.train.seed)
         policy = load_policy(cfg.model)
         vocab = policy.get_output_embeddings().weight.shape[0]
@@ -133,6 +160,8 @@ class Trainer:
                 self.state = {**self.state, **saved}
                 last = self.state["step"]
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self.strategy.full_weights)
+        # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
+        self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
         self._push(self.policy)
         return last
 
@@ -163,7 +192,7 @@ class Trainer:
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
-        acc = evaluate(self.engine, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc)
+        acc = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc)
         if model is not self.policy:
             self._push(self.policy)
         return acc
@@ -179,7 +208,7 @@ class Trainer:
         prompts = [self.train_prompts[i] for i in mine]
         params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
-        groups = self.engine.generate(prompts, params)  # engines take their memory back themselves
+        groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
         rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
@@ -190,10 +219,16 @@ class Trainer:
         rows_prompts = [p for p in prompts for _ in range(r.n)]
         batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
         batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
-                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp")})
+                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "loss_mask")
+                               if getattr(batch, f) is not None})
         lens = [len(c.token_ids) for c in completions]
         truncated = sum(c.finish_reason == "length" for c in completions)
-        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated)
+        extra: dict[str, float] = {}
+        if self.agent is not None:  # this process's episodes
+            from emapg_cli.agents import search_metrics
+
+            extra = {**search_metrics(completions, self.agent.latencies), **reward_by_source(rewards, examples)}
+        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated), extra
 
     def _update(self, step: int, batch) -> Any:
         """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
@@ -204,7 +239,7 @@ class Trainer:
             self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
-        mask = batch.response_mask.bool()
+        mask = batch.policy_mask.bool()
         self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
                               if batch.old_logp is not None and batch.sampling_logp is not None else None)
         self.scorer.train()
@@ -300,7 +335,7 @@ class Trainer:
             for step in range(last + 1, cfg.train.steps + 1):
                 seed_everything(derive_seed(cfg.train.seed, step, acc.process_index))
                 t0 = time.time()
-                batch, roll = self._rollout(step)
+                batch, roll, extra = self._rollout(step)
                 t1 = time.time()
                 upd = self._update(step, batch)
                 self.state["skipped"] += upd.skipped
@@ -310,6 +345,7 @@ class Trainer:
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
                                        t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
                 metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
+                metrics.update(extra)
                 if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
                     metrics["eval/accuracy"] = self._eval(self.policy, step)
                 if has_eval and self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:
@@ -330,6 +366,8 @@ class Trainer:
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
             close()
+        if self.agent is not None:
+            self.agent.retriever.close()
         summary = {
             "eval_accuracy_initial": self.state.get("eval_accuracy_initial"),
             "eval_accuracy_final": self.state.get("eval_accuracy_final"),

@@ -49,7 +49,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
         temperature=cfg.rollout.temperature, q_index=mb.q_index if beta > 0 and info.uses_topk else None,
         chunk=t.logit_chunk, ref_hidden=ref_hidden, ref_head=ref_head, kl_direction=kl_cfg.direction,
     )
-    mask = mb.response_mask
+    mask = mb.policy_mask  # observation tokens (multi-turn) get no loss, no KL, no entropy, no count
     logp = stats.logp  # [b, R]
     old = mb.old_logp if mb.old_logp is not None else logp.detach()
     pg_tok, clipped = ppo_clip_loss(logp, old, mb.advantages[:, None], t.clip_low, t.clip_high, t.dual_clip)  # [b, R]
@@ -166,7 +166,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
         for g0 in range(0, n_groups, groups_per_mini):
             groups = order[g0:g0 + groups_per_mini]
             rows = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [rows]
-            mask = batch.response_mask[rows]
+            mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)

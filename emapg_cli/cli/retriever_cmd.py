@@ -1,0 +1,83 @@
+"""`emapg retriever index|query|serve`: build a BM25 index of a corpus, query it, serve it over HTTP (Search-R1 API)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from emapg_cli.cli.common import console
+from emapg_cli.errors import UserError
+
+app = typer.Typer(help="Retrieval for the search agent: index a JSONL corpus, query an index, serve it as a Search-R1 /retrieve server.",
+                  no_args_is_help=True)
+
+
+@app.command("index")
+def index(
+    corpus: Annotated[Path, typer.Argument(metavar="CORPUS.jsonl", help="Corpus in the FlashRAG layout: one {\"id\", \"contents\"} per line, the first line of contents being the title.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="New (or empty) folder for the index.")],
+) -> None:
+    """Build a BM25 index (bm25s) of CORPUS into --out, with a manifest (corpus sha256, row count)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.retrieval.bm25 import build_index
+
+    bar = Progress(TextColumn("tokenising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+
+    def start(total: int):
+        task = bar.add_task("tokenising", total=total)
+        return lambda k: bar.advance(task, k)
+
+    with bar:
+        manifest = build_index(corpus, out, progress=start)
+    console.print(f"indexed {manifest['rows']:,} documents in {manifest['index_s']:.2f} s -> {out} "
+                  f"(corpus sha256 {manifest['corpus_sha256'][:12]}...)", highlight=False)
+
+
+@app.command("query")
+def query(
+    index_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Index folder written by `emapg retriever index`.")],
+    text: Annotated[str, typer.Argument(help="The query.")],
+    topk: Annotated[int, typer.Option("--topk", "-k", min=1, help="Number of hits.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list of {\"id\", \"title\", \"contents\", \"score\"}.")] = False,
+) -> None:
+    """Print the top hits of one query."""
+    from emapg_cli.retrieval.bm25 import BM25Retriever
+
+    hits = BM25Retriever.load(index_dir).search([text], topk)[0]
+    if as_json:
+        typer.echo(json.dumps([h.to_json() for h in hits], ensure_ascii=False, indent=2))
+        return
+    for rank, h in enumerate(hits, 1):
+        body = h.contents.partition("\n")[2].replace("\n", " ")
+        console.print(f"{rank}. [bold]{h.title}[/] (id {h.id}, score {h.score:.3f})", highlight=False)
+        console.print(f"   {body[:300]}{'...' if len(body) > 300 else ''}", markup=False, highlight=False)
+
+
+@app.command("serve")
+def serve(
+    index_dir: Annotated[Path, typer.Argument(metavar="DIR", help="Index folder written by `emapg retriever index`.")],
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free port, printed at start).")] = 8000,
+    topk: Annotated[int, typer.Option("--topk", min=1, help="Hits per query when a request gives no topk.")] = 3,
+) -> None:
+    """Serve the index with Search-R1's API: POST /retrieve {"queries", "topk", "return_scores"}; Ctrl-C stops."""
+    from emapg_cli.retrieval.bm25 import BM25Retriever
+    from emapg_cli.retrieval.server import make_server
+
+    retriever = BM25Retriever.load(index_dir)
+    try:
+        server = make_server(retriever, host, port, default_topk=topk, rows=len(retriever.docs))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    h, p = server.server_address[:2]
+    console.print(f"serving {len(retriever.docs):,} documents at http://{h}:{p}/retrieve (Ctrl-C stops)", highlight=False)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

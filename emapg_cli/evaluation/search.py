@@ -1,0 +1,126 @@
+"""`emapg eval --retriever ...`: the search agent's loop as an evaluation (Search-R1's validation protocol).
+
+The same `SearchAgent` the trainer uses runs each question (greedy by default: Search-R1 validates
+with T = 0), and each results row keeps every sample's full trajectory: its searches, the ids of
+the passages each search showed, the final answer and the episode's counts. The summary adds
+exact match and F1 (both computed from the extracted answers, so a resumed run reports the same
+numbers), searches per question, the invalid-action rate and a per-data-source breakdown.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional, Sequence
+from urllib.parse import urlparse
+
+from emapg_cli.data.schema import Example
+from emapg_cli.errors import UserError
+
+
+def parse_retriever(spec: str) -> dict[str, Any]:
+    """`bm25:DIR` or `http://HOST:PORT[/retrieve]` as `SearchConfig` fields (retriever, index | url)."""
+    if spec.startswith("bm25:"):
+        index = spec[len("bm25:"):]
+        if not index:
+            raise UserError("--retriever bm25:DIR needs the index folder (`emapg retriever index CORPUS --out DIR`)")
+        return {"retriever": "bm25", "index": index}
+    parsed = urlparse(spec)
+    if parsed.scheme in ("http", "https") and parsed.netloc:
+        url = spec if parsed.path not in ("", "/") else spec.rstrip("/") + "/retrieve"
+        return {"retriever": "http", "url": url}
+    raise UserError(f"--retriever must be bm25:DIR or http://HOST:PORT (a Search-R1 /retrieve server), got '{spec}'")
+
+
+def search_config(retriever: str, topk: int, max_obs_tokens: int, max_context_tokens: int,
+                  prompt_template: Optional[str]):
+    """The `search` config section an evaluation runs with."""
+    from emapg_cli.config.models import SearchConfig
+
+    return SearchConfig(enabled=True, topk=topk, max_obs_tokens=max_obs_tokens, max_context_tokens=max_context_tokens,
+                        prompt_template=prompt_template, **parse_retriever(retriever))
+
+
+class SearchRunner:
+    """Prompts and generation for `evaluation.runner` when the bench is answered with search."""
+
+    def __init__(self, tokenizer, cfg, max_turns: int):
+        from emapg_cli.agents import SearchAgent, protocol
+        from emapg_cli.retrieval.base import make_retriever
+
+        self.tokenizer = tokenizer
+        self.template = protocol.load_template(cfg.prompt_template)
+        self.retriever = make_retriever(cfg.retriever, index=cfg.index, url=cfg.url, timeout_s=cfg.timeout_s,
+                                        retries=cfg.retries, backoff_s=cfg.backoff_s)
+        self.agent = SearchAgent(tokenizer, self.retriever, cfg, max_turns)
+
+    def prompt(self, question: str) -> list[int]:
+        from emapg_cli.agents import protocol
+        from emapg_cli.train.rollout import render_prompt
+
+        return render_prompt(self.tokenizer, protocol.format_question(question, self.template))
+
+    def generate(self, engine, prompts, params):
+        return self.agent.generate(engine, prompts, params)
+
+    def extra(self, group) -> dict[str, Any]:
+        """The results-row fields of one item's episodes: each full trajectory and its counts."""
+        from emapg_cli.agents import protocol
+
+        return {"trajectories": [{
+            "queries": e.queries,
+            "retrieved_ids": e.retrieved,
+            "answer": protocol.last_answer(e.text),
+            "outcome": e.outcome,
+            "turns": e.turns,
+            "searches": e.searches,
+            "invalid": e.invalid,
+            "text": self.tokenizer.decode(e.token_ids, skip_special_tokens=False),
+        } for e in group]}
+
+    def close(self) -> None:
+        self.retriever.close()
+
+
+def search_summary(examples: Sequence[Example], rows: dict[str, dict]) -> dict[str, Any]:
+    """Exact match, F1, searches per question, invalid-action rate and turns, overall and per data source.
+
+    Means over samples (n per item); items without trajectories (graded --responses) count only for EM/F1.
+    """
+    from emapg_cli.rewards.qa import em_score, f1_score
+
+    groups: dict[str, list[tuple[Example, dict]]] = defaultdict(list)
+    for ex in examples:
+        groups[ex.source or "-"].append((ex, rows[ex.id]))
+
+    def stats(pairs: list[tuple[Example, dict]]) -> dict[str, Any]:
+        em = [em_score(a, ex.answers) for ex, r in pairs for a in r["extracted"]]
+        f1 = [f1_score(a, ex.answers) for ex, r in pairs for a in r["extracted"]]
+        traj = [t for _, r in pairs for t in r.get("trajectories", [])]
+        turns = sum(t["turns"] for t in traj)
+        out: dict[str, Any] = {"num_items": len(pairs), "exact_match": sum(em) / max(len(em), 1), "f1": sum(f1) / max(len(f1), 1)}
+        if traj:
+            out.update({
+                "searches_per_question": sum(t["searches"] for t in traj) / len(traj),
+                "invalid_action_rate": sum(t["invalid"] for t in traj) / max(turns, 1),
+                "turns": turns / len(traj),
+                "answered": sum(t["outcome"] == "answer" for t in traj) / len(traj),
+            })
+        return out
+
+    everything = [p for g in groups.values() for p in g]
+    return {**stats(everything), "sources": {name: stats(g) for name, g in sorted(groups.items())} if len(groups) > 1 else {}}
+
+
+def search_markdown(s: dict[str, Any]) -> str:
+    """The search table: one row overall, one per data source."""
+    cols = ("exact_match", "f1", "searches_per_question", "invalid_action_rate", "turns")
+    lines = ["| source | items | EM | F1 | searches/q | invalid | turns |", "|---|---|---|---|---|---|---|"]
+
+    def row(name: str, x: dict[str, Any]) -> str:
+        cells = [f"{100 * x[c]:.1f}" if c in ("exact_match", "f1", "invalid_action_rate") else f"{x[c]:.2f}"
+                 for c in cols if c in x]
+        return f"| {name} | {x['num_items']} | " + " | ".join(cells + ["-"] * (len(cols) - len(cells))) + " |"
+
+    lines.append(row("all", s))
+    lines += [row(name, x) for name, x in s.get("sources", {}).items()]
+    return "\n".join(lines) + "\n\nEM, F1 and invalid (share of turns with neither a search nor an answer) in %.\n"

@@ -1,0 +1,154 @@
+"""Retrievers: bm25 index/query (CLI), the Search-R1 HTTP server and client on localhost, bad input, HotpotQA recall."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from emapg_cli.errors import UserError
+from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
+from emapg_cli.datasets.prepare import sha256_file
+from emapg_cli.retrieval.corpus import paragraph_contents
+from emapg_cli.retrieval.http import HTTPRetriever
+from train_helpers import free_port
+
+DOCS = [
+    ("Evan Morris", "Evan Morris was a lobbyist for Genentech in Washington."),
+    ("Horatio Hale", "Horatio Hale was an ethnologist who studied Algonkin vocabulary."),
+    ("Dibba Al-Hisn", "Dibba Al-Hisn is a town where the Portuguese built a fort."),
+    ("Ao Oni", "Ao Oni is a Japanese horror film based on a video game."),
+    ("Titan IIIE", "Titan IIIE was the rocket that launched Voyager 2 towards Uranus."),
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"id": f"d{i}", "contents": paragraph_contents(t, x)}) + "\n" for i, (t, x) in enumerate(DOCS)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def index(corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("idx") / "index"
+    build_index(corpus, out)
+    return out
+
+
+def test_index_manifest_and_distinct_hits(corpus, index):
+    manifest = json.loads((index / "manifest.json").read_text())
+    assert manifest["rows"] == 5 and manifest["corpus_sha256"] == sha256_file(corpus)
+    r = BM25Retriever.load(index)
+    hits = r.search(["lobbyist Genentech", "Algonkin ethnologist", "Portuguese fort", "rocket Uranus Voyager"], 2)
+    # the bm25s regression of FlashRAG#103 returned the same hits for every query: each query must find its own doc
+    assert [h[0].id for h in hits] == ["d0", "d1", "d2", "d4"]
+    assert hits[0][0].title == "Evan Morris" and hits[0][0].contents.startswith('"Evan Morris"\n')
+    assert hits[0][0].score > hits[0][1].score >= 0
+    assert len(r.search(["anything"], 50)[0]) == 5  # topk capped at the corpus size
+
+
+def test_query_cli_json(index, cli):
+    r = cli("retriever", "query", str(index), "Horatio Hale Algonkin", "--topk", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    hits = json.loads(r.stdout)
+    assert len(hits) == 2 and set(hits[0]) == {"id", "title", "contents", "score"} and hits[0]["id"] == "d1"
+
+
+def test_corpus_without_contents_is_one_line_error(tmp_path, cli):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "1", "contents": "T\\ntext"}\n{"id": "2", "text": "no contents"}\n')
+    out = tmp_path / "idx"
+    r = cli("retriever", "index", str(bad), "--out", str(out))
+    assert r.returncode == 2 and "row 2 has no 'contents'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not out.exists() and not (tmp_path / "idx.tmp").exists()  # nothing half-written
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stderr.read()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if json.loads(r.read())["status"] == "ok":
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("server did not come up")
+
+
+def test_http_round_trip_against_serve(index):
+    """`emapg retriever serve` in a subprocess; raw Search-R1 JSON over HTTP, then the http client; both = in-process."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", "retriever", "serve", str(index), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/health", proc)
+        body = json.dumps({"queries": ["Portuguese fort", "Japanese horror"], "topk": 2, "return_scores": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/retrieve", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            reply = json.loads(r.read())
+        assert [len(x) for x in reply["result"]] == [2, 2]
+        first = reply["result"][0][0]
+        assert set(first) == {"document", "score"} and first["document"]["id"] == "d2"
+        assert first["document"]["contents"].startswith('"Dibba Al-Hisn"\n')
+        plain = json.dumps({"queries": ["Portuguese fort"], "topk": 1, "return_scores": False}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/retrieve", data=plain), timeout=10) as r:
+            assert json.loads(r.read())["result"][0][0]["id"] == "d2"  # Search-R1's return_scores=false shape
+
+        client = HTTPRetriever(f"http://127.0.0.1:{port}/retrieve", timeout_s=10, retries=0)
+        local = BM25Retriever.load(index)
+        queries = ["lobbyist Genentech", "rocket Uranus", "Algonkin"]
+        assert client.search(queries, 3) == local.search(queries, 3)  # same ids, titles, contents, scores
+        bad = urllib.request.Request(f"http://127.0.0.1:{port}/retrieve", data=b'{"queries": "not a list"}')
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(bad, timeout=10)
+        assert e.value.code == 400
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_unreachable_server_is_one_line_error():
+    port = free_port()  # nothing listens there
+    client = HTTPRetriever(f"http://127.0.0.1:{port}/retrieve", timeout_s=2, retries=2, backoff_s=0.01)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"failed after 3 tries: .*refused") as e:
+        client.search(["q"], 3)
+    assert "\n" not in str(e.value) and time.perf_counter() - t0 < 10  # back-off 0.01 + 0.02 s
+
+
+def test_hotpotqa_gold_recall(shared_data, tmp_path, cli, capsys):
+    """bm25 over the 4,858 HotpotQA paragraphs: gold-paragraph recall@3 of the 500 questions (Search-R1 notes: 0.66)."""
+    src = shared_data / "search" / "hotpotqa_dev_ircot500.jsonl"
+    corpus_dir = tmp_path / "corpus"
+    r = cli("prepare", "hotpotqa-corpus", "--from", str(src), "--out", str(corpus_dir))
+    assert r.returncode == 0, r.stderr
+    assert json.loads((corpus_dir / "manifest.json").read_text())["rows"] == 4858
+    t0 = time.perf_counter()
+    build_index(corpus_dir / "corpus.jsonl", tmp_path / "index")
+    t_index = time.perf_counter() - t0
+    retriever = BM25Retriever.load(tmp_path / "index")
+    rows = [json.loads(line) for line in open(src)]
+    t0 = time.perf_counter()
+    hits = retriever.search([x["question_text"] for x in rows], 10)
+    t_query = time.perf_counter() - t0
+    recall = {}
+    for k in (3, 10):
+        per_question = []
+        for x, h in zip(rows, hits):
+            gold = {" ".join(paragraph_contents(c["title"].strip(), c["paragraph_text"]).split()) for c in x["contexts"] if c["is_supporting"]}
+            got = {" ".join(d.contents.split()) for d in h[:k]}
+            per_question.append(len(gold & got) / len(gold))  # share of the question's gold paragraphs in the top k
+        recall[k] = sum(per_question) / len(per_question)
+    with capsys.disabled():
+        print(f"\nhotpotqa bm25: recall@3 {recall[3]:.3f}, recall@10 {recall[10]:.3f}, index {t_index:.2f} s, "
+              f"500 queries {t_query:.2f} s")
+    # measured 0.660 / 0.916 with bm25s 0.3.16; a broken index (same hits for every query) gives ~0
+    assert 0.62 <= recall[3] <= 0.70 and recall[10] > 0.88

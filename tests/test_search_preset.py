@@ -1,0 +1,43 @@
+"""The `search-qa` preset: its dry-run plan, and 2 real RL steps on CPU (tiny model, HotpotQA sample, BM25)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_search_qa_dry_run(cli, emapg_home):
+    r = cli("train", "--preset", "search-qa", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    out = " ".join(r.stdout.split())
+    assert "512 prompts x 5 responses" in out and "Qwen/Qwen2.5-3B" in out and "GPU memory estimate" in out
+
+
+def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_home, cli):
+    # The preset as shipped, with only the model and the sizes overridden (--set): the shared HotpotQA sample
+    # as training data, and a BM25 index of its 4,858 paragraphs in place of the wiki-18 server.
+    src = shared_data / "search" / "hotpotqa_dev_ircot500.jsonl"
+    assert cli("prepare", "hotpotqa", "--from", str(src)).returncode == 0
+    r = cli("prepare", "hotpotqa-corpus", "--from", str(src), "--out", str(tmp_path / "corpus"))
+    assert r.returncode == 0, r.stderr
+    r = cli("retriever", "index", str(tmp_path / "corpus" / "corpus.jsonl"), "--out", str(tmp_path / "index"))
+    assert r.returncode == 0, r.stderr
+    run = tmp_path / "run"
+    sets = {
+        "model.path": str(tiny_llama), "model.dtype": "float32", "model.gradient_checkpointing": "false",
+        "rollout.engine": "hf", "rollout.prompts_per_step": "2", "rollout.n": "2", "rollout.max_new_tokens": "8",
+        "rollout.max_turns": "2", "train.steps": "2", "train.mini_batch_prompts": "2", "train.micro_batch_size": "4",
+        "train.save_every": "0", "data.train": "hotpotqa",
+        "search.retriever": "bm25", "search.index": str(tmp_path / "index"), "search.max_obs_tokens": "64",
+        "search.max_context_tokens": "1000",  # the tiny model has 1024 positions; Search-R1's prompt is ~700 bytes
+    }
+    args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    r = cli("train", "--preset", "search-qa", *args, "--out", str(run), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in rows if "search/calls_per_episode" in x]
+    assert len(steps) == 2
+    for m in steps:
+        assert 1 <= m["search/turns"] <= 3  # 2 search turns + the final one
+        assert 0 <= m["search/invalid_action_rate"] <= 1 and 0 < m["search/obs_tokens_frac"] < 1
