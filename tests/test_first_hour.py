@@ -41,7 +41,9 @@ def test_dry_run_warns_about_missing_inputs_with_the_same_hint(emapg_home):
 def test_unknown_reward_fails_the_dry_run():
     r = cli("train", "--preset", "toy", "--set", "rollout.reward=nope", "--dry-run")
     assert r.returncode == 2
-    assert r.stderr.strip() == "error: rollout.reward: unknown reward 'nope' (known: exact_match, math, toy)"
+    from emapg_cli.rewards import REWARDS
+
+    assert r.stderr.strip() == f"error: rollout.reward: unknown reward 'nope' (known: {', '.join(sorted(REWARDS))})"
 
 
 @pytest.mark.skipif(find_spec("tensorboard") is not None, reason="tensorboard is installed here")
