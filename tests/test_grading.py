@@ -316,3 +316,16 @@ def test_olympiad_wrong_variants_are_rejected(shared_data, grader):
     )
     rejected = sum(not g.correct for g in grades) / len(cases)
     assert len(cases) > 1800 and rejected >= 0.995
+
+
+def test_plain_numbers_are_settled_without_math_verify():
+    # Plain decimal numbers on both sides are compared exactly here: "57" vs "58" is wrong, "3.50" vs "3.5"
+    # right, and no task reaches the pool (it is never started: _pool stays None).
+    from emapg_cli.grading import Gold, MathGrader
+    from emapg_cli.grading.normalize import plain_number
+
+    assert plain_number("-12") == -12 and plain_number("3.50") == plain_number("3.5") and plain_number("1/2") is None
+    g = MathGrader(workers=1)
+    grades = g.grade(["\\boxed{57}", "\\boxed{3.50}", "\\boxed{-4}"], [Gold(("58",)), Gold(("3.5",)), Gold(("-4",))])
+    assert [x.correct for x in grades] == [False, True, True]
+    assert g._pool is None

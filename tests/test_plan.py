@@ -56,16 +56,20 @@ def test_olympiad_plan_matches_the_paper_model_and_hand_counts():
     assert terms["policy weights"] == terms["gradients"] == 2 * p  # bf16
     assert terms["AdamW moments"] == 8 * p and terms["EMA anchor"] == 4 * p
     assert terms["vLLM engine"] == 40 * GIB  # 0.5 x 80 GiB
-    assert terms["logits"] == 1024 * 151_936 * 14  # one chunk of c = 1,024 tokens x V x (2 + 3 x 4)
-    assert "top-k extras" not in terms and "anchor logits" not in terms  # k3: no top-k set, anchor in its own pass
+    # train.logit_chunk null: c = 256 MiB // (4 x 151,936) = 268,435,456 // 607,744 = 441 rows, each holding the
+    # bf16 head output (2 B) and its fp32 copy that becomes the softmax (4 B)
+    assert terms["logits"] == 441 * 151_936 * (4 + 2) == 402_022_656
+    assert terms["head gradient"] == 151_936 * 1_536 * 4  # the fused layer's fp32 dW buffer
+    assert "top-k extras" not in terms  # k3: no top-k set, anchor in its own pass
     assert plan.update_peak_bytes == sum(b for t, b in terms.items() if t != "vLLM engine")
     assert plan.rollout_peak_bytes == 14 * p + 40 * GIB  # weights + moments + anchor + vLLM
 
 
 def test_largest_micro_batch_that_fits_a_smaller_device():
-    # On 40 GiB = 42,949,672,960 B: state 14P = 24,879,232,000, gradients 2P = 3,554,176,000 and one
-    # logits chunk 2,178,187,264 leave 12,338,077,696 B; each sequence's checkpointed activations take
-    # 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B -> 7 sequences (7.28).
+    # On 40 GiB = 42,949,672,960 B: state 14P = 24,879,232,000, gradients 2P = 3,554,176,000, one
+    # logits chunk 402,022,656 and the fp32 head gradient 933,494,784 leave 13,180,747,520 B; each
+    # sequence's checkpointed activations take 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B
+    # -> 7 sequences (7.78).
     plan = make_plan(load_config("olympiad"), device_memory_gib=40)
     assert plan.max_micro_batch_fit == 7
     assert "micro_batch_size <= 7 fits (now 8)" in " ".join(plan.notes)
@@ -73,9 +77,10 @@ def test_largest_micro_batch_that_fits_a_smaller_device():
 
 def test_no_anchor_without_kl_and_topk_extras_with_topk():
     no_kl = make_plan(load_config("olympiad", overrides=["kl.coef=0"]))
-    assert {t.name for t in no_kl.memory}.isdisjoint({"EMA anchor", "anchor logits"})
+    assert {t.name for t in no_kl.memory}.isdisjoint({"EMA anchor"})
     exact = make_plan(load_config("olympiad", overrides=["kl.estimator=exact"]))
-    assert next(t.bytes for t in exact.memory if t.name == "anchor logits") == 1024 * 151_936 * 4  # same chunk, fp32
+    # exact: 8 fp32 [c, V] buffers (both models' logits, autograd's) -> c = 268,435,456 // (8 x 4 x 151,936) = 55
+    assert next(t.bytes for t in exact.memory if t.name == "logits") == 55 * 151_936 * (8 * 4 + 2)
     topk = make_plan(load_config("olympiad", overrides=["kl.estimator=topk", "kl.k=32"]))
     extras = next(t for t in topk.memory if t.name == "top-k extras")
     assert extras.bytes == 8 * 9216 * 32 * 16  # b x T x k x (4 + 4 + 8)
@@ -153,3 +158,17 @@ def test_fsdp_plan_is_per_rank():
     anchor_eval = make_plan(load_config("olympiad", overrides=["train.parallel=fsdp", "eval.anchor_every=10"]), processes=8)
     terms = {t.name: t.bytes for t in anchor_eval.memory}
     assert terms["anchor gathered (eval)"] == 4 * 1_777_088_000 and "policy gathered" not in terms
+
+
+def test_token_budget_bounds_the_micro_batch_activations():
+    # olympiad with a 24k-token response stage: T = 1,024 + 24,576 = 25,600. A budget of 32,768 tokens per
+    # micro-batch caps b x T = 8 x 25,600 = 204,800 at 32,768, so activations shrink by 204,800 / 32,768 = 6.25x;
+    # a budget below one sequence still leaves T (a sequence is never split).
+    over = ["rollout.max_new_tokens=24576"]
+    full = {t.name: t.bytes for t in make_plan(load_config("olympiad", overrides=over)).memory}
+    capped = {t.name: t.bytes for t in make_plan(load_config(
+        "olympiad", overrides=over + ["train.max_tokens_per_micro_batch=32768"])).memory}
+    assert full["activations"] * 32_768 == capped["activations"] * 204_800
+    tiny = {t.name: t.bytes for t in make_plan(load_config(
+        "olympiad", overrides=over + ["train.max_tokens_per_micro_batch=100"])).memory}
+    assert tiny["activations"] * 204_800 == full["activations"] * 25_600

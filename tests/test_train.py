@@ -26,12 +26,12 @@ def lm_and_tok(tiny_qwen2):
     return AutoModelForCausalLM.from_pretrained(tiny_qwen2).eval(), AutoTokenizer.from_pretrained(tiny_qwen2)
 
 
-def _rollout_batch(lm, tok, n=3, max_new=5):
+def _rollout_batch(lm, tok, n=3, max_new=5, topk=4):
     from emapg_cli.engines.hf import HFEngine
     from emapg_cli.train.rollout import build_batch, render_prompt
 
     prompts = [render_prompt(tok, q) for q in ("1+2", "what is 13*17?")]
-    groups = HFEngine(lm, tok).generate(prompts, SamplingParams(n=n, max_new_tokens=max_new, seed=3))
+    groups = HFEngine(lm, tok).generate(prompts, SamplingParams(n=n, max_new_tokens=max_new, seed=3, topk=topk))
     comps = [c for g in groups for c in g]
     adv = torch.linspace(-1, 1, len(comps))
     return build_batch([p for p in prompts for _ in range(n)], comps, adv, tok.pad_token_id), comps
@@ -100,6 +100,25 @@ def test_engine_logprobs_match_trainer_pass(lm_and_tok):
     m = batch.response_mask
     # KV-cached generation and a full forward agree to float32 round-off
     assert torch.allclose(st.logp[m], batch.sampling_logp[m], atol=1e-4)
+
+
+def test_engine_topk_equals_the_old_policy_pass(lm_and_tok):
+    """The hf engine's recorded top-k ids are the trainer's old-policy top-k (train.old_logprobs=engine skips that
+    pass), and with old_logprobs=engine the passes take old_logp from the engine's log-probs."""
+    from emapg_cli.train.logprobs import TokenScorer, token_stats
+    from emapg_cli.train.passes import needs_old_pass, reference_passes
+
+    lm, tok = lm_and_tok
+    batch, _ = _rollout_batch(lm, tok, topk=4)
+    with torch.no_grad():
+        st = token_stats(lm, batch.input_ids, batch.attention_mask, batch.prompt_len, batch.response_mask, topk=4)
+    m = batch.response_mask
+    assert torch.equal(batch.q_index[m], st.topk_index[m])
+    over = ["kl.estimator=topk", "kl.k=4", "rollout.prompts_per_step=2", "train.mini_batch_prompts=1"]
+    engine = load_config(overrides=over)  # auto + hf engine: from the engine
+    assert not needs_old_pass(engine) and needs_old_pass(load_config(overrides=over + ["train.old_logprobs=pass"]))
+    out = reference_passes(TokenScorer(lm), TokenScorer(lm), batch.with_(q_index=batch.q_index), engine, k=4)
+    assert torch.equal(out.old_logp, batch.sampling_logp) and torch.equal(out.q_index, batch.q_index)
 
 
 @pytest.mark.parametrize("estimator,direction", ESTIMATOR_CASES)
@@ -274,3 +293,18 @@ def test_rollout_mismatch_by_hand():
     assert m["rollout/logprob_max_abs_diff"] == pytest.approx(0.1)
     assert m["rollout/ratio_mean"] == pytest.approx((math.exp(-0.1) + 2) / 3)
     assert rollout_mismatch(None) == {} and rollout_mismatch(torch.zeros(0)) == {}
+
+
+def test_micro_batches_by_tokens():
+    """Rows sorted longest first, a micro-batch closed when rows x (longest prompt + longest response) would pass
+    the budget; without a budget: consecutive slices of max_rows."""
+    from emapg_cli.train.rollout import micro_batches
+
+    rows = torch.arange(5)
+    prompt = torch.tensor([4, 4, 2, 4, 2])
+    resp = torch.tensor([2, 10, 3, 6, 1])  # totals 6, 14, 5, 10, 3
+    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 2)] == [[0, 1], [2, 3], [4]]
+    # order by total: 1 (14), 3 (10), 0 (6), 2 (5), 4 (3). Budget 20: [1] (14; +3 -> 2 x 14 = 28 > 20),
+    # [3, 0] (2 x 10 = 20), [2, 4] (2 x (2 + 3) = 10; the prompt max is 2 for these two)
+    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 8, 20)] == [[1], [3, 0], [2, 4]]
+    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 8, 1)] == [[1], [3], [0], [2], [4]]  # each alone

@@ -54,6 +54,9 @@ app.command("kl-check")(kl_check_cmd.kl_check)
 from emapg_cli.cli import ablate_cmd  # noqa: E402
 
 app.command("ablate")(ablate_cmd.ablate)
+from emapg_cli.cli import bench_cmd  # noqa: E402
+
+app.add_typer(bench_cmd.app, name="bench")
 from emapg_cli.cli import retriever_cmd  # noqa: E402
 
 app.add_typer(retriever_cmd.app, name="retriever")

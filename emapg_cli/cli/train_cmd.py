@@ -101,7 +101,10 @@ def train(
 
     quiet_transformers()
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+        from emapg_cli.train.threads import choose_threads
+
+        threads, _ = choose_threads(cfg.train.torch_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(threads)
     trainer = Trainer(cfg, run_dir, resume=resume is not None)  # checks every input; loads no weights yet
     if trainer.acc.is_main_process:
         console.print(f"[bold]{'resuming' if resume is not None else 'run'}[/] {escape(str(run_dir))}", highlight=False)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 
 def derive_seed(*parts: int) -> int:
@@ -29,6 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int = 0  # each (prompt, sample) gets its own derived seed
+    topk: int = 0  # > 0: also record each step's top-k token ids of the sampling distribution (engines that can)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Completion:
     text: str  # decoded, special tokens removed, cut at the first stop string
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     logprobs: Optional[list[float]] = field(default=None)  # engine's sampling log-prob per token
+    topk_index: Optional[Any] = field(default=None)  # [len, k] int64 tensor: each step's top-k ids (params.topk > 0)
 
 
 class Engine(Protocol):

@@ -51,17 +51,21 @@ def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top
 class SeededSampler(LogitsProcessor):
     """Replace `generate`'s sampling with per-row seeded sampling; records each step's log-probs."""
 
-    def __init__(self, uniforms: Tensor, prompt_len: int, temperature: float, top_p: float):
+    def __init__(self, uniforms: Tensor, prompt_len: int, temperature: float, top_p: float, topk: int = 0):
         self.uniforms = uniforms  # [B, max_new_tokens]
         self.prompt_len = prompt_len
         self.temperature = temperature
         self.top_p = top_p
+        self.topk = topk
         self.logprobs: list[Tensor] = []  # one [B] per generated position
+        self.topk_index: list[Tensor] = []  # one [B, k] per generated position (topk > 0)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         t = input_ids.shape[1] - self.prompt_len
         tokens, logp = sample_from_logits(scores, self.uniforms[:, t], self.temperature, self.top_p)
         self.logprobs.append(logp)
+        if self.topk:  # the top-k of softmax(scores / T) is the top-k of the scores
+            self.topk_index.append(scores.topk(min(self.topk, scores.shape[-1]), -1).indices)  # [B, k]
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, tokens[:, None], 0.0)
         return out
@@ -118,7 +122,7 @@ class HFEngine:
         uniforms = torch.stack([
             torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
         ]).to(device)  # [B, max_new_tokens]
-        sampler = SeededSampler(uniforms, plen, params.temperature, params.top_p)
+        sampler = SeededSampler(uniforms, plen, params.temperature, params.top_p, params.topk)
         gen_cfg = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=False, num_beams=1,
             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -140,9 +144,11 @@ class HFEngine:
             model.train(was_training)
         generated = out[:, plen:].cpu()  # [B, T']
         logprobs = torch.stack(sampler.logprobs, 1).cpu() if sampler.logprobs else torch.zeros(len(prompts), 0)  # [B, T']
-        return [self._completion(generated[r], logprobs[r], params) for r in range(len(prompts))]
+        topk = torch.stack(sampler.topk_index, 1).cpu() if sampler.topk_index else None  # [B, T', k]
+        return [self._completion(generated[r], logprobs[r], params, topk[r] if topk is not None else None)
+                for r in range(len(prompts))]
 
-    def _completion(self, tokens: Tensor, logprobs: Tensor, params: SamplingParams) -> Completion:
+    def _completion(self, tokens: Tensor, logprobs: Tensor, params: SamplingParams, topk: Optional[Tensor] = None) -> Completion:
         """Cut one row at its first EOS (kept) or at the token completing a stop string."""
         ids = tokens.tolist()
         eos = self.tokenizer.eos_token_id
@@ -158,7 +164,8 @@ class HFEngine:
         cut = [text.index(s) for s in params.stop if s in text]
         if cut:
             text = text[:min(cut)]
-        return Completion(token_ids=ids, text=text, finish_reason=reason, logprobs=logprobs[:length].tolist())
+        return Completion(token_ids=ids, text=text, finish_reason=reason, logprobs=logprobs[:length].tolist(),
+                          topk_index=topk[:length] if topk is not None else None)
 
     def _stop_length(self, ids: list[int], stop: tuple[str, ...]) -> Optional[int]:
         """Smallest prefix length whose text contains a stop string (binary search: containment is monotone)."""

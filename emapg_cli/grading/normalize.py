@@ -10,6 +10,8 @@ The same cleaning is applied to the extracted model answer, so both sides are tr
 from __future__ import annotations
 
 import re
+from fractions import Fraction
+from typing import Optional
 
 _ESCAPED_DOLLAR = re.compile(r"\\\$")  # currency: \$18.90
 _SPACES = re.compile(r"\s+")
@@ -89,3 +91,15 @@ def strict_key(answer: str) -> str:
     s = _STRICT_DROP.sub("", s)
     parts = split_top_level(s)
     return ",".join(sorted(parts)) if len(parts) > 1 else s
+
+
+_PLAIN_NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+def plain_number(key: str) -> Optional[Fraction]:
+    """The exact value of a `strict_key` that is a plain decimal number ("-12", "3.50"), else None.
+
+    Two plain numbers are equivalent exactly when their values are equal, which settles most
+    answers of numeric tasks without a math-verify call.
+    """
+    return Fraction(key) if _PLAIN_NUMBER.match(key) else None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from emapg_cli.grading.extract import extract_answer
-from emapg_cli.grading.normalize import as_math, strict_key
+from emapg_cli.grading.normalize import as_math, plain_number, strict_key
 from emapg_cli.grading.pool import PoolStats, TimeoutPool
 from emapg_cli.grading.screen import too_costly
 
@@ -163,13 +163,20 @@ class MathGrader:
         grades: list[Optional[Grade]] = [None] * len(responses)
         todo: list[int] = []
         gold_keys: dict[tuple[str, ...], set[str]] = {}  # eval repeats each gold n times: normalise it once
+        gold_numbers: dict[tuple[str, ...], Optional[set]] = {}  # all golds plain numbers: their values
         for i, (pred, gold) in enumerate(zip(extracted, golds)):
             if gold.answers not in gold_keys:
                 gold_keys[gold.answers] = {strict_key(a) for a in gold.answers}
-            if pred is None:  # no box, or one over MAX_ANSWER_CHARS
+                values = [plain_number(key) for key in gold_keys[gold.answers]]
+                gold_numbers[gold.answers] = set(values) if values and None not in values else None
+            key = strict_key(pred) if pred is not None else None
+            number = plain_number(key) if key is not None and gold.tolerance is None else None
+            if key is None:  # no box, or one over MAX_ANSWER_CHARS
                 grades[i] = Grade(pred, False, False)
-            elif strict_key(pred) in gold_keys[gold.answers]:
+            elif key in gold_keys[gold.answers]:
                 grades[i] = Grade(pred, True, True)
+            elif number is not None and gold_numbers[gold.answers] is not None:  # plain numbers: settled here
+                grades[i] = Grade(pred, number in gold_numbers[gold.answers], False)
             elif too_costly(pred):
                 self.refused += 1
                 grades[i] = Grade(pred, False, False)

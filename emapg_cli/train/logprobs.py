@@ -1,28 +1,27 @@
 """Log-prob passes over (prompt, response) batches without materialising [T, V] tensors.
 
 The decoder runs once per batch; its hidden states at the response positions are projected to
-the vocabulary `chunk` tokens at a time. From each [chunk, V] slice we keep only what the loss and
-the KL estimators need, all [B, R] or [B, R, k]:
-  logp       log pi(token) at the sampled token                    (grad in the policy pass)
-  topk_index the top-k token ids q of this model                    (when `topk` > 0)
+the vocabulary `chunk` tokens at a time (`emapg_cli.kl.fused`). From each [chunk, V] slice we keep
+only what the loss and the KL estimators need, all [B, R] or [B, R, k]:
+  logp       log pi(token) at the sampled token
+  topk_index the top-k token ids q of this model                    (no-grad passes, `topk` > 0)
   logp_q     log pi at given indices q (`q_index`), else at its own top-k (when `topk` > 0)
   entropy    the distribution's entropy (detached, a metric; skipped with entropy=False)
-  exact_kl   exact per-token KL against reference hidden states      (the `exact` estimator only)
-With grad, each chunk runs under activation checkpointing, so backward recomputes its logits
-instead of storing them; the anchor pass (no grad) never holds more than one chunk of logits.
-Logits are divided by the rollout temperature so log-probs refer to the distribution sampled from.
+  loss, aux  the policy pass: the fused per-token loss (PG + beta * KL) and its extras
+The policy pass computes the gradient of its loss w.r.t. the logits inside the forward, so nothing
+of size [chunk, V] outlives its chunk and the logits GEMM runs once. Logits are divided by the
+rollout temperature so log-probs refer to the distribution sampled from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from emapg_cli.kl.common import gather_logprobs
+from emapg_cli.kl.fused import DEFAULT_BUDGET_MIB, LossFn, fused_head_loss, stream_stats
 
 
 @dataclass
@@ -33,7 +32,8 @@ class TokenStats:
     entropy: Tensor  # zeros when the pass did not ask for it
     topk_index: Optional[Tensor] = None
     logp_q: Optional[Tensor] = None
-    exact_kl: Optional[Tensor] = None
+    loss: Optional[Tensor] = None  # [] the fused loss (grad passes only), see `emapg_cli.kl.fused`
+    aux: dict = field(default_factory=dict)  # the loss function's per-token extras, [B, R] each
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -53,31 +53,9 @@ def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, pr
     return out.last_hidden_state[:, prompt_len - 1:-1]  # [B, R, H]
 
 
-def _chunk_stats(head: nn.Module, h: Tensor, targets: Tensor, temperature: float, topk: int,
-                 q_index: Optional[Tensor], ref: Optional[tuple[Tensor, nn.Module, str]], entropy: bool):
-    """Stats for one chunk of tokens: h [c, H], targets [c], q_index [c, k] or None."""
-    logits = head(h).float() / temperature  # [c, V]
-    lse = torch.logsumexp(logits, -1)  # [c]
-    logp = gather_logprobs(logits, targets, lse)  # [c]
-    with torch.no_grad():
-        if entropy:
-            probs = torch.softmax(logits.detach(), -1)  # [c, V]
-            ent = lse.detach() - (probs * logits.detach()).sum(-1)  # [c]
-        else:
-            ent = torch.zeros_like(lse)  # [c]
-    idx = logits.detach().topk(topk, -1).indices if topk > 0 else torch.empty(0)  # [c, k]
-    gather_at = q_index if q_index is not None else (idx if topk > 0 else None)
-    logp_q = gather_logprobs(logits, gather_at, lse) if gather_at is not None else torch.empty(0)  # [c, k]
-    if ref is not None:
-        from emapg_cli.kl import kl_per_token
-
-        ref_h, ref_head, direction = ref
-        with torch.no_grad():
-            ref_logits = ref_head(ref_h).float() / temperature  # [c, V]
-        exact = kl_per_token("exact", direction, logits=logits, ref_logits=ref_logits)  # [c]
-    else:
-        exact = torch.empty(0)
-    return logp, ent, idx, logp_q, exact
+def head_params(head: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+    """(weight [V, H], bias [V] or None) of an output layer."""
+    return head.weight, getattr(head, "bias", None)
 
 
 def token_stats(
@@ -90,45 +68,54 @@ def token_stats(
     temperature: float = 1.0,
     topk: int = 0,
     q_index: Optional[Tensor] = None,
-    chunk: int = 1024,
+    chunk: Optional[int] = None,
+    budget_mib: float = DEFAULT_BUDGET_MIB,
+    loss_fn: Optional[LossFn] = None,
+    loss_mask: Optional[Tensor] = None,
     ref_hidden: Optional[Tensor] = None,
     ref_head: Optional[nn.Module] = None,
-    kl_direction: str = "reverse",
     entropy: bool = True,
 ) -> TokenStats:
     """One pass of `lm` over input_ids [B, P + R] (prompt left-padded to P, response right-padded).
 
-    response_mask [B, R] marks real response tokens; only those are projected to the vocabulary.
-    q_index [B, R, k]: indices to gather log-probs at; ref_hidden [B, R, H] with ref_head: the
-    reference model's hidden states and output layer, for the exact KL (computed chunk by chunk).
+    response_mask [B, R] marks real response tokens; only those are projected to the vocabulary,
+    `chunk` tokens at a time (None: as many as `budget_mib` of logits allow).
+    Without `loss_fn`: a no-grad pass (`stream_stats`): log-probs, the top-k (topk > 0) and log-probs
+    at q_index [B, R, k]. With `loss_fn` (the per-token loss of `emapg_cli.kl.fused`): the fused
+    lm_head + loss, whose `loss` carries the gradient; loss_mask [B, R] (default: response_mask)
+    selects the tokens that count, and ref_hidden [B, R, H] with ref_head gives the loss the
+    anchor's full logits (the exact estimator).
     """
     hidden = response_hidden(lm, input_ids, attention_mask, prompt_len)  # [B, R, H]
-    head = lm.get_output_embeddings()
+    weight, bias = head_params(lm.get_output_embeddings())
     mask = response_mask.bool()
     targets = input_ids[:, prompt_len:][mask]  # [N]
     h = hidden[mask]  # [N, H]
     q = q_index[mask] if q_index is not None else None  # [N, k]
-    rh = ref_hidden[mask] if ref_hidden is not None else None  # [N, H]
-    parts = []
-    for s in range(0, h.shape[0], chunk):
-        e = s + chunk
-        ref = (rh[s:e], ref_head, kl_direction) if rh is not None else None
-        args = (head, h[s:e], targets[s:e], temperature, topk, q[s:e] if q is not None else None, ref, entropy)
-        parts.append(checkpoint(_chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk_stats(*args))
 
-    def scatter(i: int, tail: tuple[int, ...] = (), dtype=torch.float32) -> Tensor:
-        out = torch.zeros(*mask.shape, *tail, dtype=dtype, device=hidden.device)
-        if parts:
-            out = out.index_put((mask,), torch.cat([p[i] for p in parts]).to(dtype)) if mask.any() else out
-        return out
+    def scatter(flat: Optional[Tensor], dtype=torch.float32) -> Optional[Tensor]:
+        if flat is None:
+            return None
+        out = torch.zeros(*mask.shape, *flat.shape[1:], dtype=dtype, device=hidden.device)
+        return out.index_put((mask,), flat.to(dtype)) if mask.any() else out
 
-    return TokenStats(
-        logp=scatter(0),
-        entropy=scatter(1),
-        topk_index=scatter(2, (topk,), torch.long) if topk > 0 else None,
-        logp_q=scatter(3, (q.shape[-1] if q is not None else topk,)) if q is not None or topk > 0 else None,
-        exact_kl=scatter(4) if rh is not None else None,
-    )
+    if loss_fn is None:
+        st = stream_stats(h.detach(), weight.detach(), bias.detach() if bias is not None else None, targets, q_index=q,
+                          topk=topk, temperature=temperature, chunk=chunk, budget_mib=budget_mib, entropy=entropy)
+        ent = scatter(st.entropy) if entropy else torch.zeros(mask.shape, device=hidden.device)
+        return TokenStats(logp=scatter(st.logp), entropy=ent, topk_index=scatter(st.topk_index, torch.long),
+                          logp_q=scatter(st.logp_q))
+    ref_w = ref_b = rh = None
+    if ref_hidden is not None:
+        ref_w, ref_b = head_params(ref_head)
+        rh = ref_hidden[mask].detach()  # [N, H]
+    lm_mask = loss_mask.bool()[mask] if loss_mask is not None else None  # [N]
+    out = fused_head_loss(h, weight, bias, targets, loss_fn, q_index=q, loss_mask=lm_mask, temperature=temperature,
+                          chunk=chunk, budget_mib=budget_mib, entropy=entropy, ref_hidden=rh,
+                          ref_weight=ref_w.detach() if ref_w is not None else None,
+                          ref_bias=ref_b.detach() if ref_b is not None else None)
+    return TokenStats(logp=scatter(out.logp), entropy=scatter(out.entropy), logp_q=scatter(out.logp_q), loss=out.loss,
+                      aux={name: scatter(v, v.dtype) for name, v in out.aux.items()})
 
 
 class TokenScorer(nn.Module):

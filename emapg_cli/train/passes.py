@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from emapg_cli.errors import UserError
 from emapg_cli.kl import INFO, topk_source
 from emapg_cli.train.logprobs import TokenStats
-from emapg_cli.train.rollout import RolloutBatch
+from emapg_cli.train.rollout import RolloutBatch, micro_batches
 
 
 def single_on_policy_step(cfg) -> bool:
@@ -24,24 +25,44 @@ def anchor_inside_loss(cfg) -> bool:
     return cfg.kl.coef > 0 and INFO[cfg.kl.estimator].full_vocab
 
 
+def old_from_engine(cfg) -> bool:
+    """The old-policy log-probs (and q) are the rollout engine's, recorded while sampling (`train.old_logprobs`)."""
+    source = cfg.train.old_logprobs
+    return source == "engine" or (source == "auto" and cfg.rollout.engine == "hf")
+
+
+def engine_topk(cfg, k: int) -> int:
+    """How many top-k ids the engine must record per token: k when reverse Top-k reads q from the engine, else 0."""
+    info = INFO[cfg.kl.estimator]
+    needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
+    return k if needs_q and old_from_engine(cfg) else 0
+
+
 def needs_old_pass(cfg) -> bool:
-    """The old-policy pass runs unless `single_on_policy_step`; reverse Top-k needs it anyway for q
-    (the sampling policy's top-k set, which must be fixed before the update)."""
+    """The old-policy pass runs unless the engine's log-probs stand in for it (`old_from_engine`) or
+    `single_on_policy_step`; reverse Top-k needs it anyway for q (the sampling policy's top-k set, which
+    must be fixed before the update) unless the engine recorded q."""
+    return not old_from_engine(cfg) and _pass_needed(cfg)
+
+
+def _pass_needed(cfg) -> bool:
+    """Without the engine's records: old log-probs unless `single_on_policy_step`, and q for reverse Top-k."""
     info = INFO[cfg.kl.estimator]
     needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
     return not single_on_policy_step(cfg) or needs_q
 
 
 @torch.no_grad()
-def _run(scorer, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **kw) -> None:
+def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, torch.Tensor], **kw) -> None:
     """The scorer's pass over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro].
 
     Called through the scorer module (not `token_stats` on the bare model) so a sharded model's
     hooks gather its weights; every rank runs the same number of micro-batches.
     """
     b = batch.advantages.shape[0]
-    for s in range(0, b, micro):
-        rows = torch.arange(s, min(s + micro, b), device=batch.input_ids.device)
+    prompt_lens, response_lens = batch.lengths()
+    for rows in micro_batches(torch.arange(b), prompt_lens, response_lens, micro, max_tokens):
+        rows = rows.to(batch.input_ids.device)
         mb = batch.select(rows)  # trims every per-token field, q_index included
         stats: TokenStats = scorer(mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index, **kw)
         r = mb.response_mask.shape[1]
@@ -64,18 +85,32 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     # no-grad passes never report entropy: skip its [chunk, V] softmax
-    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk, entropy=False)
+    max_tokens = cfg.train.max_tokens_per_micro_batch
+    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk,
+                                                       budget_mib=cfg.train.logit_memory_mib, entropy=False)
     info = INFO[cfg.kl.estimator]
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)
     out = {}
-    if needs_old_pass(cfg):
+    recorded = batch.sampling_logp is not None and not (use_topk and source == "sampling" and batch.q_index is None)
+    # `auto` uses the engine's records when it made them (the search agent's episodes, or a hand-built batch,
+    # have none: then the pass runs); `engine` insists on them
+    if old_from_engine(cfg) and (recorded or cfg.train.old_logprobs == "engine"):
+        if use_topk and source == "sampling" and batch.q_index is None:
+            raise UserError("train.old_logprobs=engine with reverse Top-k needs an engine that records the top-k "
+                            "ids while sampling (hf); use train.old_logprobs=pass")
+        if batch.sampling_logp is None:
+            raise UserError("train.old_logprobs=engine needs an engine that returns sampling log-probs")
+        out["old_logp"] = None if single_on_policy_step(cfg) else batch.sampling_logp
+        if use_topk and source == "sampling":
+            out["q_index"] = batch.q_index
+    elif _pass_needed(cfg):
         fill = {"logp": zeros(b, r)}  # [B, R]
         if use_topk and source == "sampling":
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
         was = policy_scorer.training
         policy_scorer.eval()
-        _run(policy_scorer, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
+        _run(policy_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k if "topk_index" in fill else 0, **common)
         policy_scorer.train(was)
         out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
         if "topk_index" in fill:
@@ -86,10 +121,10 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
             fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
         if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-            _run(anchor_scorer, batch.with_(q_index=None), micro, fill, topk=k, **common)
+            _run(anchor_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k, **common)
             out["q_index"] = fill["topk_index"]
         else:
-            _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, fill, **common)
+            _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, max_tokens, fill, **common)
         out["ref_logp"] = fill["logp"]
         if use_topk:
             out["ref_logp_q"] = fill["logp_q"]

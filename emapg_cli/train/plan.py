@@ -230,21 +230,26 @@ def memory_terms(
       activations      b*T*(L*h + A) * bytes(dtype) with gradient checkpointing (each layer's input,
                        plus one layer recomputed at a time), b*T*L*A * bytes(dtype) without;
                        A = activation_elems_per_token_per_layer
-      logits           c*V * (bytes(dtype) + 3*4) with c = min(train.logit_chunk, b*T): the log-prob
-                       passes project c tokens to the vocabulary at a time under checkpointing, so
-                       one chunk is alive: the head's output, its fp32 (temperature-scaled) copy,
-                       the fp32 softmax of the entropy metric, and in backward the fp32 gradient
-      anchor logits    c*V * 4 (fp32, no grad) in the same chunk, for the exact estimator only (the
-                       other estimators read the anchor in a separate no-grad pass, one chunk at a time)
+      logits           c*V * (4 n + bytes(dtype) if not fp32) with c = min(chunk, b*T): the fused
+                       output layer (kl/fused.py) holds one chunk of fp32 logits (turned into the
+                       softmax in place; n = 1), or for the exact estimator n = EXACT_BUFFERS fp32
+                       [c, V] tensors (both models' logits and autograd's buffers); chunk =
+                       train.logit_chunk, or train.logit_memory_mib / (4 V n) when that is null
+      head gradient    V*H * 4: the fp32 buffer the fused layer accumulates dW in before it becomes
+                       (or is added to) the output layer's gradient
       top-k extras     b*T*k * (4 + 4 + 8): policy and anchor log-probs on the top-k set (fp32) and
                        its indices (int64), for the topk / topk_paper / truncated estimators
     rollout:
       vLLM engine      gpu_memory_utilization * device memory (weights + KV cache of the engine)
     """
+    from emapg_cli.kl.fused import EXACT_BUFFERS, auto_chunk
     from emapg_cli.kl.registry import INFO
 
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
     b, t, layers = micro_batch, seq_len, m.layers
+    budget = cfg.train.max_tokens_per_micro_batch
+    bt = b * t if budget is None else min(b * t, max(t, budget))  # padded tokens of one micro-batch
+    bt_text = "b x T" if budget is None else f"min(b x T, max(T, max_tokens_per_micro_batch)) = {bt:,} tokens"
     a = activation_elems_per_token_per_layer(m)
     shards = processes if cfg.train.parallel == "fsdp" else 1
     per = f" / {shards} ranks" if shards > 1 else ""
@@ -273,18 +278,22 @@ def memory_terms(
         else:
             terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
     if cfg.model.gradient_checkpointing:
-        terms.append(MemoryTerm("activations", b * t * (layers * m.hidden + a) * wb,
-                                f"b x T x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
+        terms.append(MemoryTerm("activations", bt * (layers * m.hidden + a) * wb,
+                                f"{bt_text} x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
     else:
-        terms.append(MemoryTerm("activations", b * t * layers * a * wb, f"b x T x L x A x {wb} B, A = {a}", "update"))
-    c = min(cfg.train.logit_chunk, b * t)
-    terms.append(MemoryTerm("logits", c * m.vocab * (wb + 3 * FP32), f"c x V x ({wb} + 3 x 4) B, c = min(logit_chunk, b x T) = {c}", "update"))
+        terms.append(MemoryTerm("activations", bt * layers * a * wb, f"{bt_text} x L x A x {wb} B, A = {a}", "update"))
+    exact = cfg.derived.loads_anchor and INFO[cfg.kl.estimator].full_vocab
+    n_buf = EXACT_BUFFERS if exact else 1
+    c = min(cfg.train.logit_chunk or auto_chunk(m.vocab, cfg.train.logit_memory_mib, n_buf), bt)
+    copy = wb if wb != FP32 else 0
+    terms.append(MemoryTerm("logits", c * m.vocab * (n_buf * FP32 + copy),
+                            f"c x V x ({n_buf} x 4{f' + {copy}' if copy else ''}) B, c = {c}"
+                            f"{' (both models, exact KL)' if exact else ''}", "update"))
+    terms.append(MemoryTerm("head gradient", m.vocab * m.hidden * FP32, "V x H x 4 B (fp32 dW of the fused output layer)", "update"))
     if cfg.derived.loads_anchor:
-        if INFO[cfg.kl.estimator].full_vocab:
-            terms.append(MemoryTerm("anchor logits", c * m.vocab * FP32, "c x V x 4 B (fp32, no grad; exact KL)", "update"))
         if INFO[cfg.kl.estimator].uses_topk:
             k = min(cfg.kl.k, m.vocab)
-            terms.append(MemoryTerm("top-k extras", b * t * k * (2 * FP32 + INT64), f"b x T x k x (4 + 4 + 8) B, k = {k}", "update"))
+            terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}", "update"))
     if cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
         terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))

@@ -125,36 +125,86 @@ class RolloutBatch:
                 out[f.name] = v[rows][:, :r_len]
         return RolloutBatch(**out)
 
+    def lengths(self) -> tuple[Tensor, Tensor]:
+        """(real prompt tokens [B], response tokens [B]) of every row, on the CPU."""
+        prompt = self.attention_mask[:, :self.prompt_len].sum(-1).cpu()
+        return prompt, self.response_mask.sum(-1).cpu()
+
     def with_(self, **kw) -> "RolloutBatch":
         return replace(self, **kw)
 
 
+def _ragged(lengths: list[int]) -> tuple[Tensor, Tensor]:
+    """(row, position within the row) of every element of rows of `lengths` laid end to end. [sum], [sum]"""
+    n = torch.tensor(lengths, dtype=torch.long)  # [B]
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), n)  # [sum]
+    starts = torch.cumsum(n, 0) - n  # [B]
+    return rows, torch.arange(int(n.sum())) - starts[rows]
+
+
 def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], advantages: Tensor, pad_id: int) -> RolloutBatch:
-    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch.
+    """Pad prompt i (repeated once per completion row) and completion i into one RolloutBatch (vectorised:
+    every token is placed by one indexed assignment).
 
     A completion with a `policy_mask` (a multi-turn `agents.Episode`: 1 = sampled by the policy,
     0 = an observation) sets the batch's `loss_mask`; otherwise every response token is the policy's.
+    Completions that recorded their top-k ids (`Completion.topk_index`, all or none) fill `q_index` [B, R, k].
     """
     b = len(completions)
-    plen = max(len(p) for p in prompt_ids)
-    rlen = max(max(len(c.token_ids) for c in completions), 1)
+    plens = [len(p) for p in prompt_ids]
+    rlens = [len(c.token_ids) for c in completions]
+    plen, rlen = max(plens), max(max(rlens), 1)
     input_ids = torch.full((b, plen + rlen), pad_id, dtype=torch.long)  # [B, P + R]
     attn = torch.zeros((b, plen + rlen), dtype=torch.long)  # [B, P + R]
     resp_mask = torch.zeros((b, rlen), dtype=torch.bool)  # [B, R]
     # engine log-probs (diagnostic); None when a completion has none (search.retokenize)
     samp = torch.zeros((b, rlen)) if all(c.logprobs is not None for c in completions) else None  # [B, R]
-    multi = any(getattr(c, "policy_mask", None) is not None for c in completions)
-    loss_mask = torch.zeros((b, rlen), dtype=torch.bool) if multi else None  # [B, R]
-    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
-        n = len(c.token_ids)
-        input_ids[i, plen - len(p):plen] = torch.tensor(p, dtype=torch.long)
-        attn[i, plen - len(p):plen + n] = 1
-        if n:
-            input_ids[i, plen:plen + n] = torch.tensor(c.token_ids, dtype=torch.long)
-            resp_mask[i, :n] = True
-            if samp is not None:
-                samp[i, :n] = torch.tensor(c.logprobs)
-            if loss_mask is not None:
-                pm = getattr(c, "policy_mask", None)
-                loss_mask[i, :n] = torch.tensor(pm, dtype=torch.bool) if pm is not None else True
-    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, loss_mask=loss_mask)
+    rows, pos = _ragged(plens)
+    cols = plen - torch.tensor(plens, dtype=torch.long)[rows] + pos  # left padding
+    input_ids[rows, cols] = torch.tensor([t for p in prompt_ids for t in p], dtype=torch.long)
+    attn[rows, cols] = 1
+    rows, pos = _ragged(rlens)
+    input_ids[rows, plen + pos] = torch.tensor([t for c in completions for t in c.token_ids], dtype=torch.long)
+    attn[rows, plen + pos] = 1
+    resp_mask[rows, pos] = True
+    if samp is not None:
+        samp[rows, pos] = torch.tensor([x for c in completions for x in c.logprobs], dtype=torch.float32)
+    loss_mask = None  # [B, R]
+    if any(getattr(c, "policy_mask", None) is not None for c in completions):
+        loss_mask = torch.zeros((b, rlen), dtype=torch.bool)
+        loss_mask[rows, pos] = torch.tensor([bool(x) for c in completions for x in
+                                             (getattr(c, "policy_mask", None) or [1] * len(c.token_ids))], dtype=torch.bool)
+    q_index = None
+    if completions and all(getattr(c, "topk_index", None) is not None for c in completions):
+        k = max(c.topk_index.shape[-1] for c in completions)
+        q_index = torch.zeros((b, rlen, k), dtype=torch.long)  # [B, R, k]
+        if rows.numel():
+            q_index[rows, pos] = torch.cat([c.topk_index.reshape(-1, k) for c in completions])
+    return RolloutBatch(input_ids, attn, resp_mask, plen, advantages.float(), sampling_logp=samp, q_index=q_index,
+                        loss_mask=loss_mask)
+
+
+def micro_batches(rows: Tensor, prompt_lens: Tensor, response_lens: Tensor, max_rows: int,
+                  max_tokens: Optional[int] = None) -> list[Tensor]:
+    """Split `rows` [n] into micro-batches of at most `max_rows` rows and, with `max_tokens`, at most that
+    many padded tokens: rows x (longest prompt + longest response) among them, as `RolloutBatch.select`
+    trims them. With a token budget the rows are taken longest first (less padding); a row above the
+    budget on its own forms its own micro-batch. prompt_lens, response_lens: [B] real lengths of every row.
+    """
+    if max_tokens is None:
+        return [rows[i:i + max_rows] for i in range(0, rows.numel(), max_rows)]
+    order = rows[torch.argsort(prompt_lens[rows] + response_lens[rows], descending=True, stable=True)]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    p_max = r_max = 0
+    for row in order.tolist():
+        p, r = int(prompt_lens[row]), max(int(response_lens[row]), 1)
+        np_, nr = max(p_max, p), max(r_max, r)
+        if cur and (len(cur) + 1 > max_rows or (len(cur) + 1) * (np_ + nr) > max_tokens):
+            out.append(cur)
+            cur, np_, nr = [], p, r
+        cur.append(row)
+        p_max, r_max = np_, nr
+    if cur:
+        out.append(cur)
+    return [torch.tensor(m, dtype=rows.dtype) for m in out]

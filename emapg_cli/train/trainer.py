@@ -10,6 +10,7 @@ optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted o
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 import json
 import math
 import random
@@ -34,7 +35,7 @@ from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import anchor_inside_loss, reference_passes
+from emapg_cli.train.passes import anchor_inside_loss, engine_topk, needs_old_pass, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import NonFiniteWeights, update_policy
@@ -114,10 +115,15 @@ class Trainer:
         for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
             if value % world:
                 raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
+        if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
+            raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
+                            "train.parallel=fsdp; use ddp or micro_batch_size")
         if self.acc.distributed_type.name == "FSDP":
             raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                             "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
         self.strategy = make_strategy(self.acc, cfg.train.parallel)
+        self.phase_s: dict[str, float] = {}  # wall seconds of the current step's phases (`step`)
+        self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
         self.inputs = preflight(cfg)
         self.reward_fn = self.inputs.reward_fn
 
@@ -198,54 +204,75 @@ class Trainer:
         return acc
 
     def _rollout(self, step: int):
-        """Generate this rank's groups, score them (all ranks), return (batch, metrics inputs)."""
+        """Generate this rank's groups, start grading them in the background and build the padded batch
+        (advantages still zero: `_advantages` fills them). Returns (batch, pending grades, metrics inputs)."""
         cfg, acc = self.cfg, self.acc
         r = cfg.rollout
         per_rank = r.prompts_per_step // acc.num_processes
         idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        rank_slice = slice(acc.process_index * per_rank, (acc.process_index + 1) * per_rank)
-        mine = idx[rank_slice]
+        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
         prompts = [self.train_prompts[i] for i in mine]
         params = SamplingParams(n=r.n, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index))
-        groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
+                                stop=tuple(r.stop), seed=derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index),
+                                topk=engine_topk(cfg, self.k))
+        with self._timed("generation"):
+            groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in mine for _ in range(r.n)]
-        rewards, errors = score(self.reward_fn, [c.text for c in completions], examples)
+        # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
+        pending = (self._grader.submit(score, self.reward_fn, [c.text for c in completions], examples), completions, examples)
+        with self._timed("batch"):
+            rows_prompts = [p for p in prompts for _ in range(r.n)]
+            batch = build_batch(rows_prompts, completions, torch.zeros(len(completions)), self.tokenizer.pad_token_id)
+            batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
+                                   ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
+                                   if getattr(batch, f) is not None})
+        lens = [len(c.token_ids) for c in completions]
+        truncated = sum(c.finish_reason == "length" for c in completions)
+        return batch, pending, dict(response_lens=lens, truncated=truncated)
+
+    def _advantages(self, batch, pending) -> tuple[Any, Any, int, dict]:
+        """Wait for the grades, then GRPO advantages over all ranks' rewards; (batch, all rewards [G, n], reward
+        errors, search metrics of this process's episodes)."""
+        grading, completions, examples = pending
+        cfg, acc = self.cfg, self.acc
+        r = cfg.rollout
+        per_rank = r.prompts_per_step // acc.num_processes
+        with self._timed("reward"):  # only the part of grading that the passes did not hide
+            rewards, errors = grading.result()
         local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
         all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
-        adv_local = adv[rank_slice].reshape(-1)  # [G_rank * n]
-        rows_prompts = [p for p in prompts for _ in range(r.n)]
-        batch = build_batch(rows_prompts, completions, adv_local.cpu(), self.tokenizer.pad_token_id)
-        batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
-                               ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "loss_mask")
-                               if getattr(batch, f) is not None})
-        lens = [len(c.token_ids) for c in completions]
-        truncated = sum(c.finish_reason == "length" for c in completions)
+        adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
         extra: dict[str, float] = {}
         if self.agent is not None:  # this process's episodes
             from emapg_cli.agents import search_metrics
 
             extra = {**search_metrics(completions, self.agent.latencies), **reward_by_source(rewards, examples)}
-        return batch, dict(rewards=all_rewards.cpu(), reward_errors=errors, response_lens=lens, truncated=truncated), extra
+        return batch.with_(advantages=adv_local.to(acc.device).float()), all_rewards.cpu(), errors, extra
 
-    def _update(self, step: int, batch) -> Any:
-        """Old-policy and anchor passes, then the policy update; returns the update's UpdateStats."""
+    def _passes(self, batch):
+        """Old-policy and anchor passes (as the config needs them); records the engine/trainer log-prob mismatch."""
         cfg = self.cfg
         self.engine.release_memory()
-        batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
+        with self._timed("passes"):
+            batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         if self.anchor is not None:
             self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
         mask = batch.policy_mask.bool()
         self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
-                              if batch.old_logp is not None and batch.sampling_logp is not None else None)
+                              if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
+        return batch
+
+    def _update(self, step: int, batch) -> Any:
+        """The policy update; returns its UpdateStats."""
+        cfg = self.cfg
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         try:
-            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext():
+            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self._timed("update"):
                 stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         except NonFiniteWeights as e:
             raise UserError(f"step {step}: {e}; stopped before the EMA anchor or a checkpoint could take them (the "
@@ -296,6 +323,45 @@ class Trainer:
                 self.tokenizer.save_pretrained(out)
         self.acc.wait_for_everyone()
 
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        """Adds the wall time of the block to `phase_s[name]` (the step's breakdown, see `emapg bench step`)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
+
+    def step(self, step: int):
+        """One RL step: generation, batch (grading runs in the background), passes, advantages, update, EMA and weight push.
+
+        Returns (rollout metrics inputs, UpdateStats, EMA distance, search metrics); `phase_s` holds its wall-time breakdown:
+        generation, batch, passes, reward (waiting for grades the passes did not hide), update, ema, and the
+        totals rollout (generation + batch) and update_total (the rest).
+        """
+        self.phase_s = {}
+        seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
+        with self._timed("rollout"):
+            batch, pending, roll = self._rollout(step)
+        with self._timed("update_total"):
+            batch = self._passes(batch)
+            batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
+            upd = self._update(step, batch)
+            self.state["skipped"] += upd.skipped
+            with self._timed("ema"):
+                dist = self._ema(step, upd.skipped > 0)
+                self._push(self.policy)
+        return roll, upd, dist, extra
+
+    def close(self) -> None:
+        """Stop the grading thread, the reward's worker pool and the search agent's retriever."""
+        self._grader.shutdown(wait=True)
+        close = getattr(self.reward_fn, "close", None)
+        if close is not None:
+            close()
+        if self.agent is not None:
+            self.agent.retriever.close()
+
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
         """Train to `train.steps`; returns the summary also written to summary.json."""
@@ -333,17 +399,10 @@ class Trainer:
         with progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=last, info="", eta=clock(None))
             for step in range(last + 1, cfg.train.steps + 1):
-                seed_everything(derive_seed(cfg.train.seed, step, acc.process_index))
-                t0 = time.time()
-                batch, roll, extra = self._rollout(step)
-                t1 = time.time()
-                upd = self._update(step, batch)
-                self.state["skipped"] += upd.skipped
-                dist = self._ema(step, upd.skipped > 0)
-                self._push(self.policy)
-                t2 = time.time()
+                roll, upd, dist, extra = self.step(step)
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
-                                       t_rollout=t1 - t0, t_update=t2 - t1, skipped_total=self.state["skipped"], ema_distance=dist)
+                                       t_rollout=self.phase_s["rollout"], t_update=self.phase_s["update_total"],
+                                       skipped_total=self.state["skipped"], ema_distance=dist)
                 metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
                 metrics.update(extra)
                 if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
@@ -363,11 +422,7 @@ class Trainer:
                 progress.update(task, advance=1, info=info, eta=clock(timer.eta(cfg.train.steps - step)))
         self._save_final()
         logger.close()
-        close = getattr(self.reward_fn, "close", None)
-        if close is not None:
-            close()
-        if self.agent is not None:
-            self.agent.retriever.close()
+        self.close()
         summary = {
             "eval_accuracy_initial": self.state.get("eval_accuracy_initial"),
             "eval_accuracy_final": self.state.get("eval_accuracy_final"),

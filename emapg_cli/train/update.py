@@ -9,11 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from emapg_cli.grpo import aggregate, ppo_clip_loss
+from emapg_cli.grpo import ppo_clip_loss, token_weights
 from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
+from emapg_cli.kl.fused import LossFn
 from emapg_cli.train.logprobs import response_hidden
-from emapg_cli.train.passes import anchor_inside_loss
-from emapg_cli.train.rollout import RolloutBatch
+from emapg_cli.train.passes import anchor_inside_loss, needs_old_pass
+from emapg_cli.train.rollout import RolloutBatch, micro_batches
 
 
 @dataclass
@@ -29,52 +30,81 @@ class LossParts:
     logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (no old-policy pass)
 
 
-def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None) -> LossParts:
-    """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation).
+def token_loss_fn(cfg, mb: RolloutBatch, num_tokens: float, num_seqs: float, loss_mask: Tensor) -> LossFn:
+    """The per-token loss w_t (PPO-clip_t + beta * KL_t) of one micro-batch, for `emapg_cli.kl.fused`.
 
-    Without old-policy log-probs (`passes.single_on_policy_step`: one epoch of one mini-batch) this
-    pass runs on the weights that sampled the batch, so its log-probs are also compared with the
-    engine's (`logprob_diff`).
+    Every per-token input is flattened over the response mask (the order the fused function walks);
+    w_t is the token's weight in the aggregated loss (`grpo.token_weights` over `loss_mask` [b, R],
+    with the mini-batch totals for gradient accumulation). Extras: `pg` and `kl` (w_t times each
+    part) and `clipped`.
     """
     kl_cfg, t = cfg.kl, cfg.train
-    beta = kl_cfg.coef
+    beta, info = kl_cfg.coef, INFO[kl_cfg.estimator]
+    m = mb.response_mask.bool()
+    w = token_weights(loss_mask.bool(), t.loss_agg, num_tokens, num_seqs)[m]  # [N]
+    adv = mb.advantages[:, None].expand(m.shape)[m].float()  # [N]
+    old = mb.old_logp[m] if mb.old_logp is not None else None  # [N]
+    topk = beta > 0 and info.uses_topk
+    ref = mb.ref_logp[m] if beta > 0 and mb.ref_logp is not None else None  # [N]
+    ref_q = mb.ref_logp_q[m] if topk else None  # [N, k]
+    in_q = topk_membership(mb.q_index, mb.targets)[m] if topk else None  # [N]
+
+    def loss_fn(s: int, e: int, logp: Tensor, logp_q: Optional[Tensor], logits=None, ref_logits=None):
+        o = old[s:e] if old is not None else logp.detach()
+        pg_tok, clipped = ppo_clip_loss(logp, o, adv[s:e], t.clip_low, t.clip_high, t.dual_clip)  # [c]
+        pg_w = w[s:e] * pg_tok
+        extras = {"pg": pg_w.detach(), "clipped": clipped.float()}
+        if beta <= 0:
+            return pg_w, extras
+        iw = importance_weight(logp, o, kl_cfg.iw_clip) if kl_cfg.iw else None
+        kl_tok = kl_per_token(
+            kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=ref[s:e] if ref is not None else None, iw=iw,
+            logp_q=logp_q, ref_logp_q=ref_q[s:e] if ref_q is not None else None,
+            in_q=in_q[s:e] if in_q is not None else None, logits=logits, ref_logits=ref_logits,
+        )  # [c]
+        kl_w = w[s:e] * kl_tok
+        extras["kl"] = kl_w.detach()
+        return pg_w + beta * kl_w, extras
+
+    return loss_fn
+
+
+def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None,
+                     record: bool = False) -> LossParts:
+    """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation).
+
+    The loss is computed by the fused output layer (`emapg_cli.kl.fused`): its gradient w.r.t. the
+    logits is formed chunk by chunk inside the forward. With `record` (the first optimizer step of the
+    update, without an old-policy pass) this pass runs on the weights that sampled the batch, so its
+    log-probs are also compared with the engine's (`logprob_diff`).
+    """
+    kl_cfg, t = cfg.kl, cfg.train
     info = INFO[kl_cfg.estimator]
     ref_hidden = ref_head = None
     if anchor_inside_loss(cfg):  # exact: the anchor's full logits, chunk by chunk inside the pass
         with torch.no_grad():
             ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len)  # [b, R, H]
         ref_head = anchor_lm.get_output_embeddings()
+    mask = mb.response_mask
+    loss_mask = mb.policy_mask.bool()  # [b, R] observation tokens (multi-turn) get no loss, no KL, no entropy, no count
     stats = scorer(
         mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
-        temperature=cfg.rollout.temperature, q_index=mb.q_index if beta > 0 and info.uses_topk else None,
-        chunk=t.logit_chunk, ref_hidden=ref_hidden, ref_head=ref_head, kl_direction=kl_cfg.direction,
+        temperature=cfg.rollout.temperature, q_index=mb.q_index if kl_cfg.coef > 0 and info.uses_topk else None,
+        chunk=t.logit_chunk, budget_mib=t.logit_memory_mib, loss_fn=token_loss_fn(cfg, mb, num_tokens, num_seqs, loss_mask),
+        loss_mask=loss_mask, ref_hidden=ref_hidden, ref_head=ref_head,
     )
-    mask = mb.policy_mask  # observation tokens (multi-turn) get no loss, no KL, no entropy, no count
-    logp = stats.logp  # [b, R]
-    old = mb.old_logp if mb.old_logp is not None else logp.detach()
-    pg_tok, clipped = ppo_clip_loss(logp, old, mb.advantages[:, None], t.clip_low, t.clip_high, t.dual_clip)  # [b, R]
-    pg = aggregate(pg_tok, mask, t.loss_agg, num_tokens, num_seqs)
-    loss, kl_value = pg, 0.0
-    if beta > 0:
-        iw = importance_weight(logp, old, kl_cfg.iw_clip) if kl_cfg.iw else None
-        if info.full_vocab:
-            kl_tok = stats.exact_kl
-        else:
-            in_q = topk_membership(mb.q_index, mb.targets) if info.uses_topk else None
-            kl_tok = kl_per_token(
-                kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=mb.ref_logp, iw=iw,
-                logp_q=stats.logp_q, ref_logp_q=mb.ref_logp_q, in_q=in_q,
-            )  # [b, R]
-        kl = aggregate(kl_tok, mask, t.loss_agg, num_tokens, num_seqs)
-        loss = pg + beta * kl
-        kl_value = float(kl.detach())
-    m = mask.float()
-    record = mb.old_logp is None and mb.sampling_logp is not None
-    diff = (logp.detach() - mb.sampling_logp)[mask.bool()] if record else None
+    m = loss_mask.float()
+    record = record and mb.sampling_logp is not None
+    diff = (stats.logp.detach() - mb.sampling_logp)[loss_mask] if record else None
+
+    def total(name: str) -> float:  # over the tokens whose loss counts (masked ones may hold anything)
+        v = stats.aux.get(name)
+        return float(torch.where(loss_mask, v, torch.zeros_like(v)).sum()) if v is not None else 0.0
+
     return LossParts(
-        loss=loss, pg=float(pg.detach()), kl=kl_value,
-        clipped_tokens=float((clipped.float() * m).sum()), entropy_sum=float((stats.entropy * m).sum()), tokens=float(m.sum()),
-        logprob_diff=diff,
+        loss=stats.loss, pg=total("pg"), kl=total("kl"),
+        clipped_tokens=total("clipped"), entropy_sum=float((stats.entropy * m).sum()),
+        tokens=float(m.sum()), logprob_diff=diff,
     )
 
 
@@ -161,6 +191,8 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
+    prompt_lens, response_lens = batch.lengths()  # [B], [B]
+    record = not needs_old_pass(cfg)  # no old-policy pass measured the engine/trainer mismatch: the first step does
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for g0 in range(0, n_groups, groups_per_mini):
@@ -171,12 +203,12 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
             num_seqs = float(rows.numel())
-            micros = [rows[i:i + t.micro_batch_size] for i in range(0, rows.numel(), t.micro_batch_size)]
+            micros = micro_batches(rows, prompt_lens, response_lens, t.micro_batch_size, t.max_tokens_per_micro_batch)
             finite = True
             pg = kl = 0.0
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
-                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm)
+                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm, record)
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl
@@ -185,6 +217,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
                 stats.tokens += parts.tokens
                 if parts.logprob_diff is not None:
                     stats.logprob_diffs.append(parts.logprob_diff)
+            record = False  # the weights change from here on
             norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
             if stepped:
                 scheduler.step()

@@ -1,0 +1,144 @@
+"""`emapg bench`: opt-in benchmarks to run on your own hardware (see README, "Performance")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from emapg_cli.cli.common import PresetOpt, SetOpt, console
+from emapg_cli.errors import UserError
+from emapg_cli.kl.registry import ESTIMATORS
+
+app = typer.Typer(help="Benchmarks: the fused output layer against its GEMM floor, the no-grad passes, one RL step.",
+                  no_args_is_help=True)
+
+TokensOpt = Annotated[int, typer.Option("--tokens", "-T", help="Response tokens T (rows of the hidden states).", min=1)]
+HiddenOpt = Annotated[int, typer.Option("--hidden", "-H", help="Hidden size H.", min=1)]
+VocabOpt = Annotated[int, typer.Option("--vocab", "-V", help="Vocabulary size V.", min=2)]
+KOpt = Annotated[int, typer.Option("--k", "-k", help="Top-k set size (capped at V).", min=1)]
+ChunkOpt = Annotated[Optional[int], typer.Option("--chunk", help="Tokens per chunk (default: from --budget-mib, as training does).", min=1)]
+BudgetOpt = Annotated[float, typer.Option("--budget-mib", help="Memory for the [chunk, V] float32 buffers when --chunk is not given (train.logit_memory_mib).", min=1)]
+RepeatsOpt = Annotated[int, typer.Option("--repeats", "-r", help="Timed runs, each after a floor run (interleaved); medians and every run are reported.", min=1)]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or cuda:N.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
+PeakOpt = Annotated[Optional[float], typer.Option("--peak-tflops", help="The device's dense peak for --dtype (TFLOP/s); adds pct_of_peak (e.g. 989 for an H100/H200 in bf16).", min=0)]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's). On a shared machine 1 thread gives the steadiest CPU seconds: idle OpenMP threads spin and count as CPU time.", min=1)]
+JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the result to this JSON file.")]
+
+
+def _check(device: str, dtype: str, threads: Optional[int] = None) -> None:
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype must be float32 or bfloat16, not '{dtype}'")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise UserError(f"--device must be cpu or cuda[:N], not '{device}'")
+
+
+def _emit(result: dict[str, Any], json_path: Optional[Path], rows: list[tuple[str, str]]) -> None:
+    from rich.table import Table
+
+    from emapg_cli.paths import write_text_atomic
+
+    table = Table(show_header=False, box=None)
+    for key, value in rows:
+        table.add_row(key, value)
+    console.print(table)
+    if json_path is not None:
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
+        except OSError as e:
+            raise UserError(f"cannot write {json_path}: {e.strerror}") from None
+
+
+def _ratio_rows(r: dict[str, Any], label: str) -> list[tuple[str, str]]:
+    unit = "CPU s" if r["ratio_of"] == "cpu_s" else "wall s"
+    runs = ", ".join(f"{x:.3f}" for x in r["ratio_runs"])
+    rows = [(f"{label} {unit}", f"{r[r['ratio_of']]:.3f} (floor {r['floor_' + r['ratio_of']]:.3f})"),
+            (f"{label} ratio", f"{r['ratio']:.3f}x the GEMM floor (runs: {runs})"),
+            (f"{label} wall s", f"{r['wall_s']:.3f}"), (f"{label} peak growth", f"{r['peak_growth_mib']:.0f} MiB"),
+            (f"{label} TFLOP/s", f"{r['tflops']:.3f}" + (f" ({r['pct_of_peak']:.1f}% of peak)" if "pct_of_peak" in r else ""))]
+    return rows
+
+
+def update(
+    tokens: TokensOpt = 1024, hidden: HiddenOpt = 1536, vocab: VocabOpt = 151_936, k: KOpt = 32, chunk: ChunkOpt = None,
+    estimator: Annotated[str, typer.Option("--estimator", "-e", help=f"KL estimator ({', '.join(ESTIMATORS)}).")] = "topk",
+    direction: Annotated[str, typer.Option("--direction", help="KL direction: reverse or forward.")] = "reverse",
+    budget_mib: BudgetOpt = 256.0, repeats: RepeatsOpt = 1, device: DeviceOpt = "cpu", dtype: DtypeOpt = "float32",
+    peak_tflops: PeakOpt = None, threads: ThreadsOpt = None, json_path: JsonOpt = None,
+) -> None:
+    """The output layer's part of the update (log-probs, PPO-clip + KL, backward) against its three GEMMs (logits, dH, dW).
+
+    Random hidden states [T, H] and head [V, H], random q and anchor log-probs; one warm-up, then the
+    fused path (`emapg_cli.kl.fused`) and the floor alternate --repeats times. JSON keys: cpu_s, wall_s,
+    peak_growth_mib (peak RSS, or CUDA memory, above the set-up; includes the new W.grad), floor_cpu_s,
+    floor_wall_s, ratio, w_grad_mib, beyond_w_grad_mib, tflops, per-run lists.
+    """
+    from emapg_cli.bench.head import bench_update
+    from emapg_cli.kl import check_estimator
+
+    _check(device, dtype, threads)
+    try:
+        check_estimator(estimator, direction)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    r = bench_update(tokens, hidden, vocab, k, chunk=chunk, budget_mib=budget_mib, estimator=estimator, direction=direction,
+                     repeats=repeats, device=device, dtype=dtype, peak_tflops=peak_tflops)
+    rows = [("shape", f"T {tokens}, H {hidden}, V {vocab:,}, k {r['k']}, chunk {r['chunk']}, {estimator}/{direction}, "
+                      f"{dtype} on {device}, {r['threads']} threads")]
+    rows += _ratio_rows(r, "update")
+    rows.append(("beyond W.grad", f"{r['beyond_w_grad_mib']:.0f} MiB (W.grad {r['w_grad_mib']:.0f} MiB)"))
+    _emit(r, json_path, rows)
+
+
+def passes(
+    tokens: TokensOpt = 1024, hidden: HiddenOpt = 1536, vocab: VocabOpt = 151_936, k: KOpt = 32, chunk: ChunkOpt = None,
+    budget_mib: BudgetOpt = 256.0, repeats: RepeatsOpt = 1, device: DeviceOpt = "cpu", dtype: DtypeOpt = "float32",
+    peak_tflops: PeakOpt = None, threads: ThreadsOpt = None, json_path: JsonOpt = None,
+) -> None:
+    """The no-grad passes against one GEMM: old policy (log-probs, log-sum-exp, top-k) and anchor (gathers at q).
+
+    JSON: {"old": {...}, "anchor": {...}} with the keys of `emapg bench update`.
+    """
+    from emapg_cli.bench.head import bench_passes
+
+    _check(device, dtype, threads)
+    r = bench_passes(tokens, hidden, vocab, k, chunk=chunk, budget_mib=budget_mib, repeats=repeats, device=device,
+                     dtype=dtype, peak_tflops=peak_tflops)
+    rows = [("shape", f"T {tokens}, H {hidden}, V {vocab:,}, k {r['k']}, chunk {r['chunk']}, {dtype} on {device}, {r['threads']} threads")]
+    rows += _ratio_rows(r["old"], "old-policy pass") + _ratio_rows(r["anchor"], "anchor pass")
+    _emit(r, json_path, rows)
+
+
+def step(
+    preset: PresetOpt = None, set_: SetOpt = None,
+    steps: Annotated[int, typer.Option("--steps", help="Timed RL steps (medians are reported).", min=1)] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed RL steps first.", min=0)] = 1,
+    json_path: JsonOpt = None,
+) -> None:
+    """Whole RL steps of a preset (e.g. --preset toy), broken into generation, reward, batch, passes, update, EMA; tokens/s.
+
+    Runs in a temporary folder and saves nothing. JSON keys: <phase>_s, other_s, step_s, tokens, tokens_per_s.
+    """
+    from emapg_cli.bench.step import PHASES, bench_step
+
+    if preset is None:
+        raise UserError("pass --preset (e.g. --preset toy)")
+    r = bench_step(preset, set_ or [], steps=steps, warmup=warmup)
+    rows = [(p, f"{r[p + '_s']:.3f} s ({100 * r[p + '_s'] / r['step_s']:.0f}%)") for p in (*PHASES, "other")]
+    rows += [("step", f"{r['step_s']:.3f} s (median of {steps})"), ("tokens/s", f"{r['tokens_per_s']:.0f}")]
+    _emit(r, json_path, rows)
+
+
+app.command("update")(update)
+app.command("passes")(passes)
+app.command("step")(step)
