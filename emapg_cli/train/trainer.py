@@ -399,6 +399,7 @@ class Trainer:
         with progress:
             task = progress.add_task("train", total=cfg.train.steps, completed=last, info="", eta=clock(None))
             for step in range(last + 1, cfg.train.steps + 1):
+                t0 = time.time()
                 roll, upd, dist, extra = self.step(step)
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
                                        t_rollout=self.phase_s["rollout"], t_update=self.phase_s["update_total"],
