@@ -30,6 +30,16 @@ def expand(path: str) -> Path:
     return Path(os.path.expandvars(path)).expanduser()
 
 
+def prepare_hint(path: Path) -> str:
+    """' (run: emapg prepare --preset toy)' when `path` lies in the toy task's folder, else ''."""
+    toy = emapg_home() / "toy"
+    try:
+        Path(path).resolve().relative_to(toy.resolve())
+    except ValueError:
+        return ""
+    return "; run: emapg prepare --preset toy"
+
+
 def shipped_dir(name: str) -> Path:
     """A data folder shipped with emapg (`presets`, `data`): inside the installed wheel it is
     `emapg_cli/<packaged name>`; in a source checkout (editable install, tests) the repository's top-level folder."""

@@ -8,6 +8,9 @@ For `toy-search`, the final policy is also evaluated with search disabled (`emap
 
     python scripts/toy_benchmark.py                 # seeds 0 1 2, under ./toy-benchmark
     python scripts/toy_benchmark.py --seeds 0 --out bench-seed0
+    python scripts/toy_benchmark.py --prepare-only --out ws-avx512   # the warm start alone
+    ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+        python scripts/toy_benchmark.py --prepare-only --out ws-avx2  # ... as on a CPU without AVX-512
     python scripts/toy_benchmark.py --preset toy-search --seeds 0 1 2 --out toy-search-benchmark
 """
 
@@ -34,7 +37,7 @@ def no_search_accuracy(home: Path, run_dir: Path) -> float:
     return json.loads((out / "summary.json").read_text())["search"]["exact_match"]
 
 
-def run_seed(seed: int, out: Path, preset: str) -> dict:
+def run_seed(seed: int, out: Path, preset: str, prepare_only: bool = False) -> dict:
     home = out / f"home-{seed}"
     if preset == "toy":
         from emapg_cli.toy.prepare import prepare_toy
@@ -44,6 +47,9 @@ def run_seed(seed: int, out: Path, preset: str) -> dict:
         from emapg_cli.toy.search_prepare import prepare_toy_search
 
         manifest = prepare_toy_search(home, seed, progress=True)
+    if prepare_only:
+        return {"seed": seed, "sft_s": manifest["sft_wall_s"], "sft_steps": manifest["sft_steps"],
+                "initial": manifest["sft_test_accuracy"]}
     run_dir = out / f"run-{seed}"
     start = time.perf_counter()
     subprocess.run(
@@ -67,10 +73,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for prepare and train.")
     parser.add_argument("--out", type=Path, default=Path("toy-benchmark"), help="Folder for the homes and runs.")
     parser.add_argument("--preset", choices=("toy", "toy-search"), default="toy", help="Which toy task.")
+    parser.add_argument("--prepare-only", action="store_true", help="Only the warm start: its steps, time and initial accuracy.")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
         sys.exit(f"{args.out} is not empty; pass another --out")
-    rows = [run_seed(s, args.out, args.preset) for s in args.seeds]
+    rows = [run_seed(s, args.out, args.preset, args.prepare_only) for s in args.seeds]
+    if args.prepare_only:
+        import torch
+
+        print(f"\ntorch CPU kernels: {torch.backends.cpu.get_cpu_capability()}\n| seed | warm start (s) | steps | initial acc |\n|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['seed']} | {r['sft_s']:.0f} | {r['sft_steps']} | {r['initial']:.1%} |")
+        (args.out / "benchmark.json").write_text(json.dumps(rows, indent=2) + "\n")
+        return
     print("\n| seed | warm start (s) | initial acc | RL wall (s) | final acc | gain |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:

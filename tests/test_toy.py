@@ -112,23 +112,32 @@ def test_pairs_supervise_only_the_response(tokenizer):
 
 def test_warm_start_learns_is_deterministic_and_stops_on_request(tokenizer):
     cfg = SFTConfig(**{**SMALL.as_dict(), "max_steps": 20, "check_every": 10})
-    calls = []
-
-    def never() -> bool:
-        calls.append(1)
-        return False
 
     m1, m2 = _model(tokenizer), _model(tokenizer)
-    losses = warm_start(m1, tokenizer, cfg, 0, frozenset(), never)
-    assert len(losses) == 20 and len(calls) == 2  # asked at steps 10 and 20
+    losses, checks = warm_start(m1, tokenizer, cfg, 0, frozenset(), lambda: 0.0)
+    assert len(losses) == 20 and [s for s, _ in checks] == [10, 20]  # asked at steps 10 and 20
     # a fresh model predicts ~uniformly over 259 tokens: loss ~ ln 259 = 5.56; 20 steps learn much of
     # the fixed "\boxed{" ... "}" format, at least halving it (measured: 5.58 -> 1.1)
     assert abs(losses[0] - math.log(len(tokenizer))) < 0.5
     assert sum(losses[-5:]) / 5 < losses[0] / 2
-    assert warm_start(m2, tokenizer, cfg, 0, frozenset(), never) == losses  # same seed, same run
+    assert warm_start(m2, tokenizer, cfg, 0, frozenset(), lambda: 0.0)[0] == losses  # same seed, same run
     m3 = _model(tokenizer)
-    assert len(warm_start(m3, tokenizer, cfg, 0, frozenset(), lambda: True)) == 10  # stops at the first check
+    assert len(warm_start(m3, tokenizer, cfg, 0, frozenset(), lambda: 1.0)[0]) == 10  # stops at the first check
     assert not m1.training
+
+
+def test_warm_start_checks_finely_during_the_climb_and_stops_on_the_smoothed_accuracy(tokenizer):
+    # coarse checks every 10 steps until an accuracy >= fine_from 0.1, then every 2 for good (a later
+    # check below 0.1 does not switch back); stop once the mean of the last 3 checks >= 0.3.
+    # Scripted: 0.0 (step 10), 0.1 (20: fine from now on), 0.05 (22): mean(0, .1, .05) = 0.05;
+    # 0.5 (24): mean(.1, .05, .5) = 0.217; 0.2 (26): mean(.05, .5, .2) = 0.25; 0.4 (28): mean(.5, .2, .4)
+    # = 0.367 >= 0.3 -> stop after step 28. A single check at 0.5 (step 24) alone does not stop it.
+    cfg = SFTConfig(**{**SMALL.as_dict(), "max_steps": 40, "check_every": 10, "fine_every": 2,
+                       "fine_from": 0.1, "smooth": 3, "target_accuracy": 0.3})
+    scripted = iter([0.0, 0.1, 0.05, 0.5, 0.2, 0.4, 0.9, 0.9])
+    losses, checks = warm_start(_model(tokenizer), tokenizer, cfg, 0, frozenset(), lambda: next(scripted))
+    assert checks == [(10, 0.0), (20, 0.1), (22, 0.05), (24, 0.5), (26, 0.2), (28, 0.4)]
+    assert len(losses) == 28
 
 
 def test_prepare_toy_writes_the_task_the_model_and_a_manifest(tmp_path, monkeypatch):
@@ -145,7 +154,8 @@ def test_prepare_toy_writes_the_task_the_model_and_a_manifest(tmp_path, monkeypa
     out = tmp_path / "toy"
     assert json.loads((out / "manifest.json").read_text()) == manifest
     assert manifest["rows"] == {"train": 300, "test": 40} and manifest["seed"] == 3
-    assert manifest["sft_steps"] == 4 and len(manifest["sft_dev_accuracy"]) == 2  # checked at steps 2 and 4
+    assert manifest["sft_steps"] == 4  # checked at steps 2 and 4, never reaching 1.0
+    assert [c["step"] for c in manifest["sft_dev_accuracy"]] == [2, 4]
     assert 0.0 <= manifest["sft_test_accuracy"] <= 1.0
     train, test = load_examples(str(out / "train.jsonl")), load_examples(str(out / "test.jsonl"))
     assert [e.model_dump() for e in train + test] == [e.model_dump() for e in sum(make_splits(3, 300, 40), [])]

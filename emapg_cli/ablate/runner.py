@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from emapg_cli.ablate.grid import RunSpec
 from emapg_cli.ablate.study import Sweep
@@ -104,6 +104,29 @@ def launch_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
     return train_args(sweep, spec, out)
 
 
+#: How a run on several processes starts (`--processes N`); `{processes}` is replaced, `train ...` follows.
+MULTI_PROCESS_LAUNCHER = "accelerate launch --multi_gpu --num_processes {processes} -m emapg_cli"
+
+
+def launcher(processes: int = 1, template: Optional[str] = None) -> list[str]:
+    """The words before `train ...`: `emapg` for one process, else the launcher template
+    (default MULTI_PROCESS_LAUNCHER) with `{processes}` filled in; UserError on a broken template."""
+    if processes == 1 and template is None:
+        return ["emapg"]
+    try:
+        words = shlex.split((template or MULTI_PROCESS_LAUNCHER).format(processes=processes))
+    except (KeyError, IndexError, ValueError) as err:
+        raise UserError(f"--launcher: cannot fill in the template ({err}); use {{processes}} for the process count") from None
+    if not words:
+        raise UserError("--launcher: empty template")
+    return words
+
+
+def shell_command(sweep: Sweep, spec: RunSpec, out: Path, prefix: Sequence[str] = ("emapg",)) -> str:
+    """The run as one portable shell line (`emapg train ...`, or the launcher's line), what `--dry-run` prints."""
+    return shlex.join([*prefix, *train_args(sweep, spec, out)])
+
+
 def config_differences(expected: Any, found: Any, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two config dumps (nested mappings compared key by key)."""
     if isinstance(expected, dict) and isinstance(found, dict):
@@ -144,11 +167,6 @@ def _at(tree: Any, dotted: str) -> Any:
     return tree
 
 
-def shell_command(sweep: Sweep, spec: RunSpec, out: Path) -> str:
-    """The run as one portable shell line (`emapg train ...`), what `--dry-run` prints."""
-    return shlex.join(["emapg", *train_args(sweep, spec, out)])
-
-
 def _write_status(path: Path, record: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps(record, indent=2) + "\n")
@@ -176,16 +194,19 @@ def child_env(jobs: int) -> dict[str, str]:
 class _Pool:
     """Starts runs as subprocesses and can stop all of them (Ctrl-C)."""
 
-    def __init__(self, sweep: Sweep, out: Path, jobs: int):
+    def __init__(self, sweep: Sweep, out: Path, jobs: int, prefix: Sequence[str] = ("emapg",)):
         self.sweep, self.out, self.env = sweep, out, child_env(jobs)
+        self.prefix = list(prefix)
         self.procs: set[subprocess.Popen] = set()
         self.lock = threading.Lock()
         self.stopping = False
 
     def run(self, spec: RunSpec) -> RunResult:
-        cmd = [sys.executable, "-m", "emapg_cli", *launch_args(self.sweep, spec, self.out)]
+        args = launch_args(self.sweep, spec, self.out)
+        # `emapg` itself runs as this interpreter's module, so the sweep uses the emapg it was started with
+        cmd = [sys.executable, "-m", "emapg_cli", *args] if self.prefix == ["emapg"] else [*self.prefix, *args]
         status, log = status_path(self.out, spec), log_path(self.out, spec)
-        record = {"run_id": spec.run_id, "status": "running", "command": shlex.join(["emapg", *cmd[3:]]),
+        record = {"run_id": spec.run_id, "status": "running", "command": shlex.join([*self.prefix, *args]),
                   "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         _write_status(status, record)
         start = time.monotonic()
@@ -224,12 +245,14 @@ class _Pool:
                 proc.terminate()
 
 
-def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_progress: bool = True) -> list[RunResult]:
+def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_progress: bool = True,
+              prefix: Sequence[str] = ("emapg",)) -> list[RunResult]:
     """Run every unfinished run (at most `jobs` at once); failures are recorded and the sweep goes on.
 
     Returns one RunResult per run, in the order of `runs`. Ctrl-C stops the running trainers; the
     interrupted runs are simply started again by the next invocation.
     """
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     results: dict[str, RunResult] = {}
@@ -239,7 +262,7 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
             results[spec.run_id] = RunResult(spec.run_id, "skipped")
         else:
             todo.append(spec)
-    pool = _Pool(sweep, out, jobs)
+    pool = _Pool(sweep, out, jobs, prefix)
     failed = 0
     with Progress(
         TextColumn("[bold]ablate[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -253,7 +276,7 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
                 res = fut.result()
                 results[res.run_id] = res
                 failed += res.status == "failed"
-                progress.update(task, advance=1, description=f"last: {res.run_id} {res.status}" + (f" | {failed} failed" if failed else ""))
+                progress.update(task, advance=1, description=escape(f"last: {res.run_id} {res.status}" + (f" | {failed} failed" if failed else "")))
         except KeyboardInterrupt:
             pool.stop()
             executor.shutdown(wait=True, cancel_futures=True)

@@ -21,8 +21,10 @@ def ablate(
     seeds: Annotated[Optional[int], typer.Option("--seeds", help="Seeds per configuration (train.seed = 0..N-1); default: the study's, or 1.", min=1)] = None,
     set_: SetOpt = None,
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Runs at once (each a subprocess; the CPU threads are split between them).", min=1)] = 1,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder of the sweep (default: ablations/<study or preset name>). Rerunning with the same folder resumes.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate the sweep and print one `emapg train` shell command per run, run nothing.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder of the sweep (default: ablations/<study>-<preset>, e.g. ablations/paper-toy; ablations/<study> without a preset). Rerunning with the same folder resumes.")] = None,
+    processes: Annotated[int, typer.Option("--processes", min=1, help="Processes (GPUs) per run: above 1, each run starts with the launcher (default `accelerate launch --multi_gpu --num_processes N -m emapg_cli train ...`).")] = 1,
+    launcher: Annotated[Optional[str], typer.Option("--launcher", help="Command that starts one run, before `train ...`; {processes} is replaced by --processes (e.g. 'torchrun --nproc_per_node {processes} -m emapg_cli').")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate the sweep and print one shell line per run (`emapg train ...`, or the launcher's line with --processes), run nothing.")] = False,
     aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk.")] = False,
 ) -> None:
     """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots.
@@ -33,6 +35,7 @@ def ablate(
     """
     from emapg_cli.ablate.aggregate import save_plan
     from emapg_cli.ablate.grid import parse_grid
+    from emapg_cli.ablate.runner import launcher as launch_prefix
     from emapg_cli.ablate.runner import check_reuse, run_sweep, shell_command
     from emapg_cli.ablate.study import build_sweep, save_sweep
 
@@ -46,10 +49,12 @@ def ablate(
         return
     sweep = build_sweep(study, preset, config, [parse_grid(g) for g in grid or []], seeds, list(set_ or []))
     runs = sweep.runs()  # every combination validated before anything is written or started
-    out = out or Path("ablations") / sweep.name
+    # per preset, so a GPU sweep never lands in the folder (and resumes the runs) of a toy sweep
+    out = out or Path("ablations") / (f"{sweep.name}-{Path(sweep.preset).stem}" if sweep.preset and Path(sweep.preset).stem != sweep.name else sweep.name)
+    prefix = launch_prefix(processes, launcher)
     if dry_run:
         for spec in runs:
-            typer.echo(shell_command(sweep, spec, out))
+            typer.echo(shell_command(sweep, spec, out, prefix))
         return
     import yaml
 
@@ -61,7 +66,7 @@ def ablate(
         configs = len({r.config_id for r in runs})
         console.print(f"ablate [bold]{escape(sweep.name)}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = "
                       f"{len(runs)} runs -> {escape(str(out))}")
-        results = run_sweep(sweep, runs, out, jobs=jobs)
+        results = run_sweep(sweep, runs, out, jobs=jobs, prefix=prefix)
         counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
         console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
         _report(out)

@@ -62,6 +62,9 @@ app.add_typer(bench_cmd.app, name="bench")
 from emapg_cli.cli import retriever_cmd  # noqa: E402
 
 app.add_typer(retriever_cmd.app, name="retriever")
+from emapg_cli.cli import plot_cmd  # noqa: E402
+
+app.command("plot")(plot_cmd.plot)
 
 
 def _fail(message: str, code: int = 2) -> None:

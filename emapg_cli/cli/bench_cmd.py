@@ -10,7 +10,7 @@ import typer
 
 from emapg_cli.cli.common import PresetOpt, SetOpt, console
 from emapg_cli.errors import UserError
-from emapg_cli.kl.registry import ESTIMATORS
+from emapg_cli.estimator_names import ESTIMATORS  # torch-free: `emapg --help` must not import torch
 
 app = typer.Typer(help="Benchmarks: the fused output layer against its GEMM floor, the no-grad passes, one RL step.",
                   no_args_is_help=True)

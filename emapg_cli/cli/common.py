@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+import os
+import sys
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 
-from emapg_cli.config import Config, load_config
-
-import os
-import sys
+if TYPE_CHECKING:  # pydantic and the config models load only when a command runs, not for --help
+    from emapg_cli.config import Config
 
 # Rich squeezes tables to 80 columns when stdout is not a terminal (pipes, CI logs); give them room.
 _wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
@@ -33,4 +33,6 @@ SetOpt = Annotated[
 
 def resolve_config(preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]) -> Config:
     """Build the Config from the three sources (raises UserError on any problem)."""
+    from emapg_cli.config import load_config
+
     return load_config(preset, config, overrides or [])

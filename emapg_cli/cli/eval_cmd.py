@@ -12,7 +12,7 @@ from emapg_cli.errors import UserError
 
 
 def eval_(
-    bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, or a JSONL file / folder in the canonical schema or any layout `emapg prepare` converts (e.g. the official OlympiadBench test.jsonl, MATH-style problem/answer).")],
+    bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, `toy` (the test set of `emapg prepare --preset toy`), or a JSONL file / folder in the canonical schema or any layout `emapg prepare` converts (e.g. the official OlympiadBench test.jsonl, MATH-style problem/answer).")],
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder (save_pretrained format; a hub id with network) to sample from.")] = None,
     responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings), optionally \"finish_reasons\" (\"length\" = truncated).")] = None,
     backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm (a CUDA GPU, or vLLM's CPU build), hf (transformers), or auto (vllm when installed and a CUDA GPU is present).")] = "auto",
@@ -22,7 +22,7 @@ def eval_(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Maximum response length in tokens; with --retriever, per turn. Default 28000, or 500 with --retriever.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Base sampling seed.")] = 429,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N problems.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<model name>); rerunning with the same folder resumes.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<run name> for a run's final/policy, e.g. runs/eval/toy-toy-20260101-120000; <bench>-<folder name> otherwise); rerunning with the same folder resumes.")] = None,
     instruction: Annotated[Optional[str], typer.Option("--instruction", help="Text appended to each problem (default: none, the problem alone is the user message).")] = None,
     chunk: Annotated[Optional[int], typer.Option("--chunk", min=1, help="Problems per generate call; results are saved after each (default: 512 for vllm, 64/n for hf).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1, help="vLLM: prompt + response token limit (default: the model's).")] = None,
@@ -44,9 +44,12 @@ def eval_(
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from emapg_cli.evaluation.naming import bench_ref, default_out
     from emapg_cli.evaluation.report import markdown
     from emapg_cli.evaluation.runner import EvalSettings, run_eval
+    from emapg_cli.hf_quiet import quiet_transformers
 
+    quiet_transformers()
     if top_p <= 0:
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     if model is None and responses is None:
@@ -64,11 +67,9 @@ def eval_(
     reward = reward if reward is not None else ("em" if searching else "math")
     if searching and reward == "math":
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
-    if out is None:
-        tag = Path(model).name if model else responses.stem  # type: ignore[union-attr]
-        out = Path("runs") / "eval" / f"{Path(bench).stem}-{tag}"
+    out = out or default_out(bench, model, responses)
     settings = EvalSettings(
-        bench=bench, out=out, model=model, responses_file=responses, backend=backend, n=n,
+        bench=bench_ref(bench), out=out, model=model, responses_file=responses, backend=backend, n=n,
         temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
         instruction=instruction, chunk=chunk, max_model_len=max_model_len, dtype=dtype,
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
@@ -96,4 +97,8 @@ def eval_(
     with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
-    console.print(f"results in {out}", markup=False, highlight=False)
+    from emapg_cli.plots.common import PLOTS_DIR
+    from emapg_cli.plots.eval import plot_evals
+
+    plot_evals([(out.name, summary)], out / PLOTS_DIR)
+    console.print(f"results in {out} (plots in {out / PLOTS_DIR})", markup=False, highlight=False)

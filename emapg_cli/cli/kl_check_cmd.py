@@ -13,10 +13,9 @@ from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
+from emapg_cli.estimator_names import ESTIMATORS
 from emapg_cli.outputs import writable_file
 from emapg_cli.paths import write_text_atomic
-
-from emapg_cli.kl.registry import ESTIMATORS
 
 ESTIMATOR_NAMES = ",".join(ESTIMATORS)
 
@@ -119,7 +118,7 @@ def kl_check(
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     for table in render_tables(result):
         console.print(table)
-    console.print(f"[dim]{LEGEND}[/]", highlight=False)
+    console.print(f"[dim]{escape(LEGEND)}[/]", highlight=False)
     if markdown:
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
     if json_out is not None:

@@ -19,7 +19,7 @@ def _progress_bar(label: str):
     """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    label = label.replace("{", "{{").replace("}", "}}")  # TextColumn formats its text with str.format
+    label = escape(label).replace("{", "{{").replace("}", "}}")  # rich markup, then TextColumn's str.format
     bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
     def start(total: int):
@@ -33,6 +33,9 @@ def _prepare_toy(seed: int) -> None:
     from emapg_cli.paths import emapg_home
     from emapg_cli.toy.prepare import prepare_toy
 
+    from emapg_cli.hf_quiet import quiet_transformers
+
+    quiet_transformers()
     home = emapg_home()
     with claim_folder(home / "toy", "prepare"):
         manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
@@ -155,7 +158,7 @@ def prepare(
             table.add_column(col)
         for s in datasets().values():
             src = (s.hub_id or "local file (--from)") + (f" ({s.config})" if s.config else "") + (f", split {s.split}" if s.split else "")
-            table.add_row(s.name, s.role, src, str(s.expected_rows or "?"), s.licence, s.description)
+            table.add_row(*(escape(x) for x in (s.name, s.role, src, str(s.expected_rows or "?"), s.licence, s.description)))
         console.print(table)
         return
     if preset is not None:

@@ -94,17 +94,28 @@ def train(
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
+    from rich.markup import escape
+
+    from emapg_cli.train.checks import config_checks
+
+    config_checks(cfg)  # optional packages and the reward name: before a plan or any work
     if dry_run:
+        from emapg_cli.train.checks import missing_inputs
         from emapg_cli.train.plan import load_model_config, make_plan, render_plan
 
         n = processes if processes is not None else int(os.environ.get("WORLD_SIZE", "1"))
         console.print(render_plan(make_plan(cfg, load_model_config(cfg.model.path), processes=n)))
+        for note in missing_inputs(cfg):
+            console.print(f"[yellow]warning:[/] {escape(note)} (needed where the run starts)", highlight=False)
         return
 
     import torch
 
+    from emapg_cli.hf_quiet import quiet_transformers
+    from emapg_cli.train.progress import config_line, summary_rows
     from emapg_cli.train.trainer import Trainer
 
+    quiet_transformers()
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         from emapg_cli.train.threads import choose_threads
 
@@ -117,8 +128,18 @@ def train(
     claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=("checkpoints",))
              if _is_main_process() else contextlib.nullcontext(run_dir))
     with claim:
-        trainer = Trainer(cfg, run_dir, resume=resume is not None)
+        trainer = Trainer(cfg, run_dir, resume=resume is not None)  # checks every input; loads no weights yet
+        if trainer.acc.is_main_process:
+            console.print(f"[bold]{'resuming' if resume is not None else 'run'}[/] {escape(str(run_dir))}", highlight=False)
+            console.print(escape(config_line(cfg)), highlight=False)
         summary = trainer.run()
     if trainer.acc.is_main_process:
-        console.print(f"[bold green]done[/] {escape(str(run_dir))}: " + ", ".join(f"{k}={v}" for k, v in summary.items()),
-                      highlight=False)
+        from rich.table import Table
+
+        from emapg_cli.plots.folders import plot_folders
+
+        _, plots_dir, pngs = plot_folders([run_dir])
+        table = Table(title="[bold green]done[/]", show_header=False, title_justify="left")
+        for label, value in summary_rows(summary, run_dir, (plots_dir, len(pngs))):
+            table.add_row(label, escape(value))
+        console.print(table)

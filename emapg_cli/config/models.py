@@ -12,13 +12,10 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from emapg_cli.errors import UserError
+from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 
-Estimator = Literal["exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated"]
+Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
 Direction = Literal["reverse", "forward"]
-
-#: Estimators that only estimate one direction of the KL (the paper's Table 1).
-REVERSE_ONLY = ("k1", "k2", "k3", "k3pp", "k4")
-FORWARD_ONLY = ("k5",)
 
 
 class Section(BaseModel):

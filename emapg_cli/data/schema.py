@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from emapg_cli.errors import UserError
-from emapg_cli.paths import emapg_home, expand
+from emapg_cli.paths import emapg_home, expand, prepare_hint
 
 
 class Example(BaseModel):
@@ -120,6 +120,8 @@ def resolve_data_ref(ref: str) -> Path:
     named = emapg_home() / "data" / ref / "data.jsonl"
     if "/" not in ref and named.is_file():
         return named
+    if "/" in ref:  # a path: say where it was looked for, and how to make it when emapg makes it
+        raise UserError(f"dataset file {path}: no such file{prepare_hint(path)}")
     raise UserError(f"dataset '{ref}' not found (not a file, and no {named}; run `emapg prepare {ref}` first)")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -274,6 +274,9 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "backend": backend,
         **summarize(scores),
         "subsets": by_subset(scores),
+        # per data source, when the bench mixes several (items regrouped by Example.source)
+        "sources": by_subset([replace(sc, subset=ex.source) for sc, ex in zip(scores, examples)])
+        if len({ex.source for ex in examples}) > 1 else {},
         "sampling": None if s.model is None else {
             "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
             **({"retriever": s.retriever, "max_turns": s.max_turns, "topk": s.topk} if s.retriever else {}),

@@ -12,9 +12,8 @@ from typing import Callable, Optional
 from torch import Tensor
 
 from emapg_cli.kl.common import upcast
+from emapg_cli.estimator_names import ESTIMATORS
 from emapg_cli.kl import exact, sampled, topk
-
-ESTIMATORS = ("exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated")
 
 
 @dataclass(frozen=True)

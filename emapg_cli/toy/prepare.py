@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.sft import SFTConfig, warm_start
+from emapg_cli.toy.sft import SFTConfig, smoothed_accuracy, warm_start
 from emapg_cli.toy.task import SOURCE, make_splits
 
 N_TRAIN = 4000
@@ -50,11 +50,14 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], prompts: list[lis
 
 
 def _bar(enabled: bool):
-    """A rich progress bar showing the SFT loss (a no-op context when disabled)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    """A rich progress bar for the warm start (a no-op context when disabled). The warm start stops
+    on a dev accuracy, not after a known number of steps, so the bar shows the steps done and the
+    smoothed dev accuracy against its target instead of an invented total."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("loss {task.fields[loss]:.3f}"), disable=not enabled)
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
+                    TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[dev]}"), TimeElapsedColumn(),
+                    disable=not enabled)
 
 
 def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfig = SFTConfig()) -> dict[str, Any]:
@@ -84,26 +87,29 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     model.generation_config.pad_token_id = tokenizer.pad_token_id
 
     dev = train[:N_DEV]
-    dev_curve: list[float] = []
     reward = get_reward(preset.rollout.reward)
     budget = preset.eval.max_new_tokens
 
     dev_prompts = render_all(tokenizer, dev)  # rendered once, checked every few steps
 
-    def reached_target() -> bool:
-        dev_curve.append(greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget))
-        return dev_curve[-1] >= sft.target_accuracy
+    recent: list[float] = []
+
+    def dev_accuracy() -> float:
+        recent.append(greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget))
+        smoothed = smoothed_accuracy(recent, sft.smooth)
+        bar.update(task, dev=f"dev accuracy {smoothed:.0%} (stops at {sft.target_accuracy:.0%})")
+        return recent[-1]
 
     sft_start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(SFT_THREADS)
     try:
         with _bar(progress) as bar:
-            task = bar.add_task("warm start (SFT)", total=sft.max_steps, loss=float("nan"))
-            losses = warm_start(model, tokenizer, sft, seed, frozenset(e.question for e in test + dev), reached_target,
+            task = bar.add_task("warm start (SFT)", total=None, loss=float("nan"), dev="")
+            losses, dev_curve = warm_start(model, tokenizer, sft, seed, frozenset(e.question for e in test + dev), dev_accuracy,
                                 progress=lambda step, loss: bar.update(task, completed=step, loss=loss))
             sft_seconds = time.perf_counter() - sft_start
-            bar.update(task, total=len(losses), description="greedy test accuracy ...")
+            bar.update(task, total=len(losses), completed=len(losses), description="greedy test accuracy ...")
             accuracy = greedy_accuracy(model, tokenizer, test, render_all(tokenizer, test), reward, budget)
             bar.update(task, description=f"warm start {sft_seconds:.0f}s, greedy test accuracy {accuracy:.1%}")
     finally:
@@ -116,7 +122,7 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
         "seed": seed,
         "rows": {"train": len(train), "test": len(test)},
     }, sft, losses, {
-        "sft_dev_accuracy": dev_curve,
+        "sft_dev_accuracy": [{"step": step, "accuracy": acc} for step, acc in dev_curve],
         "sft_wall_s": round(sft_seconds, 1),
         "sft_test_accuracy": accuracy,
         "wall_s": round(time.perf_counter() - start, 1),

@@ -3,11 +3,16 @@
 The model learns `\\boxed{a+b}` from an endless seeded stream of problems (held-out questions
 excluded), with loss on the response tokens only. A tiny transformer learns two-digit addition
 abruptly: the loss plateaus, then accuracy climbs from ~5% to ~90% within a few hundred steps.
-The warm start stops in the middle of that climb, at the first check (every `check_every` steps)
-where the caller's `should_stop` (a dev-set accuracy threshold) says so, leaving the RL stage a
-model that formats perfectly and adds correctly only part of the time. Stopping on a measured
-accuracy rather than a fixed step count makes the starting point robust to the seed; everything
-is still deterministic for a given seed (and torch thread count).
+The warm start stops in the middle of that climb, once the dev accuracy (the caller's
+`dev_accuracy`), averaged over the last `smooth` checks, reaches `target_accuracy`, leaving the
+RL stage a model that formats perfectly and adds correctly only part of the time. Checks are
+coarse (every `check_every` steps) on the plateau and fine (every `fine_every` steps) from the first
+check at or above `fine_from` on: during the climb accuracy rises by 1-3 points per step, so a
+coarse check would overshoot the target by up to ~20 points, by an amount that depends on where
+the climb happens to fall between two checks, which differs between CPUs (floating-point reduction
+order) and seeds. Stopping on a smoothed, finely sampled accuracy rather than a step count keeps the
+starting point within a few points across seeds and machines; everything is still deterministic for
+a given seed, machine and torch thread count.
 """
 
 from __future__ import annotations
@@ -29,8 +34,11 @@ class SFTConfig:
     heads: int = 4
     kv_heads: int = 2
     max_steps: int = 2500
-    check_every: int = 20
-    target_accuracy: float = 0.25  # stop once the dev accuracy reaches this
+    check_every: int = 20  # steps between dev checks on the plateau
+    fine_every: int = 1  # steps between dev checks once the dev accuracy reached `fine_from`
+    fine_from: float = 0.10
+    smooth: int = 3  # stop on the mean of the last `smooth` dev accuracies ...
+    target_accuracy: float = 0.30  # ... once it reaches this
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 50
@@ -81,27 +89,49 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup)
 
 
+def smoothed_accuracy(accuracies: list[float], smooth: int) -> float:
+    """The stopping statistic: the mean of the last `smooth` dev accuracies."""
+    recent = accuracies[-smooth:]
+    return sum(recent) / len(recent)
+
+
 def warm_start(
     model,
     tokenizer,
     cfg: SFTConfig,
     seed: int,
     exclude: frozenset[str],
-    should_stop: Callable[[], bool],
+    dev_accuracy: Callable[[], float],
     progress: Optional[Callable[[int, float], None]] = None,
-) -> list[float]:
-    """Fine-tune `model` in place on the addition stream until `should_stop()` or `cfg.max_steps` (see `fit`).
+) -> tuple[list[float], list[tuple[int, float]]]:
+    """Fine-tune `model` in place on the addition stream until the smoothed `dev_accuracy()` reaches
+    `cfg.target_accuracy` (see the module docstring for the check schedule) or `cfg.max_steps`.
 
-    `exclude` holds questions never trained on (test and dev).
+    Returns the loss of every step and the dev checks as (step, accuracy). `exclude` holds
+    questions never trained on (test and dev); `progress(step, loss)` is called after each
+    optimizer step. The model is left in eval mode.
     """
+    from dataclasses import replace
+
     encode = PairEncoder(tokenizer)
     stream = problem_stream(seed + 1, exclude)
+    checks: list[tuple[int, float]] = []
+    steps = iter(range(1, cfg.max_steps + 1))  # `fit` asks after every step (check_every=1 below)
 
     def next_batch() -> list[tuple[list[int], list[int]]]:
         problems = [next(stream) for _ in range(cfg.batch_size)]
         return [encode(p.question, response_text(p.value)) for p in problems]
 
-    return fit(model, cfg, seed, next_batch, tokenizer.pad_token_id, should_stop, progress)
+    def should_stop() -> bool:
+        step = next(steps)
+        fine = any(acc >= cfg.fine_from for _, acc in checks)  # latched: noise on the climb must not fall back to coarse
+        if step % (cfg.fine_every if fine else cfg.check_every):
+            return False
+        checks.append((step, dev_accuracy()))
+        return smoothed_accuracy([acc for _, acc in checks], cfg.smooth) >= cfg.target_accuracy
+
+    losses = fit(model, replace(cfg, check_every=1), seed, next_batch, tokenizer.pad_token_id, should_stop, progress)
+    return losses, checks
 
 
 def fit(

@@ -1,7 +1,8 @@
 """Checks of a training config against its inputs, run before any weights are loaded.
 
-Every problem is a one-line UserError (exit code 2): missing model, unreadable data, unknown
-reward, a top-k larger than the model's vocabulary, a multi-turn rollout (not implemented yet).
+Every problem is a one-line UserError (exit code 2): a missing optional package (tensorboard,
+wandb), an unknown reward, missing model or data files, a top-k larger than the model's vocabulary,
+a multi-turn rollout (not implemented yet). `config_checks` needs no files and also runs in `--dry-run`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from emapg_cli.config.models import Config
 from emapg_cli.data.schema import Example, load_examples
 from emapg_cli.errors import UserError
 from emapg_cli.kl import INFO
-from emapg_cli.paths import expand
+from emapg_cli.paths import expand, prepare_hint
+
+#: Optional packages a config can ask for: (config switch, import name, pip extra).
+OPTIONAL_PACKAGES = (("logging.tensorboard", "tensorboard", "tensorboard"), ("logging.wandb", "wandb", "wandb"))
 
 
 @dataclass
@@ -39,7 +43,7 @@ def model_config(path: Optional[str], trust_remote_code: bool = False) -> dict[s
     if local is not None:
         return local
     if _looks_local(path):
-        raise UserError(f"model.path {path}: no such model folder")
+        raise UserError(f"model.path {expand(path)}: no such model folder{prepare_hint(expand(path))}")
     import os
 
     from transformers import AutoConfig
@@ -58,10 +62,49 @@ def vocab_size(config: dict[str, Any]) -> Optional[int]:
     return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
 
 
+def config_checks(cfg: Config) -> None:
+    """What can be checked without any file: the optional packages the config turns on are
+    installed, and the reward name is registered. Runs in `--dry-run` and first in `preflight`."""
+    from importlib.util import find_spec
+
+    from emapg_cli.rewards import REWARDS
+
+    for key, module, extra in OPTIONAL_PACKAGES:
+        if _lookup(cfg, key) and find_spec(module) is None:
+            raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
+    if cfg.rollout.reward not in REWARDS:
+        raise UserError(f"rollout.reward: unknown reward '{cfg.rollout.reward}' (known: {', '.join(sorted(REWARDS))})")
+
+
+def _lookup(cfg: Config, key: str) -> Any:
+    section, field = key.split(".")
+    return getattr(getattr(cfg, section), field)
+
+
+def missing_inputs(cfg: Config) -> list[str]:
+    """One line per input the run would need and this machine lacks (model folder, data files); `--dry-run`
+    prints them as warnings (a plan for a GPU node may be made where the data is not prepared)."""
+    from emapg_cli.data.schema import resolve_data_ref
+    from emapg_cli.train.plan import load_model_config
+
+    notes = []
+    if cfg.model.path and _looks_local(cfg.model.path) and load_model_config(cfg.model.path) is None:
+        path = expand(cfg.model.path)
+        notes.append(f"model.path {path}: no such model folder{prepare_hint(path)}")
+    for key, ref in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if ref:
+            try:
+                resolve_data_ref(ref)
+            except UserError as err:
+                notes.append(f"{key}: {err}")
+    return notes
+
+
 def preflight(cfg: Config) -> Inputs:
-    """Validate model, data, reward and KL settings of `cfg`; returns what was loaded."""
+    """Validate packages, reward, model, data and KL settings of `cfg`; returns what was loaded."""
     from emapg_cli.rewards import get_reward
 
+    config_checks(cfg)
     if cfg.rollout.max_turns > 1 and not cfg.search.enabled:
         raise UserError(
             f"rollout.max_turns = {cfg.rollout.max_turns}: multi-turn rollouts run only for the search agent "

@@ -439,6 +439,7 @@ def _count(n: int) -> str:
 def render_plan(plan: Plan):
     """The plan as a rich renderable: run shape, memory table, totals and notes."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
     from rich.markup import escape
@@ -477,7 +478,7 @@ def render_plan(plan: Plan):
         mem.add_column("GiB", justify="right")
         mem.add_column("formula")
         for term in plan.memory:
-            mem.add_row(term.name, term.phase, _gib(term.bytes), term.formula)
+            mem.add_row(term.name, term.phase, _gib(term.bytes), escape(term.formula))
         mem.add_section()
         mem.add_row("update peak", "state + update", _gib(plan.update_peak_bytes), "", style="bold")
         mem.add_row("rollout peak", "state + rollout", _gib(plan.rollout_peak_bytes), "", style="bold")

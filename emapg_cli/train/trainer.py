@@ -37,6 +37,7 @@ from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import anchor_inside_loss, engine_topk, needs_old_pass, reference_passes
+from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
@@ -450,7 +451,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
         """Train to `train.steps`; returns the summary also written to summary.json."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         from emapg_cli.train.loggers import NullLogger, make_logger
 
@@ -479,10 +480,12 @@ class Trainer:
         self.scorer.eval()
         metrics: dict[str, Any] = {}
         progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                            TimeRemainingColumn(), disable=not acc.is_main_process)
+                            TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), disable=not acc.is_main_process)
+        timer = StepTimer()  # smoothed seconds per step (evaluation steps included)
         with progress:
-            task = progress.add_task("train", total=cfg.train.steps, completed=last, info="")
+            task = progress.add_task("train", total=cfg.train.steps, completed=last, info="", eta=clock(None))
             for step in range(last + 1, cfg.train.steps + 1):
+                t0 = time.time()
                 roll, upd, dist, extra = self.step(step)
                 metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
                                        t_rollout=self.phase_s["rollout"], t_update=self.phase_s["update_total"],
@@ -502,7 +505,8 @@ class Trainer:
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
                     self._save(step)
                 info = f"reward {metrics['reward/mean']:.3f}  kl {metrics.get('kl/value', 0.0):.2e}  {metrics['throughput/tokens_per_s']:.0f} tok/s"
-                progress.update(task, advance=1, info=info)
+                timer.add(time.time() - t0)
+                progress.update(task, advance=1, info=info, eta=clock(timer.eta(cfg.train.steps - step)))
         self._save_final()
         logger.close()
         self.close()

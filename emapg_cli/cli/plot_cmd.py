@@ -1,0 +1,24 @@
+"""`emapg plot`: figures of training runs (several overlaid) or of evaluations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from emapg_cli.cli.common import console
+
+
+def plot(
+    folders: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Training run directories (metrics.jsonl), overlaid one colour each; or `emapg eval` output folders (summary.json).")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNGs (default: DIR/plots for one folder, ./plots for several).")] = None,
+) -> None:
+    """Plot training curves (eval accuracy, reward, KL to the anchor, EMA distance, entropy, clip fraction,
+    throughput vs step; metrics a run did not log are skipped) or evaluations (pass@k, accuracy per subset / source)."""
+    from rich.markup import escape
+
+    from emapg_cli.plots.folders import plot_folders
+
+    _, out_dir, paths = plot_folders(folders, out)
+    console.print(f"wrote {len(paths)} plots to {escape(str(out_dir))}: {escape(', '.join(p.name for p in paths))}", highlight=False)

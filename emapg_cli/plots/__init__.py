@@ -1,0 +1,1 @@
+"""Figures of training runs and evaluations (matplotlib, Agg backend), written as PNGs into `plots/`."""

@@ -1,0 +1,69 @@
+"""`emapg plot`'s core: tell training runs (metrics.jsonl) from evaluations (summary.json of
+`emapg eval`), read them, and write their figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from emapg_cli.errors import UserError
+from emapg_cli.plots.common import PLOTS_DIR
+
+METRICS, EVAL_SUMMARY = "metrics.jsonl", "summary.json"
+
+
+def kind_of(folder: Path) -> str:
+    """'train' (a run directory), 'eval' (an `emapg eval` output folder); UserError otherwise."""
+    if (folder / METRICS).is_file():
+        return "train"
+    if (folder / EVAL_SUMMARY).is_file() and (folder / "results.jsonl").is_file():
+        return "eval"
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no such folder")
+    raise UserError(f"{folder}: neither a training run (no {METRICS}) nor an `emapg eval` output (no {EVAL_SUMMARY} + results.jsonl)")
+
+
+def labels(folders: list[Path]) -> list[str]:
+    """Short distinct labels: folder names, with the parent's name where two names collide."""
+    names = [f.resolve().name for f in folders]
+    return [f"{f.resolve().parent.name}/{n}" if names.count(n) > 1 else n for f, n in zip(folders, names)]
+
+
+def default_out(folders: list[Path]) -> Path:
+    """One folder: its own `plots/`; several: `plots/` in the working directory."""
+    return folders[0] / PLOTS_DIR if len(folders) == 1 else Path(PLOTS_DIR)
+
+
+def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, Path, list[Path]]:
+    """Plot `folders` (all training runs, or all evaluations) overlaid into `out` (default: `default_out`).
+
+    Returns (kind, output folder, PNG paths). Every folder is checked before anything is drawn.
+    """
+    from emapg_cli.train.loggers import read_metrics
+
+    if not folders:
+        raise UserError("give at least one run or eval folder")
+    kinds = [kind_of(f) for f in folders]
+    if len(set(kinds)) > 1:
+        raise UserError("plot training runs and evaluations separately (their figures differ): "
+                        + ", ".join(f"{f} is {k}" for f, k in zip(folders, kinds)))
+    out = out or default_out(folders)
+    names = labels(folders)
+    if kinds[0] == "train":
+        from emapg_cli.plots.train import plot_runs
+
+        runs = [(name, read_metrics(f / METRICS, partial=True)) for name, f in zip(names, folders)]
+        paths = plot_runs(runs, out)
+        if not paths:
+            raise UserError(f"nothing to plot: no step logged yet in {', '.join(map(str, folders))}")
+        return "train", out, paths
+    from emapg_cli.plots.eval import plot_evals
+
+    evals = []
+    for name, f in zip(names, folders):
+        try:
+            evals.append((name, json.loads((f / EVAL_SUMMARY).read_text())))
+        except (OSError, json.JSONDecodeError) as err:
+            raise UserError(f"{f / EVAL_SUMMARY}: unreadable ({err})") from None
+    return "eval", out, plot_evals(evals, out)

@@ -1,0 +1,98 @@
+"""Training curves from one or several runs' `metrics.jsonl`, overlaid (one colour per run).
+
+One PNG per metric that any run logged (absent metrics are skipped) plus `training.png`, every
+panel on one page. Per-step metrics are noisy: each is drawn faint, with a centred moving average
+over ~5% of the run on top; evaluations (every `eval.every` steps) are drawn as they are, with markers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+from emapg_cli.plots.common import colors, pyplot, save
+
+#: (metric key, panel title, file name, smoothed) in page order.
+PANELS = (
+    ("eval/accuracy", "greedy eval accuracy, eval/accuracy", "eval_accuracy.png", False),
+    ("reward/mean", "train reward, reward/mean", "reward.png", True),
+    ("kl/value", "KL to the anchor, kl/value", "kl.png", True),
+    ("ema/distance", "policy-anchor distance ||θ-θ_ema||/||θ||, ema/distance", "ema_distance.png", True),
+    ("entropy", "policy entropy, entropy", "entropy.png", True),
+    ("clip/frac", "clipped fraction, clip/frac", "clip_fraction.png", True),
+    ("throughput/tokens_per_s", "throughput, throughput/tokens_per_s", "throughput.png", True),
+)
+OVERVIEW_PNG = "training.png"
+
+
+def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of `key` in metrics rows, in step order, skipping rows without a finite value."""
+    out = []
+    for row in rows:
+        v, step = row.get(key), row.get("step")
+        if step is not None and isinstance(v, (int, float)) and math.isfinite(v):
+            out.append((int(step), float(v)))
+    return sorted(out)
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Centred moving average; the window shrinks at both ends (so the curve keeps its length)."""
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        part = values[max(0, i - half): i + half + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def _draw(ax, runs: list[tuple[str, list[dict]]], key: str, title: str, smoothed: bool, palette) -> bool:
+    drawn = False
+    for i, (label, rows) in enumerate(runs):
+        pts = series(rows, key)
+        if not pts:
+            continue
+        drawn = True
+        steps, values = [s for s, _ in pts], [v for _, v in pts]
+        color = palette(i % palette.N)
+        if smoothed and len(pts) > 10:
+            ax.plot(steps, values, color=color, alpha=0.25, lw=0.8)
+            ax.plot(steps, moving_average(values, max(3, len(pts) // 20)), color=color, lw=1.6, label=label)
+        else:
+            ax.plot(steps, values, color=color, lw=1.6, marker="o" if len(pts) <= 40 else None, ms=3, label=label)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    return drawn
+
+
+def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, title: Optional[str] = None) -> list[Path]:
+    """Write one PNG per metric present in any of `runs` ((label, metrics rows) pairs) and the
+    one-page overview into `out`; returns the paths written (none when no run logged a step)."""
+    plt = pyplot()
+    palette = colors(len(runs))
+    present = [p for p in PANELS if any(series(rows, p[0]) for _, rows in runs)]
+    if not present:
+        return []
+    title = title or ", ".join(label for label, _ in runs)
+    paths = []
+    for key, panel, name, smoothed in present:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        _draw(ax, runs, key, panel, smoothed, palette)
+        if len(runs) > 1:
+            ax.legend(fontsize=8)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        paths.append(save(fig, out / name))
+    cols = 2 if len(present) > 1 else 1
+    rows_n = math.ceil(len(present) / cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 3.4 * rows_n), squeeze=False)
+    for ax, (key, panel, _, smoothed) in zip(axes.flat, present):
+        _draw(ax, runs, key, panel, smoothed, palette)
+    for ax in list(axes.flat)[len(present):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    paths.append(save(fig, out / OVERVIEW_PNG))
+    return paths

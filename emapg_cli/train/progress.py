@@ -1,0 +1,62 @@
+"""What `emapg train` shows while it runs: the config in one line, a progress bar whose ETA is
+smoothed, and the closing summary as a short table. No torch; rich only."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+#: Weight of the newest step in the step-time average. Steps with an evaluation (every `eval.every`)
+#: take several times longer than the others; with 0.1 one such step moves the ETA by ~10% of its
+#: excess instead of the whole of it, and the average follows a real change of pace within ~20 steps.
+ETA_ALPHA = 0.1
+
+
+class StepTimer:
+    """Exponential moving average of the seconds per step, and the ETA it implies."""
+
+    def __init__(self, alpha: float = ETA_ALPHA):
+        self.alpha, self.mean = alpha, None  # type: float, Optional[float]
+
+    def add(self, seconds: float) -> None:
+        self.mean = seconds if self.mean is None else self.alpha * seconds + (1 - self.alpha) * self.mean
+
+    def eta(self, remaining: int) -> Optional[float]:
+        """Seconds left for `remaining` steps; None before the first step."""
+        return None if self.mean is None else self.mean * remaining
+
+
+def clock(seconds: Optional[float]) -> str:
+    """1:02:03 / 4:05 style; '-:--' when unknown."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-:--"
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def config_line(cfg) -> str:
+    """The run's shape in one line: model, steps, batch, optimizer, KL and anchor, reward, engine."""
+    r, k, e = cfg.rollout, cfg.kl, cfg.ema
+    kl = f"β {k.coef:g} {k.estimator} {k.direction}" + (f" k {k.k}" if k.estimator.startswith(("topk", "truncated")) else "")
+    anchor = "fixed anchor" if e.decay >= 1.0 else f"EMA anchor η {e.decay:g} every {e.update_period}"
+    return (f"{cfg.name}: {cfg.model.path} ({cfg.model.dtype}), {cfg.train.steps} steps x {r.prompts_per_step} prompts"
+            f" x {r.n} samples, lr {cfg.optim.lr:g}, KL {kl if k.coef > 0 else 'off'}, {anchor}, reward {r.reward}, engine {r.engine}")
+
+
+def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None) -> list[tuple[str, str]]:
+    """The closing table of a run: (label, rounded value) rows."""
+    rows = [("run", str(run_dir))]
+    init, final = summary.get("eval_accuracy_initial"), summary.get("eval_accuracy_final")
+    if init is not None and final is not None:
+        rows.append(("eval accuracy", f"{100 * init:.1f}% -> {100 * final:.1f}% ({100 * (final - init):+.1f} points)"))
+    steps = f"{summary.get('steps')}"
+    if summary.get("steps_skipped"):
+        steps += f" ({summary['steps_skipped']} skipped: non-finite loss or gradient)"
+    rows.append(("steps", steps))
+    if summary.get("reward_mean_last") is not None:
+        rows.append(("last train reward", f"{summary['reward_mean_last']:.3f}"))
+    rows.append(("wall time", clock(summary.get("wall_time_s"))))
+    if plots is not None:
+        rows.append(("plots", f"{plots[0]} ({plots[1]} PNGs)"))
+    return rows
