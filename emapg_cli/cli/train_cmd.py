@@ -94,7 +94,6 @@ def train(
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
-    from rich.markup import escape
 
     from emapg_cli.train.checks import config_checks
 

@@ -442,7 +442,6 @@ def render_plan(plan: Plan):
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
-    from rich.markup import escape
 
     run = Table(title=f"Plan: {escape(plan.name)}", show_header=False, title_justify="left")
     run.add_column("what", style="bold")
