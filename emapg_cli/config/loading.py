@@ -136,7 +136,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, raw = split_key_value(item, "override", "KEY=VALUE, e.g. kl.k=64")
     try:
         value = safe_load_yaml(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer past Python's digit limit; the model then rejects the text
         value = raw
     return key.split("."), value
 

@@ -51,6 +51,8 @@ def parse_json_line(line: str, where: str, unicode_only: bool = True) -> dict[st
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise UserError(f"{where}: JSON nested too deeply") from None
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
     if unicode_only and _SURROGATE_ESCAPE.search(line):

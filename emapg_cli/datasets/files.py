@@ -24,6 +24,8 @@ def read_records(path: Path) -> list[Any]:
             raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except RecursionError:
+            raise UserError(f"{path}: JSON nested too deeply") from None
         if isinstance(data, dict):  # {"data": [...]} and similar wrappers
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
