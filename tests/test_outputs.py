@@ -143,13 +143,13 @@ def test_unexpected_exception_is_one_line_and_a_traceback_file(tmp_path, monkeyp
 
 
 def test_unexpected_exception_without_a_folder_uses_a_temp_file(tmp_path, monkeypatch):
-    from emapg_cli.cli import config_cmd
+    from emapg_cli.config import loading
 
     def boom(*a, **k):
         raise KeyError("kaboom")
 
     monkeypatch.setattr("emapg_cli.outputs._last", [])  # no folder claimed by this process
-    monkeypatch.setattr(config_cmd, "to_yaml", boom)  # `config show` writes no folder
+    monkeypatch.setattr(loading, "to_yaml", boom)  # `config show` (which imports it when it runs) writes no folder
     code, out, err = run_inprocess(["config", "show"], tmp_path, {})
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and "KeyError" in lines[0], err

@@ -136,6 +136,7 @@ def test_corrupt_run_json(bench, tmp_path, cli):
     out = tmp_path / "out"
     out.mkdir()
     (out / "run.json").write_text("[not json")
+    (out / "results.jsonl").write_text("")  # an eval folder (of a version before output markers) whose run.json is damaged
     given = _jsonl(tmp_path / "given.jsonl", [{"id": "1", "responses": ["\\boxed{2}"]}])
     _one_line_error(cli("eval", "--bench", str(bench), "--responses", str(given), "--out", str(out)), "run.json", "corrupt")
 

@@ -68,11 +68,12 @@ def config_checks(cfg: Config) -> None:
     from importlib.util import find_spec
 
     from emapg_cli.rewards import REWARDS
+    from emapg_cli.rewards.plugin import is_plugin_ref
 
     for key, module, extra in OPTIONAL_PACKAGES:
         if _lookup(cfg, key) and find_spec(module) is None:
             raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
-    if cfg.rollout.reward not in REWARDS:
+    if cfg.rollout.reward not in REWARDS and not is_plugin_ref(cfg.rollout.reward):  # plugins: validated with the config
         raise UserError(f"rollout.reward: unknown reward '{cfg.rollout.reward}' (known: {', '.join(sorted(REWARDS))})")
 
 
