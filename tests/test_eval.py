@@ -6,6 +6,7 @@ import itertools
 import json
 
 import pytest
+from eval_helpers import rerun_after_torn_write
 
 from emapg_cli.evaluation.metrics import ItemScores, by_subset, ks_for, majority_correct, pass_at_k, summarize
 from emapg_cli.grading import clean_answer
@@ -117,14 +118,8 @@ def test_generate_resume_and_mismatch(bench, tiny_qwen2, tmp_path, cli):
 
     # An interrupted write leaves half a line; the rerun drops it, keeps the 2 finished items
     # untouched (not regenerated) and samples only the 2 new ones.
-    with open(out / "results.jsonl", "a") as f:
-        f.write('{"id": "half-writ')
-    r = cli(*common, "--limit", "4")
-    assert r.returncode == 0, r.stderr
-    lines = (out / "results.jsonl").read_text().splitlines()
-    assert lines[:2] == first and len(lines) == 4
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["resumed_items"] == 2 and summary["num_items"] == 4
+    summary = rerun_after_torn_write(cli, common, out, first, '{"id": "half-writ')
+    assert summary["num_items"] == 4
     assert summary["sampling"]["seed"] == 429 and summary["generated_tokens"] > 0 and summary["tokens_per_s"] > 0
 
     r = cli(*common[:-2], "--n", "3", "--out", str(out), "--limit", "4")  # other settings, same folder
