@@ -76,3 +76,28 @@ def test_bm25_ranks_the_gold_passage_first_and_episodes_mask_observations(tmp_pa
     q1, q2 = ex.meta["queries"]
     assert trained == f"<search> {q1} </search><search> {q2} </search><answer> {ex.answers[0]} </answer>"
     assert "<information>" in tok.decode(ids) and tok.decode(ids).startswith(tok.decode(enc.prompt(ex.question)))
+
+
+def test_prepare_runs_its_dev_checks_and_writes_a_warm_start(tmp_path):
+    """`prepare_toy_search` end to end at a tiny scale: the dev checks run the real agent loop and the
+    `em` reward on its completions (a merge once broke exactly this call), and the manifest records them."""
+    pytest.importorskip("bm25s")
+    from emapg_cli.toy import search_prepare as sp
+    from emapg_cli.toy.sft import SFTConfig
+
+    tiny = SFTConfig(hidden=16, layers=1, heads=2, kv_heads=1, max_steps=2, check_every=1, batch_size=2, warmup=1)
+    sizes, counts = dict(sp.SIZES), (sp.N_TRAIN, sp.N_DEV, sp.N_TEST)
+    try:
+        sp.SIZES.update({"train": 20, "dev": 6, "test": 6})
+        sp.N_TRAIN, sp.N_DEV, sp.N_TEST = 20, 4, 4
+        sp.CHECK_SPARSE, sparse = 1, sp.CHECK_SPARSE
+        m = sp.prepare_toy_search(tmp_path, seed=0, sft=tiny)
+    finally:
+        sp.SIZES.update(sizes)
+        sp.N_TRAIN, sp.N_DEV, sp.N_TEST = counts
+        sp.CHECK_SPARSE = sparse
+    # one dev check per SFT step (check_every 1, sparse 1), each an accuracy over the 4 dev questions
+    curve = m["sft_dev_accuracy"]
+    assert [s for s, _ in curve] == [1, 2] and all(acc in (0, 0.25, 0.5, 0.75, 1.0) for _, acc in curve)
+    assert 0.0 <= m["sft_test_accuracy"] <= 1.0 and m["sft_test_accuracy_no_search"] == 0.0
+    assert (tmp_path / "toy-search" / "model" / "config.json").exists()

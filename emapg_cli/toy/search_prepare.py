@@ -117,7 +117,7 @@ def agent_accuracy(model, tokenizer, examples: list[Example], cfg, retriever, ma
                             SamplingParams(n=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0))
     reward = get_reward(cfg.rollout.reward)
     try:
-        rewards, _ = score(reward, [g[0].text for g in groups], examples)
+        rewards, _ = score(reward, [g[0] for g in groups], examples)
     finally:
         reward.close()
     return sum(r > 0.5 for r in rewards) / len(rewards)
