@@ -32,7 +32,7 @@ def grader():
         ("\\boxed {\\{1,2\\}}", "\\{1,2\\}"),  # escaped braces do not count; space before {
         ("<think>maybe \\boxed{1}</think> The answer is \\boxed{2}", "2"),
         ("<think>maybe \\boxed{1}</think> I am not sure.", None),  # boxed only while thinking
-        ("\\boxed{5} then a truncated \\boxed{\\frac{1}{", "5"),  # last box unbalanced: previous one
+        ("\\boxed{5} then a truncated \\boxed{\\frac{1}{", None),  # last box unclosed: no answer (the paper's rule)
         ("no box at all: 42", None),
         ("\\boxed{}", ""),
     ],
@@ -198,7 +198,7 @@ def test_strip_trailing_is_linear():
     [
         ("\\boxed{1" + " ." * 1_000_000 + "}", None),  # 2 MB box: over the cap, no answer
         ("\\boxed{5} and \\boxed{" + "7" * 5000 + "}", None),  # the last box is over-long: no answer
-        ("\\boxed{5} then \\boxed{" + "{" * 1_000_000, "5"),  # truncated last box: the previous one
+        ("\\boxed{5} then \\boxed{" + "{" * 1_000_000, None),  # truncated last box: no answer, not the previous one
         ("\\boxed{\\x00" * 100_000 + "\\boxed{3}", "3"),
         ("\\boxed{" + "a" * 4096 + "}", "a" * 4096),  # exactly the cap
     ],
