@@ -150,12 +150,13 @@ def test_closing_table_is_rounded():
                     "last train reward": "0.612", "wall time": "23:39", "plots": "runs/toy-1/plots (8 PNGs)"}
 
 
-def test_config_line_names_the_run_shape():
+def test_config_line_names_the_run_shape(monkeypatch, tmp_path):
     from emapg_cli.config import load_config
     from emapg_cli.train.progress import config_line
 
-    line = config_line(load_config("toy"))
-    assert line == ("toy: $EMAPG_HOME/toy/model (float32), 200 steps x 32 prompts x 8 samples, lr 0.0003, "
+    monkeypatch.setenv("EMAPG_HOME", str(tmp_path))
+    line = config_line(load_config("toy"))  # the model path as the run will read it: $EMAPG_HOME expanded
+    assert line == (f"toy: {tmp_path}/toy/model (float32), 200 steps x 32 prompts x 8 samples, lr 0.0003, "
                     "KL β 0.01 topk reverse k 8, EMA anchor η 0.9 every 5, reward math, engine hf")
 
 
