@@ -41,16 +41,24 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int) -> Tensor:
+def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, pack: bool = False) -> Tensor:
     """Final hidden states at the positions that predict the response tokens: [B, R, H].
 
     Position t - 1 predicts token t, so the response tokens input_ids[:, P:] are predicted by
-    hidden[:, P-1:-1].
+    hidden[:, P-1:-1]. With `pack`, the decoder runs over the rows' real tokens packed into fewer
+    rows (`emapg_cli.train.packing`: no padding, attention within each sequence only) and the
+    hidden states are gathered back to the padded layout (zeros where a row has no token).
     """
-    out = lm.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
-    )
-    return out.last_hidden_state[:, prompt_len - 1:-1]  # [B, R, H]
+    if not pack:
+        out = lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
+        )
+        return out.last_hidden_state[:, prompt_len - 1:-1]  # [B, R, H]
+    from emapg_cli.train.packing import pack as pack_rows, unpack
+
+    packed = pack_rows(input_ids, attention_mask)
+    out = lm.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False)
+    return unpack(out.last_hidden_state, packed.source[:, prompt_len - 1:-1])  # [B, R, H]
 
 
 def head_params(head: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
@@ -75,6 +83,7 @@ def token_stats(
     ref_hidden: Optional[Tensor] = None,
     ref_head: Optional[nn.Module] = None,
     entropy: bool = True,
+    pack: bool = False,
 ) -> TokenStats:
     """One pass of `lm` over input_ids [B, P + R] (prompt left-padded to P, response right-padded).
 
@@ -84,9 +93,9 @@ def token_stats(
     at q_index [B, R, k]. With `loss_fn` (the per-token loss of `emapg_cli.kl.fused`): the fused
     lm_head + loss, whose `loss` carries the gradient; loss_mask [B, R] (default: response_mask)
     selects the tokens that count, and ref_hidden [B, R, H] with ref_head gives the loss the
-    anchor's full logits (the exact estimator).
+    anchor's full logits (the exact estimator). `pack`: the decoder runs without padding (`response_hidden`).
     """
-    hidden = response_hidden(lm, input_ids, attention_mask, prompt_len)  # [B, R, H]
+    hidden = response_hidden(lm, input_ids, attention_mask, prompt_len, pack)  # [B, R, H]
     weight, bias = head_params(lm.get_output_embeddings())
     mask = response_mask.bool()
     targets = input_ids[:, prompt_len:][mask]  # [N]

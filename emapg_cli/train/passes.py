@@ -63,6 +63,34 @@ def _pass_needed(cfg) -> bool:
 
 
 @torch.no_grad()
+def check_packing(scorer, batch: RolloutBatch, temperature: float, rows: int = 4, tol: float = 1e-4) -> float:
+    """The packed pass (`train.pack_sequences`) must give the padded pass's log-probs; checked once per run
+    on a few rows (the longest and the shortest, so that two sequences share a packed row) because a model
+    whose attention ignores transformers' packed-sequence positions would attend across sequences without
+    an error. Returns the largest difference (nats); one above `tol` is a user error."""
+    prompt_lens, response_lens = batch.lengths()
+    order = torch.argsort(prompt_lens + response_lens, descending=True, stable=True)  # [B]
+    picked = torch.unique(torch.cat([order[:1], order[-(rows - 1):]])) if order.numel() > 1 else order
+    mb = batch.select(picked.to(batch.input_ids.device))
+    mask = mb.response_mask.bool()
+    if not mask.any():
+        return 0.0
+    args = (mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask)
+    was = scorer.training
+    scorer.eval()  # no dropout: the two passes must see the same function
+    try:
+        padded = scorer(*args, temperature=temperature, entropy=False, pack=False).logp  # [b, R]
+        packed = scorer(*args, temperature=temperature, entropy=False, pack=True).logp  # [b, R]
+    finally:
+        scorer.train(was)
+    diff = float((padded - packed).abs()[mask].max())
+    if not diff <= tol:
+        raise UserError(f"train.pack_sequences: this model's log-probs differ by {diff:.2g} nats between packed and padded "
+                        "rows (its attention does not keep packed sequences apart); set train.pack_sequences=false")
+    return diff
+
+
+@torch.no_grad()
 def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, torch.Tensor], **kw) -> None:
     """The scorer's pass over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro].
 
@@ -97,7 +125,8 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
     # no-grad passes never report entropy: skip its [chunk, V] softmax
     max_tokens = cfg.train.max_tokens_per_micro_batch
     micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk,
-                                                       budget_mib=cfg.train.logit_memory_mib, entropy=False)
+                                                       budget_mib=cfg.train.logit_memory_mib, entropy=False,
+                                                       pack=cfg.train.pack_sequences)
     info = INFO[cfg.kl.estimator]
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)

@@ -36,7 +36,7 @@ from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import anchor_inside_loss, engine_topk, needs_old_pass, reference_passes
+from emapg_cli.train.passes import anchor_inside_loss, check_packing, engine_topk, needs_old_pass, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import NonFiniteWeights, update_policy
@@ -110,6 +110,7 @@ class Trainer:
         from accelerate import Accelerator
 
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+        self._packing_checked = False  # train.pack_sequences: packed == padded, verified at the first step
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         world = self.acc.num_processes
         r, t = cfg.rollout, cfg.train
@@ -335,6 +336,9 @@ class Trainer:
         cfg = self.cfg
         self.engine.release_memory()
         with self._timed("passes"):
+            if cfg.train.pack_sequences and not self._packing_checked:  # every rank, at its first step
+                check_packing(self.acc.unwrap_model(self.scorer), batch, cfg.rollout.temperature)
+                self._packing_checked = True
             batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         if self.anchor is not None:
             self.strategy.forget_forwards(self.anchor)
