@@ -33,8 +33,12 @@ def add_adapters(model, lora_cfg):
         raise UserError("lora.r > 0 needs peft: pip install \"emapg[lora]\"") from None
     config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, target_modules=list(lora_cfg.target_modules),
                         lora_dropout=lora_cfg.dropout, bias="none", task_type="CAUSAL_LM")
+    import warnings
+
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # peft calls transformers' deprecated is_gradient_checkpointing (a FutureWarning)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as e:  # e.g. no module matches target_modules
         raise UserError(f"lora: {str(e).splitlines()[0]}") from None
 
