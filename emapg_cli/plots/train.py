@@ -74,7 +74,9 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, title: Optional[str
     present = [p for p in PANELS if any(series(rows, p[0]) for _, rows in runs)]
     if not present:
         return []
-    title = title or ", ".join(label for label, _ in runs)
+    if title is None:  # the run names, or their count when they would not fit on one line (the legend names them)
+        names = ", ".join(label for label, _ in runs)
+        title = names if len(names) <= 80 else f"{len(runs)} runs"
     paths = []
     for key, panel, name, smoothed in present:
         fig, ax = plt.subplots(figsize=(7, 4.2))
