@@ -48,6 +48,8 @@ def answer_region(response: str, think: str = "emapg") -> str:
 def _close_within(text: str, open_pos: int, limit: int) -> Optional[int]:
     """Index of the brace closing the one at `open_pos` when it lies within `limit` characters of
     content, else None (a bounded scan: at most `limit + 2` characters)."""
+    if text.find("}", open_pos, open_pos + limit + 2) < 0:  # nothing closes within reach (e.g. a run of `{`)
+        return None
     depth = 0
     for m in _BRACE.finditer(text, open_pos, open_pos + limit + 2):
         tok = m.group()
@@ -65,7 +67,8 @@ def _last_open(text: str, tries: int = 64) -> Optional[int]:
     such as `\\boxedx`; None: no box)."""
     end = len(text)
     for _ in range(tries):
-        i = max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
+        i = text.rfind("\\boxed", 0, end)
+        i = max(i, text.rfind("\\fbox", max(i, 0), end))  # an \fbox only counts after the last \boxed
         if i < 0:
             return None
         m = _BOX_OPEN.match(text, i)

@@ -60,6 +60,8 @@ def as_math(answer: str) -> str:
 
 def split_top_level(s: str, sep: str = ",") -> list[str]:
     """Split at separators outside any (), [] or {} (brackets counted by depth, so `[1,2)` works)."""
+    if sep not in s:  # the common case, and a long separator-free answer costs one C scan
+        return [s.strip()]
     parts, depth, start, i = [], 0, 0, 0
     while i < len(s):
         ch = s[i]
