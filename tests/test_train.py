@@ -252,6 +252,8 @@ def test_run_writes_metrics_checkpoints_final_and_summary(tiny_qwen2, tmp_path):
     assert rows[2]["ema/distance"] > 0 and rows[2]["steps/skipped"] == 0
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_time_s"} <= summary.keys()
+    # a CPU run records what makes its floating-point results reproducible (the tests' env: OMP_NUM_THREADS=1)
+    assert summary["torch_threads"] == 1 and summary["cpu_capability"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2"]
     # final weights load with transformers; the anchor is float32 and differs from the policy
     anchor = AutoModelForCausalLM.from_pretrained(out / "final" / "anchor")

@@ -115,11 +115,17 @@ def train(
     from emapg_cli.train.trainer import Trainer
 
     quiet_transformers()
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        from emapg_cli.train.threads import choose_threads
+    threads_note = ""  # on CPU: how many torch threads, and who chose them (they change the floating-point results)
+    if not torch.cuda.is_available():
+        if "OMP_NUM_THREADS" not in os.environ:
+            from emapg_cli.train.threads import choose_threads
 
-        threads, _ = choose_threads(cfg.train.torch_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        torch.set_num_threads(threads)
+            threads, source = choose_threads(cfg.train.torch_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            torch.set_num_threads(threads)
+        else:
+            source = "OMP_NUM_THREADS"
+        n = torch.get_num_threads()
+        threads_note = f", {n} torch thread{'s' if n != 1 else ''} ({source})"
     from emapg_cli.config.loading import to_yaml
     from emapg_cli.outputs import claim_folder, config_sha256
 
@@ -130,7 +136,7 @@ def train(
         trainer = Trainer(cfg, run_dir, resume=resume is not None)  # checks every input; loads no weights yet
         if trainer.acc.is_main_process:
             console.print(f"[bold]{'resuming' if resume is not None else 'run'}[/] {escape(str(run_dir))}", highlight=False)
-            console.print(escape(config_line(cfg)), highlight=False)
+            console.print(escape(config_line(cfg) + threads_note), highlight=False)
         summary = trainer.run()
     if trainer.acc.is_main_process:
         from rich.table import Table

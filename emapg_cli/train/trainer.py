@@ -524,6 +524,9 @@ class Trainer:
             "prompts_skipped_too_long": self.skipped_train + self.skipped_eval,
         }
         summary["parallel"] = self.strategy.name
+        if acc.device.type == "cpu":  # what makes a CPU run's floating-point results (and so the run) reproducible
+            summary["torch_threads"] = torch.get_num_threads()
+            summary["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         hashes = self.strategy.replica_hashes(self.anchor) if self.anchor is not None else None
         if hashes is not None:  # each rank's copy of the anchor, which must stay identical
             summary["anchor_sha256_per_rank"] = hashes
