@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emapg_cli.train.packing import first_fit_decreasing, pack, unpack
+from emapg_cli.train.packing import first_fit_decreasing, pack, plan, unpack
 
 
 def test_first_fit_decreasing_by_hand():
@@ -28,6 +28,20 @@ def test_pack_layout_by_hand():
     assert p.source.tolist() == [[-1, -1, 5, 6, 7], [8, 9, -1, -1, -1], [0, 1, 2, 3, 4]]
     hidden = torch.arange(10.0).view(2, 5, 1)  # [b, C, H=1]: the value is the flat index
     assert unpack(hidden, p.source[:, 1:4]).squeeze(-1).tolist() == [[0, 5, 6], [9, 0, 0], [1, 2, 3]]  # 0 at padding
+
+
+def test_auto_packs_sequences_of_128_tokens_or_more():
+    ids = torch.tensor([[0, 0, 11, 12, 13], [21, 22, 0, 0, 0], [31, 32, 33, 34, 35]])
+    mask = (ids != 0).long()
+    # 5-token sequences are under auto's 128: the padded batch; "always" packs 3 rows into 2
+    assert plan(ids, mask, "auto") is None and plan(ids, mask, "always").rows == 2
+    assert plan(ids, mask, "never") is None and plan(ids, mask, False) is None
+    wide = torch.repeat_interleave(ids, 26, dim=1)  # the same layout at 26x the width: 130 >= 128 tokens
+    assert plan(wide, (wide != 0).long(), "auto").rows == 2
+    narrow = wide[:, :127]  # the longest sequence now 127 tokens (row 2): padded
+    assert plan(narrow, (narrow != 0).long(), "auto") is None
+    with pytest.raises(ValueError):
+        plan(ids, mask, "sometimes")
 
 
 def _batch(vocab: int):
@@ -100,5 +114,5 @@ def test_packing_check_accepts_a_packing_model_and_refuses_one_that_attends_acro
         return out
 
     monkeypatch.setattr(packing, "pack", no_restarts)
-    with pytest.raises(UserError, match="pack_sequences=false"):
+    with pytest.raises(UserError, match="pack_sequences=never"):
         check_packing(TokenScorer(model), batch, 1.0)

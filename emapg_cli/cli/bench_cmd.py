@@ -130,7 +130,9 @@ def step(
     Runs in a temporary folder and saves nothing. JSON keys: <phase>_s, other_s, step_s, tokens, tokens_per_s.
     """
     from emapg_cli.bench.step import PHASES, bench_step
+    from emapg_cli.hf_quiet import quiet_transformers
 
+    quiet_transformers()  # transformers' own "Loading weights" bar stays out of the table
     if preset is None:
         raise UserError("pass --preset (e.g. --preset toy)")
     r = bench_step(preset, set_ or [], steps=steps, warmup=warmup)

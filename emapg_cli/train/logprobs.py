@@ -16,7 +16,7 @@ rollout temperature so log-probs refer to the distribution sampled from.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -41,22 +41,24 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, pack: bool = False) -> Tensor:
+def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
+                    pack: Union[bool, str] = False) -> Tensor:
     """Final hidden states at the positions that predict the response tokens: [B, R, H].
 
     Position t - 1 predicts token t, so the response tokens input_ids[:, P:] are predicted by
-    hidden[:, P-1:-1]. With `pack`, the decoder runs over the rows' real tokens packed into fewer
-    rows (`emapg_cli.train.packing`: no padding, attention within each sequence only) and the
-    hidden states are gathered back to the padded layout (zeros where a row has no token).
+    hidden[:, P-1:-1]. With `pack` (True / "always", or "auto" when it saves enough rows:
+    `emapg_cli.train.packing.plan`), the decoder runs over the rows' real tokens packed into fewer
+    rows (no padding, attention within each sequence only) and the hidden states are gathered back
+    to the padded layout (zeros where a row has no token).
     """
-    if not pack:
+    from emapg_cli.train.packing import plan, unpack
+
+    packed = plan(input_ids, attention_mask, pack)
+    if packed is None:
         out = lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
         )
         return out.last_hidden_state[:, prompt_len - 1:-1]  # [B, R, H]
-    from emapg_cli.train.packing import pack as pack_rows, unpack
-
-    packed = pack_rows(input_ids, attention_mask)
     out = lm.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False)
     return unpack(out.last_hidden_state, packed.source[:, prompt_len - 1:-1])  # [B, R, H]
 
@@ -83,7 +85,7 @@ def token_stats(
     ref_hidden: Optional[Tensor] = None,
     ref_head: Optional[nn.Module] = None,
     entropy: bool = True,
-    pack: bool = False,
+    pack: Union[bool, str] = False,
 ) -> TokenStats:
     """One pass of `lm` over input_ids [B, P + R] (prompt left-padded to P, response right-padded).
 

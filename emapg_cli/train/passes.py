@@ -86,7 +86,7 @@ def check_packing(scorer, batch: RolloutBatch, temperature: float, rows: int = 4
     diff = float((padded - packed).abs()[mask].max())
     if not diff <= tol:
         raise UserError(f"train.pack_sequences: this model's log-probs differ by {diff:.2g} nats between packed and padded "
-                        "rows (its attention does not keep packed sequences apart); set train.pack_sequences=false")
+                        "rows (its attention does not keep packed sequences apart); set train.pack_sequences=never")
     return diff
 
 

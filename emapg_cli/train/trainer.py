@@ -336,7 +336,7 @@ class Trainer:
         cfg = self.cfg
         self.engine.release_memory()
         with self._timed("passes"):
-            if cfg.train.pack_sequences and not self._packing_checked:  # every rank, at its first step
+            if cfg.train.pack_sequences != "never" and not self._packing_checked:  # every rank, at its first step
                 check_packing(self.acc.unwrap_model(self.scorer), batch, cfg.rollout.temperature)
                 self._packing_checked = True
             batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
