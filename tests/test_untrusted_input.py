@@ -205,8 +205,10 @@ def test_ctrl_c_during_grading_prints_no_worker_traceback(bench, tmp_path):
     import subprocess
     import sys
 
-    slow = "\\boxed{(x+1)^{1000}}"  # passes every cheap check; sympy's expansion runs until the kill
-    given = _jsonl(tmp_path / "given.jsonl", [{"id": i, "responses": [slow] * 8} for i in "123"])
+    # Answers that pass every cheap check and keep sympy busy for seconds each; all distinct, so that no
+    # cache or dedup can settle them at once and the grading still runs when SIGINT arrives.
+    slow = [f"\\boxed{{(x+{k})^{{{1000 + k}}}}}" for k in range(24)]
+    given = _jsonl(tmp_path / "given.jsonl", [{"id": i, "responses": slow[8 * j:8 * j + 8]} for j, i in enumerate("123")])
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(bench), "--responses", str(given), "--grader-workers", "2",
