@@ -533,4 +533,7 @@ class Trainer:
         if acc.is_main_process:
             write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         acc.wait_for_everyone()
+        # Tear the process group down in order, on every rank: a rank that exits with gloo's group still alive can
+        # abort in its destructors ("terminate called without an active exception", SIGABRT) and fail the launch.
+        acc.end_training()
         return summary
