@@ -214,6 +214,10 @@ def test_ctrl_c_during_grading_prints_no_worker_traceback(bench, tmp_path):
         [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(bench), "--responses", str(given), "--grader-workers", "2",
          "--grader-timeout", "30", "--out", str(out)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # As in a terminal's foreground: SIGINT at its default. A shell without job control starts background
+        # commands with SIGINT ignored, Python keeps an inherited SIG_IGN, and so would eval (it then grades on,
+        # as `nohup` asks), which once made this test wait out every slow answer.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not (out / "run.json").exists() and time.monotonic() < deadline and proc.poll() is None:
