@@ -224,6 +224,11 @@ def test_ctrl_c_during_grading_prints_no_worker_traceback(bench, tmp_path):
         time.sleep(0.2)
     time.sleep(8)  # the workers start and take their first answers
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: nothing else would stop it and its workers
+        proc.communicate()
+        pytest.fail("eval did not exit within 120 s of SIGINT")
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
