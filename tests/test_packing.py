@@ -98,13 +98,13 @@ def test_packing_check_accepts_a_packing_model_and_refuses_one_that_attends_acro
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
     from emapg_cli.train import packing
     from emapg_cli.train.logprobs import TokenScorer
-    from emapg_cli.train.passes import check_packing
+    from emapg_cli.train.passes import check_layouts
     from emapg_cli.train.rollout import RolloutBatch
 
     model = build_tiny_model(build_byte_tokenizer(), arch="qwen2", seed=0)
     ids, attn, p, resp = _batch(model.config.vocab_size)
     batch = RolloutBatch(input_ids=ids, attention_mask=attn, response_mask=resp, prompt_len=p, advantages=torch.zeros(6))
-    assert check_packing(TokenScorer(model), batch, 1.0) < 1e-5
+    assert check_layouts(TokenScorer(model), batch, 1.0, "always", "never")["pack"] < 1e-5
     # a model that ignored the restarting positions would attend across the packed sequences: simulate it
     real = packing.pack
 
@@ -115,4 +115,4 @@ def test_packing_check_accepts_a_packing_model_and_refuses_one_that_attends_acro
 
     monkeypatch.setattr(packing, "pack", no_restarts)
     with pytest.raises(UserError, match="pack_sequences=never"):
-        check_packing(TokenScorer(model), batch, 1.0)
+        check_layouts(TokenScorer(model), batch, 1.0, "always", "never")

@@ -42,25 +42,31 @@ def position_ids(attention_mask: Tensor) -> Tensor:
 
 
 def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
-                    pack: Union[bool, str] = False) -> Tensor:
+                    pack: Union[bool, str] = False, share: Union[bool, str] = False) -> Tensor:
     """Final hidden states at the positions that predict the response tokens: [B, R, H].
 
     Position t - 1 predicts token t, so the response tokens input_ids[:, P:] are predicted by
-    hidden[:, P-1:-1]. With `pack` (True / "always", or "auto" when it saves enough rows:
-    `emapg_cli.train.packing.plan`), the decoder runs over the rows' real tokens packed into fewer
-    rows (no padding, attention within each sequence only) and the hidden states are gathered back
-    to the padded layout (zeros where a row has no token).
+    hidden[:, P-1:-1]. Two layouts remove work and give the same states:
+    `share` (True / "always", or "auto": `emapg_cli.train.prefix.plan`) runs each distinct prompt once
+    and the responses on its key/value cache; it is tried first, where the decoder allows it
+    (`emapg_cli.train.prefix.supported`). `pack` (True / "always", or "auto"
+    for sequences of at least 128 tokens: `emapg_cli.train.packing.plan`) runs the rows' real tokens
+    packed into fewer rows (no padding, attention within each sequence only) and gathers the hidden
+    states back to the padded layout (zeros where a row has no token).
     """
-    from emapg_cli.train.packing import plan, unpack
+    from emapg_cli.train import packing, prefix
 
-    packed = plan(input_ids, attention_mask, pack)
+    decoder = lm.get_decoder()
+    positions = position_ids(attention_mask)  # [B, L]
+    groups = prefix.plan(input_ids, attention_mask, prompt_len, share) if prefix.supported(decoder) else None
+    if groups is not None:
+        return prefix.shared_hidden(decoder, input_ids, attention_mask, prompt_len, groups, positions)  # [B, R, H]
+    packed = packing.plan(input_ids, attention_mask, pack)
     if packed is None:
-        out = lm.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
-        )
+        out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False)
         return out.last_hidden_state[:, prompt_len - 1:-1]  # [B, R, H]
-    out = lm.get_decoder()(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False)
-    return unpack(out.last_hidden_state, packed.source[:, prompt_len - 1:-1])  # [B, R, H]
+    out = decoder(input_ids=packed.input_ids, position_ids=packed.position_ids, attention_mask=None, use_cache=False)
+    return packing.unpack(out.last_hidden_state, packed.source[:, prompt_len - 1:-1])  # [B, R, H]
 
 
 def head_params(head: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
@@ -86,6 +92,7 @@ def token_stats(
     ref_head: Optional[nn.Module] = None,
     entropy: bool = True,
     pack: Union[bool, str] = False,
+    share: Union[bool, str] = False,
 ) -> TokenStats:
     """One pass of `lm` over input_ids [B, P + R] (prompt left-padded to P, response right-padded).
 
@@ -95,9 +102,10 @@ def token_stats(
     at q_index [B, R, k]. With `loss_fn` (the per-token loss of `emapg_cli.kl.fused`): the fused
     lm_head + loss, whose `loss` carries the gradient; loss_mask [B, R] (default: response_mask)
     selects the tokens that count, and ref_hidden [B, R, H] with ref_head gives the loss the
-    anchor's full logits (the exact estimator). `pack`: the decoder runs without padding (`response_hidden`).
+    anchor's full logits (the exact estimator). `share`, `pack`: the decoder runs each distinct prompt once,
+    or without padding (`response_hidden`).
     """
-    hidden = response_hidden(lm, input_ids, attention_mask, prompt_len, pack)  # [B, R, H]
+    hidden = response_hidden(lm, input_ids, attention_mask, prompt_len, pack, share)  # [B, R, H]
     weight, bias = head_params(lm.get_output_embeddings())
     mask = response_mask.bool()
     targets = input_ids[:, prompt_len:][mask]  # [N]

@@ -62,16 +62,8 @@ def _pass_needed(cfg) -> bool:
     return not single_on_policy_step(cfg) or needs_q
 
 
-@torch.no_grad()
-def check_packing(scorer, batch: RolloutBatch, temperature: float, rows: int = 4, tol: float = 1e-4) -> float:
-    """The packed pass (`train.pack_sequences`) must give the padded pass's log-probs; checked once per run
-    on a few rows (the longest and the shortest, so that two sequences share a packed row) because a model
-    whose attention ignores transformers' packed-sequence positions would attend across sequences without
-    an error. Returns the largest difference (nats); one above `tol` is a user error."""
-    prompt_lens, response_lens = batch.lengths()
-    order = torch.argsort(prompt_lens + response_lens, descending=True, stable=True)  # [B]
-    picked = torch.unique(torch.cat([order[:1], order[-(rows - 1):]])) if order.numel() > 1 else order
-    mb = batch.select(picked.to(batch.input_ids.device))
+def _layout_diff(scorer, mb: RolloutBatch, temperature: float, **layout) -> float:
+    """The largest difference (nats) of `mb`'s response log-probs between the padded pass and `layout`."""
     mask = mb.response_mask.bool()
     if not mask.any():
         return 0.0
@@ -79,15 +71,45 @@ def check_packing(scorer, batch: RolloutBatch, temperature: float, rows: int = 4
     was = scorer.training
     scorer.eval()  # no dropout: the two passes must see the same function
     try:
-        padded = scorer(*args, temperature=temperature, entropy=False, pack=False).logp  # [b, R]
-        packed = scorer(*args, temperature=temperature, entropy=False, pack=True).logp  # [b, R]
+        padded = scorer(*args, temperature=temperature, entropy=False, pack=False, share=False).logp  # [b, R]
+        other = scorer(*args, temperature=temperature, entropy=False, **layout).logp  # [b, R]
     finally:
         scorer.train(was)
-    diff = float((padded - packed).abs()[mask].max())
-    if not diff <= tol:
-        raise UserError(f"train.pack_sequences: this model's log-probs differ by {diff:.2g} nats between packed and padded "
-                        "rows (its attention does not keep packed sequences apart); set train.pack_sequences=never")
-    return diff
+    return float((padded - other).abs()[mask].max())
+
+
+@torch.no_grad()
+def check_layouts(scorer, batch: RolloutBatch, temperature: float, pack: str, share: str, rows: int = 4,
+                  tol: float = 1e-4) -> dict[str, float]:
+    """The packed pass (`train.pack_sequences`) and the shared-prompt pass (`train.share_prompts`) must give
+    the padded pass's log-probs; checked once per run on a few rows, because a model whose attention ignored
+    transformers' packed-sequence positions, or a given key/value cache, would be wrong without an error.
+    Packing is checked on the longest and the shortest rows (two sequences then share a packed row), sharing
+    on two groups of rows with one prompt each. Returns the largest difference (nats) of each layout checked;
+    one above `tol` is a user error."""
+    from emapg_cli.train import prefix
+
+    out = {}
+    if pack != "never":
+        prompt_lens, response_lens = batch.lengths()
+        order = torch.argsort(prompt_lens + response_lens, descending=True, stable=True)  # [B]
+        picked = torch.unique(torch.cat([order[:1], order[-(rows - 1):]])) if order.numel() > 1 else order
+        out["pack"] = diff = _layout_diff(scorer, batch.select(picked.to(batch.input_ids.device)), temperature,
+                                          pack=True, share=False)
+        if not diff <= tol:
+            raise UserError(f"train.pack_sequences: this model's log-probs differ by {diff:.2g} nats between packed and "
+                            "padded rows (its attention does not keep packed sequences apart); set train.pack_sequences=never")
+    lm = getattr(scorer, "lm", scorer)
+    if share != "never" and prefix.supported(lm.get_decoder()):
+        groups = prefix.prompt_groups(batch.input_ids, batch.attention_mask, batch.prompt_len)
+        members = [torch.nonzero(groups.inverse == u).flatten()[: rows // 2] for u in range(min(groups.distinct, 2))]
+        picked = torch.cat(members)  # [<= rows] two rows of each of (up to) two prompts
+        if picked.numel() > len(members):  # some prompt repeats: there is something to share
+            out["share"] = diff = _layout_diff(scorer, batch.select(picked.sort().values), temperature, pack=False, share=True)
+            if not diff <= tol:
+                raise UserError(f"train.share_prompts: this model's log-probs differ by {diff:.2g} nats between shared-prompt "
+                                "and padded rows (its attention over a given key/value cache differs); set train.share_prompts=never")
+    return out
 
 
 @torch.no_grad()
@@ -126,7 +148,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
     max_tokens = cfg.train.max_tokens_per_micro_batch
     micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk,
                                                        budget_mib=cfg.train.logit_memory_mib, entropy=False,
-                                                       pack=cfg.train.pack_sequences)
+                                                       pack=cfg.train.pack_sequences, share=cfg.train.share_prompts)
     info = INFO[cfg.kl.estimator]
     use_topk = cfg.kl.coef > 0 and info.uses_topk
     source = topk_source(cfg.kl.direction)

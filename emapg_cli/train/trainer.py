@@ -36,7 +36,7 @@ from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import anchor_inside_loss, check_packing, engine_topk, needs_old_pass, reference_passes
+from emapg_cli.train.passes import anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import NonFiniteWeights, update_policy
@@ -110,7 +110,7 @@ class Trainer:
         from accelerate import Accelerator
 
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
-        self._packing_checked = False  # train.pack_sequences: packed == padded, verified at the first step
+        self._layouts_checked = False  # pack_sequences, share_prompts: == the padded pass, verified at the first step
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         world = self.acc.num_processes
         r, t = cfg.rollout, cfg.train
@@ -120,6 +120,9 @@ class Trainer:
         if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
             raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
                             "train.parallel=fsdp; use ddp or micro_batch_size")
+        if cfg.train.share_prompts == "always" and (cfg.model.gradient_checkpointing or (cfg.train.parallel == "fsdp" and world > 1)):
+            raise UserError("train.share_prompts=always needs the decoder's key/value cache in the training pass: not with "
+                            "model.gradient_checkpointing or train.parallel=fsdp on several processes; use auto or never")
         if self.acc.distributed_type.name == "FSDP":
             raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                             "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
@@ -336,9 +339,10 @@ class Trainer:
         cfg = self.cfg
         self.engine.release_memory()
         with self._timed("passes"):
-            if cfg.train.pack_sequences != "never" and not self._packing_checked:  # every rank, at its first step
-                check_packing(self.acc.unwrap_model(self.scorer), batch, cfg.rollout.temperature)
-                self._packing_checked = True
+            if not self._layouts_checked:  # every rank, at its first step
+                check_layouts(self.acc.unwrap_model(self.scorer), batch, cfg.rollout.temperature, cfg.train.pack_sequences,
+                              cfg.train.share_prompts)
+                self._layouts_checked = True
             batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         if self.anchor is not None:
             self.strategy.forget_forwards(self.anchor)

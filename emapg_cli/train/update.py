@@ -84,14 +84,15 @@ def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs:
     ref_hidden = ref_head = None
     if anchor_inside_loss(cfg):  # exact: the anchor's full logits, chunk by chunk inside the pass
         with torch.no_grad():
-            ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len, t.pack_sequences)  # [b, R, H]
+            ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len, t.pack_sequences,
+                                         t.share_prompts)  # [b, R, H]
         ref_head = anchor_lm.get_output_embeddings()
     loss_mask = mb.policy_mask.bool()  # [b, R] observation tokens (multi-turn) get no loss, no KL, no entropy, no count
     stats = scorer(
         mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
         temperature=cfg.rollout.temperature, q_index=mb.q_index if kl_cfg.coef > 0 and info.uses_topk else None,
         chunk=t.logit_chunk, budget_mib=t.logit_memory_mib, loss_fn=token_loss_fn(cfg, mb, num_tokens, num_seqs, loss_mask),
-        loss_mask=loss_mask, ref_hidden=ref_hidden, ref_head=ref_head, pack=t.pack_sequences,
+        loss_mask=loss_mask, ref_hidden=ref_hidden, ref_head=ref_head, pack=t.pack_sequences, share=t.share_prompts,
     )
     m = loss_mask.float()
     record = record and mb.sampling_logp is not None
