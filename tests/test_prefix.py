@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from emapg_cli.train.prefix import plan, prompt_groups
+from emapg_cli.models.prefix import plan, prompt_groups
 
 
 def test_prompt_groups_by_hand():
@@ -111,7 +111,7 @@ def test_a_one_token_response_needs_only_the_prompt_pass():
 def test_sharing_check_accepts_a_sharing_model_and_refuses_a_wrong_cache(monkeypatch):
     from emapg_cli.errors import UserError
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
-    from emapg_cli.train import prefix
+    from emapg_cli.models import prefix
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.passes import check_layouts
     from emapg_cli.train.rollout import RolloutBatch
@@ -131,3 +131,38 @@ def test_sharing_check_accepts_a_sharing_model_and_refuses_a_wrong_cache(monkeyp
     monkeypatch.setattr(prefix, "shared_hidden", wrong_rows)
     with pytest.raises(UserError, match="share_prompts=never"):
         check_layouts(TokenScorer(model), batch, 1.0, "never", "always")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_generation_with_shared_prompts_samples_what_it_would_without(arch):
+    # 3 prompts of different lengths (left padding), 4 samples each: the shared prefill must leave every row's
+    # distribution as it was, so the seeded samples (tokens) are the same and their log-probs agree
+    from emapg_cli.engines.base import SamplingParams
+    from emapg_cli.engines.hf import HFEngine
+    from emapg_cli.models import prefix
+    from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
+
+    tok = build_byte_tokenizer()
+    model = build_tiny_model(tok, arch=arch, seed=0)
+    prompts = [list(b"12+34="), list(b"7+8="), list(b"100+250=")]
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=1.0, seed=3)
+    calls = []
+    real = prefix.prompt_cache
+
+    def counted(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
+
+    import emapg_cli.engines.hf as hf
+
+    hf.prompt_cache = counted
+    try:
+        shared = HFEngine(model, tok).generate(prompts, params)
+    finally:
+        hf.prompt_cache = real
+    assert len(calls) == 1 and calls[0] is not None  # the shared prefill ran
+    plain = HFEngine(model, tok, share_prompts=False).generate(prompts, params)
+    for ga, gb in zip(shared, plain):
+        for a, b in zip(ga, gb):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
+from emapg_cli.models.prefix import cache_kwarg, prompt_cache
 
 
 def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
@@ -78,12 +79,14 @@ class HFEngine:
     shares_weights = True
 
     def __init__(self, model, tokenizer, batch_size: int = 256,
-                 weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None):
+                 weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None, share_prompts: bool = True):
         """`weights_context(model)` is entered around each generate call (default: nothing); the trainer
-        passes one that gathers a sharded model's full weights for the duration (train/parallel.py)."""
+        passes one that gathers a sharded model's full weights for the duration (train/parallel.py).
+        `share_prompts`: prefill each distinct prompt of a batch once (`emapg_cli.models.prefix.prompt_cache`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.share_prompts = share_prompts
         self.weights_context = weights_context or (lambda model: contextlib.nullcontext())
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. the EOS token) before generating")
@@ -135,9 +138,17 @@ class HFEngine:
         model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         model.eval()
         try:
+            input_ids, attention = input_ids.to(device), attention.to(device)
+            shared = {}  # the repeated prompts' key/value cache, prefilled once each
+            if self.share_prompts:
+                decoder = model.get_decoder()
+                positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [B, P] as `generate` numbers real tokens
+                cache = prompt_cache(decoder, input_ids, attention, positions)
+                if cache is not None:
+                    shared[cache_kwarg(decoder)] = cache
             out = model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device), generation_config=gen_cfg,
-                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None,
+                input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg,
+                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None, **shared,
             )
         finally:
             model.generation_config = saved_cfg

@@ -47,14 +47,15 @@ def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, pr
 
     Position t - 1 predicts token t, so the response tokens input_ids[:, P:] are predicted by
     hidden[:, P-1:-1]. Two layouts remove work and give the same states:
-    `share` (True / "always", or "auto": `emapg_cli.train.prefix.plan`) runs each distinct prompt once
+    `share` (True / "always", or "auto": `emapg_cli.models.prefix.plan`) runs each distinct prompt once
     and the responses on its key/value cache; it is tried first, where the decoder allows it
-    (`emapg_cli.train.prefix.supported`). `pack` (True / "always", or "auto"
+    (`emapg_cli.models.prefix.supported`). `pack` (True / "always", or "auto"
     for sequences of at least 128 tokens: `emapg_cli.train.packing.plan`) runs the rows' real tokens
     packed into fewer rows (no padding, attention within each sequence only) and gathers the hidden
     states back to the padded layout (zeros where a row has no token).
     """
-    from emapg_cli.train import packing, prefix
+    from emapg_cli.models import prefix
+    from emapg_cli.train import packing
 
     decoder = lm.get_decoder()
     positions = position_ids(attention_mask)  # [B, L]

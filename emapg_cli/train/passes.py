@@ -87,7 +87,7 @@ def check_layouts(scorer, batch: RolloutBatch, temperature: float, pack: str, sh
     Packing is checked on the longest and the shortest rows (two sequences then share a packed row), sharing
     on two groups of rows with one prompt each. Returns the largest difference (nats) of each layout checked;
     one above `tol` is a user error."""
-    from emapg_cli.train import prefix
+    from emapg_cli.models import prefix
 
     out = {}
     if pack != "never":

@@ -60,7 +60,8 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     if cfg.rollout.engine == "hf":
         from emapg_cli.engines.hf import HFEngine
 
-        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context)
+        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context,
+                        share_prompts=cfg.train.share_prompts != "never")
     from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.train.loading import model_ref
 

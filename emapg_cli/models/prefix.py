@@ -1,4 +1,5 @@
-"""A group's prompt run once: the decoder passes share each distinct prompt among its samples.
+"""A group's prompt run once: the decoder passes (and the hf engine's prefill) share each distinct prompt
+among its samples.
 
 GRPO samples n responses per prompt, so a micro-batch holds each prompt up to n times, and a padded
 decoder pass computes every copy. Here the distinct prompts run once, with the key/value cache
@@ -8,6 +9,9 @@ at a prompt's last position, which predicts the first response token, is gathere
 The result equals the padded pass (the same attention over the same keys; tested to 1e-5) and
 costs U x P + B x (R - 1) tokens instead of B x (P + R), for U distinct prompts among B rows.
 
+Generation shares the same way (`prompt_cache`): the distinct prompts but their last token are
+prefilled once and `generate` continues every row from its prompt's cache.
+
 Needs the key/value cache in the forward that builds the graph: not with gradient checkpointing
 (transformers turns the cache off there), and not under FSDP (a layer would run twice per backward).
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -70,7 +74,17 @@ def plan(input_ids: Tensor, attention_mask: Tensor, prompt_len: int, mode: Union
     return groups
 
 
-def _cache_kwarg(decoder: nn.Module) -> str:
+def _cache_of(out) -> Any:
+    """The key/value cache a decoder call returned."""
+    cache = getattr(out, "cache", None)  # transformers >= 5.2x; `past_key_values` before
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise RuntimeError("the decoder returned no key/value cache (gradient checkpointing?): prompts cannot be shared")
+    return cache
+
+
+def cache_kwarg(decoder: nn.Module) -> str:
     """The decoder's name for a given key/value cache: `cache` since transformers 5.2x, `past_key_values` before."""
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
@@ -98,15 +112,31 @@ def shared_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     prompt_mask = attention_mask[first, :p]  # [U, P]
     out = decoder(input_ids=input_ids[first, :p], attention_mask=prompt_mask, position_ids=position_ids[first, :p],
                   use_cache=True)
-    cache = getattr(out, "cache", None)  # transformers >= 5.2x; `past_key_values` before
-    if cache is None:
-        cache = getattr(out, "past_key_values", None)
-    if cache is None:
-        raise RuntimeError("the decoder returned no key/value cache (gradient checkpointing?): prompts cannot be shared")
+    cache = _cache_of(out)
     last = out.last_hidden_state[:, -1][inverse]  # [B, H] predicts each row's first response token
     if input_ids.shape[1] - p <= 1:
         return last[:, None]  # [B, 1, H]
     cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...]: each row's prompt keys and values
     rest = decoder(input_ids=input_ids[:, p:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, p:-1],
-                   use_cache=True, **{_cache_kwarg(decoder): cache}).last_hidden_state  # [B, R - 1, H]
+                   use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state  # [B, R - 1, H]
     return torch.cat([last[:, None], rest], dim=1)  # [B, R, H]
+
+
+def prompt_cache(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Optional[Any]:
+    """The key/value cache of every row's prompt but its last token (left-padded prompts [B, P]), each
+    distinct prompt computed once; None when no prompt repeats or P < 2. `generate` given it (under
+    `cache_kwarg(decoder)`) with the full prompts runs only their last column before sampling.
+
+    position_ids [B, P]: the positions `generate` gives the real tokens (counted from each row's first)."""
+    b, p = input_ids.shape
+    if b < 2 or p < 2:
+        return None
+    groups = prompt_groups(input_ids, attention_mask, p)
+    if groups.distinct == b:
+        return None
+    first = groups.first
+    out = decoder(input_ids=input_ids[first, :p - 1], attention_mask=attention_mask[first, :p - 1],
+                  position_ids=position_ids[first, :p - 1], use_cache=True)
+    cache = _cache_of(out)
+    cache.batch_select_indices(groups.inverse)  # [U, ...] -> [B, ...]
+    return cache
