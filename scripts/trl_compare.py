@@ -43,12 +43,13 @@ def toy_dir() -> Path:
     return d
 
 
-def emapg_round(steps: int, warmup: int) -> float:
+def emapg_round(steps: int, warmup: int, extra: list[str]) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.json"
+        sets = [a for kv in extra for a in ("--set", kv)]
         subprocess.run([sys.executable, "-m", "emapg_cli", "bench", "step", "--preset", "toy", "--steps", str(steps),
                         "--warmup", str(warmup), "--set", "train.torch_threads=2", "--set", "train.dual_clip=null",
-                        "--set", "eval.every=0", "--json", str(out)],
+                        "--set", "eval.every=0", *sets, "--json", str(out)],
                        check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["tokens_per_s"]
 
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=4, help="Timed RL steps per round.")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed RL steps first.")
+    parser.add_argument("--emapg-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="An extra config override for emapg's side (repeatable), e.g. train.share_prompts=never.")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,7 +143,7 @@ def main() -> None:
     toy_dir()
     ours, theirs = [], []
     for r in range(args.rounds):
-        ours.append(emapg_round(args.steps, args.warmup))
+        ours.append(emapg_round(args.steps, args.warmup, args.emapg_set))
         theirs.append(trl_round(args.trl_python, args.steps, args.warmup))
         print(f"round {r + 1}: emapg {ours[-1]:.0f} tok/s, TRL {theirs[-1]:.0f} tok/s")
     a, b = statistics.median(ours), statistics.median(theirs)

@@ -16,11 +16,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 from collections import Counter

@@ -48,7 +48,7 @@ def test_equivalence_votes_union_find():
     votes = ["3", "0.5", "\\frac12", "3", "1/2", None]
     cands = candidates(votes)
     assert cands == ["3", "0.5", "\\frac12", "1/2"]  # by count (3 twice), then first seen
-    pairs = candidate_pairs(cands)  # (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
+    assert candidate_pairs(cands) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
     same = [False, False, False, True, False, True]  # 0.5 ~ \frac12, \frac12 ~ 1/2 (so 0.5 ~ 1/2 by transitivity)
     assert equivalence_votes(votes, cands, same) == ["3", "0.5", "0.5", "3", "0.5", None]
     item = ItemScores([False, True, True, False, True, False], [False] * 6, votes,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 
 def test_search_qa_dry_run(cli, emapg_home):

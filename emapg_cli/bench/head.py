@@ -67,7 +67,7 @@ def bench_update(tokens: int, hidden: int, vocab: int, k: int, *, chunk: Optiona
                  seed: int = 0) -> dict[str, Any]:
     """Time the fused output layer + loss + backward at [T, H] x [V, H] against its three-GEMM floor."""
     from emapg_cli.config.loading import load_config
-    from emapg_cli.kl import INFO, check_estimator
+    from emapg_cli.kl import check_estimator
     from emapg_cli.kl.fused import EXACT_BUFFERS, auto_chunk, fused_head_loss
     from emapg_cli.train.rollout import RolloutBatch
     from emapg_cli.train.update import token_loss_fn

@@ -25,7 +25,7 @@ Pure tensors: the caller passes the per-token loss as a function (`LossFn`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 from torch import Tensor

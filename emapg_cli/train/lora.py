@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,8 +34,6 @@ def add_adapters(model, lora_cfg):
         raise UserError("lora.r > 0 needs peft: pip install \"emapg[lora]\"") from None
     config = LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, target_modules=list(lora_cfg.target_modules),
                         lora_dropout=lora_cfg.dropout, bias="none", task_type="CAUSAL_LM")
-    import warnings
-
     try:
         with warnings.catch_warnings():  # peft calls transformers' deprecated is_gradient_checkpointing (a FutureWarning)
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

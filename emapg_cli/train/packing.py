@@ -56,16 +56,16 @@ def pack(input_ids: Tensor, attention_mask: Tensor, pad_id: int = 0) -> Packed:
     """Pack the real tokens (attention_mask 1) of input_ids [B, L]; each row's real tokens must be
     contiguous (left and/or right padding only), as rollout batches are."""
     keep = attention_mask.bool()  # [B, L]
-    lengths = keep.sum(-1)  # [B]
-    width = max(int(lengths.max()), 1) if lengths.numel() else 1
-    bins = first_fit_decreasing(lengths.tolist(), width)
+    lengths = keep.sum(-1).tolist()  # B ints
+    width = max(max(lengths, default=1), 1)
+    bins = first_fit_decreasing(lengths, width)
     row_of = torch.empty(len(lengths), dtype=torch.long)  # [B] packed row of each sequence
     start_of = torch.empty(len(lengths), dtype=torch.long)  # [B] its first column there
     for r, members in enumerate(bins):
         col = 0
         for i in members:
             row_of[i], start_of[i] = r, col
-            col += int(lengths[i])
+            col += lengths[i]
     device = input_ids.device
     row_of, start_of = row_of.to(device), start_of.to(device)
     offset = keep.long().cumsum(-1) - 1  # [B, L] index of each real token within its sequence
