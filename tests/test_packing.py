@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from emapg_cli.train.packing import first_fit_decreasing, pack, plan, unpack
+from train_helpers import assert_layout_equals_padded
 
 
 def test_first_fit_decreasing_by_hand():
@@ -61,36 +62,11 @@ def _batch(vocab: int):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_packed_passes_equal_the_padded_ones(arch):
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
-    from emapg_cli.train.logprobs import token_stats
 
     model = build_tiny_model(build_byte_tokenizer(), arch=arch, seed=0)
     ids, attn, p, resp = _batch(model.config.vocab_size)
     assert pack(ids, attn).rows < ids.shape[0]  # the case packs something: 6 rows into fewer
-    mask = resp.bool()
-
-    # no-grad pass: log-probs, top-k ids and log-probs at them
-    a = token_stats(model, ids, attn, p, resp, topk=4, temperature=0.7)
-    b = token_stats(model, ids, attn, p, resp, topk=4, temperature=0.7, pack=True)
-    torch.testing.assert_close(b.logp[mask], a.logp[mask], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(b.logp_q[mask], a.logp_q[mask], rtol=1e-5, atol=1e-6)
-    assert torch.equal(b.topk_index[mask], a.topk_index[mask])
-
-    # the fused loss pass: a fixed weighted sum of the log-probs; same loss and same gradient of every parameter
-    w = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(1))  # [N]
-
-    def loss_fn(s, e, logp, logp_q, logits=None, ref_logits=None):
-        return logp * w[s:e], {}
-
-    grads = []
-    for packed in (False, True):
-        model.zero_grad()
-        out = token_stats(model, ids, attn, p, resp, loss_fn=loss_fn, pack=packed)
-        out.loss.backward()
-        grads.append((out.loss.detach(), [q.grad.clone() for q in model.parameters()]))
-    (la, ga), (lb, gb) = grads
-    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
-    for x, y in zip(gb, ga):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    assert_layout_equals_padded(model, ids, attn, p, resp, pack=True)
 
 
 def test_packing_check_accepts_a_packing_model_and_refuses_one_that_attends_across(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from emapg_cli.models.prefix import plan, prompt_groups
+from train_helpers import assert_layout_equals_padded
 
 
 def test_prompt_groups_by_hand():
@@ -61,38 +62,12 @@ def _batch(vocab: int):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_shared_passes_equal_the_padded_ones(arch):
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
-    from emapg_cli.train.logprobs import token_stats
 
     model = build_tiny_model(build_byte_tokenizer(), arch=arch, seed=0)
     ids, attn, p, resp = _batch(model.config.vocab_size)
     assert plan(ids, attn, p, True).distinct == 3  # the case shares: 6 rows, 3 prompts
-    mask = resp.bool()
-
-    # no-grad pass: log-probs, top-k ids and log-probs at them
-    a = token_stats(model, ids, attn, p, resp, topk=4, temperature=0.7)
-    b = token_stats(model, ids, attn, p, resp, topk=4, temperature=0.7, share=True)
-    torch.testing.assert_close(b.logp[mask], a.logp[mask], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(b.logp_q[mask], a.logp_q[mask], rtol=1e-5, atol=1e-6)
-    assert torch.equal(b.topk_index[mask], a.topk_index[mask])
-
-    # the fused loss pass: a fixed weighted sum of the log-probs; same loss and same gradient of every parameter
-    # (the shared prompt's gradient is the sum over its rows, through the gathered keys, values and last state)
-    w = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(1))  # [N]
-
-    def loss_fn(s, e, logp, logp_q, logits=None, ref_logits=None):
-        return logp * w[s:e], {}
-
-    grads = []
-    model.train()
-    for share in (False, True):
-        model.zero_grad()
-        out = token_stats(model, ids, attn, p, resp, loss_fn=loss_fn, share=share)
-        out.loss.backward()
-        grads.append((out.loss.detach(), [q.grad.clone() for q in model.parameters()]))
-    (la, ga), (lb, gb) = grads
-    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
-    for x, y in zip(gb, ga):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    # and the shared prompt's gradient is the sum over its rows, through the gathered keys, values and last state
+    assert_layout_equals_padded(model, ids, attn, p, resp, share=True)
 
 
 def test_a_one_token_response_needs_only_the_prompt_pass():

@@ -87,3 +87,33 @@ class OneProcess:
 
     def clip_grad_norm_(self, params, max_norm):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def assert_layout_equals_padded(model, ids, attn, p: int, resp, **layout) -> None:
+    """`token_stats` with `layout` (pack=True or share=True) gives the padded pass's values and gradients: the
+    no-grad pass's log-probs, top-k ids and log-probs at them, then a fused loss (a fixed weighted sum of the
+    log-probs) and the gradient of every parameter, to 1e-5 relative in float32."""
+    from emapg_cli.train.logprobs import token_stats
+
+    mask = resp.bool()
+    a = token_stats(model, ids, attn, p, resp, topk=4, temperature=0.7)
+    b = token_stats(model, ids, attn, p, resp, topk=4, temperature=0.7, **layout)
+    torch.testing.assert_close(b.logp[mask], a.logp[mask], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(b.logp_q[mask], a.logp_q[mask], rtol=1e-5, atol=1e-6)
+    assert torch.equal(b.topk_index[mask], a.topk_index[mask])
+    w = torch.randn(int(mask.sum()), generator=torch.Generator().manual_seed(1))  # [N]
+
+    def loss_fn(s, e, logp, logp_q, logits=None, ref_logits=None):
+        return logp * w[s:e], {}
+
+    grads = []
+    model.train()
+    for kw in ({}, layout):
+        model.zero_grad()
+        out = token_stats(model, ids, attn, p, resp, loss_fn=loss_fn, **kw)
+        out.loss.backward()
+        grads.append((out.loss.detach(), [q.grad.clone() for q in model.parameters()]))
+    (la, ga), (lb, gb) = grads
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+    for x, y in zip(gb, ga):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
