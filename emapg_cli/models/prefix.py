@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 #: `share="auto"` shares when the shared layout runs at most this fraction of the padded tokens. The
-#: toy (32-49-token prompts, 8 samples, <= 14-token responses) runs about a third of them.
+#: toy (35-token prompts, 8 samples, <= 14-token responses) runs about a third of them.
 AUTO_MAX_FRACTION = 0.5
 
 
