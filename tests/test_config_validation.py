@@ -198,3 +198,11 @@ def test_cli_rerun_with_other_settings_refuses_and_changes_nothing(tmp_path):
     assert "run kl.k=1/seed0" in r.stderr and "ema.decay: 0.9 there, 0.5 now" in r.stderr
     assert (out / "study.yaml").read_text() == "old record\n"  # nothing rewritten
     assert not (out / "results.csv").exists()
+
+
+def test_share_prompts_always_with_gradient_checkpointing_rejected_at_config_time():
+    # transformers turns the key/value cache off under gradient checkpointing, so prompts cannot be shared there;
+    # `auto` (the default) just keeps the padded pass
+    with pytest.raises(UserError, match="share_prompts=always needs .* which model.gradient_checkpointing turns off"):
+        load_config("toy", None, ["train.share_prompts=always", "model.gradient_checkpointing=true"])
+    assert load_config("toy", None, ["model.gradient_checkpointing=true"]).train.share_prompts == "auto"

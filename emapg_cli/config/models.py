@@ -258,6 +258,9 @@ class Config(Section):
                              (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0")):
                 if bad:
                     raise ValueError(f"lora.r > 0 does not support {why} yet")
+        if t.share_prompts == "always" and self.model.gradient_checkpointing:
+            raise ValueError("train.share_prompts=always needs the decoder's key/value cache in the training pass, which "
+                             "model.gradient_checkpointing turns off; use auto or never")
         mini = r.prompts_per_step // t.mini_batch_prompts
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,

@@ -121,9 +121,9 @@ class Trainer:
         if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
             raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
                             "train.parallel=fsdp; use ddp or micro_batch_size")
-        if cfg.train.share_prompts == "always" and (cfg.model.gradient_checkpointing or (cfg.train.parallel == "fsdp" and world > 1)):
-            raise UserError("train.share_prompts=always needs the decoder's key/value cache in the training pass: not with "
-                            "model.gradient_checkpointing or train.parallel=fsdp on several processes; use auto or never")
+        if cfg.train.share_prompts == "always" and cfg.train.parallel == "fsdp" and world > 1:
+            raise UserError("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
+                            "on several processes does not support; use auto or never")
         if self.acc.distributed_type.name == "FSDP":
             raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                             "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
