@@ -146,6 +146,44 @@ def test_every_estimator_trains(lm_and_tok, estimator, direction):
     lm.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("estimator", ["topk", "exact", "k3"])
+def test_shared_prompts_give_the_padded_passes_and_update(lm_and_tok, estimator):
+    """train.share_prompts=always vs never through the trainer's own pieces (reference passes, the micro-batch
+    loss, its backward): 2 prompts x 3 samples, so each prompt is shared by 3 rows; `exact` also shares the
+    anchor's hidden states inside the loss. Same reference log-probs, loss, KL and gradients to 1e-5."""
+    from emapg_cli.train.loading import make_anchor
+    from emapg_cli.train.logprobs import TokenScorer
+    from emapg_cli.train.passes import reference_passes
+    from emapg_cli.train.update import micro_batch_loss
+
+    lm, tok = lm_and_tok
+    batch, _ = _rollout_batch(lm, tok)
+    anchor = make_anchor(lm)
+    with torch.no_grad():  # an anchor that differs from the policy, so the KL and its gradient are not 0
+        for p in anchor.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    out = []
+    for share in ("never", "always"):
+        cfg = load_config(overrides=[f"kl.estimator={estimator}", "kl.k=4", "kl.coef=0.5", "rollout.prompts_per_step=2",
+                                     "train.mini_batch_prompts=1", "train.micro_batch_size=6", "train.logit_chunk=5",
+                                     "train.old_logprobs=pass", f"train.share_prompts={share}", "train.pack_sequences=never"])
+        filled = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, cfg, k=4)
+        lm.zero_grad(set_to_none=True)
+        parts = micro_batch_loss(TokenScorer(lm), filled, cfg, float(batch.response_mask.sum()), 6.0, anchor)
+        parts.loss.backward()
+        out.append((filled, parts, [p.grad.clone() for p in lm.parameters()]))
+    lm.zero_grad(set_to_none=True)
+    (fa, pa, ga), (fb, pb, gb) = out
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(fb.old_logp[mask], fa.old_logp[mask], rtol=1e-5, atol=1e-6)
+    if fa.ref_logp is not None:
+        torch.testing.assert_close(fb.ref_logp[mask], fa.ref_logp[mask], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pb.loss.detach(), pa.loss.detach(), rtol=1e-5, atol=1e-6)
+    assert abs(pb.kl - pa.kl) <= 1e-5 * max(1.0, abs(pa.kl)) and abs(pa.kl) > 1e-6  # a KL that is not 0, the same
+    for x, y in zip(gb, ga):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
 def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2):
     """NaN advantages make every mini-batch's loss non-finite: 2 optimizer steps skipped, weights, AdamW state and
     the warm-up schedule unchanged; the same batch with finite advantages takes both steps and advances the schedule."""
