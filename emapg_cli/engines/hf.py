@@ -142,8 +142,7 @@ class HFEngine:
             shared = {}  # the repeated prompts' key/value cache, prefilled once each
             if self.share_prompts:
                 decoder = model.get_decoder()
-                positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [B, P] as `generate` numbers real tokens
-                cache = prompt_cache(decoder, input_ids, attention, positions)
+                cache = prompt_cache(decoder, input_ids, attention)
                 if cache is not None:
                     shared[cache_kwarg(decoder)] = cache
             out = model.generate(

@@ -30,6 +30,11 @@ from torch import Tensor, nn
 AUTO_MAX_FRACTION = 0.5
 
 
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions counting only real tokens (left padding gets 0), as `generate` assigns them. [B, L]"""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 @dataclass
 class Groups:
     """The distinct prompts of a batch: `first` [U] a row holding each, `inverse` [B] each row's prompt."""
@@ -101,42 +106,40 @@ def supported(decoder: nn.Module) -> bool:
     return not any(isinstance(m, FSDPModule) for m in decoder.modules())
 
 
+def _distinct_prefill(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, groups: Groups,
+                      width: int) -> tuple[Tensor, Any]:
+    """Each distinct prompt's first `width` columns through the decoder once: their final hidden states
+    [U, width, H] and the key/value cache gathered to every row ([U, ...] -> [B, ...])."""
+    first = groups.first
+    out = decoder(input_ids=input_ids[first, :width], attention_mask=attention_mask[first, :width],
+                  position_ids=position_ids[first, :width], use_cache=True)
+    cache = _cache_of(out)
+    cache.batch_select_indices(groups.inverse)  # each row's prompt keys and values
+    return out.last_hidden_state, cache
+
+
 def shared_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, groups: Groups,
                   position_ids: Tensor) -> Tensor:
     """Final hidden states at the positions that predict the response tokens, [B, R, H], as the padded
     pass's `hidden[:, P-1:-1]`, with each distinct prompt run once.
 
-    position_ids [B, P + R]: the padded pass's positions (real tokens counted from each row's first)."""
+    position_ids [B, P + R]: the padded pass's positions (`position_ids(attention_mask)`)."""
     p = prompt_len
-    first, inverse = groups.first, groups.inverse
-    prompt_mask = attention_mask[first, :p]  # [U, P]
-    out = decoder(input_ids=input_ids[first, :p], attention_mask=prompt_mask, position_ids=position_ids[first, :p],
-                  use_cache=True)
-    cache = _cache_of(out)
-    last = out.last_hidden_state[:, -1][inverse]  # [B, H] predicts each row's first response token
+    hidden, cache = _distinct_prefill(decoder, input_ids, attention_mask, position_ids, groups, p)
+    last = hidden[:, -1][groups.inverse]  # [B, H] predicts each row's first response token
     if input_ids.shape[1] - p <= 1:
         return last[:, None]  # [B, 1, H]
-    cache.batch_select_indices(inverse)  # [U, ...] -> [B, ...]: each row's prompt keys and values
     rest = decoder(input_ids=input_ids[:, p:-1], attention_mask=attention_mask[:, :-1], position_ids=position_ids[:, p:-1],
                    use_cache=True, **{cache_kwarg(decoder): cache}).last_hidden_state  # [B, R - 1, H]
     return torch.cat([last[:, None], rest], dim=1)  # [B, R, H]
 
 
-def prompt_cache(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Optional[Any]:
+def prompt_cache(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Optional[Any]:
     """The key/value cache of every row's prompt but its last token (left-padded prompts [B, P]), each
     distinct prompt computed once; None when no prompt repeats or P < 2. `generate` given it (under
-    `cache_kwarg(decoder)`) with the full prompts runs only their last column before sampling.
-
-    position_ids [B, P]: the positions `generate` gives the real tokens (counted from each row's first)."""
-    b, p = input_ids.shape
-    if b < 2 or p < 2:
+    `cache_kwarg(decoder)`) with the full prompts runs only their last column before sampling."""
+    width = input_ids.shape[1] - 1  # the columns prefilled here; `generate` runs the last one
+    groups = plan(input_ids, attention_mask, width, "always")
+    if groups is None:
         return None
-    groups = prompt_groups(input_ids, attention_mask, p)
-    if groups.distinct == b:
-        return None
-    first = groups.first
-    out = decoder(input_ids=input_ids[first, :p - 1], attention_mask=attention_mask[first, :p - 1],
-                  position_ids=position_ids[first, :p - 1], use_cache=True)
-    cache = _cache_of(out)
-    cache.batch_select_indices(groups.inverse)  # [U, ...] -> [B, ...]
-    return cache
+    return _distinct_prefill(decoder, input_ids, attention_mask, position_ids(attention_mask), groups, width)[1]

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from emapg_cli.kl.fused import DEFAULT_BUDGET_MIB, LossFn, fused_head_loss, stream_stats
+from emapg_cli.models.prefix import position_ids
 
 
 @dataclass
@@ -34,11 +35,6 @@ class TokenStats:
     logp_q: Optional[Tensor] = None
     loss: Optional[Tensor] = None  # [] the fused loss (grad passes only), see `emapg_cli.kl.fused`
     aux: dict = field(default_factory=dict)  # the loss function's per-token extras, [B, R] each
-
-
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Positions counting only real tokens (left padding gets 0), as `generate` assigns them. [B, L]"""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int,
@@ -59,8 +55,8 @@ def response_hidden(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor, pr
 
     decoder = lm.get_decoder()
     positions = position_ids(attention_mask)  # [B, L]
-    groups = prefix.plan(input_ids, attention_mask, prompt_len, share) if prefix.supported(decoder) else None
-    if groups is not None:
+    groups = prefix.plan(input_ids, attention_mask, prompt_len, share)
+    if groups is not None and prefix.supported(decoder):
         return prefix.shared_hidden(decoder, input_ids, attention_mask, prompt_len, groups, positions)  # [B, R, H]
     packed = packing.plan(input_ids, attention_mask, pack)
     if packed is None:
