@@ -7,7 +7,7 @@ preset or a `--set` override fails loudly instead of being ignored.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -28,13 +28,15 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: Optional[str] = Field(None, description="Local directory (or hub id, for users with network) of the policy's transformers causal LM.")
     trust_remote_code: bool = Field(False, description="Allow the model's repository to run its own Python code when loading.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype the policy is trained in (the EMA anchor is always held in float32).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the policy: its forward and backward passes, and what the rollout engine samples with. With model.master_weights the parameters, gradient accumulation and optimizer state stay float32 (the EMA anchor is float32 unless ema.dtype says otherwise).")
+    master_weights: bool = Field(True, description="Keep float32 master weights when model.dtype is bfloat16/float16: parameters, gradients and AdamW state in float32, forward/backward in model.dtype (autocast; FSDP2 casts its float32 shards to model.dtype). false: train the model.dtype weights in place, which is lossy (an AdamW step of about optim.lr is below half a bfloat16 ulp of any weight above about 256 x lr and rounds away), for memory-starved runs only. No effect with float32.")
+    save_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="Dtype of final/policy and final/anchor (save_pretrained); null: model.dtype (the transformers convention). Checkpoints under checkpoints/ always hold the master weights at full precision, so a resume is exact.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
 
 
 class DataConfig(Section):
     train: Optional[str] = Field(None, description="Training data: a dataset name prepared by `emapg prepare`, or a JSONL/JSON file with {id, question, answer(s)} rows.")
-    eval: Optional[str] = Field(None, description="Evaluation data, same forms as `train`; null disables evaluation.")
+    eval: Optional[Union[str, list[str]]] = Field(None, description="Evaluation data, same forms as `train`, or a list of them (each scored on its own, as eval/accuracy/<source>, and together as eval/accuracy); null disables evaluation.")
     max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this many tokens (after the chat template) are skipped and counted.")
     eval_limit: Optional[int] = Field(None, ge=1, description="Evaluate on at most this many items (null: all).")
 
@@ -105,7 +107,8 @@ class TrainConfig(Section):
     steps: int = Field(100, ge=1, description="Number of RL steps (rollout + update).")
     seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
     save_every: int = Field(0, ge=0, description="Write a checkpoint every this many RL steps (0: only at the end).")
-    mini_batch_prompts: int = Field(64, ge=1, description="Prompts per optimizer step (their whole groups go together).")
+    mini_batch_prompts: Optional[int] = Field(64, ge=1, description="Prompts per optimizer step (their whole groups go together). Exclusive with train.mini_batch_sequences (set this one to null to use that one).")
+    mini_batch_sequences: Optional[int] = Field(None, ge=1, description="Sequences (responses) per optimizer step, as verl's ppo_mini_batch_size counts them after multiplying by rollout.n: groups may span mini-batches (advantages are computed over whole groups first). Exclusive with train.mini_batch_prompts; setting it nulls mini_batch_prompts unless that is given too.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass (gradient accumulation fills the mini-batch).")
     max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1, description="Batching by tokens: also cap each micro-batch (update and log-prob passes) at this many padded tokens (rows x (longest prompt + longest response) among them), filling micro-batches with rows sorted by length (verl's ppo_max_token_len_per_gpu); a longer sequence gets a micro-batch of its own. null: micro_batch_size rows in rollout order. One process or ddp only.")
     epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
@@ -123,11 +126,29 @@ class TrainConfig(Section):
     logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
     logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
     old_logprobs: Literal["auto", "engine", "pass"] = Field("auto", description="Where the old-policy log-probs (and, for reverse Top-k, the sampling policy's top-k set q) come from: `engine` uses what the rollout engine recorded while sampling (no old-policy pass), `pass` recomputes them with the trainer's forward; `auto` is `engine` for the hf engine (the trainer's own model and numerics) and `pass` for vLLM (whose numerics differ; the mismatch is logged as rollout/logprob_diff_*).")
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field("none", description="Rollout/trainer mismatch correction (TRL's vllm_importance_sampling_mode, verl's algorithm.rollout_correction): the policy-gradient term is weighted by sg(rho), rho = pi_old(y) / pi_engine(y) between the trainer's old-policy log-probs and the engine's sampling log-probs, per token or per sequence (geometric mean over its tokens), truncated (min(rho, cap)) or masked (rho outside [1/cap, cap] -> 0). Unset: none for rollout.engine=hf (the trainer's own numerics), token_truncate for vllm.")
+    rollout_correction_cap: float = Field(2.0, ge=1, description="train.rollout_correction's cap: *_truncate weights are min(rho, cap); *_mask keep tokens (sequences) with rho in [1/cap, cap].")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process on CPU (null: the cores the load average leaves free, split between local processes; the environment variable EMAPG_TORCH_THREADS or OMP_NUM_THREADS wins).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
     skip_window: int = Field(20, ge=1, description="RL steps over which skipped optimizer steps (non-finite loss or gradient) are counted; the run stops with an error when more than `max_skipped_fraction` of the window's optimizer steps were skipped.")
     max_skipped_fraction: float = Field(0.5, ge=0, le=1, description="Stop the run when more than this fraction of the optimizer steps of the last `skip_window` RL steps were skipped (1: never stop).")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sequences_replace_prompts(cls, data):
+        """Setting mini_batch_sequences alone nulls mini_batch_prompts' default (given both, the check below refuses)."""
+        if isinstance(data, dict) and data.get("mini_batch_sequences") is not None and "mini_batch_prompts" not in data:
+            data = {**data, "mini_batch_prompts": None}
+        return data
+
+    @model_validator(mode="after")
+    def _one_mini_batch_size(self) -> "TrainConfig":
+        if (self.mini_batch_prompts is None) == (self.mini_batch_sequences is None):
+            raise ValueError("set exactly one of train.mini_batch_prompts and train.mini_batch_sequences (the other null), got "
+                             f"{self.mini_batch_prompts} and {self.mini_batch_sequences}")
+        return self
+
 
 
 class KLConfig(Section):
@@ -156,6 +177,7 @@ class KLConfig(Section):
 class EMAConfig(Section):
     decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline).")
     update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the EMA anchor's weights are held and averaged in. float32 (default) keeps every EMA step; bfloat16 reproduces the official search run (its reference model is bf16 and updated with mul_().add_() in place, so small EMA steps round away).")
     anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
 
 
@@ -165,7 +187,7 @@ class EvalConfig(Section):
     n: int = Field(1, ge=1, description="Samples per evaluation item.")
     temperature: float = Field(0.0, ge=0, le=10, description="Evaluation sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Evaluation nucleus sampling threshold.")
-    max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens.")
+    max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens (per turn for search runs: unset there, rollout.max_new_tokens; data.max_prompt_tokens + this must fit in search.max_context_tokens).")
 
 
 class RewardConfig(Section):
@@ -240,15 +262,21 @@ class Config(Section):
     @model_validator(mode="after")
     def _derive(self) -> "Config":
         r, t = self.rollout, self.train
-        if r.prompts_per_step % t.mini_batch_prompts != 0:
+        self._resolve_defaults()
+        if t.mini_batch_prompts is not None and r.prompts_per_step % t.mini_batch_prompts != 0:
             raise ValueError(
                 f"train.mini_batch_prompts ({t.mini_batch_prompts}) must divide rollout.prompts_per_step ({r.prompts_per_step})"
             )
-        if self.search.enabled and self.data.max_prompt_tokens + r.max_new_tokens > self.search.max_context_tokens:
-            raise ValueError(
-                f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
-                f"({self.data.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}), or no turn could start"
-            )
+        if t.mini_batch_sequences is not None and (r.prompts_per_step * r.n) % t.mini_batch_sequences != 0:
+            raise ValueError(f"train.mini_batch_sequences ({t.mini_batch_sequences}) must divide the sequences of a step "
+                             f"(rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n})")
+        if self.search.enabled:
+            for key, turn in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", self.eval.max_new_tokens)):
+                if self.data.max_prompt_tokens + turn > self.search.max_context_tokens:
+                    raise ValueError(
+                        f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
+                        f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start"
+                    )
         shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
         if self.reward.overlong_buffer >= shortest:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
@@ -261,7 +289,7 @@ class Config(Section):
         if t.share_prompts == "always" and self.model.gradient_checkpointing:
             raise ValueError("train.share_prompts=always needs the decoder's key/value cache in the training pass, which "
                              "model.gradient_checkpointing turns off; use auto or never")
-        mini = r.prompts_per_step // t.mini_batch_prompts
+        mini = (r.prompts_per_step * r.n) // self.sequences_per_mini_batch
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,
             mini_batches_per_step=mini,
@@ -270,6 +298,21 @@ class Config(Section):
             ema_updates=t.steps // self.ema.update_period,
         )
         return self
+
+    def _resolve_defaults(self) -> None:
+        """Fill the defaults that depend on other sections, when the key was not given: train.rollout_correction
+        (token_truncate for vllm, none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
+        The resolved values are written into the config, so config.yaml and `config show` print them."""
+        if "rollout_correction" not in self.train.model_fields_set:
+            self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" else "none"
+        if self.search.enabled and "max_new_tokens" not in self.eval.model_fields_set:
+            self.eval.max_new_tokens = self.rollout.max_new_tokens
+
+    @property
+    def sequences_per_mini_batch(self) -> int:
+        """Sequences per optimizer step over all ranks: train.mini_batch_sequences, or mini_batch_prompts x rollout.n."""
+        t = self.train
+        return t.mini_batch_sequences if t.mini_batch_sequences is not None else t.mini_batch_prompts * self.rollout.n
 
     def stage_at(self, step: int) -> Stage:
         """The settings of RL step `step` (1-based): its stage's length (capped by rollout.max_new_tokens)
