@@ -206,3 +206,35 @@ def test_share_prompts_always_with_gradient_checkpointing_rejected_at_config_tim
     with pytest.raises(UserError, match="share_prompts=always needs .* which model.gradient_checkpointing turns off"):
         load_config("toy", None, ["train.share_prompts=always", "model.gradient_checkpointing=true"])
     assert load_config("toy", None, ["model.gradient_checkpointing=true"]).train.share_prompts == "auto"
+
+
+def test_mini_batch_sequences_replaces_prompts_and_counts_optimizer_steps():
+    # 512 prompts x 5 samples = 2,560 sequences; 256 sequences per optimizer step -> 2560 / 256 = 10 steps
+    cfg = Config(rollout={"prompts_per_step": 512, "n": 5}, train={"mini_batch_sequences": 256})
+    assert cfg.train.mini_batch_prompts is None  # nulled: the two keys are exclusive
+    assert cfg.derived.mini_batches_per_step == 10 and cfg.sequences_per_mini_batch == 256
+    # the same step in prompts: 256 prompts x 5 = 1,280 sequences -> 2 steps
+    assert Config(rollout={"prompts_per_step": 512, "n": 5}, train={"mini_batch_prompts": 256}).derived.mini_batches_per_step == 2
+    with pytest.raises(Exception, match="exactly one of train.mini_batch_prompts and train.mini_batch_sequences"):
+        Config(train={"mini_batch_prompts": 64, "mini_batch_sequences": 256})
+    with pytest.raises(Exception, match="must divide the sequences of a step"):  # 128 x 8 = 1024 is not a multiple of 300
+        Config(rollout={"prompts_per_step": 128, "n": 8}, train={"mini_batch_sequences": 300})
+
+
+def test_rollout_correction_default_follows_the_engine_unless_given():
+    assert Config(rollout={"engine": "hf"}).train.rollout_correction == "none"
+    assert Config(rollout={"engine": "vllm"}).train.rollout_correction == "token_truncate"
+    given = Config(rollout={"engine": "vllm"}, train={"rollout_correction": "sequence_mask"})
+    assert given.train.rollout_correction == "sequence_mask"
+    # the resolved value is written out, so a saved config.yaml reloads to the same setting
+    assert Config(**yaml.safe_load(to_yaml(Config(rollout={"engine": "vllm"})))).train.rollout_correction == "token_truncate"
+
+
+def test_search_eval_budget_is_per_turn_and_must_fit_the_context():
+    search = {"enabled": True}
+    cfg = Config(search=search, rollout={"max_new_tokens": 500}, data={"max_prompt_tokens": 2048})
+    assert cfg.eval.max_new_tokens == 500  # unset: the per-turn rollout cap, not 8192
+    # 2048 prompt + 3000 per turn = 5048 > 4096: no evaluation turn could start
+    with pytest.raises(Exception, match=r"eval.max_new_tokens \(3000, per turn\)"):
+        Config(search=search, rollout={"max_new_tokens": 500}, data={"max_prompt_tokens": 2048}, eval={"max_new_tokens": 3000})
+    assert Config().eval.max_new_tokens == 8192  # single-turn runs keep the default
