@@ -126,7 +126,7 @@ class TrainConfig(Section):
     logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
     logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
     old_logprobs: Literal["auto", "engine", "pass"] = Field("auto", description="Where the old-policy log-probs (and, for reverse Top-k, the sampling policy's top-k set q) come from: `engine` uses what the rollout engine recorded while sampling (no old-policy pass), `pass` recomputes them with the trainer's forward; `auto` is `engine` for the hf engine (the trainer's own model and numerics) and `pass` for vLLM (whose numerics differ; the mismatch is logged as rollout/logprob_diff_*).")
-    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field("none", description="Rollout/trainer mismatch correction (TRL's vllm_importance_sampling_mode, verl's algorithm.rollout_correction): the policy-gradient term is weighted by sg(rho), rho = pi_old(y) / pi_engine(y) between the trainer's old-policy log-probs and the engine's sampling log-probs, per token or per sequence (geometric mean over its tokens), truncated (min(rho, cap)) or masked (rho outside [1/cap, cap] -> 0). Unset: none for rollout.engine=hf (the trainer's own numerics), token_truncate for vllm.")
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field("none", description="Rollout/trainer mismatch correction (TRL's vllm_importance_sampling_mode, verl's algorithm.rollout_correction): the policy-gradient term is weighted by sg(rho), rho = pi_old(y) / pi_engine(y) between the trainer's old-policy log-probs and the engine's sampling log-probs, per token or per sequence (geometric mean over its tokens), truncated (min(rho, cap)) or masked (rho outside [1/cap, cap] -> 0). Unset: none for rollout.engine=hf (the trainer's own numerics), token_truncate for vllm (none there too with train.old_logprobs=engine, whose old policy is the engine's records, or search.retokenize, which drops them). See docs/rollout_correction.md.")
     rollout_correction_cap: float = Field(2.0, ge=1, description="train.rollout_correction's cap: *_truncate weights are min(rho, cap); *_mask keep tokens (sequences) with rho in [1/cap, cap].")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process on CPU (null: the cores the load average leaves free, split between local processes; the environment variable EMAPG_TORCH_THREADS or OMP_NUM_THREADS wins).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
@@ -304,7 +304,9 @@ class Config(Section):
         (token_truncate for vllm, none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
         The resolved values are written into the config, so config.yaml and `config show` print them."""
         if "rollout_correction" not in self.train.model_fields_set:
-            self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" else "none"
+            # none where the engine's records would be the old policy (ratio 1) or are dropped (search.retokenize)
+            usable = self.train.old_logprobs != "engine" and not (self.search.enabled and self.search.retokenize)
+            self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" and usable else "none"
         if self.search.enabled and "max_new_tokens" not in self.eval.model_fields_set:
             self.eval.max_new_tokens = self.rollout.max_new_tokens
 

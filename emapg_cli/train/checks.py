@@ -75,6 +75,9 @@ def config_checks(cfg: Config) -> None:
             raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
     if cfg.rollout.reward not in REWARDS and not is_plugin_ref(cfg.rollout.reward):  # plugins: validated with the config
         raise UserError(f"rollout.reward: unknown reward '{cfg.rollout.reward}' (known: {', '.join(sorted(REWARDS))})")
+    from emapg_cli.train.passes import check_rollout_correction
+
+    check_rollout_correction(cfg)
 
 
 def _lookup(cfg: Config, key: str) -> Any:

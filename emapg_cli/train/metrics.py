@@ -43,6 +43,7 @@ def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int
         out["kl/value"] = kl
     if ema_distance is not None:
         out["ema/distance"] = ema_distance
+    out.update(rollout_correction_metrics(upd.correction))
     return out
 
 
@@ -63,6 +64,20 @@ def rollout_mismatch(diff: Tensor | None) -> dict[str, float]:
         "rollout/logprob_abs_diff": float(diff.abs().mean()),
         "rollout/logprob_max_abs_diff": float(diff.abs().max()),
         "rollout/ratio_mean": float(diff.exp().mean()),
+    }
+
+
+def rollout_correction_metrics(stats) -> dict[str, float]:
+    """`rollout/is_ratio_mean`, `rollout/is_ratio_max`: rho = pi_old / pi_engine before truncation or masking, over
+    the policy's tokens (token modes) or sequences (sequence modes, the geometric mean per sequence);
+    `rollout/is_clipped_frac`: the fraction of them truncated or masked (`grpo.rollout_correction`). This process's
+    rollouts; {} with train.rollout_correction=none or without tokens."""
+    if stats is None or float(stats.count) == 0:
+        return {}
+    return {
+        "rollout/is_ratio_mean": float(stats.ratio_mean),
+        "rollout/is_ratio_max": float(stats.ratio_max),
+        "rollout/is_clipped_frac": float(stats.clipped_frac),
     }
 
 

@@ -7,6 +7,7 @@ import contextlib
 import torch
 
 from emapg_cli.errors import UserError
+from emapg_cli.grpo import sequence_level
 from emapg_cli.kl import INFO, topk_source
 from emapg_cli.train.logprobs import TokenStats
 from emapg_cli.train.rollout import RolloutBatch, micro_batches
@@ -33,6 +34,23 @@ def old_from_engine(cfg) -> bool:
     return source == "engine" or (source == "auto" and cfg.rollout.engine == "hf")
 
 
+def check_rollout_correction(cfg) -> None:
+    """A train.rollout_correction other than none needs the engine's sampling log-probs and old-policy log-probs that
+    are not those same records: a one-line UserError when the config rules either out (at launch, in `--dry-run`,
+    and again before the first update)."""
+    mode = cfg.train.rollout_correction
+    if mode == "none":
+        return
+    if old_from_engine(cfg):
+        source = cfg.train.old_logprobs + (f" (engine, with rollout.engine={cfg.rollout.engine})" if cfg.train.old_logprobs == "auto" else "")
+        raise UserError(f"train.rollout_correction={mode} weighs by pi_old / pi_engine, but train.old_logprobs={source} makes "
+                        "the old-policy log-probs the engine's own (the ratio is 1): set train.old_logprobs=pass or "
+                        "train.rollout_correction=none")
+    if cfg.search.enabled and cfg.search.retokenize:
+        raise UserError(f"train.rollout_correction={mode} needs the engine's sampling log-probs, which search.retokenize "
+                        "drops: set train.rollout_correction=none")
+
+
 def engine_topk(cfg, k: int) -> int:
     """How many top-k ids the engine must record per token: k when reverse Top-k reads q from the engine, else 0."""
     info = INFO[cfg.kl.estimator]
@@ -55,11 +73,19 @@ def needs_old_pass(cfg) -> bool:
     return not old_from_engine(cfg) and _pass_needed(cfg)
 
 
+def correction_needs_old_pass(cfg) -> bool:
+    """A sequence-level train.rollout_correction weighs each token by its whole sequence's ratio, which the fused
+    loss (chunk by chunk) cannot know before the chunk: the old-policy log-probs must exist before the update,
+    also for one on-policy step (token modes then take them from the update's own first pass)."""
+    return sequence_level(cfg.train.rollout_correction)
+
+
 def _pass_needed(cfg) -> bool:
-    """Without the engine's records: old log-probs unless `single_on_policy_step`, and q for reverse Top-k."""
+    """Without the engine's records: old log-probs unless `single_on_policy_step` (or for a sequence-level
+    rollout correction), and q for reverse Top-k."""
     info = INFO[cfg.kl.estimator]
     needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
-    return not single_on_policy_step(cfg) or needs_q
+    return not single_on_policy_step(cfg) or needs_q or correction_needs_old_pass(cfg)
 
 
 def _layout_diff(scorer, mb: RolloutBatch, temperature: float, **layout) -> float:
@@ -173,7 +199,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         policy_scorer.eval()
         _run(policy_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k if "topk_index" in fill else 0, **common)
         policy_scorer.train(was)
-        out["old_logp"] = None if single_on_policy_step(cfg) else fill["logp"]
+        out["old_logp"] = None if single_on_policy_step(cfg) and not correction_needs_old_pass(cfg) else fill["logp"]
         if "topk_index" in fill:
             out["q_index"] = fill["topk_index"]
     if cfg.kl.coef > 0 and not anchor_inside_loss(cfg):

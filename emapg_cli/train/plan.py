@@ -172,6 +172,7 @@ class Plan:
     device_memory_bytes: int
     processes: int = 1  # GPUs the run is launched on
     parallel: str = "single process"  # ddp / fsdp with several processes
+    rollout_correction: str = "none"  # train.rollout_correction, with its cap
     memory: tuple[MemoryTerm, ...] = ()
     update_peak_bytes: Optional[int] = None
     rollout_peak_bytes: Optional[int] = None
@@ -393,6 +394,7 @@ def make_plan(
         seq_len=seq_len, tokens_per_step=d.responses_per_step * seq_len, engine=r.engine,
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_memory_bytes=device,
         processes=processes, parallel=cfg.train.parallel if processes > 1 else "single process",
+        rollout_correction=t.rollout_correction if t.rollout_correction == "none" else f"{t.rollout_correction}, cap {t.rollout_correction_cap:g}",
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -458,6 +460,7 @@ def render_plan(plan: Plan):
     run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
+    run.add_row("rollout correction", f"{plan.rollout_correction} (pi_old / pi_engine on the policy-gradient term)")
     budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
     run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens"
                 if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "

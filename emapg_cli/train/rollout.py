@@ -97,6 +97,7 @@ class RolloutBatch:
     loss_mask: Optional[Tensor] = None  # [B, R] 1 = a token the policy sampled (multi-turn: observations are 0); None = response_mask
     sampling_logp: Optional[Tensor] = None  # [B, R] engine's log-probs (diagnostic)
     old_logp: Optional[Tensor] = None  # [B, R]
+    is_weight: Optional[Tensor] = None  # [B, R] sg weight of the policy-gradient term (train.rollout_correction); None: 1
     q_index: Optional[Tensor] = None  # [B, R, k]
     ref_logp: Optional[Tensor] = None  # [B, R]
     ref_logp_q: Optional[Tensor] = None  # [B, R, k]

@@ -9,11 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from emapg_cli.grpo import ppo_clip_loss, token_weights
+from emapg_cli.errors import UserError
+from emapg_cli.grpo import CorrectionStats, ppo_clip_loss, rollout_correction, sequence_level, token_weights
 from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
 from emapg_cli.kl.fused import LossFn
 from emapg_cli.train.logprobs import response_hidden
-from emapg_cli.train.passes import anchor_inside_loss, needs_old_pass
+from emapg_cli.train.passes import anchor_inside_loss, check_rollout_correction, needs_old_pass
 from emapg_cli.train.rollout import RolloutBatch, micro_batches
 
 
@@ -30,13 +31,44 @@ class LossParts:
     logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (no old-policy pass)
 
 
+def no_sampling_logprobs(mode: str) -> str:
+    """The one-line error for a rollout correction without the engine's sampling log-probs."""
+    return (f"train.rollout_correction={mode} needs the log-probs the rollout engine recorded while sampling, and "
+            "this batch has none (search.retokenize, or a batch built without them); set train.rollout_correction=none")
+
+
+def correction_weights(batch: RolloutBatch, cfg) -> tuple[RolloutBatch, Optional[CorrectionStats]]:
+    """The batch with `is_weight` [B, R] = sg(w) of train.rollout_correction computed from its old-policy and
+    sampling log-probs over the policy's tokens, and the statistics of rho; unchanged (None) with mode none, or
+    for a token mode without old-policy log-probs (one on-policy step: the loss computes w from its own first
+    pass, `token_loss_fn`). Sequence modes always have them (`passes.correction_needs_old_pass`)."""
+    t = cfg.train
+    mode = t.rollout_correction
+    if mode == "none":
+        return batch, None
+    check_rollout_correction(cfg)
+    if batch.sampling_logp is None:
+        raise UserError(no_sampling_logprobs(mode))
+    if batch.old_logp is None:
+        return batch, None
+    w, stats = rollout_correction(batch.old_logp, batch.sampling_logp, batch.policy_mask, mode, t.rollout_correction_cap)
+    return batch.with_(is_weight=w), stats
+
+
 def token_loss_fn(cfg, mb: RolloutBatch, num_tokens: float, num_seqs: float, loss_mask: Tensor) -> LossFn:
-    """The per-token loss w_t (PPO-clip_t + beta * KL_t) of one micro-batch, for `emapg_cli.kl.fused`.
+    """The per-token loss w_t (c_t PPO-clip_t + beta * KL_t) of one micro-batch, for `emapg_cli.kl.fused`.
 
     Every per-token input is flattened over the response mask (the order the fused function walks);
     w_t is the token's weight in the aggregated loss (`grpo.token_weights` over `loss_mask` [b, R],
     with the mini-batch totals for gradient accumulation). Extras: `pg` and `kl` (w_t times each
     part) and `clipped`.
+
+    c_t = sg(rollout-correction weight) (`grpo.rollout_correction`, train.rollout_correction): `mb.is_weight`
+    when the update computed it from the old-policy log-probs, else (token modes without an old-policy pass:
+    one on-policy step, whose first pass is the old policy) from this pass's detached log-probs and the
+    engine's. Mode none: no factor at all (the loss is bit-identical to the uncorrected one). With a mode on,
+    the KL estimators' importance weight s = pi_theta / pi_sampling uses the engine's sampling log-probs
+    (the distribution the tokens were drawn from) instead of the old policy's.
     """
     kl_cfg, t = cfg.kl, cfg.train
     beta, info = kl_cfg.coef, INFO[kl_cfg.estimator]
@@ -48,15 +80,27 @@ def token_loss_fn(cfg, mb: RolloutBatch, num_tokens: float, num_seqs: float, los
     ref = mb.ref_logp[m] if beta > 0 and mb.ref_logp is not None else None  # [N]
     ref_q = mb.ref_logp_q[m] if topk else None  # [N, k]
     in_q = topk_membership(mb.q_index, mb.targets)[m] if topk else None  # [N]
+    mode, cap = t.rollout_correction, t.rollout_correction_cap
+    correct = mode != "none"
+    if correct and mb.sampling_logp is None:
+        raise UserError(no_sampling_logprobs(mode))
+    samp = mb.sampling_logp[m].float() if correct else None  # [N] the engine's log-probs of the sampled tokens
+    is_w = mb.is_weight[m] if correct and mb.is_weight is not None else None  # [N]
+    if correct and is_w is None and (old is not None or sequence_level(mode)):
+        raise RuntimeError("rollout correction weights were not computed before the update")  # update_policy does
 
     def loss_fn(s: int, e: int, logp: Tensor, logp_q: Optional[Tensor], logits=None, ref_logits=None):
         o = old[s:e] if old is not None else logp.detach()
         pg_tok, clipped = ppo_clip_loss(logp, o, adv[s:e], t.clip_low, t.clip_high, t.dual_clip)  # [c]
         pg_w = w[s:e] * pg_tok
+        if is_w is not None:
+            pg_w = pg_w * is_w[s:e]
+        elif correct:  # token mode, no old-policy pass: o is this first pass's log-probs, the old policy's
+            pg_w = pg_w * rollout_correction(o, samp[s:e], torch.ones_like(o, dtype=torch.bool), mode, cap)[0]
         extras = {"pg": pg_w.detach(), "clipped": clipped.float()}
         if beta <= 0:
             return pg_w, extras
-        iw = importance_weight(logp, o, kl_cfg.iw_clip) if kl_cfg.iw else None
+        iw = importance_weight(logp, samp[s:e] if correct else o, kl_cfg.iw_clip) if kl_cfg.iw else None
         kl_tok = kl_per_token(
             kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=ref[s:e] if ref is not None else None, iw=iw,
             logp_q=logp_q, ref_logp_q=ref_q[s:e] if ref_q is not None else None,
@@ -164,6 +208,7 @@ class UpdateStats:
     tokens: float = 0.0
     skipped: int = 0
     logprob_diffs: list[Tensor] = field(default_factory=list)  # see LossParts.logprob_diff
+    correction: Optional[CorrectionStats] = None  # rho's statistics (train.rollout_correction), this rank's rows
 
 
 def global_token_share(accelerator, local_tokens: float) -> float:
@@ -194,6 +239,9 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     params = [p for p in scorer.parameters() if p.requires_grad]
     prompt_lens, response_lens = batch.lengths()  # [B], [B]
     record = not needs_old_pass(cfg)  # no old-policy pass measured the engine/trainer mismatch: the first step does
+    batch, stats.correction = correction_weights(batch, cfg)
+    in_loss = t.rollout_correction != "none" and batch.is_weight is None  # w from the first pass (token_loss_fn)
+    record = record or in_loss  # then the first pass is on the sampling weights (one on-policy step)
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for g0 in range(0, n_groups, groups_per_mini):
@@ -228,6 +276,10 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
             stats.pg.append(pg)
             stats.kl.append(kl)
             stats.grad_norm.append(norm)
+    if in_loss and stats.logprob_diffs:  # the weights the loss used: rho = exp(first pass - engine), per token
+        d = torch.cat(stats.logprob_diffs)  # [tokens]
+        stats.correction = rollout_correction(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool),
+                                              t.rollout_correction, t.rollout_correction_cap)[1]
     if accelerator.num_processes > 1:  # each rank's loss is its share of the mini-batch loss: log their mean
         losses = torch.tensor(stats.pg + stats.kl, dtype=torch.float64, device=accelerator.device)
         losses = accelerator.reduce(losses, reduction="mean").tolist()
