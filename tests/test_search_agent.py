@@ -20,8 +20,10 @@ def tok():
 class ScriptedEngine:
     """Replies to each row with the next scripted turn of the episode whose prompt starts the context."""
 
-    def __init__(self, tok, scripts: dict[int, list[str]], eos_after: set[tuple[int, int]] = frozenset()):
-        self.tok, self.scripts, self.eos_after = tok, scripts, eos_after
+    def __init__(self, tok, scripts: dict[int, list[str]], eos_after: set[tuple[int, int]] = frozenset(),
+                 cut_at: set[tuple[int, int]] = frozenset()):
+        """(episode key, turn) in `cut_at`: that turn reports finish_reason `length` (hit the per-turn cap)."""
+        self.tok, self.scripts, self.eos_after, self.cut_at = tok, scripts, eos_after, cut_at
         self.calls: list[tuple[list[list[int]], SamplingParams]] = []
         self.turn_of: dict[int, int] = {k: 0 for k in scripts}
 
@@ -36,7 +38,7 @@ class ScriptedEngine:
             if (key, t) in self.eos_after:
                 ids = ids + [self.tok.eos_token_id]
             logprobs = [-0.01 * (t + 1)] * len(ids)  # turn t's tokens carry -0.01 (t + 1)
-            out.append([Completion(ids, "", "stop", logprobs)])
+            out.append([Completion(ids, "", "length" if (key, t) in self.cut_at else "stop", logprobs)])
         return out
 
 
@@ -111,7 +113,9 @@ def test_turn_loop_exact_tokens_and_mask(tok):
     assert "<information>" not in ep_a.text
 
     assert ep_b.token_ids == enc(tok, scripts[b][0]) and all(ep_b.policy_mask) and ep_b.outcome == "answer"
-    assert (ep_c.outcome, ep_c.finish_reason, ep_c.turns, ep_c.searches) == ("no_answer", "length", 4, 3)
+    # unanswered after the turn limit, but its last turn ended on </search>: not truncated (per turn)
+    assert (ep_c.outcome, ep_c.finish_reason, ep_c.turns, ep_c.searches) == ("no_answer", "stop", 4, 3)
+    assert (ep_a.last_turn_tokens, ep_c.last_turn_tokens) == (len(t3), len(enc(tok, scripts[c][3])))
     assert ep_c.token_ids[-len(enc(tok, scripts[c][3])):] == enc(tok, scripts[c][3])  # final search kept, no observation
 
     # engine calls: turn k sends every active episode's full context, stop strings, a per-turn seed
@@ -144,7 +148,7 @@ def test_context_limit_cuts_observation_and_ends_episode(tok):
     # prompt 2 + turn 20 = 22; a second turn needs 20 more, so the observation may take 72 - 22 - ... room is
     # 72 - 22 = 50 tokens, cut to 50; then 72 + 20 > 72: no room for a turn -> context
     assert len(ep.token_ids) == 20 + 50 and ep.obs_cut == 1
-    assert (ep.outcome, ep.turns, ep.finish_reason) == ("context", 1, "length")
+    assert (ep.outcome, ep.turns, ep.finish_reason) == ("context", 1, "stop")  # ended by the context, not cut mid-turn
     assert search_metrics([ep], agent.latencies)["search/context_full_frac"] == 1.0
 
 

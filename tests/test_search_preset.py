@@ -31,6 +31,7 @@ def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_hom
         "search.retriever": "bm25", "search.index": str(tmp_path / "index"), "search.max_obs_tokens": "64",
         "search.max_context_tokens": "1000",  # the tiny model has 1024 positions; Search-R1's prompt is ~700 bytes
         "data.max_prompt_tokens": "900",  # prompt + one turn must fit in search.max_context_tokens (a config check)
+        "data.eval": "hotpotqa", "data.eval_limit": "2",  # in place of the 7 test sets (not prepared here)
     }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     r = cli("train", "--preset", "search-qa", *args, "--out", str(run), timeout=900)
@@ -38,6 +39,18 @@ def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_hom
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in rows if "search/calls_per_episode" in x]
     assert len(steps) == 2
+    # greedy evaluation at step 0 and at the end (eval.every 50 > 2 steps), turns of eval.max_new_tokens =
+    # rollout.max_new_tokens (8, per turn): 2 items, so an accuracy of 0, 1/2 or 1
+    evals = [(x["step"], x["eval/accuracy"]) for x in rows if "eval/accuracy" in x]
+    assert [s for s, _ in evals] == [0, 2] and all(a in (0.0, 0.5, 1.0) for _, a in evals)
+    assert yaml_eval_budget(run) == 8
     for m in steps:
         assert 1 <= m["search/turns"] <= 3  # 2 search turns + the final one
         assert 0 <= m["search/invalid_action_rate"] <= 1 and 0 < m["search/obs_tokens_frac"] < 1
+
+
+def yaml_eval_budget(run) -> int:
+    """eval.max_new_tokens as the run's config.yaml resolved it."""
+    import yaml
+
+    return yaml.safe_load((run / "config.yaml").read_text())["eval"]["max_new_tokens"]

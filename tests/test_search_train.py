@@ -82,6 +82,11 @@ def test_train_search_agent_hf_two_turns(tiny_qwen2, index, tmp_path):
     proc = run(train_cmd(*_opts(tiny_qwen2, data, index, 1), "--out", str(out)), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # the eval file mixes sources nq and hotpotqa: data.eval_limit=2 keeps 2 of each, scored per source; with
+    # 2 items each, eval/accuracy (over all 4) is the mean of the two
+    for row in (rows[0], rows[-1]):
+        per = [row["eval/accuracy/nq"], row["eval/accuracy/hotpotqa"]]
+        assert all(a in (0.0, 0.5, 1.0) for a in per) and row["eval/accuracy"] == pytest.approx(sum(per) / 2)
     step = rows[1]
     for key in ("search/calls_per_episode", "search/invalid_action_rate", "search/turns", "search/obs_tokens_frac",
                 "kl/value", "loss/pg"):

@@ -14,7 +14,8 @@ search there ends the episode unanswered), as in Search-R1.
 
 Context limit: a turn starts only when prompt + trajectory + a full turn (`params.max_new_tokens`)
 fit in `max_context_tokens`; observations are cut to what fits. An episode that runs out of room
-ends there (outcome `context`, counted in `search/context_full_frac`). Search-R1 instead keeps the
+ends there (outcome `context`, counted in `search/context_full_frac`); like an episode that used up its turns, it
+is not truncated unless its last turn was cut at the per-turn cap (see `Episode`). Search-R1 instead keeps the
 last 4096 tokens of a rolling context, so the model can see a left-truncated context while the
 trained sequence is the whole one; ending the episode keeps trained = seen.
 
@@ -38,12 +39,19 @@ class Episode(Completion):
     """One multi-turn trajectory: `token_ids` is everything after the prompt (policy turns and observations).
 
     `text` is the policy's own text only (observations excluded): rewards read the answer there.
-    `finish_reason` is "stop" when the episode ended with an answer, else "length".
+    `finish_reason` is per turn: "length" when the episode's last policy turn hit the per-turn token cap
+    (`SamplingParams.max_new_tokens`) and gave no answer, else "stop": an answer, a turn that ended on its own
+    (a search, an invalid turn, EOS) before the turn or context limit ended the episode, or no turn at all.
+    So `rewards.shaping.is_truncated`, `train.mask_truncated` and `reward.truncated` see an unanswered
+    episode as truncated only when the policy was cut mid-turn; `outcome` says why the episode ended.
+    `last_turn_tokens` is that last turn's policy token count (what DAPO's overlong penalty measures against
+    the per-turn cap; observations and earlier turns excluded).
     """
 
     policy_mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
     outcome: str = ""  # "answer" | "no_answer" (turns used up) | "context" (context limit reached)
     turns: int = 0  # generation turns taken (the final no-search turn included)
+    last_turn_tokens: int = 0  # policy tokens of the last generated turn (0: no turn)
     searches: int = 0  # retriever queries issued
     invalid: int = 0  # turns with neither a search nor an answer (final turn excluded)
     obs_tokens: int = 0  # observation tokens appended (mask 0)
@@ -73,7 +81,7 @@ class SearchAgent:
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams) -> list[list[Episode]]:
         """`params.n` episodes per prompt (row i*n + j is sample j of prompt i), in prompt order."""
         n, s = params.n, self.s
-        states = [_State(list(p), Episode(token_ids=[], text="", finish_reason="length", logprobs=[]))
+        states = [_State(list(p), Episode(token_ids=[], text="", finish_reason="stop", logprobs=[]))
                   for p in prompts for _ in range(n)]
         self.latencies = []
         for turn in range(self.max_turns + (1 if s.final_turn else 0)):
@@ -136,6 +144,8 @@ class SearchAgent:
         ep.logprobs = ep.logprobs + logprobs if (ep.logprobs is not None and logprobs is not None) else None
         ep.text += text
         ep.turns += 1
+        ep.last_turn_tokens = len(ids)
+        ep.finish_reason = "length" if c.finish_reason == "length" else "stop"  # this turn hit the per-turn cap
         return protocol.parse_action(text)
 
     def _observe(self, st: _State, text: str) -> None:

@@ -67,6 +67,10 @@ def eval_(
     reward = reward if reward is not None else ("em" if searching else "math")
     if searching and reward == "math":
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
+    if searching:
+        from emapg_cli.evaluation.search import check_turn_budget
+
+        check_turn_budget(max_tokens, max_context_tokens)
     out = out or default_out(bench, model, responses)
     settings = EvalSettings(
         bench=bench_ref(bench), out=out, model=model, responses_file=responses, backend=backend, n=n,

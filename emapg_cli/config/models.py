@@ -119,7 +119,7 @@ class TrainConfig(Section):
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
     filter_groups: bool = Field(False, description="Dynamic sampling (DAPO, Yu et al. 2025): drop groups whose rewards are all equal (zero advantage) and sample more prompts until the step has rollout.prompts_per_step informative groups, or train.filter_max_rounds extra rounds were spent (then uninformative groups fill the rest; counted in rollout/filter_*).")
     filter_max_rounds: int = Field(4, ge=0, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
-    mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`) get no loss at all: neither policy gradient nor KL (DAPO's overlong filtering).")
+    mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`; search runs: the last policy turn hit the per-turn cap, not an episode that ended unanswered at the turn or context limit) get no loss at all: neither policy gradient nor KL (DAPO's overlong filtering).")
     adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
     pack_sequences: Literal["auto", "always", "never"] = Field("auto", description="Remove padding from the decoder passes (update and log-prob passes): a micro-batch's sequences packed end to end into fewer rows as wide as its longest one, positions restarting at each sequence, attention kept within each (transformers' packed-sequence masks; the result equals the padded pass). auto: pack a micro-batch whose longest sequence has at least 128 tokens (on short sequences the packed mask costs more than the padding it saves: the toy ran 10-15% slower packed, toy-search 1.2x faster); always; never.")
     share_prompts: Literal["auto", "always", "never"] = Field("auto", description="Run each distinct prompt of a micro-batch once in the decoder passes (update and log-prob passes): its n samples attend to one key/value cache, and the backward sums their gradients into it (the result equals the padded pass). auto: when that runs at most half the padded tokens (short responses to repeated prompts: the toy runs a third) and the decoder allows it; always: whenever a prompt repeats. Neither with model.gradient_checkpointing nor train.parallel=fsdp on several processes (auto then keeps the padded or packed pass). Tried before train.pack_sequences.")
@@ -191,8 +191,8 @@ class EvalConfig(Section):
 
 
 class RewardConfig(Section):
-    truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off).")
+    truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`; search runs: its last turn cut at the per-turn cap): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
     overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
 
 

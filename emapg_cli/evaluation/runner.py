@@ -228,6 +228,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     t_start = time.perf_counter()
     if (s.model is None) == (s.responses_file is None):
         raise UserError("give exactly one of --model (generate) and --responses (grade given responses)")
+    if s.retriever:
+        from emapg_cli.evaluation.search import check_turn_budget
+
+        check_turn_budget(s.max_tokens, s.max_context_tokens)
     examples = load_examples(s.bench)[: s.limit]
     given: dict[str, list[str]] = {}
     if s.responses_file is not None:

@@ -31,6 +31,15 @@ def parse_retriever(spec: str) -> dict[str, Any]:
     raise UserError(f"--retriever must be bm25:DIR or http://HOST:PORT (a Search-R1 /retrieve server), got '{spec}'")
 
 
+def check_turn_budget(max_tokens: int, max_context_tokens: int) -> None:
+    """With --retriever, --max-tokens is each turn's budget and a turn starts only when prompt + trajectory + a full
+    turn fit in --max-context-tokens: a budget that leaves no room for a prompt would end every episode before its
+    first turn (all scored 0). The same rule as the training config's search.max_context_tokens check."""
+    if max_tokens >= max_context_tokens:
+        raise UserError(f"--max-tokens ({max_tokens}, per turn with --retriever) must be below --max-context-tokens "
+                        f"({max_context_tokens}) with room for the prompt, or every episode ends before its first turn")
+
+
 def search_config(retriever: str, topk: int, max_obs_tokens: int, max_context_tokens: int,
                   prompt_template: Optional[str]):
     """The `search` config section an evaluation runs with."""

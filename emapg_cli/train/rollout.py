@@ -68,20 +68,28 @@ def schedule(n_items: int, per_step: int, step: int, seed: int) -> list[int]:
     return out
 
 
+def shaped_length(c: Completion) -> int:
+    """The length the overlong penalty compares with the token cap: a single-turn response's token count; for
+    a multi-turn episode (`agents.Episode`) the policy's own tokens of its last turn, against the per-turn cap
+    (observations and earlier turns are not the policy's output of that turn)."""
+    last = getattr(c, "last_turn_tokens", None)
+    return len(c.token_ids) if last is None else int(last)
+
+
 def score(reward_fn: Callable, completions: Sequence[Completion], examples: list[Example], shaping: Optional[dict] = None) -> tuple[list[float], int]:
     """Rewards for (completion, example) pairs and how many items raised (scored 0).
 
     `reward_fn` comes from `emapg_cli.rewards.get_reward`, whose `SafeReward` wrapper scores an item
     that raises as 0 and counts it in `.errors`; this returns the increase of that count.
     `shaping`: keyword arguments of `rewards.shaping.shape_rewards` (truncation rule, overlong
-    penalty), applied with each completion's length and finish_reason.
+    penalty), applied with each completion's `shaped_length` and finish_reason.
     """
     from emapg_cli.rewards.shaping import shape_rewards
 
     before = getattr(reward_fn, "errors", 0)
     rewards = [float(r) for r in reward_fn([c.text for c in completions], examples)]
     if shaping is not None:
-        rewards = shape_rewards(rewards, [len(c.token_ids) for c in completions], [c.finish_reason for c in completions], **shaping)
+        rewards = shape_rewards(rewards, [shaped_length(c) for c in completions], [c.finish_reason for c in completions], **shaping)
     return rewards, getattr(reward_fn, "errors", 0) - before
 
 

@@ -147,7 +147,7 @@ class Trainer:
         self.train_ex = train_ex
         self.eval_ex, self.eval_prompts, self.skipped_eval = [], [], 0
         if cfg.data.eval:
-            ex = self.inputs.eval[: cfg.data.eval_limit]
+            ex = self.inputs.eval  # data.eval_limit already applied, per source (train/checks.py)
             self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens, message)
         seed_everything(cfg.train.seed)
         policy = load_policy(cfg.model, cfg.lora)
@@ -197,17 +197,19 @@ class Trainer:
             self.engine.load_weights(model)
 
     # ------------------------------------------------------------------ pieces
-    def _eval(self, model, step: int) -> float:
-        """Accuracy of `model` (the policy or the anchor) on the evaluation set."""
+    def _eval(self, model, step: int, key: str = "eval/accuracy") -> dict[str, float]:
+        """Accuracy of `model` (the policy or the anchor) on the evaluation set: {key: over all items} plus
+        {key/<source>: per source} when the set mixes sources. For search runs `eval.max_new_tokens` is the
+        budget of each turn (the agent runs every turn with it), as rollout.max_new_tokens is in training."""
         e = self.cfg.eval
         params = SamplingParams(n=e.n, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
-        acc = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
+        scores = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
         if model is not self.policy:
             self._push(self.policy)
-        return acc
+        return scores.metrics(key)
 
     def _generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:
         """Generate this rank's groups for dataset indices `items` (may be empty: every rank calls
@@ -484,7 +486,8 @@ class Trainer:
             row = {"data/train_prompts": float(len(self.train_prompts)),
                    "data/skipped_prompts": float(self.skipped_train + self.skipped_eval)}
             if has_eval:
-                self.state["eval_accuracy_initial"] = row["eval/accuracy"] = self._eval(self.policy, 0)
+                row.update(self._eval(self.policy, 0))
+                self.state["eval_accuracy_initial"] = row["eval/accuracy"]
             logger.log(row, 0)
         self.scorer.eval()
         metrics: dict[str, Any] = {}
@@ -502,11 +505,11 @@ class Trainer:
                 metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
                 metrics.update(extra)
                 if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                    metrics["eval/accuracy"] = self._eval(self.policy, step)
+                    metrics.update(self._eval(self.policy, step))
                 if has_eval and self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:
-                    metrics["eval/anchor_accuracy"] = self._eval(self.anchor, step)
+                    metrics.update(self._eval(self.anchor, step, "eval/anchor_accuracy"))
                 if step == cfg.train.steps and has_eval:
-                    metrics["eval/accuracy"] = self._eval(self.policy, step)
+                    metrics.update(self._eval(self.policy, step))
                     self.state["eval_accuracy_final"] = metrics["eval/accuracy"]
                 logger.log(metrics, step)
                 self._check_skips(step, upd.skipped)
