@@ -154,7 +154,9 @@ class Plan:
     prompts_per_step: int
     n: int
     responses_per_step: int
-    mini_batch_prompts: int
+    mini_batch_prompts: Optional[int]  # None: train.mini_batch_sequences
+    mini_batch_sequences: int  # sequences per optimizer step (all ranks)
+    groups_may_span: bool  # train.mini_batch_sequences: a group's rows may fall into two mini-batches
     mini_batches_per_step: int
     micro_batch_size: int
     micro_batches_per_mini_batch: int
@@ -378,14 +380,16 @@ def make_plan(
         model, source = None, "unknown model: pass a local path" if cfg.model.path else "model.path is not set"
         notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
 
-    per_mini = max(1, t.mini_batch_prompts // processes) * r.n  # sequences per mini-batch on one rank
-    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
-        if value % processes:
+    per_mini = max(1, cfg.sequences_per_mini_batch // processes)  # sequences per mini-batch on one rank
+    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
+                        ("train.mini_batch_sequences", t.mini_batch_sequences)):
+        if value is not None and value % processes:
             notes.append(f"{name} ({value}) is not a multiple of {processes} processes: the trainer refuses this")
     plan = dict(
         name=cfg.name, model_path=cfg.model.path, model=model, model_source=source, dtype=cfg.model.dtype,
         steps=t.steps, prompts_per_step=r.prompts_per_step, n=r.n, responses_per_step=d.responses_per_step,
-        mini_batch_prompts=t.mini_batch_prompts, mini_batches_per_step=d.mini_batches_per_step,
+        mini_batch_prompts=t.mini_batch_prompts, mini_batch_sequences=cfg.sequences_per_mini_batch,
+        groups_may_span=t.mini_batch_sequences is not None, mini_batches_per_step=d.mini_batches_per_step,
         micro_batch_size=t.micro_batch_size, micro_batches_per_mini_batch=math.ceil(per_mini / t.micro_batch_size),
         epochs=t.epochs, optimizer_steps_per_rl_step=d.optimizer_steps_per_rl_step,
         optimizer_steps_total=t.steps * d.optimizer_steps_per_rl_step, ema_updates=d.ema_updates,
@@ -463,7 +467,9 @@ def render_plan(plan: Plan):
                 if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "
                 f"turns of <= {plan.max_new_tokens:,} tokens and observations)")
     run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
-    run.add_row("mini-batch", f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_prompts * plan.n:,} sequences; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
+    mini = (f"{plan.mini_batch_sequences:,} sequences (groups may span)" if plan.groups_may_span else
+            f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_sequences:,} sequences")
+    run.add_row("mini-batch", f"{mini}; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
                 f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
     run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")

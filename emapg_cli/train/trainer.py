@@ -115,8 +115,9 @@ class Trainer:
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         world = self.acc.num_processes
         r, t = cfg.rollout, cfg.train
-        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
-            if value % world:
+        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
+                            ("train.mini_batch_sequences", t.mini_batch_sequences)):
+            if value is not None and value % world:
                 raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
         if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
             raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
