@@ -305,10 +305,12 @@ class Trainer:
             rows_prompts = [p for p in prompts for _ in range(r.n)]
             batch = build_batch(rows_prompts, completions, torch.zeros(len(completions)), self.tokenizer.pad_token_id)
             cut = torch.tensor([is_truncated(c.finish_reason) for c in completions], dtype=torch.bool)  # [B]
-            if stage.mask_truncated:  # DAPO's overlong filtering: no loss (pg nor KL) on truncated responses
-                batch.response_mask[cut] = False
+            if stage.mask_truncated:  # overlong filtering: truncated rows leave the update (rllm's mask_truncated_samples)
+                batch.response_mask[cut] = False  # no token of theirs is scored by the passes or counted in the metrics
                 if batch.loss_mask is not None:
                     batch.loss_mask[cut] = False
+                batch.keep = ~cut  # [B] ... nor counted as sequences of their mini-batch (update_policy); their rewards still
+                # enter their group's GRPO statistics, as rllm drops them after computing the advantages
             batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
                                    ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
                                    if getattr(batch, f) is not None})

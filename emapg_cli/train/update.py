@@ -213,11 +213,17 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for rows in mini_batch_rows(order, group_size, rows_per_mini):
+            num_seqs = float(rows.numel())
+            if batch.keep is not None:  # dropped rows (train.mask_truncated) leave the mini-batch: no loss, no count
+                kept = rows[batch.keep[rows]]
+                num_seqs = global_token_share(accelerator, float(kept.numel()))  # all ranks' kept rows / world
+                # a mini-batch left empty on this rank still runs one (zero-loss) pass on a dropped row, whose masks
+                # are zero, so that every rank takes part in the gradient reduction
+                rows = kept if kept.numel() else rows[:1]
             mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
-            num_seqs = float(rows.numel())
             micros = micro_batches(rows, prompt_lens, response_lens, t.micro_batch_size, t.max_tokens_per_micro_batch)
             finite = True
             pg = kl = 0.0
