@@ -172,6 +172,7 @@ class Plan:
     engine: str
     gradient_checkpointing: bool
     device_memory_bytes: int
+    stages: tuple[tuple[int, int, int, bool], ...] = ()  # (first step, last step, response cap, truncated dropped) of each stage
     processes: int = 1  # GPUs the run is launched on
     parallel: str = "single process"  # ddp / fsdp with several processes
     memory: tuple[MemoryTerm, ...] = ()
@@ -344,6 +345,21 @@ def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, 
     return lo
 
 
+def stage_spans(cfg: Config) -> tuple[tuple[int, int, int, bool], ...]:
+    """(first step, last step, response cap, mask_truncated) of each of `cfg.stages` the run reaches (the last one runs
+    on to train.steps; `Config.stage_at` gives each step's settings); () without stages."""
+    spans: list[tuple[int, int, int, bool]] = []
+    first, steps = 1, cfg.train.steps
+    for i, st in enumerate(cfg.stages):
+        if first > steps:
+            break
+        last = steps if i == len(cfg.stages) - 1 else min(first + st.steps - 1, steps)
+        s = cfg.stage_at(first)
+        spans.append((first, last, s.max_new_tokens, bool(s.mask_truncated)))
+        first += st.steps
+    return tuple(spans)
+
+
 def make_plan(
     cfg: Config,
     model_config: Optional[dict[str, Any]] = None,
@@ -397,6 +413,7 @@ def make_plan(
         seq_len=seq_len, tokens_per_step=d.responses_per_step * seq_len, engine=r.engine,
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_memory_bytes=device,
         processes=processes, parallel=cfg.train.parallel if processes > 1 else "single process",
+        stages=stage_spans(cfg),
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -467,6 +484,10 @@ def render_plan(plan: Plan):
                 if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "
                 f"turns of <= {plan.max_new_tokens:,} tokens and observations)")
     run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
+    if plan.stages:
+        spans = "; ".join(f"steps {a:,}-{b:,}: {n:,} tokens{', truncated dropped' if m else ''}" for a, b, n, m in plan.stages)
+        changes = ", ".join(f"{b:,}" for _, b, _, _ in plan.stages[:-1])
+        run.add_row("stages", spans + (f" (the response cap changes after steps {changes})" if changes else ""))
     mini = (f"{plan.mini_batch_sequences:,} sequences (groups may span)" if plan.groups_may_span else
             f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_sequences:,} sequences")
     run.add_row("mini-batch", f"{mini}; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")

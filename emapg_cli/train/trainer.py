@@ -104,6 +104,16 @@ def make_scheduler(optimizer, cfg: Config):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
 
 
+def eval_max_new_tokens(cfg: Config, step: int) -> int:
+    """The response cap of the evaluation after RL step `step` (0: before training): eval.max_new_tokens, and with
+    staged lengths (cfg.stages, single-turn runs) at most the length of that step's stage, as each of the official
+    stage scripts validates with its own data.max_response_length."""
+    cap = cfg.eval.max_new_tokens
+    if cfg.stages and not cfg.search.enabled:
+        cap = min(cap, cfg.stage_at(max(step, 1)).max_new_tokens)
+    return cap
+
+
 class Trainer:
     """One training run in `run_dir` (fresh, or resumed from its latest checkpoint)."""
 
@@ -201,7 +211,7 @@ class Trainer:
     def _eval(self, model, step: int) -> float:
         """Accuracy of `model` (the policy or the anchor) on the evaluation set."""
         e = self.cfg.eval
-        params = SamplingParams(n=e.n, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+        params = SamplingParams(n=e.n, max_new_tokens=eval_max_new_tokens(self.cfg, step), temperature=e.temperature, top_p=e.top_p,
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
