@@ -97,3 +97,30 @@ def test_every_row_dropped_is_a_zero_step(tiny_qwen2, six_rows, monkeypatch):
 
     before = list(AutoModelForCausalLM.from_pretrained(tiny_qwen2).parameters())
     assert loss == 0.0 and all(torch.equal(a, b.detach()) for a, b in zip(w, before))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_drop_rows_and_span_groups(tiny_qwen2, tmp_path, parallel):
+    """2 processes (gloo): 4 sequences per optimizer step (2 per rank, so each group of 4 spans two mini-batches)
+    and truncated rows dropped, whose numbers differ between the ranks (a rank may be left with none in a
+    mini-batch): the run completes with the ranks' anchors identical."""
+    import json
+
+    from test_parallel import _launch
+    from train_helpers import tiny_overrides, write_dataset
+
+    data = write_dataset(tmp_path / "train.jsonl")
+    opts = tiny_overrides(tiny_qwen2, data, steps=2, **{"train.save_every": 0, "eval.anchor_every": 0, "data.eval": "null",
+                                                        "train.mini_batch_prompts": "null", "train.mini_batch_sequences": 4,
+                                                        "train.micro_batch_size": 2, "train.parallel": parallel})
+    # stop strings on every digit and lower-case letter end some of the random tiny model's responses before the cap
+    stop = "rollout.stop=[" + ", ".join(f"'{c}'" for c in "0123456789abcdefghijklmnopqrstuvwxyz") + "]"
+    _launch(*opts, "--set", stop, "--set", "stages=[{steps: 2, max_new_tokens: 6, mask_truncated: true}]",
+            "--out", str(tmp_path / "run"))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(0 < r["rollout/truncated_frac"] < 1 for r in rows[1:])  # some rows dropped, some kept
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    if parallel == "ddp":
+        assert len(set(summary["anchor_sha256_per_rank"])) == 1

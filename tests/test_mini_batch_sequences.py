@@ -114,3 +114,15 @@ def test_search_qa_counts_sequences(cli, emapg_home):
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
     assert "256 sequences (groups may span); 10 per step x 1 epoch(s)" in out and "10 per RL step" in out
+
+
+def test_plan_counts_sequences_per_rank_and_flags_an_uneven_split():
+    from emapg_cli.train.plan import make_plan
+
+    cfg = load_config("search-qa")
+    # 256 sequences per step on 8 ranks: 32 rows each, 4 micro-batches of 8
+    plan = make_plan(cfg, processes=8)
+    assert (plan.mini_batch_sequences, plan.mini_batches_per_step, plan.micro_batches_per_mini_batch) == (256, 10, 4)
+    assert not any("not a multiple" in n for n in plan.notes)
+    notes = " ".join(make_plan(cfg, processes=3).notes)
+    assert "train.mini_batch_sequences (256) is not a multiple of 3 processes" in notes
