@@ -34,9 +34,11 @@ def test_olympiad_preset_matches_the_paper_run():
     assert c.train.loss_agg == "seq-mean-token-mean"
     assert (c.rollout.max_new_tokens, c.rollout.temperature, c.data.max_prompt_tokens) == (24576, 1.0, 4096)
     assert (c.kl.coef, c.kl.estimator, c.kl.iw, c.kl.log_ratio_clamp, c.kl.estimate_clamp) == (0.001, "k3", False, 20.0, 10.0)
-    # staged lengths 8k -> 16k -> 24k; truncated responses masked in the 8k stage only
-    assert [(c.stage_at(s).max_new_tokens, c.stage_at(s).mask_truncated) for s in (1, 300, 301, 440, 441, 500, 600)] == [
+    # staged lengths 8k -> 16k -> 24k, changing after the README's resume points global_step_480 and global_step_800;
+    # truncated responses dropped in the 8k stage only
+    assert [(c.stage_at(s).max_new_tokens, c.stage_at(s).mask_truncated) for s in (1, 480, 481, 800, 801, 1000, 1100)] == [
         (8192, True), (8192, True), (16384, False), (16384, False), (24576, False), (24576, False), (24576, False)]
+    assert c.train.steps == 1000
     assert (c.reward.truncated, c.eval.n, c.eval.temperature, c.eval.top_p) == ("zero", 8, 1.0, 0.95)
     assert (c.ema.decay, c.ema.update_period) == (0.95, 10)
     # derived: 128 prompts x 8 samples = 1024 responses; 128 / 64 = 2 mini-batches

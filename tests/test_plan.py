@@ -59,8 +59,8 @@ def test_olympiad_plan_matches_the_paper_model_and_hand_counts():
     assert plan.n_params == 1_777_088_000  # 2 * 151,936 * 1,536 + 28 * 46,797,824 + 1,536
     # Shapes: 128 prompts x 8 = 1,024 sequences of <= 1,024 + 8,192 = 9,216 tokens.
     assert (plan.responses_per_step, plan.seq_len, plan.tokens_per_step) == (1024, 9216, 9_437_184)
-    # 64 prompts per mini-batch -> 2 mini-batches; 512 sequences / 8 per micro-batch = 64 micro-batches.
-    assert (plan.mini_batches_per_step, plan.micro_batches_per_mini_batch, plan.optimizer_steps_total) == (2, 64, 1000)
+    # 64 prompts per mini-batch -> 2 mini-batches; 512 sequences / 8 per micro-batch = 64 micro-batches; 1,000 RL steps.
+    assert (plan.mini_batches_per_step, plan.micro_batches_per_mini_batch, plan.optimizer_steps_total) == (2, 64, 2000)
     terms = {t.name: t.bytes for t in plan.memory}
     p = 1_777_088_000
     assert terms["policy weights"] == terms["gradients"] == 2 * p  # bf16

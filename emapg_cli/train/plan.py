@@ -154,7 +154,9 @@ class Plan:
     prompts_per_step: int
     n: int
     responses_per_step: int
-    mini_batch_prompts: int
+    mini_batch_prompts: Optional[int]  # None: train.mini_batch_sequences
+    mini_batch_sequences: int  # sequences per optimizer step (all ranks)
+    groups_may_span: bool  # train.mini_batch_sequences: a group's rows may fall into two mini-batches
     mini_batches_per_step: int
     micro_batch_size: int
     micro_batches_per_mini_batch: int
@@ -170,6 +172,7 @@ class Plan:
     engine: str
     gradient_checkpointing: bool
     device_memory_bytes: int
+    stages: tuple[tuple[int, int, int, bool], ...] = ()  # (first step, last step, response cap, truncated dropped) of each stage
     processes: int = 1  # GPUs the run is launched on
     parallel: str = "single process"  # ddp / fsdp with several processes
     rollout_correction: str = "none"  # train.rollout_correction, with its cap
@@ -357,12 +360,29 @@ def evaluation_line(cfg: Config) -> str:
     if cfg.search.enabled:  # the agent runs every turn with eval.max_new_tokens (checked to fit with the prompt)
         budget = (f"<= {e.max_new_tokens:,} tokens per turn, context {cfg.search.max_context_tokens:,} "
                   f"(prompt <= {cfg.data.max_prompt_tokens:,})")
+    elif cfg.stages:  # each stage evaluates at its own response cap (train/trainer.py eval_max_new_tokens)
+        budget = f"<= each stage's response cap, at most {e.max_new_tokens:,} tokens"
     else:
         budget = f"<= {e.max_new_tokens:,} tokens"
     sets = ", ".join(refs) + (f" (first {cfg.data.eval_limit:,} items of each source)" if cfg.data.eval_limit else "")
     when = f"at step 0, every {e.every} steps and at the end" if e.every else "at step 0 and at the end"
     per_source = ", eval/accuracy/<source> per source" if len(refs) > 1 else ""
     return f"{how}, {budget}; {sets}; {when}{per_source}"
+
+
+def stage_spans(cfg: Config) -> tuple[tuple[int, int, int, bool], ...]:
+    """(first step, last step, response cap, mask_truncated) of each of `cfg.stages` the run reaches (the last one runs
+    on to train.steps; `Config.stage_at` gives each step's settings); () without stages."""
+    spans: list[tuple[int, int, int, bool]] = []
+    first, steps = 1, cfg.train.steps
+    for i, st in enumerate(cfg.stages):
+        if first > steps:
+            break
+        last = steps if i == len(cfg.stages) - 1 else min(first + st.steps - 1, steps)
+        s = cfg.stage_at(first)
+        spans.append((first, last, s.max_new_tokens, bool(s.mask_truncated)))
+        first += st.steps
+    return tuple(spans)
 
 
 def make_plan(
@@ -401,14 +421,16 @@ def make_plan(
         model, source = None, "unknown model: pass a local path" if cfg.model.path else "model.path is not set"
         notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
 
-    per_mini = max(1, t.mini_batch_prompts // processes) * r.n  # sequences per mini-batch on one rank
-    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
-        if value % processes:
+    per_mini = max(1, cfg.sequences_per_mini_batch // processes)  # sequences per mini-batch on one rank
+    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
+                        ("train.mini_batch_sequences", t.mini_batch_sequences)):
+        if value is not None and value % processes:
             notes.append(f"{name} ({value}) is not a multiple of {processes} processes: the trainer refuses this")
     plan = dict(
         name=cfg.name, model_path=cfg.model.path, model=model, model_source=source, dtype=cfg.model.dtype,
         steps=t.steps, prompts_per_step=r.prompts_per_step, n=r.n, responses_per_step=d.responses_per_step,
-        mini_batch_prompts=t.mini_batch_prompts, mini_batches_per_step=d.mini_batches_per_step,
+        mini_batch_prompts=t.mini_batch_prompts, mini_batch_sequences=cfg.sequences_per_mini_batch,
+        groups_may_span=t.mini_batch_sequences is not None, mini_batches_per_step=d.mini_batches_per_step,
         micro_batch_size=t.micro_batch_size, micro_batches_per_mini_batch=math.ceil(per_mini / t.micro_batch_size),
         epochs=t.epochs, optimizer_steps_per_rl_step=d.optimizer_steps_per_rl_step,
         optimizer_steps_total=t.steps * d.optimizer_steps_per_rl_step, ema_updates=d.ema_updates,
@@ -418,6 +440,7 @@ def make_plan(
         processes=processes, parallel=cfg.train.parallel if processes > 1 else "single process",
         rollout_correction=t.rollout_correction if t.rollout_correction == "none" else f"{t.rollout_correction}, cap {t.rollout_correction_cap:g}",
         evaluation=evaluation_line(cfg),
+        stages=stage_spans(cfg),
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -489,7 +512,13 @@ def render_plan(plan: Plan):
                 if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "
                 f"turns of <= {plan.max_new_tokens:,} tokens and observations)")
     run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
-    run.add_row("mini-batch", f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_prompts * plan.n:,} sequences; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
+    if plan.stages:
+        spans = "; ".join(f"steps {a:,}-{b:,}: {n:,} tokens{', truncated dropped' if m else ''}" for a, b, n, m in plan.stages)
+        changes = ", ".join(f"{b:,}" for _, b, _, _ in plan.stages[:-1])
+        run.add_row("stages", spans + (f" (the response cap changes after steps {changes})" if changes else ""))
+    mini = (f"{plan.mini_batch_sequences:,} sequences (groups may span)" if plan.groups_may_span else
+            f"{plan.mini_batch_prompts} prompts = {plan.mini_batch_sequences:,} sequences")
+    run.add_row("mini-batch", f"{mini}; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
                 f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
     run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")

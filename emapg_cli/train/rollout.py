@@ -109,6 +109,7 @@ class RolloutBatch:
     q_index: Optional[Tensor] = None  # [B, R, k]
     ref_logp: Optional[Tensor] = None  # [B, R]
     ref_logp_q: Optional[Tensor] = None  # [B, R, k]
+    keep: Optional[Tensor] = None  # [B] bool, on the CPU: rows the update trains on (None: all); train.mask_truncated drops the others
 
     @property
     def policy_mask(self) -> Tensor:
@@ -134,8 +135,8 @@ class RolloutBatch:
                 out[f.name] = v[rows][:, cols]
             elif f.name == "prompt_len":
                 out[f.name] = p_new
-            elif f.name == "advantages":
-                out[f.name] = v[rows]
+            elif f.name in ("advantages", "keep"):
+                out[f.name] = v[rows] if v is not None else None
             elif v is not None:
                 out[f.name] = v[rows][:, :r_len]
         return RolloutBatch(**out)

@@ -104,6 +104,16 @@ def make_scheduler(optimizer, cfg: Config):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
 
 
+def eval_max_new_tokens(cfg: Config, step: int) -> int:
+    """The response cap of the evaluation after RL step `step` (0: before training): eval.max_new_tokens, and with
+    staged lengths (cfg.stages, single-turn runs) at most the length of that step's stage, as each of the official
+    stage scripts validates with its own data.max_response_length."""
+    cap = cfg.eval.max_new_tokens
+    if cfg.stages and not cfg.search.enabled:
+        cap = min(cap, cfg.stage_at(max(step, 1)).max_new_tokens)
+    return cap
+
+
 class Trainer:
     """One training run in `run_dir` (fresh, or resumed from its latest checkpoint)."""
 
@@ -115,8 +125,9 @@ class Trainer:
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
         world = self.acc.num_processes
         r, t = cfg.rollout, cfg.train
-        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts)):
-            if value % world:
+        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
+                            ("train.mini_batch_sequences", t.mini_batch_sequences)):
+            if value is not None and value % world:
                 raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
         if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
             raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
@@ -202,7 +213,7 @@ class Trainer:
         {key/<source>: per source} when the set mixes sources. For search runs `eval.max_new_tokens` is the
         budget of each turn (the agent runs every turn with it), as rollout.max_new_tokens is in training."""
         e = self.cfg.eval
-        params = SamplingParams(n=e.n, max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_p=e.top_p,
+        params = SamplingParams(n=e.n, max_new_tokens=eval_max_new_tokens(self.cfg, step), temperature=e.temperature, top_p=e.top_p,
                                 stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
@@ -306,10 +317,12 @@ class Trainer:
             rows_prompts = [p for p in prompts for _ in range(r.n)]
             batch = build_batch(rows_prompts, completions, torch.zeros(len(completions)), self.tokenizer.pad_token_id)
             cut = torch.tensor([is_truncated(c.finish_reason) for c in completions], dtype=torch.bool)  # [B]
-            if stage.mask_truncated:  # DAPO's overlong filtering: no loss (pg nor KL) on truncated responses
-                batch.response_mask[cut] = False
+            if stage.mask_truncated:  # overlong filtering: truncated rows leave the update (rllm's mask_truncated_samples)
+                batch.response_mask[cut] = False  # no token of theirs is scored by the passes or counted in the metrics
                 if batch.loss_mask is not None:
                     batch.loss_mask[cut] = False
+                batch.keep = ~cut  # [B] ... nor counted as sequences of their mini-batch (update_policy); their rewards still
+                # enter their group's GRPO statistics, as rllm drops them after computing the advantages
             batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
                                    ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
                                    if getattr(batch, f) is not None})

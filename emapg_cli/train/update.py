@@ -224,17 +224,33 @@ def global_token_share(accelerator, local_tokens: float) -> float:
     return float(total) / accelerator.num_processes
 
 
+def mini_batch_rows(order: Tensor, group_size: int, rows_per_mini: int) -> list[Tensor]:
+    """The rows of each mini-batch of one epoch: groups in `order` [G] laid out row by row (group g holds
+    rows g*n .. g*n + n - 1), cut into consecutive chunks of `rows_per_mini` rows. [rows_per_mini] each.
+
+    With rows_per_mini a multiple of n every chunk is whole groups (train.mini_batch_prompts); otherwise
+    a group's rows may fall into two chunks (train.mini_batch_sequences, verl's ppo_mini_batch_size
+    splitting the batch of sequences).
+    """
+    laid = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [G * n]
+    return [laid[r0:r0 + rows_per_mini] for r0 in range(0, laid.numel(), rows_per_mini)]
+
+
 def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, scheduler,
                   generator: torch.Generator, anchor_lm=None) -> UpdateStats:
-    """`epochs` passes over this rank's rollouts in mini-batches of whole groups, micro-batched.
+    """`epochs` passes over this rank's rollouts in mini-batches, micro-batched.
 
-    Mini-batch groups are shuffled per epoch with `generator`. The learning-rate schedule advances
+    Each epoch shuffles the groups with `generator`, lays their rows out group by group and cuts
+    that row sequence into mini-batches of this rank's share of `cfg.sequences_per_mini_batch`
+    rows (`mini_batch_rows`): whole groups with train.mini_batch_prompts, while with
+    train.mini_batch_sequences a group may span two mini-batches (its advantages were computed
+    over the whole group before the update, as in verl). The learning-rate schedule advances
     once per optimizer step that was taken (a skipped step leaves optimizer and schedule untouched).
     """
     accelerator = strategy.acc
     t, group_size = cfg.train, cfg.rollout.n
     n_groups = batch.advantages.shape[0] // group_size
-    groups_per_mini = t.mini_batch_prompts // accelerator.num_processes
+    rows_per_mini = cfg.sequences_per_mini_batch // accelerator.num_processes  # this rank's rows per optimizer step
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
     prompt_lens, response_lens = batch.lengths()  # [B], [B]
@@ -244,14 +260,18 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     record = record or in_loss  # then the first pass is on the sampling weights (one on-policy step)
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
-        for g0 in range(0, n_groups, groups_per_mini):
-            groups = order[g0:g0 + groups_per_mini]
-            rows = (groups[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [rows]
+        for rows in mini_batch_rows(order, group_size, rows_per_mini):
+            num_seqs = float(rows.numel())
+            if batch.keep is not None:  # dropped rows (train.mask_truncated) leave the mini-batch: no loss, no count
+                kept = rows[batch.keep[rows]]
+                num_seqs = global_token_share(accelerator, float(kept.numel()))  # all ranks' kept rows / world
+                # a mini-batch left empty on this rank still runs one (zero-loss) pass on a dropped row, whose masks
+                # are zero, so that every rank takes part in the gradient reduction
+                rows = kept if kept.numel() else rows[:1]
             mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
-            num_seqs = float(rows.numel())
             micros = micro_batches(rows, prompt_lens, response_lens, t.micro_batch_size, t.max_tokens_per_micro_batch)
             finite = True
             pg = kl = 0.0
