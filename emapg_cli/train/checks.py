@@ -75,6 +75,34 @@ def config_checks(cfg: Config) -> None:
             raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
     if cfg.rollout.reward not in REWARDS and not is_plugin_ref(cfg.rollout.reward):  # plugins: validated with the config
         raise UserError(f"rollout.reward: unknown reward '{cfg.rollout.reward}' (known: {', '.join(sorted(REWARDS))})")
+    engine_logprob_checks(cfg)
+
+
+def engine_logprob_checks(cfg: Config) -> None:
+    """Refuse to use the engine's sampling log-probs in the loss when they are not the trainer's distribution.
+
+    The trainer's old-policy log-probs are log softmax(logits / T) over the full vocabulary. `train.old_logprobs=engine`
+    puts the engine's records in their place (the PPO ratio's denominator) and `train.rollout_correction` weights by
+    exp(trainer - engine); both need the engine's records to be that same distribution. The hf engine's always are.
+    vLLM records one distribution per engine (`logprobs_mode`, `engines.vllm.logprobs_mode_for`): exact at top_p = 1
+    (processed_logprobs) or at T = 1 (raw_logprobs), but at T != 1 with top_p < 1 its records are renormalised over
+    the nucleus (they include -log of the nucleus' mass), so the ratio would be biased: refused.
+    """
+    r, t = cfg.rollout, cfg.train
+    if r.engine != "vllm":
+        return
+    from emapg_cli.engines.vllm import logprobs_mode_for, records_full_vocab
+
+    if records_full_vocab(logprobs_mode_for(r.temperature, r.top_p), r.temperature, r.top_p):
+        return
+    uses = [f"train.old_logprobs={t.old_logprobs}"] if t.old_logprobs == "engine" else []
+    if t.rollout_correction != "none":
+        uses.append(f"train.rollout_correction={t.rollout_correction}")
+    if uses:
+        raise UserError(
+            f"{' and '.join(uses)} need the engine's log-probs over the full vocabulary, but vLLM at rollout.temperature="
+            f"{r.temperature} with rollout.top_p={r.top_p} records them renormalised over the nucleus: set rollout.top_p=1 "
+            "or rollout.temperature=1, or train.rollout_correction=none and train.old_logprobs=pass (docs/vllm.md)")
 
 
 def _lookup(cfg: Config, key: str) -> Any:
