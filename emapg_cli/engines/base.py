@@ -73,6 +73,11 @@ class Engine(Protocol):
         """Make the engine sample from `model`'s current weights (after an optimizer update)."""
         ...
 
+    def full_vocab_logprobs(self, params: SamplingParams) -> bool:
+        """Whether the log-probs recorded for requests sampled with `params` are log softmax(logits / T) over the
+        full vocabulary, the trainer's distribution (what `train.old_logprobs=engine` and rollout correction need)."""
+        ...
+
     def release_memory(self) -> None:
         """Hand accelerator memory back during the update (no-op where unsupported)."""
         ...

@@ -190,9 +190,9 @@ class HFEngine:
         the whole row came first) that token was kept, trained on and fed back as context by the search
         agent. Now the row never extends past the sampler's own tokens.
         """
-        ids = tokens.tolist()
-        kept = next((t for t, (a, b) in enumerate(zip(ids, drawn.tolist())) if a != b), len(ids))
-        ids = ids[:kept]  # every token here was drawn by the sampler
+        differ = (tokens != drawn).nonzero()  # [m, 1]: steps where generate's token is not the sampler's (padding)
+        kept = int(differ[0, 0]) if len(differ) else len(tokens)
+        ids = tokens[:kept].tolist()  # every token here was drawn by the sampler
         # a row shorter than max_new_tokens finished on an end token or a stop string (as generate's
         # StopStringCriteria matches it: in special tokens' text too, where the decoded text below has none)
         length, reason = len(ids), "length" if kept >= params.max_new_tokens else "stop"
