@@ -2,7 +2,8 @@
 
 Every problem is a one-line UserError (exit code 2): a missing optional package (tensorboard,
 wandb), an unknown reward, missing model or data files, a top-k larger than the model's vocabulary,
-a multi-turn rollout (not implemented yet). `config_checks` needs no files and also runs in `--dry-run`.
+a multi-turn rollout (not implemented yet), engine log-probs in the loss that are not the trainer's distribution
+(vLLM at T != 1 with top_p < 1). `config_checks` needs no files and also runs in `--dry-run`.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def engine_logprob_checks(cfg: Config) -> None:
         uses.append(f"train.rollout_correction={t.rollout_correction}")
     if uses:
         raise UserError(
-            f"{' and '.join(uses)} need the engine's log-probs over the full vocabulary, but vLLM at rollout.temperature="
+            f"{' and '.join(uses)} {'need' if len(uses) > 1 else 'needs'} the engine's log-probs over the full vocabulary, but vLLM at rollout.temperature="
             f"{r.temperature} with rollout.top_p={r.top_p} records them renormalised over the nucleus: set rollout.top_p=1 "
             "or rollout.temperature=1, or train.rollout_correction=none and train.old_logprobs=pass (docs/vllm.md)")
 
