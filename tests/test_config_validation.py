@@ -238,3 +238,11 @@ def test_search_eval_budget_is_per_turn_and_must_fit_the_context():
     with pytest.raises(Exception, match=r"eval.max_new_tokens \(3000, per turn\)"):
         Config(search=search, rollout={"max_new_tokens": 500}, data={"max_prompt_tokens": 2048}, eval={"max_new_tokens": 3000})
     assert Config().eval.max_new_tokens == 8192  # single-turn runs keep the default
+
+
+def test_rollout_correction_default_is_none_where_vllm_cannot_record_the_trainer_distribution():
+    # T = 0.7 with top_p 0.9: vLLM's raw log-probs are untempered, its processed ones renormalised over the nucleus
+    cfg = Config(rollout={"engine": "vllm", "temperature": 0.7, "top_p": 0.9})
+    assert cfg.train.rollout_correction == "none"
+    assert Config(rollout={"engine": "vllm", "temperature": 0.7}).train.rollout_correction == "token_truncate"  # top_p 1
+    assert Config(rollout={"engine": "vllm", "top_p": 0.9}).train.rollout_correction == "token_truncate"  # T = 1

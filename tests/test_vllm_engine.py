@@ -23,6 +23,8 @@ from emapg_cli.engines.vllm import (
     VLLMEngine,
     refresh_tied_heads,
     request_seed,
+    logprobs_mode_for,
+    records_full_vocab,
     sampled_logprobs,
     sampling_kwargs,
     to_completion,
@@ -86,6 +88,7 @@ class FakeLLM:
 
     def generate(self, requests, sampling, use_tqdm=True):
         self.calls.append(("generate", len(requests)))
+        self.last_sampling = sampling
         out = []
         for r, (req, sp) in enumerate(zip(requests, sampling)):
             outs = [
@@ -238,7 +241,7 @@ def test_engine_sends_one_request_per_prompt_with_derived_seeds(fake_vllm):
     llm = engine.llm
     assert llm.kwargs == {"model": "some/model", "dtype": "bfloat16", "gpu_memory_utilization": 0.3, "seed": 7,
                           "max_model_len": 64, "enable_sleep_mode": True, "trust_remote_code": False,
-                          "logprobs_mode": "processed_logprobs"}  # log-probs of the tempered distribution
+                          "logprobs_mode": "raw_logprobs"}  # T = 1 (the default): log softmax(logits), the trainer's
     assert engine.device == "cuda"
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     got = engine.generate([[1, 2], [3]], SamplingParams(n=3, seed=5, max_new_tokens=4))
@@ -248,6 +251,42 @@ def test_engine_sends_one_request_per_prompt_with_derived_seeds(fake_vllm):
     assert firsts == [[request_seed(5, i, 3) + j for j in range(3)] for i in range(2)]
     assert got[0][0].logprobs == [-0.25, -0.5]
     assert engine.generate([], SamplingParams()) == []
+
+
+def test_logprobs_mode_follows_the_rollout_temperature_and_top_p(fake_vllm):
+    """vLLM's raw_logprobs are log softmax(z) (before temperature and top-p), processed_logprobs log softmax of
+    z / T after top-p (renormalised over the nucleus): the engine starts in the mode exact for its rollouts and
+    says for which requests its records are the full-vocabulary log softmax(z / T)."""
+    assert logprobs_mode_for(1.0, 1.0) == logprobs_mode_for(1.0, 0.9) == "raw_logprobs"
+    assert logprobs_mode_for(0.7, 1.0) == logprobs_mode_for(0.7, 0.9) == "processed_logprobs"
+    #            mode                  T    top_p  exact?
+    table = [("raw_logprobs", 1.0, 0.9, True), ("raw_logprobs", 1.0, 1.0, True), ("raw_logprobs", 0.7, 1.0, False),
+             ("processed_logprobs", 0.7, 1.0, True), ("processed_logprobs", 1.0, 1.0, True),
+             ("processed_logprobs", 1.0, 0.9, False), ("processed_logprobs", 0.7, 0.9, False),
+             ("raw_logprobs", 0.0, 1.0, False), ("processed_logits", 1.0, 1.0, False)]
+    assert [records_full_vocab(m, t, p) for m, t, p, _ in table] == [want for *_, want in table]
+    for (t, p), mode, exact in (((1.0, 0.9), "raw_logprobs", True), ((0.7, 1.0), "processed_logprobs", True),
+                                ((0.7, 0.9), "processed_logprobs", False)):
+        engine = make_engine(temperature=t, top_p=p)
+        assert engine.llm.kwargs["logprobs_mode"] == engine.logprobs_mode == mode
+        assert engine.full_vocab_logprobs(SamplingParams(temperature=t, top_p=p)) is exact
+        assert engine.full_vocab_logprobs(SamplingParams(temperature=0.0)) is False  # greedy evaluation
+
+
+def test_end_tokens_are_sent_as_stop_token_ids(fake_vllm, tmp_path):
+    import json
+
+    engine = make_engine(end_token_ids=(2, 9))
+    engine.generate([[1, 2]], SamplingParams(n=2, seed=1))
+    assert engine.llm.last_sampling[0].stop_token_ids == [2, 9]
+    assert sampling_kwargs(SamplingParams(), 0, (2, 9))["stop_token_ids"] == [2, 9]
+    # default: vLLM's tokenizer's EOS plus the model folder's generation-config EOS ids (engines.base.end_token_ids)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 5]}))
+    fake_vllm.LLM = type("TokLLM", (FakeLLM,), {"get_tokenizer": lambda self: types.SimpleNamespace(eos_token_id=5)})
+    engine = VLLMEngine(str(tmp_path), dtype="float32", gpu_memory_utilization=0.3, seed=0, max_model_len=64)
+    assert engine.end_ids == (5, 7)
+    engine.generate([[1]], SamplingParams())
+    assert engine.llm.last_sampling[0].stop_token_ids == [5, 7]
 
 
 def test_engine_sleep_weight_push_and_wake_order(fake_vllm):

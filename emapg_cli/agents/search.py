@@ -131,11 +131,14 @@ class SearchAgent:
         return BoundAgent(self, engine)
 
     def _take_turn(self, st: _State, c: Completion) -> tuple[Optional[str], str]:
-        """Append one generated turn (mask 1); return its action."""
+        """Append one generated turn (mask 1); return its action. Engines return only the tokens the policy
+        sampled (no pad or unsampled EOS of a finished row: docs/vllm.md "End tokens"), each with its log-prob."""
         ep = st.episode
         ids = list(c.token_ids)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         logprobs: Optional[list[float]] = list(c.logprobs) if c.logprobs is not None else None
+        if logprobs is not None and len(logprobs) != len(ids):
+            raise RuntimeError(f"the engine returned {len(ids)} tokens with {len(logprobs)} log-probs for one turn")
         if self.s.retokenize:
             text = protocol.cut_after_action(text)
             ids, logprobs = self._encode(text), None

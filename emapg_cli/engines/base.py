@@ -10,13 +10,32 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed from integers (stable across processes and Python versions)."""
     digest = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def end_token_ids(tokenizer, generation_config: Any = None) -> tuple[int, ...]:
+    """The token ids a sampled sequence ends on, for every engine: the tokenizer's EOS plus the
+    generation config's `eos_token_id` (an int, a list of ints, or None), in that order, without
+    repeats.
+
+    Chat models often end a turn on a token other than the tokenizer's EOS (Llama 3's generation
+    config lists `<|eot_id|>` and `<|end_of_text|>`; Qwen2.5-Instruct's lists `<|im_end|>` and
+    `<|endoftext|>`). vLLM stops on both by default; transformers' `generate` stops on what it is
+    given. Both emapg engines are given this set, so they end a response on the same tokens.
+    """
+    ids: list[int] = []
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    extra: Iterable[Any] = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    for t in [getattr(tokenizer, "eos_token_id", None), *extra]:
+        if t is not None and int(t) not in ids:
+            ids.append(int(t))
+    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,11 @@ class Engine(Protocol):
 
     def load_weights(self, model) -> None:
         """Make the engine sample from `model`'s current weights (after an optimizer update)."""
+        ...
+
+    def full_vocab_logprobs(self, params: SamplingParams) -> bool:
+        """Whether the log-probs recorded for requests sampled with `params` are log softmax(logits / T) over the
+        full vocabulary, the trainer's distribution (what `train.old_logprobs=engine` and rollout correction need)."""
         ...
 
     def release_memory(self) -> None:

@@ -5,18 +5,24 @@ inverse-CDF sampling from uniforms pre-drawn with that row's own `torch.Generato
 `generate` a one-hot mask so its greedy step picks exactly that token. A row's randomness thus
 depends only on (params.seed, row index) — never on batch composition or on the global RNG —
 which is what makes rollouts reproducible on resume. Works on CPU and GPU.
+
+Recorded log-probs are those of the full-vocabulary distribution softmax(logits / T), whatever
+top_p is (the nucleus only decides which tokens can be drawn), so they are what the trainer's
+log-prob passes compute. A response ends on any of `end_token_ids` (the tokenizer's EOS and the
+generation config's EOS ids, `engines.base.end_token_ids`, the set the vLLM engine stops on too)
+or on a stop string, and holds only tokens the sampler drew (see `HFEngine._completion`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
+from emapg_cli.engines.base import Completion, SamplingParams, derive_seed, end_token_ids
 from emapg_cli.models.prefix import cache_kwarg, prompt_cache
 
 
@@ -59,12 +65,14 @@ class SeededSampler(LogitsProcessor):
         self.top_p = top_p
         self.topk = topk
         self.logprobs: list[Tensor] = []  # one [B] per generated position
+        self.tokens: list[Tensor] = []  # one [B] per generated position: the token drawn for each row
         self.topk_index: list[Tensor] = []  # one [B, k] per generated position (topk > 0)
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         t = input_ids.shape[1] - self.prompt_len
         tokens, logp = sample_from_logits(scores, self.uniforms[:, t], self.temperature, self.top_p)
         self.logprobs.append(logp)
+        self.tokens.append(tokens)
         if self.topk:  # the top-k of softmax(scores / T) is the top-k of the scores
             self.topk_index.append(scores.topk(min(self.topk, scores.shape[-1]), -1).indices)  # [B, k]
         out = torch.full_like(scores, float("-inf"))
@@ -79,10 +87,13 @@ class HFEngine:
     shares_weights = True
 
     def __init__(self, model, tokenizer, batch_size: int = 256,
-                 weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None, share_prompts: bool = True):
+                 weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None, share_prompts: bool = True,
+                 end_token_ids: Optional[Sequence[int]] = None):
         """`weights_context(model)` is entered around each generate call (default: nothing); the trainer
         passes one that gathers a sharded model's full weights for the duration (train/parallel.py).
-        `share_prompts`: prefill each distinct prompt of a batch once (`emapg_cli.models.prefix.prompt_cache`)."""
+        `share_prompts`: prefill each distinct prompt of a batch once (`emapg_cli.models.prefix.prompt_cache`).
+        `end_token_ids`: the tokens a response ends on; default the tokenizer's EOS plus `model.generation_config`'s
+        EOS ids (`engines.base.end_token_ids`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
@@ -90,6 +101,13 @@ class HFEngine:
         self.weights_context = weights_context or (lambda model: contextlib.nullcontext())
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. the EOS token) before generating")
+        self.end_ids = tuple(end_token_ids) if end_token_ids is not None else \
+            _end_ids_of(tokenizer, getattr(model, "generation_config", None))
+
+    def full_vocab_logprobs(self, params: SamplingParams) -> bool:
+        """Whether the recorded log-probs are log softmax(logits / T) over the full vocabulary for `params`
+        (the trainer's distribution): always when sampling (any top_p); greedy records T = 1's."""
+        return params.temperature > 0
 
     def load_weights(self, model) -> None:
         """Sample from `model` from now on (the trainer passes its live policy or the anchor)."""
@@ -126,16 +144,17 @@ class HFEngine:
             torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
         ]).to(device)  # [B, max_new_tokens]
         sampler = SeededSampler(uniforms, plen, params.temperature, params.top_p, params.topk)
+        end = list(self.end_ids)  # rows finish on any of these (generate fills finished rows with pad_token_id)
         gen_cfg = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=False, num_beams=1,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            eos_token_id=end, pad_token_id=tok.pad_token_id,
             stop_strings=list(params.stop) or None,
         )
         # `generate` fills every field we leave unset from model.generation_config (a checkpoint's
         # repetition_penalty, min_new_tokens, ...), which would silently change the distribution
         # sampled from; a neutral config in its place for the call keeps sampling = softmax(logits / T).
         saved_cfg, was_training = model.generation_config, model.training
-        model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=tok.pad_token_id)
         model.eval()
         try:
             input_ids, attention = input_ids.to(device), attention.to(device)
@@ -154,19 +173,34 @@ class HFEngine:
             model.train(was_training)
         generated = out[:, plen:].cpu()  # [B, T']
         logprobs = torch.stack(sampler.logprobs, 1).cpu() if sampler.logprobs else torch.zeros(len(prompts), 0)  # [B, T']
+        drawn = torch.stack(sampler.tokens, 1).cpu() if sampler.tokens else torch.zeros(len(prompts), 0, dtype=torch.long)  # [B, T']
         topk = torch.stack(sampler.topk_index, 1).cpu() if sampler.topk_index else None  # [B, T', k]
-        return [self._completion(generated[r], logprobs[r], params, topk[r] if topk is not None else None)
+        return [self._completion(generated[r], drawn[r], logprobs[r], params, topk[r] if topk is not None else None)
                 for r in range(len(prompts))]
 
-    def _completion(self, tokens: Tensor, logprobs: Tensor, params: SamplingParams, topk: Optional[Tensor] = None) -> Completion:
-        """Cut one row at its first EOS (kept) or at the token completing a stop string."""
-        ids = tokens.tolist()
-        eos = self.tokenizer.eos_token_id
-        length, reason = len(ids), "length"
-        if eos in ids:
-            length, reason = ids.index(eos) + 1, "stop"
-        elif params.stop:
-            found = self._stop_length(ids, params.stop)
+    def _completion(self, tokens: Tensor, drawn: Tensor, logprobs: Tensor, params: SamplingParams,
+                    topk: Optional[Tensor] = None) -> Completion:
+        """Cut one row at its first end token (kept) or at the token completing a stop string, whichever
+        comes first, keeping only tokens the sampler drew.
+
+        tokens [T']: the row as `generate` returned it; drawn [T']: what the sampler drew at each step.
+        They agree until the row finished; from then on `generate` fills the row with pad tokens while
+        the others go on. With a tokenizer whose pad token is its EOS, a row that stopped on a stop
+        string was followed by an "EOS" the policy never sampled; before this cut (an EOS search over
+        the whole row came first) that token was kept, trained on and fed back as context by the search
+        agent. Now the row never extends past the sampler's own tokens.
+        """
+        differ = (tokens != drawn).nonzero()  # [m, 1]: steps where generate's token is not the sampler's (padding)
+        kept = int(differ[0, 0]) if len(differ) else len(tokens)
+        ids = tokens[:kept].tolist()  # every token here was drawn by the sampler
+        # a row shorter than max_new_tokens finished on an end token or a stop string (as generate's
+        # StopStringCriteria matches it: in special tokens' text too, where the decoded text below has none)
+        length, reason = len(ids), "length" if kept >= params.max_new_tokens else "stop"
+        ends = [t for t, x in enumerate(ids) if x in self.end_ids]
+        if ends:
+            length, reason = ends[0] + 1, "stop"
+        if params.stop:
+            found = self._stop_length(ids[:length], params.stop)
             if found is not None:
                 length, reason = found, "stop"
         ids = ids[:length]
@@ -193,3 +227,10 @@ class HFEngine:
             else:
                 lo = mid + 1
         return lo
+
+
+def _end_ids_of(tokenizer, generation_config) -> tuple[int, ...]:
+    ids = end_token_ids(tokenizer, generation_config)
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token and the model's generation config names none")
+    return ids

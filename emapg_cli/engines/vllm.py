@@ -25,9 +25,9 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from emapg_cli.engines.base import Completion, SamplingParams
+from emapg_cli.engines.base import Completion, SamplingParams, end_token_ids
 from emapg_cli.errors import UserError
 
 MISSING_VLLM = (
@@ -67,6 +67,41 @@ _INPROCESS_MODEL_PATHS = (
 )
 
 _SLEEP_TAGS = ("weights", "kv_cache")
+
+
+def logprobs_mode_for(temperature: float, top_p: float) -> str:
+    """vLLM's `logprobs_mode` (an engine argument, fixed when the `LLM` starts) for rollouts sampled
+    at (`temperature`, `top_p`): the mode whose records are the trainer's distribution when one is.
+
+    The trainer's log-probs are log softmax(z / T) over the full vocabulary (z: the logits). vLLM's
+    V1 sampler (checked in vLLM 0.32's `v1/sample/sampler.py` and `v1/sample/ops/topk_topp_sampler.py`)
+    records, for `raw_logprobs` (vLLM's default), log softmax(z) of the logits as the model returned
+    them, before temperature, penalties and top-k/top-p; for `processed_logprobs`, log softmax of the
+    logits after temperature (z / T) *and* after top-k/top-p set the tokens outside the nucleus to
+    -inf, so that with top_p < 1 the record is log p_T(y) - log(mass of the nucleus under p_T).
+    Hence:
+
+    * T == 1: `raw_logprobs` is log softmax(z), the trainer's, at any top_p (and it leaves vLLM's
+      CUDA build free to use its FlashInfer sampler, which processed modes turn off);
+    * T != 1, top_p == 1: `processed_logprobs` is log softmax(z / T), exact (emapg sets no top-k);
+    * T != 1 and top_p < 1: neither is; `processed_logprobs` is kept (the distribution actually
+      sampled from) and `records_full_vocab` says False, which the trainer refuses for
+      `train.old_logprobs=engine` and rollout correction (train/checks.py).
+    """
+    return "raw_logprobs" if temperature == 1 else "processed_logprobs"
+
+
+def records_full_vocab(logprobs_mode: str, temperature: float, top_p: float) -> bool:
+    """Whether an engine started with `logprobs_mode` records, for requests sampled at (`temperature`,
+    `top_p`), log softmax(z / T) over the full vocabulary (the trainer's distribution; see
+    `logprobs_mode_for`). Greedy requests (T = 0) never do (both modes give T = 1's)."""
+    if temperature <= 0:
+        return False
+    if logprobs_mode == "raw_logprobs":
+        return temperature == 1
+    if logprobs_mode == "processed_logprobs":
+        return top_p >= 1
+    return False
 
 
 def import_vllm():
@@ -132,14 +167,16 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return ((seed * MAX_PROMPTS_PER_CALL + prompt_index) * n) % 2**63
 
 
-def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]:
+def sampling_kwargs(params: SamplingParams, prompt_index: int, stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """Keyword arguments of vLLM's `SamplingParams` for one prompt's request.
 
     Greedy decoding (temperature 0) asks for one sample: all n would be identical, and the caller
     repeats it (see `to_completions`). `logprobs=0` makes vLLM return the log-probability of each
-    sampled token only (no alternatives).
+    sampled token only (no alternatives). `stop_token_ids` (the engine's end tokens, when known) are
+    passed as vLLM's `stop_token_ids`: a response stopped on one keeps it, like an EOS.
     """
     n = 1 if params.temperature == 0 else params.n
+    extra = {"stop_token_ids": list(stop_token_ids)} if stop_token_ids else {}
     return {
         "n": n,
         "temperature": params.temperature,
@@ -148,6 +185,7 @@ def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]
         "stop": list(params.stop) or None,
         "seed": request_seed(params.seed, prompt_index, n),
         "logprobs": 0,
+        **extra,
     }
 
 
@@ -367,6 +405,23 @@ def weight_loader(llm: Any, device: Optional[str] = None) -> Callable[[Iterable[
     )
 
 
+def _default_end_ids(llm: Any, model_path: str) -> tuple[int, ...]:
+    """The end tokens of the model vLLM loaded: its tokenizer's EOS plus the generation config's EOS ids
+    (empty when vLLM exposes no tokenizer: vLLM then stops on its own defaults, which are the same set)."""
+    get_tokenizer = getattr(llm, "get_tokenizer", None)
+    tokenizer = get_tokenizer() if callable(get_tokenizer) else None
+    if tokenizer is None:
+        return ()
+    generation_config = None
+    try:
+        from transformers import GenerationConfig
+
+        generation_config = GenerationConfig.from_pretrained(model_path)
+    except Exception:  # noqa: BLE001 - a model without generation_config.json: the tokenizer's EOS alone
+        generation_config = None
+    return end_token_ids(tokenizer, generation_config)
+
+
 class VLLMEngine:
     """The `Engine` interface on a vLLM `LLM` living in this process, on one CUDA GPU or on the CPU."""
 
@@ -381,8 +436,18 @@ class VLLMEngine:
         enable_sleep_mode: bool = True,
         trust_remote_code: bool = False,
         kv_cache_memory_bytes: Optional[int] = None,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        end_token_ids: Optional[Sequence[int]] = None,
     ):
         """Start vLLM on `model_path` (a local folder or a hub id).
+
+        `temperature`, `top_p`: the sampling settings whose log-probs must be exact (the rollouts'),
+        which choose vLLM's `logprobs_mode` (`logprobs_mode_for`); `full_vocab_logprobs(params)` then
+        says for which requests the records are log softmax(logits / T) over the full vocabulary.
+        `end_token_ids`: the tokens a response ends on (sent as `stop_token_ids`); None: the
+        tokenizer's EOS plus the model's generation-config EOS ids (`engines.base.end_token_ids`),
+        the set the hf engine uses.
 
         `max_model_len` bounds prompt + response tokens (None: the model's own limit, which
         sizes the KV cache for very long sequences). Raises UserError without vLLM or without a
@@ -415,6 +480,7 @@ class VLLMEngine:
         # Keep the engine core in this process so load_weights can reach the model (see weight_loader).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._vllm = vllm
+        self.logprobs_mode = logprobs_mode_for(temperature, top_p)
         kwargs: dict[str, Any] = dict(
             model=model_path,
             dtype=dtype,
@@ -422,10 +488,10 @@ class VLLMEngine:
             seed=seed,
             max_model_len=max_model_len,
             trust_remote_code=trust_remote_code,
-            # log-probs of the distribution actually sampled from (after temperature; after top-k/top-p
-            # truncation too, renormalised), not of the raw logits (vLLM's default): at top_p = 1 this
-            # is softmax(logits / T), what the hf engine reports and the trainer's passes compute
-            logprobs_mode="processed_logprobs",
+            # the log-probs of the trainer's distribution softmax(logits / T) where a mode records them:
+            # raw_logprobs (before temperature and top-p) at T = 1, processed_logprobs (after temperature;
+            # after top-p too, renormalised over the nucleus) at T != 1, exact at top_p = 1 (logprobs_mode_for)
+            logprobs_mode=self.logprobs_mode,
         )
         if self.device == "cpu":
             if os.environ.get("VLLM_CPU_KVCACHE_SPACE", "") == "":
@@ -462,6 +528,13 @@ class VLLMEngine:
         self._sleeping: set[str] = set()  # which of _SLEEP_TAGS are offloaded/discarded now
         self._loader: Optional[Callable[[Iterable[tuple[str, Any]]], None]] = None
         self._warned_no_sleep = False
+        self.end_ids: tuple[int, ...] = tuple(end_token_ids) if end_token_ids is not None else \
+            _default_end_ids(self._llm, model_path)
+
+    def full_vocab_logprobs(self, params: SamplingParams) -> bool:
+        """Whether the log-probs recorded for requests sampled with `params` are log softmax(logits / T)
+        over the full vocabulary, the trainer's distribution (`records_full_vocab` of this engine's mode)."""
+        return records_full_vocab(self.logprobs_mode, params.temperature, params.top_p)
 
     @property
     def llm(self):
@@ -478,7 +551,7 @@ class VLLMEngine:
             raise ValueError(f"at most {MAX_PROMPTS_PER_CALL} prompts per generate call, got {len(prompts)}")
         self.resume_memory()
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        sampling = [self._vllm.SamplingParams(**sampling_kwargs(params, i)) for i in range(len(prompts))]
+        sampling = [self._vllm.SamplingParams(**sampling_kwargs(params, i, self.end_ids)) for i in range(len(prompts))]
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         return [to_completions(o, params) for o in outputs]
 

@@ -2,7 +2,8 @@
 
 Every problem is a one-line UserError (exit code 2): a missing optional package (tensorboard,
 wandb), an unknown reward, missing model or data files, a top-k larger than the model's vocabulary,
-a multi-turn rollout (not implemented yet). `config_checks` needs no files and also runs in `--dry-run`.
+a multi-turn rollout (not implemented yet), engine log-probs in the loss that are not the trainer's distribution
+(vLLM at T != 1 with top_p < 1). `config_checks` needs no files and also runs in `--dry-run`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def config_checks(cfg: Config) -> None:
     from emapg_cli.train.passes import check_rollout_correction
 
     check_rollout_correction(cfg)
+    engine_logprob_checks(cfg)
     refs = eval_refs(cfg.data.eval)
     twice = next((r for i, r in enumerate(refs) if r in refs[:i]), None)
     if twice is not None:
@@ -116,6 +118,33 @@ def load_eval_examples(refs: list[str], limit: Optional[int] = None) -> list[Exa
             taken[ex.source] = taken.get(ex.source, 0) + 1
             kept.append(ex)
     return kept
+
+
+def engine_logprob_checks(cfg: Config) -> None:
+    """Refuse to use the engine's sampling log-probs in the loss when they are not the trainer's distribution.
+
+    The trainer's old-policy log-probs are log softmax(logits / T) over the full vocabulary. `train.old_logprobs=engine`
+    puts the engine's records in their place (the PPO ratio's denominator) and `train.rollout_correction` weights by
+    exp(trainer - engine); both need the engine's records to be that same distribution. The hf engine's always are.
+    vLLM records one distribution per engine (`logprobs_mode`, `engines.vllm.logprobs_mode_for`): exact at top_p = 1
+    (processed_logprobs) or at T = 1 (raw_logprobs), but at T != 1 with top_p < 1 its records are renormalised over
+    the nucleus (they include -log of the nucleus' mass), so the ratio would be biased: refused.
+    """
+    r, t = cfg.rollout, cfg.train
+    if r.engine != "vllm":
+        return
+    from emapg_cli.engines.vllm import logprobs_mode_for, records_full_vocab
+
+    if records_full_vocab(logprobs_mode_for(r.temperature, r.top_p), r.temperature, r.top_p):
+        return
+    uses = [f"train.old_logprobs={t.old_logprobs}"] if t.old_logprobs == "engine" else []
+    if t.rollout_correction != "none":
+        uses.append(f"train.rollout_correction={t.rollout_correction}")
+    if uses:
+        raise UserError(
+            f"{' and '.join(uses)} {'need' if len(uses) > 1 else 'needs'} the engine's log-probs over the full vocabulary, but vLLM at rollout.temperature="
+            f"{r.temperature} with rollout.top_p={r.top_p} records them renormalised over the nucleus: set rollout.top_p=1 "
+            "or rollout.temperature=1, or train.rollout_correction=none and train.old_logprobs=pass (docs/vllm.md)")
 
 
 def _lookup(cfg: Config, key: str) -> Any:

@@ -55,13 +55,17 @@ def seed_everything(seed: int) -> None:
 def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     """The configured rollout engine; `hf` samples from the live policy module (vLLM is imported only when chosen).
 
-    `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`).
+    `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`). Both engines
+    end responses on the same tokens (`end_token_ids`: the tokenizer's EOS plus the generation config's).
     """
+    from emapg_cli.engines.base import end_token_ids
+
+    end_ids = end_token_ids(tokenizer, getattr(policy, "generation_config", None))
     if cfg.rollout.engine == "hf":
         from emapg_cli.engines.hf import HFEngine
 
         return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context,
-                        share_prompts=cfg.train.share_prompts != "never")
+                        share_prompts=cfg.train.share_prompts != "never", end_token_ids=end_ids)
     from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.train.loading import model_ref
 
@@ -71,6 +75,8 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
         model_ref(cfg.model.path), dtype=cfg.model.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=cfg.train.seed, max_model_len=max_len,
         trust_remote_code=cfg.model.trust_remote_code,
+        # the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, end_token_ids=end_ids,
     )
 
 
