@@ -110,11 +110,15 @@ def ema_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
 def cast_state(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`state` with its floating tensors in `dtype`; a tensor under several names (tied embeddings) stays one
     tensor, so save_pretrained still writes it once. Tensors already in `dtype` are returned as they are."""
-    cast: dict[int, torch.Tensor] = {}
+    cast: dict[tuple, torch.Tensor] = {}
     out = {}
     for name, t in state.items():
         if t.is_floating_point() and t.dtype != dtype:
-            t = cast.setdefault(id(t), t.to(dtype))
+            # state_dict() gives tied parameters as distinct tensors over one storage: one cast for them all
+            key = (t.device, t.data_ptr(), tuple(t.shape), t.stride()) if t.numel() else (id(t),)
+            if key not in cast:
+                cast[key] = t.to(dtype)
+            t = cast[key]
         out[name] = t
     return out
 

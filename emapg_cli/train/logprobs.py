@@ -15,8 +15,9 @@ rollout temperature so log-probs refer to the distribution sampled from.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
@@ -166,6 +167,16 @@ class TokenScorer(nn.Module):
         super().__init__()
         self.lm = lm
         self.compute_dtype = compute_dtype
+
+    @contextlib.contextmanager
+    def float32_passes(self) -> Iterator[None]:
+        """Within: passes without autocast, i.e. in the float32 master weights' own precision (the layout checks,
+        which compare two computations of one function at a float32 tolerance)."""
+        saved, self.compute_dtype = self.compute_dtype, None
+        try:
+            yield
+        finally:
+            self.compute_dtype = saved
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, response_mask: Tensor, **kwargs) -> TokenStats:
         with compute_autocast(input_ids.device.type, self.compute_dtype):
