@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from emapg_cli.kl.fused import DEFAULT_BUDGET_MIB, LossFn, fused_head_loss, stream_stats
-from emapg_cli.train.loading import autocast_dtype, compute_autocast
 from emapg_cli.models.prefix import position_ids
+from emapg_cli.train.loading import autocast_dtype, compute_autocast
 
 
 @dataclass

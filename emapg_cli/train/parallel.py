@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import distance_from_norms, ema_distance, ema_norms
-from emapg_cli.train.loading import ema_tensors
+from emapg_cli.train.loading import compute_autocast, ema_tensors
 from emapg_cli.train.logprobs import TokenScorer
 
 
@@ -89,8 +89,6 @@ class Replicated:
 
     def compute(self, model: nn.Module):
         """Autocast to the policy's compute dtype when `model` is a policy with float32 master weights."""
-        from emapg_cli.train.loading import compute_autocast
-
         return compute_autocast(self.acc.device.type, self._compute.get(id(model)))
 
     def forget_forwards(self, model: nn.Module) -> None:
