@@ -127,8 +127,9 @@ class Sharded:
     name = "sharded"
 
     def __init__(self, accelerator):
-        if accelerator.mixed_precision != "no":  # no autocast or grad scaler here: the model trains in model.dtype
-            raise UserError(f"train.parallel=fsdp trains in model.dtype; launch with --mixed_precision no "
+        if accelerator.mixed_precision != "no":  # no autocast or grad scaler here: emapg sets the precision itself
+            raise UserError(f"train.parallel=fsdp computes in model.dtype (float32 master weights: model.master_weights); "
+                            f"launch with --mixed_precision no "
                             f"(got {accelerator.mixed_precision})")
         self.acc = accelerator
         self._roots: dict[int, nn.Module] = {}  # id(lm) -> its FSDP root (the TokenScorer around it)
