@@ -63,7 +63,9 @@ def test_olympiad_plan_matches_the_paper_model_and_hand_counts():
     assert (plan.mini_batches_per_step, plan.micro_batches_per_mini_batch, plan.optimizer_steps_total) == (2, 64, 2000)
     terms = {t.name: t.bytes for t in plan.memory}
     p = 1_777_088_000
-    assert terms["policy weights"] == terms["gradients"] == 2 * p  # bf16
+    # model.dtype bfloat16 with master weights (the default): fp32 parameters and gradients, bf16 autocast copies
+    assert terms["policy weights"] == terms["gradients"] == 4 * p
+    assert terms["working copy"] == 2 * p
     assert terms["AdamW moments"] == 8 * p and terms["EMA anchor"] == 4 * p
     assert terms["vLLM engine"] == 40 * GIB  # 0.5 x 80 GiB
     # train.logit_chunk null: c = 256 MiB // (4 x 151,936) = 268,435,456 // 607,744 = 441 rows, each holding the
@@ -72,17 +74,37 @@ def test_olympiad_plan_matches_the_paper_model_and_hand_counts():
     assert terms["head gradient"] == 151_936 * 1_536 * 4  # the fused layer's fp32 dW buffer
     assert "top-k extras" not in terms  # k3: no top-k set, anchor in its own pass
     assert plan.update_peak_bytes == sum(b for t, b in terms.items() if t != "vLLM engine")
-    assert plan.rollout_peak_bytes == 14 * p + 40 * GIB  # weights + moments + anchor + vLLM
+    # state: weights 4P + moments 8P + anchor 4P = 16 B/param, + vLLM
+    assert plan.rollout_peak_bytes == 16 * p + 40 * GIB
+    assert not any("master" in n for n in plan.notes)
+
+
+def test_plan_without_master_weights_is_the_lossy_bf16_one():
+    plan = make_plan(olympiad(["model.master_weights=false"]))
+    terms = {t.name: t.bytes for t in plan.memory}
+    p = 1_777_088_000
+    assert terms["policy weights"] == terms["gradients"] == 2 * p  # bf16, updated in place
+    assert terms["AdamW moments"] == 8 * p and terms["EMA anchor"] == 4 * p and "working copy" not in terms
+    assert plan.rollout_peak_bytes == 14 * p + 40 * GIB  # weights 2P + moments 8P + anchor 4P + vLLM
+    assert any("master_weights=false" in n and "lossy" in n for n in plan.notes)
+    # ema.dtype=bfloat16: the anchor is held in bf16, 2 B/param
+    bf16_anchor = {t.name: t.bytes for t in make_plan(olympiad(["ema.dtype=bfloat16"])).memory}
+    assert bf16_anchor["EMA anchor"] == 2 * p
 
 
 def test_largest_micro_batch_that_fits_a_smaller_device():
-    # On 40 GiB = 42,949,672,960 B: state 14P = 24,879,232,000, gradients 2P = 3,554,176,000, one
-    # logits chunk 402,022,656 and the fp32 head gradient 933,494,784 leave 13,180,747,520 B; each
-    # sequence's checkpointed activations take 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B
+    # Without master weights, on 40 GiB = 42,949,672,960 B: state 14P = 24,879,232,000, gradients 2P =
+    # 3,554,176,000, one logits chunk 402,022,656 and the fp32 head gradient 933,494,784 leave 13,180,747,520 B;
+    # each sequence's checkpointed activations take 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B
     # -> 7 sequences (7.78).
-    plan = make_plan(olympiad(), device_memory_gib=40)
+    plan = make_plan(olympiad(["model.master_weights=false"]), device_memory_gib=40)
     assert plan.max_micro_batch_fit == 7
     assert "micro_batch_size <= 7 fits (now 8)" in " ".join(plan.notes)
+    # With master weights: state 16P = 28,433,408,000, fp32 gradients 4P = 7,108,352,000 and the bf16 working
+    # copy 2P = 3,554,176,000, with the same chunk and head gradient, leave 2,518,219,520 B -> 1 sequence (1.49);
+    # on 80 GiB (85,899,345,920 B) 45,467,892,480 B -> 26 (26.84).
+    assert make_plan(olympiad(), device_memory_gib=40).max_micro_batch_fit == 1
+    assert make_plan(olympiad(), device_memory_gib=80).max_micro_batch_fit == 26
 
 
 def test_no_anchor_without_kl_and_topk_extras_with_topk():
@@ -144,9 +166,13 @@ def test_fsdp_plan_divides_the_state_by_the_ranks():
     assert ddp == single  # ddp replicates everything: the per-device estimate does not change
     plan = make_plan(olympiad(["train.parallel=fsdp"]), processes=8)
     terms = {t.name: t.bytes for t in plan.memory}
-    # bf16 weights and gradients 2P / 8 = 444,272,000 B each; fp32 moments 8P / 8 = P; anchor 4P / 8 = P / 2
-    assert terms["policy weights"] == terms["gradients"] == 444_272_000
-    assert terms["AdamW moments"] == p and terms["EMA anchor"] == p // 2
+    # fp32 master weights and gradients 4P / 8 = 888,544,000 B each; fp32 moments 8P / 8 = P; anchor 4P / 8 = P / 2;
+    # no working copy: FSDP2 gathers each unit in bf16 (the gathered units below)
+    assert terms["policy weights"] == terms["gradients"] == 888_544_000
+    assert terms["AdamW moments"] == p and terms["EMA anchor"] == p // 2 and "working copy" not in terms
+    lossy = {t.name: t.bytes for t in make_plan(olympiad(["train.parallel=fsdp", "model.master_weights=false"]),
+                                               processes=8).memory}
+    assert lossy["policy weights"] == lossy["gradients"] == 444_272_000  # bf16: 2P / 8
     # root unit = untied embeddings + output layer 2 x 151,936 x 1,536 = 466,747,392, + final norm 1,536;
     # plus two decoder layers of 46,797,824: (466,748,928 + 93,595,648) x 2 B = 1,120,689,152
     assert terms["gathered units"] == 1_120_689_152

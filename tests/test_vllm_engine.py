@@ -303,7 +303,9 @@ def test_engine_sleep_weight_push_and_wake_order(fake_vllm):
     assert llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("reset_prefix_cache",),
                          ("wake_up", ("kv_cache",)), ("generate", 1)]
     assert set(llm.model.loaded) == {"weight", "bias"}
-    assert torch.equal(llm.model.loaded["weight"], policy.weight)
+    # the engine was started in bfloat16: the float32 tensors (master weights) arrive cast to it, not as they are
+    assert llm.model.loaded["weight"].dtype == torch.bfloat16
+    assert torch.equal(llm.model.loaded["weight"], policy.weight.detach().to(torch.bfloat16))
     # Wrappers are unwrapped so vLLM sees checkpoint names: torch.compile's OptimizedModule holds
     # the model as submodule `_orig_mod` (its parameters are named `_orig_mod.weight`, ...).
     compiled = torch.nn.Module()
@@ -402,7 +404,7 @@ def test_weight_push_prefers_vllm_inplace_reload(fake_vllm, monkeypatch):
     policy = torch.nn.Linear(3, 2)
     engine.load_weights(policy)
     assert [name for name, _ in runner.reloaded] == ["weight", "bias"]
-    assert torch.equal(runner.reloaded[0][1], policy.weight)
+    assert torch.equal(runner.reloaded[0][1], policy.weight.detach().to(torch.bfloat16))  # in the engine's dtype
     assert llm.model.loaded == {}  # the model's bare load_weights was not used
     assert refreshed == [llm.model]  # tied heads refreshed after each reload
     assert llm.calls[-1] == ("reset_prefix_cache",)

@@ -53,7 +53,8 @@ def make_engine(
         from emapg_cli.engines.hf import HFEngine
         from emapg_cli.train.loading import load_policy, load_tokenizer
 
-        cfg = ModelConfig(path=model_path, dtype=dtype, trust_remote_code=trust_remote_code)
+        # an evaluation model computes in `dtype` itself (no float32 master weights: nothing trains it)
+        cfg = ModelConfig(path=model_path, dtype=dtype, trust_remote_code=trust_remote_code, master_weights=False)
         model = load_policy(cfg).to("cuda" if torch.cuda.is_available() else "cpu")
         return HFEngine(model, load_tokenizer(cfg))
     raise ValueError(f"unknown backend '{backend}' (hf, vllm or auto)")

@@ -237,8 +237,9 @@ def to_completions(request_output: Any, params: SamplingParams) -> list[Completi
     return completions
 
 
-def named_weights(model) -> Iterator[tuple[str, Any]]:
-    """(name, tensor) for every parameter of `model`, in transformers' naming.
+def named_weights(model, dtype: Any = None) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every parameter of `model`, in transformers' naming; floating tensors cast to `dtype`
+    (the engine's, e.g. float32 master weights sent to a bf16 engine; None: as they are) one at a time.
 
     Unwraps (Distributed)DataParallel (`.module`) and `torch.compile` (`._orig_mod`) so the names
     match the checkpoint's. Tied weights appear once (under the embedding's name), which is what
@@ -249,7 +250,8 @@ def named_weights(model) -> Iterator[tuple[str, Any]]:
     module = model.module if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) else model
     module = getattr(module, "_orig_mod", module)
     for name, param in module.named_parameters():
-        yield name, param.detach()
+        t = param.detach()
+        yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def _walk(obj: Any, dotted: str) -> Any:
@@ -477,6 +479,7 @@ class VLLMEngine:
         """
         vllm = import_vllm()
         self.device = vllm_device(vllm)
+        self.dtype = dtype  # what load_weights casts pushed tensors to (the trainer's may be float32 master weights)
         # Keep the engine core in this process so load_weights can reach the model (see weight_loader).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._vllm = vllm
@@ -566,7 +569,9 @@ class VLLMEngine:
         self._wake(("weights",))
         if self._loader is None:
             self._loader = weight_loader(self._llm, self.device)
-        self._loader(named_weights(model))
+        import torch
+
+        self._loader(named_weights(model, getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype))
         reset = getattr(self._llm, "reset_prefix_cache", None)
         if callable(reset) and reset() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight push (requests still running?)")

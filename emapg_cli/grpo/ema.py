@@ -16,6 +16,11 @@ def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: floa
     the average accumulates in float32). Written as lerp(theta_ema, theta, 1 - decay), which leaves
     entries where theta_ema == theta bit-exact; decay = 1 changes nothing. Non-floating tensors
     (integer buffers) are copied.
+
+    A half-precision shadow (bfloat16/float16, ema.dtype) is updated as the official search run updates its
+    bf16 reference: theta_ema.mul_(decay).add_(theta, alpha=1 - decay), in place, theta as it is (float32
+    master weights or not). Deviation from Eq. 5 by design: each of the two in-place ops rounds to the
+    shadow's dtype, so a step (1 - decay)(theta - theta_ema) below half an ulp of theta_ema is lost.
     """
     if len(shadow) != len(current):
         raise ValueError(f"shadow has {len(shadow)} tensors, current has {len(current)}")
@@ -25,6 +30,11 @@ def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: floa
     for s, c in zip(shadow, current):
         if not s.is_floating_point():
             s.copy_(c)
+    if not floats:
+        return
+    for s, c in [(s, c) for s, c in floats if s.dtype in (torch.bfloat16, torch.float16)]:
+        s.mul_(decay).add_(c.detach(), alpha=1.0 - decay)
+    floats = [(s, c) for s, c in floats if s.dtype not in (torch.bfloat16, torch.float16)]
     if not floats:
         return
     dst = [s for s, _ in floats]

@@ -15,14 +15,16 @@ rollout temperature so log-probs refer to the distribution sampled from.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
 from emapg_cli.kl.fused import DEFAULT_BUDGET_MIB, LossFn, fused_head_loss, stream_stats
 from emapg_cli.models.prefix import position_ids
+from emapg_cli.train.loading import autocast_dtype, compute_autocast
 
 
 @dataclass
@@ -104,6 +106,27 @@ def token_stats(
     """
     hidden = response_hidden(lm, input_ids, attention_mask, prompt_len, pack, share)  # [B, R, H]
     weight, bias = head_params(lm.get_output_embeddings())
+    cast = autocast_dtype(hidden.device.type)
+    if cast is None:
+        return _head_stats(hidden, weight, bias, input_ids, prompt_len, response_mask, temperature=temperature, topk=topk,
+                           q_index=q_index, chunk=chunk, budget_mib=budget_mib, loss_fn=loss_fn, loss_mask=loss_mask,
+                           ref_hidden=ref_hidden, ref_head=ref_head, entropy=entropy)
+    # Under autocast (float32 master weights computing in model.dtype): the output layer's GEMMs run in the
+    # autocast dtype like any other Linear there, on a cast copy of its weight (whose gradient autograd casts
+    # back to float32); the fused head's own arithmetic (log-softmax, the loss, dW's accumulation) is float32
+    # as in a bfloat16 model's pass, so autocast is off inside it.
+    weight, bias, hidden = weight.to(cast), bias.to(cast) if bias is not None else None, hidden.to(cast)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _head_stats(hidden, weight, bias, input_ids, prompt_len, response_mask, temperature=temperature, topk=topk,
+                           q_index=q_index, chunk=chunk, budget_mib=budget_mib, loss_fn=loss_fn, loss_mask=loss_mask,
+                           ref_hidden=ref_hidden, ref_head=ref_head, entropy=entropy)
+
+
+def _head_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], input_ids: Tensor, prompt_len: int,
+                response_mask: Tensor, *, temperature, topk, q_index, chunk, budget_mib, loss_fn, loss_mask, ref_hidden,
+                ref_head, entropy) -> TokenStats:
+    """`token_stats` from the decoder's response states hidden [B, R, H] on: the output layer (weight [V, H],
+    bias [V] or None) and what the pass asks of it."""
     mask = response_mask.bool()
     targets = input_ids[:, prompt_len:][mask]  # [N]
     h = hidden[mask]  # [N, H]
@@ -124,7 +147,7 @@ def token_stats(
     ref_w = ref_b = rh = None
     if ref_hidden is not None:
         ref_w, ref_b = head_params(ref_head)
-        rh = ref_hidden[mask].detach()  # [N, H]
+        rh = ref_hidden[mask].detach().to(ref_w.dtype)  # [N, H] (the anchor's states in its own head's dtype)
     lm_mask = loss_mask.bool()[mask] if loss_mask is not None else None  # [N]
     out = fused_head_loss(h, weight, bias, targets, loss_fn, q_index=q, loss_mask=lm_mask, temperature=temperature,
                           chunk=chunk, budget_mib=budget_mib, entropy=entropy, ref_hidden=rh,
@@ -135,12 +158,27 @@ def token_stats(
 
 
 class TokenScorer(nn.Module):
-    """Wraps a causal LM so its log-prob pass is the module's `forward` (what DDP/FSDP wrap and sync)."""
+    """Wraps a causal LM so its log-prob pass is the module's `forward` (what DDP/FSDP wrap and sync).
 
-    def __init__(self, lm: nn.Module):
+    `compute_dtype`: run the pass under autocast to this dtype (float32 master weights computing in
+    model.dtype, `emapg_cli.train.loading.compute_dtype`); None: no autocast context at all."""
+
+    def __init__(self, lm: nn.Module, compute_dtype: Optional[torch.dtype] = None):
         super().__init__()
         self.lm = lm
+        self.compute_dtype = compute_dtype
+
+    @contextlib.contextmanager
+    def float32_passes(self) -> Iterator[None]:
+        """Within: passes without autocast, i.e. in the float32 master weights' own precision (the layout checks,
+        which compare two computations of one function at a float32 tolerance)."""
+        saved, self.compute_dtype = self.compute_dtype, None
+        try:
+            yield
+        finally:
+            self.compute_dtype = saved
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, response_mask: Tensor, **kwargs) -> TokenStats:
-        return token_stats(self.lm, input_ids, attention_mask, prompt_len, response_mask, **kwargs)
+        with compute_autocast(input_ids.device.type, self.compute_dtype):
+            return token_stats(self.lm, input_ids, attention_mask, prompt_len, response_mask, **kwargs)
 

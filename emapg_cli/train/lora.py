@@ -54,11 +54,11 @@ class AdapterAnchor(nn.Module):
     the EMA see the shadow only.
     """
 
-    def __init__(self, policy):
+    def __init__(self, policy, dtype: torch.dtype = torch.float32):
         super().__init__()
         object.__setattr__(self, "_policy", policy)  # not a submodule: its weights are not the anchor's
-        self.shadow = nn.ParameterList(
-            [nn.Parameter(t.detach().float().clone(), requires_grad=False) for t in adapter_tensors(policy)])
+        self.shadow = nn.ParameterList(  # in `dtype` (ema.dtype)
+            [nn.Parameter(t.detach().to(dtype).clone(), requires_grad=False) for t in adapter_tensors(policy)])
 
     @property
     def policy(self):
@@ -105,8 +105,9 @@ class AdapterAnchorScorer(TokenScorer):
                 lm.train(was)
 
 
-def save_merged(model, out: Path, tokenizer, adapter: bool = True) -> None:
-    """`out`: the merged model in save_pretrained format (+ tokenizer), and with `adapter` the peft adapter in `out/adapter`."""
+def save_merged(model, out: Path, tokenizer, adapter: bool = True, dtype=None) -> None:
+    """`out`: the merged model in save_pretrained format (+ tokenizer), in `dtype` (None: as merged), and with
+    `adapter` the peft adapter in `out/adapter`."""
     if isinstance(model, AdapterAnchor):
         merged = model.merged()
         with model.swapped() as lm:
@@ -116,5 +117,7 @@ def save_merged(model, out: Path, tokenizer, adapter: bool = True) -> None:
         merged = copy.deepcopy(model).merge_and_unload()
         if adapter:
             model.save_pretrained(out / "adapter")
+    if dtype is not None:
+        merged = merged.to(dtype)
     merged.save_pretrained(out)
     tokenizer.save_pretrained(out)

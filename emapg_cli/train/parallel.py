@@ -7,6 +7,8 @@ strategies answer the same questions:
   clip_grad_norm  the global gradient norm (clipped in place)
   full_weights    a context in which a model's parameters are whole, ordinary tensors (generation,
                   pushing weights into an engine, reading the anchor's output layer)
+  compute         a context for forwards of a model outside its scorer (generation): autocast to the
+                  compute dtype for float32 master weights held whole; nothing otherwise
   forget_forwards drop the bookkeeping of forwards that no backward will follow (the anchor)
   replica_hashes  each rank's hash of its own copy of a model (replicated only)
   ema_tensors     the tensors the EMA averages on this rank (whole tensors, or this rank's shards)
@@ -21,7 +23,10 @@ strategies answer the same questions:
 accelerate's FSDP plugin: accelerate enables FSDP only on GPUs and wraps a single model, while the
 anchor must be sharded exactly like the policy so that each rank averages its own shard. Every
 decoder layer (the model's `_no_split_modules` classes) is one FSDP unit, and the `TokenScorer`
-around the model is the root; the anchor gets the same layout in float32. FSDP2 shards every
+around the model is the root; the anchor gets the same layout (in ema.dtype). Float32 master weights
+(model.master_weights) are float32 shards that FSDP2 casts to the compute dtype when it gathers them
+(`MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=float32)`); gradients are reduce-scattered in
+float32. Replicated master weights run their forwards under autocast instead. FSDP2 shards every
 parameter along dim 0 over the same ranks, so the policy's local shard and the anchor's local shard
 of a parameter cover the same elements and the EMA update needs no communication.
 """
@@ -36,7 +41,7 @@ from torch import Tensor, nn
 
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import distance_from_norms, ema_distance, ema_norms
-from emapg_cli.train.loading import ema_tensors
+from emapg_cli.train.loading import compute_autocast, ema_tensors
 from emapg_cli.train.logprobs import TokenScorer
 
 
@@ -58,10 +63,15 @@ class Replicated:
 
     def __init__(self, accelerator):
         self.acc = accelerator
+        self._compute: dict[int, torch.dtype] = {}  # id(lm) -> compute dtype of float32 master weights
 
-    def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer):
-        """(policy scorer as the update runs it, anchor scorer or None, optimizer); DDP when several processes."""
-        scorer, optimizer = self.acc.prepare(TokenScorer(policy), make_optimizer(policy.parameters()))
+    def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer,
+             compute_dtype: Optional[torch.dtype] = None):
+        """(policy scorer as the update runs it, anchor scorer or None, optimizer); DDP when several processes.
+        `compute_dtype`: the policy's float32 master weights compute under autocast to it (None: no autocast)."""
+        if compute_dtype is not None:
+            self._compute[id(policy)] = compute_dtype
+        scorer, optimizer = self.acc.prepare(TokenScorer(policy, compute_dtype), make_optimizer(policy.parameters()))
         if anchor is None:
             return scorer, None, optimizer
         anchor_scorer = anchor.scorer() if hasattr(anchor, "scorer") else TokenScorer(anchor)  # a LoRA anchor swaps adapters
@@ -76,6 +86,10 @@ class Replicated:
 
     def full_weights(self, model: nn.Module):
         return contextlib.nullcontext()
+
+    def compute(self, model: nn.Module):
+        """Autocast to the policy's compute dtype when `model` is a policy with float32 master weights."""
+        return compute_autocast(self.acc.device.type, self._compute.get(id(model)))
 
     def forget_forwards(self, model: nn.Module) -> None:
         pass
@@ -113,15 +127,19 @@ class Sharded:
     name = "sharded"
 
     def __init__(self, accelerator):
-        if accelerator.mixed_precision != "no":  # no autocast or grad scaler here: the model trains in model.dtype
-            raise UserError(f"train.parallel=fsdp trains in model.dtype; launch with --mixed_precision no "
+        if accelerator.mixed_precision != "no":  # no autocast or grad scaler here: emapg sets the precision itself
+            raise UserError(f"train.parallel=fsdp computes in model.dtype (float32 master weights: model.master_weights); "
+                            f"launch with --mixed_precision no "
                             f"(got {accelerator.mixed_precision})")
         self.acc = accelerator
         self._roots: dict[int, nn.Module] = {}  # id(lm) -> its FSDP root (the TokenScorer around it)
 
     # ---------------------------------------------------------------- wrapping
-    def _shard(self, lm: nn.Module) -> TokenScorer:
-        from torch.distributed.fsdp import fully_shard
+    def _shard(self, lm: nn.Module, compute_dtype: Optional[torch.dtype] = None) -> TokenScorer:
+        """FSDP2 over `lm`'s decoder layers and the `TokenScorer` root. `compute_dtype`: `lm` holds float32
+        master weights; every unit all-gathers its shards cast to this dtype for forward and backward and
+        reduce-scatters the gradients in float32 (the shards, their gradients and AdamW state stay float32)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         units = set(getattr(lm, "_no_split_modules", None) or ())
         layers = [m for m in lm.modules() if type(m).__name__ in units]
@@ -133,9 +151,14 @@ class Sharded:
         # reshard_after_forward=True for the root too (FSDP2's default keeps a root's weights whole
         # after forward): outside a forward every unit then holds only its shard, which the EMA
         # update and the distance rely on, and the anchor, which never runs backward, frees them.
+        mp = {}
+        if compute_dtype is not None:
+            # the root's inputs are ids and masks, and the exact estimator's anchor states (kwargs) keep their dtype
+            mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
+                                                    cast_forward_inputs=False)}
         for layer in layers:
-            fully_shard(layer, reshard_after_forward=True)
-        root = fully_shard(TokenScorer(lm), reshard_after_forward=True)
+            fully_shard(layer, reshard_after_forward=True, **mp)
+        root = fully_shard(TokenScorer(lm), reshard_after_forward=True, **mp)
         # FSDP2 picks its root on the first forward it sees. Generation and the exact estimator call
         # submodules directly, so run one token through the root now to fix the root before that.
         with torch.no_grad():
@@ -144,10 +167,12 @@ class Sharded:
         self._roots[id(lm)] = root
         return root
 
-    def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer):
-        """Shard the anchor and the policy the same way; the optimizer is built over the policy's shards."""
+    def wrap(self, policy: nn.Module, anchor: Optional[nn.Module], make_optimizer,
+             compute_dtype: Optional[torch.dtype] = None):
+        """Shard the anchor and the policy the same way; the optimizer is built over the policy's shards.
+        `compute_dtype`: the policy's float32 master weights compute in it (FSDP2 mixed precision)."""
         anchor_root = self._shard(anchor) if anchor is not None else None
-        root = self._shard(policy)
+        root = self._shard(policy, compute_dtype)
         return root, anchor_root, make_optimizer(root.parameters())
 
     def _fsdp_modules(self, model: nn.Module) -> list[nn.Module]:
@@ -189,6 +214,10 @@ class Sharded:
                 m.reshard()
                 m.set_reshard_after_forward(True, recurse=False)
             self.forget_forwards(model)
+
+    def compute(self, model: nn.Module):
+        """Nothing: FSDP2's mixed precision already gathers master weights in the compute dtype (`full_weights` too)."""
+        return contextlib.nullcontext()
 
     def forget_forwards(self, model: nn.Module) -> None:
         """Clear FSDP2's per-iteration record of forwards run by `model` without a backward.

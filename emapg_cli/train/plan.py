@@ -224,14 +224,17 @@ def memory_terms(
     With ddp (or one process) every rank holds everything.
 
     state (whole run):
-      weights          P * bytes(dtype)
-      AdamW moments    2 * P * 4      exp_avg and exp_avg_sq assumed fp32 (torch keeps them in the
-                                      parameter's dtype, so for bf16 parameters this is an upper bound)
-      fp32 master      P * 4          only with master_weights and a non-fp32 dtype (off by default:
-                                      the policy is updated in place in its own dtype)
-      EMA anchor       P * 4          fp32 shadow weights, only when kl.coef > 0
+      weights          P * 4 with master weights (model.master_weights and a bf16/fp16 model.dtype: the
+                       fp32 master weights are the policy's parameters), else P * bytes(dtype)
+      AdamW moments    2 * P * 4      exp_avg and exp_avg_sq in fp32 (torch keeps them in the
+                                      parameter's dtype: fp32 with master weights; for bf16 parameters
+                                      without them this is an upper bound)
+      EMA anchor       P * bytes(ema.dtype)  shadow weights (fp32 by default), only when kl.coef > 0
     update (one micro-batch in flight):
-      gradients        P * bytes(dtype)
+      gradients        P * 4 with master weights (accumulated in fp32), else P * bytes(dtype)
+      working copy     P * bytes(dtype), master weights held whole (one process, ddp): autocast's
+                       model.dtype copies of the weights, kept from a micro-batch's forward to its
+                       backward (under fsdp the gathered units are already in model.dtype)
       activations      b*T*(L*h + A) * bytes(dtype) with gradient checkpointing (each layer's input,
                        plus one layer recomputed at a time), b*T*L*A * bytes(dtype) without;
                        A = activation_elems_per_token_per_layer
@@ -250,6 +253,9 @@ def memory_terms(
     from emapg_cli.kl.registry import INFO
 
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
+    ab = DTYPE_BYTES[cfg.ema.dtype]  # the anchor's bytes per parameter
+    master = master_weights and cfg.model.dtype != "float32"
+    pb = FP32 if master else wb  # the policy's parameters (and gradients)
     b, t = micro_batch, seq_len
     a = activation_elems_per_token_per_layer(m)
     shards = processes if cfg.train.parallel == "fsdp" else 1
@@ -269,23 +275,25 @@ def memory_terms(
             terms.append(MemoryTerm("EMA anchor", ap * FP32, "P_lora x 4 B (fp32 adapters only: adapter-sized)", "state"))
         terms.append(MemoryTerm("gradients", ap * FP32, "P_lora x 4 B (adapters only)", "update"))
         return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
+    weights = (f"P x 4 B (fp32 master weights; computes in {cfg.model.dtype}){per}" if master
+               else f"P x {wb} B ({cfg.model.dtype}){per}")
     terms = [
-        MemoryTerm("policy weights", sharded(p * wb), f"P x {wb} B ({cfg.model.dtype}){per}", "state"),
+        MemoryTerm("policy weights", sharded(p * pb), weights, "state"),
         MemoryTerm("AdamW moments", sharded(2 * p * FP32), f"2 x P x 4 B (fp32 exp_avg, exp_avg_sq){per}", "state"),
     ]
-    if master_weights and cfg.model.dtype != "float32":
-        terms.append(MemoryTerm("fp32 master weights", sharded(p * FP32), f"P x 4 B{per}", "state"))
     if cfg.derived.loads_anchor:
-        terms.append(MemoryTerm("EMA anchor", sharded(p * FP32), f"P x 4 B (fp32, kl.coef > 0){per}", "state"))
-    terms.append(MemoryTerm("gradients", sharded(p * wb), f"P x {wb} B{per}", "update"))
+        terms.append(MemoryTerm("EMA anchor", sharded(p * ab), f"P x {ab} B ({cfg.ema.dtype}, kl.coef > 0){per}", "state"))
+    terms.append(MemoryTerm("gradients", sharded(p * pb), f"P x {pb} B{' (fp32)' if master else ''}{per}", "update"))
+    if master and shards == 1:
+        terms.append(MemoryTerm("working copy", p * wb, f"P x {wb} B ({cfg.model.dtype} autocast copies of the weights)", "update"))
     if shards > 1:
         root = m.vocab * m.hidden * (1 if m.tie_embeddings else 2) + m.hidden
         terms.append(MemoryTerm("gathered units", (root + 2 * m.params_per_layer()) * wb,
                                 f"(root {_count(root)} + 2 layers) x {wb} B (FSDP all-gathers)", "update"))
         if cfg.derived.loads_anchor and INFO[cfg.kl.estimator].full_vocab:
-            terms.append(MemoryTerm("anchor gathered", p * FP32, "P x 4 B (whole fp32 anchor; exact KL)", "update"))
-        if cfg.derived.loads_anchor and cfg.eval.anchor_every and FP32 > wb:  # the anchor's turn is the larger one
-            terms.append(MemoryTerm("anchor gathered (eval)", p * FP32, "P x 4 B (whole fp32 anchor: generation for "
+            terms.append(MemoryTerm("anchor gathered", p * ab, f"P x {ab} B (whole {cfg.ema.dtype} anchor; exact KL)", "update"))
+        if cfg.derived.loads_anchor and cfg.eval.anchor_every and ab > wb:  # the anchor's turn is the larger one
+            terms.append(MemoryTerm("anchor gathered (eval)", p * ab, f"P x {ab} B (whole {cfg.ema.dtype} anchor: generation for "
                                     "eval.anchor_every / weight push; the policy's turn is smaller)", "rollout"))
         else:
             terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
@@ -390,7 +398,7 @@ def make_plan(
     model_config: Optional[dict[str, Any]] = None,
     *,
     device_memory_gib: float = 80.0,
-    master_weights: bool = False,
+    master_weights: Optional[bool] = None,
     processes: int = 1,
 ) -> Plan:
     """The plan of `cfg`'s run; `model_config` is the model's config.json (None: look the path up in KNOWN_MODELS).
@@ -401,8 +409,11 @@ def make_plan(
     on `processes` GPUs: the whole model on each with ddp, 1/N of it with fsdp (see
     `memory_terms`), and vLLM sleep mode during the update (the engine's share is freed).
     Each rank rolls out and updates prompts_per_step / N prompts.
+    `master_weights`: None follows model.master_weights (float32 master weights for a bf16/fp16 model.dtype).
     """
     r, t, d = cfg.rollout, cfg.train, cfg.derived
+    if master_weights is None:
+        master_weights = cfg.model.master_weights
     seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
     device = int(device_memory_gib * GIB)
     notes: list[str] = []
@@ -470,8 +481,9 @@ def make_plan(
         notes.append("assumes vLLM sleep mode: the engine's share is freed during the update")
     else:
         notes.append("hf engine: the generation KV cache is not included in the rollout peak")
-    if cfg.model.dtype != "float32" and not master_weights:
-        notes.append(f"no fp32 master weights: the policy is updated in place in {cfg.model.dtype}")
+    if cfg.model.dtype != "float32" and not master_weights and cfg.lora.r == 0:
+        notes.append(f"model.master_weights=false: the policy is updated in place in {cfg.model.dtype} (lossy: AdamW steps "
+                     "below half an ulp of a weight round away)")
     return Plan(
         **plan, memory=tuple(terms), update_peak_bytes=update_peak, rollout_peak_bytes=rollout_peak,
         max_micro_batch_fit=fit, notes=tuple(notes),

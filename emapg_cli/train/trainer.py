@@ -33,7 +33,8 @@ from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
-from emapg_cli.train.loading import load_policy, load_tokenizer, make_anchor
+from emapg_cli.train.loading import (DTYPES, cast_state, compute_dtype, load_policy, load_tokenizer, make_anchor,
+                                     set_config_dtype)
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
@@ -175,8 +176,11 @@ class Trainer:
         def make_optimizer(params):
             return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
 
-        anchor = make_anchor(policy) if cfg.derived.loads_anchor else None
-        self.scorer, self.anchor_scorer, self.optimizer = self.strategy.wrap(policy, anchor, make_optimizer)
+        anchor = make_anchor(policy, DTYPES[cfg.ema.dtype]) if cfg.derived.loads_anchor else None
+        # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
+        # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
+        self.scorer, self.anchor_scorer, self.optimizer = self.strategy.wrap(policy, anchor, make_optimizer,
+                                                                             compute_dtype(cfg.model, cfg.lora))
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         self.scheduler = make_scheduler(self.optimizer, cfg)
         self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
@@ -188,7 +192,7 @@ class Trainer:
             if saved is not None:
                 self.state = {**self.state, **saved}
                 last = self.state["step"]
-        self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self.strategy.full_weights)
+        self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
         # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
         self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
         self._push(self.policy)
@@ -198,6 +202,13 @@ class Trainer:
         """One line on stderr, from the main process only."""
         if self.acc.is_main_process:
             print(line, file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def _generating(self, model):
+        """Around `hf` generation from `model`: its whole weights (`full_weights`), computing in the compute
+        dtype when they are float32 master weights (`compute`)."""
+        with self.strategy.full_weights(model), self.strategy.compute(model):
+            yield
 
     @property
     def policy(self):
@@ -362,8 +373,11 @@ class Trainer:
         self.engine.release_memory()
         with self._timed("passes"):
             if not self._layouts_checked:  # every rank, at its first step
-                check_layouts(self.acc.unwrap_model(self.scorer), batch, cfg.rollout.temperature, cfg.train.pack_sequences,
-                              cfg.train.share_prompts)
+                scorer = self.acc.unwrap_model(self.scorer)
+                # float32 master weights are checked in float32: the layouts must agree to float32 rounding, while bf16
+                # passes of different shapes differ by bf16 rounding
+                with scorer.float32_passes():
+                    check_layouts(scorer, batch, cfg.rollout.temperature, cfg.train.pack_sequences, cfg.train.share_prompts)
                 self._layouts_checked = True
             batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         if self.anchor is not None:
@@ -421,7 +435,9 @@ class Trainer:
                              keep=self.cfg.train.keep_checkpoints)
 
     def _save_final(self) -> None:
-        """final/policy and final/anchor in save_pretrained format (whole weights; gathering is collective)."""
+        """final/policy and final/anchor in save_pretrained format (whole weights; gathering is collective), in
+        model.save_dtype (default model.dtype, the transformers convention; checkpoints keep the master weights)."""
+        dtype = DTYPES[self.cfg.model.save_dtype or self.cfg.model.dtype]
         for name, model in (("policy", self.policy), ("anchor", self.anchor)):
             if model is None:
                 continue
@@ -430,11 +446,12 @@ class Trainer:
                 if self.acc.is_main_process:
                     from emapg_cli.train.lora import save_merged
 
-                    save_merged(model, out, self.tokenizer)
+                    save_merged(model, out, self.tokenizer, dtype=dtype)
                 continue
             state = self.strategy.model_state(model)
             if self.acc.is_main_process:
-                model.save_pretrained(out, state_dict=state)
+                model.save_pretrained(out, state_dict=cast_state(state, dtype))
+                set_config_dtype(out, dtype)
                 self.tokenizer.save_pretrained(out)
         self.acc.wait_for_everyone()
 
