@@ -23,7 +23,7 @@ ACCEPTANCE = {"optim.lr": "1e-5", "train.mini_batch_prompts": 4, "train.micro_ba
               "data.eval": "null", "eval.anchor_every": 0, "model.save_dtype": "float32"}
 # bf16 weights updated in place: their padded and shared-prompt passes differ by bf16 rounding (~1e-3 nats), more
 # than train.share_prompts' layout check allows, so that run keeps the padded pass
-LOSSY = {"model.dtype": "bfloat16", "model.master_weights": "false", "train.share_prompts": "never"}
+LOSSY = {"model.dtype": "bfloat16", "model.master_weights": "false"}  # the layout check runs at bf16 tolerance
 
 
 def _delta(run_dir: Path, init: dict[str, torch.Tensor], start_dtype: torch.dtype) -> torch.Tensor:

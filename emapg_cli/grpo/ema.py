@@ -18,8 +18,9 @@ def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: floa
     (integer buffers) are copied.
 
     A half-precision shadow (bfloat16/float16, ema.dtype) is updated as the official search run updates its
-    bf16 reference: theta_ema.mul_(decay).add_(theta, alpha=1 - decay), in place, theta as it is (float32
-    master weights or not). Deviation from Eq. 5 by design: each of the two in-place ops rounds to the
+    bf16 reference: theta_ema.mul_(decay).add_(theta.to(theta_ema.dtype), alpha=1 - decay), in place, theta
+    cast to the shadow's dtype first as its code does (`ref_param.data.mul_(tau).add_(actor_data, alpha=1 - tau)`
+    with the actor's weights cast to the reference's dtype). Deviation from Eq. 5 by design: each of the two in-place ops rounds to the
     shadow's dtype, so a step (1 - decay)(theta - theta_ema) below half an ulp of theta_ema is lost.
     """
     if len(shadow) != len(current):
@@ -33,7 +34,7 @@ def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: floa
     if not floats:
         return
     for s, c in [(s, c) for s, c in floats if s.dtype in (torch.bfloat16, torch.float16)]:
-        s.mul_(decay).add_(c.detach(), alpha=1.0 - decay)
+        s.mul_(decay).add_(c.detach().to(s.dtype), alpha=1.0 - decay)
     floats = [(s, c) for s, c in floats if s.dtype not in (torch.bfloat16, torch.float16)]
     if not floats:
         return

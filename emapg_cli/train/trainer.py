@@ -37,7 +37,7 @@ from emapg_cli.train.loading import (DTYPES, cast_state, compute_dtype, load_pol
                                      set_config_dtype)
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
+from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import NonFiniteWeights, update_policy
@@ -376,8 +376,11 @@ class Trainer:
                 scorer = self.acc.unwrap_model(self.scorer)
                 # float32 master weights are checked in float32: the layouts must agree to float32 rounding, while bf16
                 # passes of different shapes differ by bf16 rounding
+                # (lossy bf16 weights, and FSDP's bf16 all-gathers, can only be checked at bf16's tolerance)
+                half = cfg.model.dtype != "float32" and (not cfg.model.master_weights or self.strategy.name == "sharded")
                 with scorer.float32_passes():
-                    check_layouts(scorer, batch, cfg.rollout.temperature, cfg.train.pack_sequences, cfg.train.share_prompts)
+                    check_layouts(scorer, batch, cfg.rollout.temperature, cfg.train.pack_sequences, cfg.train.share_prompts,
+                                  tol=HALF_PRECISION_LAYOUT_TOL if half else 1e-4)
                 self._layouts_checked = True
             batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
         if self.anchor is not None:
