@@ -20,7 +20,7 @@ first step's layout checks (packed / shared-prompt passes vs the padded one, whi
 above 1e-4 nats: master weights are checked in float32, bf16 weights in bf16).
 The batch's `sampling_logp` is the initial float32 pass perturbed by N(0, 0.05) nats, standing in for a
 rollout engine's records, so `train.rollout_correction` (when the trainer has it) has something to weight;
-`rollout/is_*` metrics are reported when the update returns them (`_rollout_is_metrics`).
+`rollout/is_*` are the olympiad preset's vLLM default correction (token_truncate, cap 2) on those records.
 One JSON summary on stdout (and in --out). Exits 1 without CUDA (unless --device cpu), or when the master
 mode moved the weights less than `--min-ratio` x the expected lr x steps scale (see `passed`).
 About 1-2 minutes on one H200 at the defaults (the model is ~1.78B parameters: 28 GiB for master weights).
@@ -37,19 +37,11 @@ import time
 
 def _rollout_is_metrics(stats) -> dict[str, float]:
     """The rollout-correction metrics of one update (`rollout/is_ratio_mean`, `rollout/is_ratio_max`,
-    `rollout/is_clipped_frac`) if the trainer's UpdateStats carries them; {} otherwise.
+    `rollout/is_clipped_frac`: train/metrics.py rollout_correction_metrics over UpdateStats.correction); {} when
+    the update corrected nothing (train.rollout_correction=none)."""
+    from emapg_cli.train.metrics import rollout_correction_metrics
 
-    Hook: the rollout correction (train.rollout_correction) is built separately; whatever attribute names it gives
-    UpdateStats, any attribute whose name starts with `is_` or `rollout_` and holds numbers is reported here."""
-    out = {}
-    for name, value in vars(stats).items():
-        if not (name.startswith("is_") or name.startswith("rollout_")):
-            continue
-        if isinstance(value, (int, float)):
-            out[f"rollout/{name.removeprefix('rollout_')}"] = float(value)
-        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-            out[f"rollout/{name.removeprefix('rollout_')}"] = float(sum(value) / len(value))
-    return out
+    return {k: float(v) for k, v in rollout_correction_metrics(stats.correction).items()}
 
 
 def main() -> int:
@@ -171,7 +163,7 @@ def main() -> int:
             "grad_norm": grad_norms,
             "s_per_step": times,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "rollout_is": is_metrics or "unavailable: no rollout correction metrics in UpdateStats (see _rollout_is_metrics)",
+            "rollout_is": is_metrics,
         }
         del scorer, opt, sched, start, final
     params = sum(t.numel() for t in init.values() if t.is_floating_point())
