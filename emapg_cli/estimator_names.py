@@ -1,8 +1,47 @@
-"""The KL estimators' names and which direction each supports: plain data, importable without torch
-or pydantic (the config models, the estimator registry and `emapg kl-check --help` all read it)."""
+"""The KL estimators: the one list of names, with what each needs and which KL directions it estimates.
 
-ESTIMATORS = ("exact", "k1", "k2", "k3", "k3pp", "k4", "k5", "topk", "topk_paper", "topk_mass", "truncated")
+Plain data, importable without torch or pydantic: the config models, the estimator registry
+(`kl/registry.py`, which maps each name here to its tensor functions), the trainer's plan and
+`emapg kl-check --help` all read it. A new estimator is one `EstimatorInfo` line here plus its
+function in `kl/registry.py`'s dispatch; tests/test_kl_estimators.py checks the two agree.
+"""
 
-#: Estimators that only estimate one direction of the KL (the paper's Table 1).
-REVERSE_ONLY = ("k1", "k2", "k3", "k3pp", "k4")
-FORWARD_ONLY = ("k5",)
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EstimatorInfo:
+    """What an estimator needs and which KL directions it estimates."""
+
+    name: str
+    directions: tuple[str, ...]
+    uses_topk: bool  # needs log-probs gathered at the top-k set q
+    full_vocab: bool  # needs the full [..., V] logits of both distributions
+    sampled: bool  # has a sampled (per-token) part
+
+
+_BOTH = ("reverse", "forward")
+
+#: name -> info, in the order `kl-check` reports them. The single-sample estimators K1-K4 and K3++
+#: estimate only the reverse KL and K5 only the forward KL (the paper's Table 1).
+INFO: dict[str, EstimatorInfo] = {info.name: info for info in (
+    EstimatorInfo("exact", _BOTH, uses_topk=False, full_vocab=True, sampled=False),
+    EstimatorInfo("k1", ("reverse",), uses_topk=False, full_vocab=False, sampled=True),
+    EstimatorInfo("k2", ("reverse",), uses_topk=False, full_vocab=False, sampled=True),
+    EstimatorInfo("k3", ("reverse",), uses_topk=False, full_vocab=False, sampled=True),
+    EstimatorInfo("k3pp", ("reverse",), uses_topk=False, full_vocab=False, sampled=True),
+    EstimatorInfo("k4", ("reverse",), uses_topk=False, full_vocab=False, sampled=True),
+    EstimatorInfo("k5", ("forward",), uses_topk=False, full_vocab=False, sampled=True),
+    EstimatorInfo("topk", _BOTH, uses_topk=True, full_vocab=False, sampled=True),
+    EstimatorInfo("topk_paper", _BOTH, uses_topk=True, full_vocab=False, sampled=True),
+    EstimatorInfo("topk_mass", _BOTH, uses_topk=True, full_vocab=False, sampled=True),
+    EstimatorInfo("truncated", _BOTH, uses_topk=True, full_vocab=False, sampled=False),
+)}
+
+ESTIMATORS = tuple(INFO)
+
+#: Estimators that only estimate one direction of the KL (derived from INFO).
+REVERSE_ONLY = tuple(name for name, info in INFO.items() if info.directions == ("reverse",))
+FORWARD_ONLY = tuple(name for name, info in INFO.items() if info.directions == ("forward",))

@@ -222,3 +222,20 @@ def test_k_equal_vocab_is_exact_for_every_sample(name, direction):
         (g,) = torch.autograd.grad(v, zz)
         assert_close(v, exact_v, 1e-12)
         assert_close(g, exact_g.tolist(), 1e-12)
+
+
+def test_one_list_of_estimators():
+    """The names live in estimator_names (torch-free); the registry dispatches exactly those (name, direction) pairs."""
+    import subprocess
+    import sys
+
+    from emapg_cli import estimator_names
+    from emapg_cli.kl import ESTIMATORS, INFO
+    from emapg_cli.kl.registry import IMPLEMENTED
+
+    assert ESTIMATORS is estimator_names.ESTIMATORS and INFO is estimator_names.INFO
+    assert IMPLEMENTED == {(n, d) for n, info in INFO.items() for d in info.directions}
+    # the paper's Table 1: K1-K4, K3++ reverse only, K5 forward only
+    assert estimator_names.REVERSE_ONLY == ("k1", "k2", "k3", "k3pp", "k4") and estimator_names.FORWARD_ONLY == ("k5",)
+    code = "import sys, emapg_cli.estimator_names; assert 'torch' not in sys.modules, 'torch imported'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

@@ -1,45 +1,23 @@
 """One entry point over every estimator: `kl_per_token(name, direction, ...)`.
 
+The names, directions and needs of the estimators live in `emapg_cli.estimator_names` (`INFO`,
+`ESTIMATORS`; torch-free, re-exported here); this module maps each to its tensor functions
+(`IMPLEMENTED` lists the (name, direction) pairs it dispatches, which a test checks against INFO).
+
 The trainer and `kl-check` both call this, so the estimator used in training is exactly
 the one whose bias `kl-check` measures.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from torch import Tensor
 
 from emapg_cli.kl.common import upcast
-from emapg_cli.estimator_names import ESTIMATORS
+from emapg_cli.estimator_names import ESTIMATORS, INFO, EstimatorInfo  # the one list of names (torch-free)
 from emapg_cli.kl import exact, sampled, topk
 
-
-@dataclass(frozen=True)
-class EstimatorInfo:
-    """What an estimator needs and which KL directions it estimates."""
-
-    name: str
-    directions: tuple[str, ...]
-    uses_topk: bool  # needs log-probs gathered at the top-k set q
-    full_vocab: bool  # needs the full [..., V] logits of both distributions
-    sampled: bool  # has a sampled (per-token) part
-
-
-INFO: dict[str, EstimatorInfo] = {
-    "exact": EstimatorInfo("exact", ("reverse", "forward"), False, True, False),
-    "k1": EstimatorInfo("k1", ("reverse",), False, False, True),
-    "k2": EstimatorInfo("k2", ("reverse",), False, False, True),
-    "k3": EstimatorInfo("k3", ("reverse",), False, False, True),
-    "k3pp": EstimatorInfo("k3pp", ("reverse",), False, False, True),
-    "k4": EstimatorInfo("k4", ("reverse",), False, False, True),
-    "k5": EstimatorInfo("k5", ("forward",), False, False, True),
-    "topk": EstimatorInfo("topk", ("reverse", "forward"), True, False, True),
-    "topk_paper": EstimatorInfo("topk_paper", ("reverse", "forward"), True, False, True),
-    "topk_mass": EstimatorInfo("topk_mass", ("reverse", "forward"), True, False, True),
-    "truncated": EstimatorInfo("truncated", ("reverse", "forward"), True, False, False),
-}
 
 _SAMPLED: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "k1": sampled.k1, "k2": sampled.k2, "k3": sampled.k3, "k3pp": sampled.k3pp, "k4": sampled.k4, "k5": sampled.k5,
@@ -54,6 +32,12 @@ _TOPK = {
 }
 _TRUNCATED = {"reverse": topk.truncated_reverse, "forward": topk.truncated_forward}
 _EXACT = {"reverse": exact.exact_reverse, "forward": exact.exact_forward}
+
+#: (name, direction) pairs with an implementation here: exactly INFO's (tests/test_kl_estimators.py).
+IMPLEMENTED = frozenset(
+    [(n, d) for n in _SAMPLED for d in INFO[n].directions] + list(_TOPK)
+    + [("truncated", d) for d in _TRUNCATED] + [("exact", d) for d in _EXACT]
+)
 
 
 def check_estimator(name: str, direction: str) -> EstimatorInfo:
