@@ -29,8 +29,8 @@ def eval_(
     dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM on a GPU: fraction of GPU memory to use (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")] = 0.9,
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
-    reward: Annotated[Optional[Literal["math", "em", "f1"]], typer.Option("--reward", help="Grading: math (the final \\boxed{} answer, math-verify), or for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>. Default math, or em with --retriever.")] = None,
-    grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer (over it: scored wrong).")] = 5.0,
+    reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,
+    grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong).")] = 5.0,
     retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR (an index from `emapg retriever index`) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`).")] = None,
     max_turns: Annotated[int, typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled).")] = 4,
     topk: Annotated[int, typer.Option("--topk", min=1, help="With --retriever: passages per search.")] = 3,
@@ -64,8 +64,13 @@ def eval_(
     n = n if n is not None else (1 if searching else 32)
     temperature = temperature if temperature is not None else (0.0 if searching else 0.8)
     max_tokens = max_tokens if max_tokens is not None else (500 if searching else 28000)
-    reward = reward if reward is not None else ("em" if searching else "math")
-    if searching and reward == "math":
+    from emapg_cli.rewards.registry import check_reward
+
+    try:  # the check training's rollout.reward gets; a plugin file path is made absolute
+        reward = check_reward(reward if reward is not None else ("em" if searching else "math"))
+    except UserError as e:
+        raise UserError(f"--reward: {e}") from None
+    if searching and reward in ("math", "toy"):
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
     if searching:
         from emapg_cli.evaluation.search import check_turn_budget

@@ -99,11 +99,12 @@ class ItemScores:
     classes: Optional[Sequence[Optional[str]]] = None  # votes mapped to equivalence classes (maj@n); None: as votes
 
 
-def summarize(items: Sequence[ItemScores]) -> dict:
+def summarize(items: Sequence[ItemScores], votes: bool = True) -> dict:
     """avg@n (= pass@1), pass@k for k = 1, 2, 4, ... <= n, maj@n, maj@n_strict and strict avg@n, mean over items.
 
     maj@n votes on equivalence classes of the answers (`0.5`, `\\frac12` and `1/2` are one vote each
-    for the same class); maj@n_strict votes on the normalised strings.
+    for the same class); maj@n_strict votes on the normalised strings. `votes=False` (a reward graded by
+    its score alone, which gives no answer to vote on): maj@n and maj@n_strict are None.
 
     `n` is the smallest sample count among the items (pass@k needs k <= n for every item).
     """
@@ -115,16 +116,19 @@ def summarize(items: Sequence[ItemScores]) -> dict:
     out["avg@n"] = avg
     for k in ks_for(n):
         out[f"pass@{k}"] = sum(pass_at_k(len(it.correct), sum(it.correct), k) for it in items) / len(items)
-    out["maj@n"] = sum(majority_correct(it.classes if it.classes is not None else it.votes, it.correct) for it in items) / len(items)
-    out["maj@n_strict"] = sum(majority_correct(it.votes, it.correct) for it in items) / len(items)
+    if votes:
+        out["maj@n"] = sum(majority_correct(it.classes if it.classes is not None else it.votes, it.correct) for it in items) / len(items)
+        out["maj@n_strict"] = sum(majority_correct(it.votes, it.correct) for it in items) / len(items)
+    else:
+        out["maj@n"] = out["maj@n_strict"] = None
     out["strict"] = sum(sum(it.strict) / len(it.strict) for it in items) / len(items)
     return out
 
 
-def by_subset(items: Sequence[ItemScores]) -> dict[str, dict]:
+def by_subset(items: Sequence[ItemScores], votes: bool = True) -> dict[str, dict]:
     """`summarize` per subset (items without a subset are left out); empty when there are none."""
     groups: dict[str, list[ItemScores]] = defaultdict(list)
     for it in items:
         if it.subset is not None:
             groups[it.subset].append(it)
-    return {name: summarize(group) for name, group in sorted(groups.items())}
+    return {name: summarize(group, votes) for name, group in sorted(groups.items())}

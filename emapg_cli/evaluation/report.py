@@ -17,6 +17,11 @@ def _metric_columns(summary: dict[str, Any]) -> list[str]:
     return passes + [k for k in _HEAD if k in summary]
 
 
+def _pct(value: Any) -> str:
+    """A score in %, or "-" when it is not defined (maj@n of a reward without answers, a missing subset column)."""
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
 def markdown(summary: dict[str, Any]) -> str:
     """The headline table (one row) and, when the bench has subsets, a per-subset table."""
     cols = _metric_columns(summary)
@@ -26,13 +31,13 @@ def markdown(summary: dict[str, Any]) -> str:
         f"| bench | model | items | n | {names} |",
         "|" + "---|" * (4 + len(cols)),
         f"| {summary['bench']} | {summary['model']} | {summary['num_items']} | {n} | "
-        + " | ".join(f"{100 * summary[c]:.1f}" for c in cols) + " |",
+        + " | ".join(_pct(summary[c]) for c in cols) + " |",
     ]
     subsets = summary.get("subsets") or {}
     if subsets:
         lines += ["", f"| subset | items | {names} |", "|" + "---|" * (2 + len(cols))]
         for name, s in subsets.items():
-            lines.append(f"| {name} | {s['num_items']} | " + " | ".join(f"{100 * s[c]:.1f}" if c in s else "-" for c in cols) + " |")
+            lines.append(f"| {name} | {s['num_items']} | " + " | ".join(_pct(s.get(c)) for c in cols) + " |")
     if summary.get("mean_score") is not None:
         lines += ["", f"mean {summary['reward']}: {100 * summary['mean_score']:.1f} (avg@n counts full scores only)"]
     if summary.get("search"):

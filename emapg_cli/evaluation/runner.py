@@ -19,7 +19,7 @@ from emapg_cli.errors import UserError
 from emapg_cli.evaluation.metrics import ItemScores, by_subset, candidate_pairs, candidates, equivalence_votes, summarize
 from emapg_cli.evaluation.report import write_report
 from emapg_cli.evaluation.store import RESULTS, append_results, open_run
-from emapg_cli.grading import MAX_ANSWER_CHARS, Gold, MathGrader, grader_version, strict_key
+from emapg_cli.grading import MAX_ANSWER_CHARS
 from emapg_cli.rewards.shaping import is_truncated
 
 #: progress(items done, items total, accuracy so far over all graded responses)
@@ -48,7 +48,7 @@ class EvalSettings:
     gpu_memory_utilization: float = 0.9
     grader_workers: Optional[int] = None
     grader_timeout: float = 5.0
-    reward: str = "math"  # math: boxed answers with math-verify; em / f1: the last <answer> (rewards/qa.py)
+    reward: str = "math"  # a reward name or plugin, as rollout.reward (rewards/graders.py): math, em, f1, FILE.py:fn, ...
     retriever: Optional[str] = None  # bm25:DIR or http://HOST:PORT: answer with the search agent (evaluation/search.py)
     max_turns: int = 4  # search turns (then one final turn without search)
     topk: int = 3  # passages per search
@@ -92,11 +92,8 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
     return [ex for ex in examples if ex.id in given], given, reasons
 
 
-def _item_scores(ex: Example, row: dict[str, Any], reward: str = "math") -> ItemScores:
-    if reward == "math":
-        key = strict_key
-    else:
-        from emapg_cli.rewards.exact_match import normalize_qa as key
+def _item_scores(ex: Example, row: dict[str, Any], key: Callable[[str], str]) -> ItemScores:
+    """An item's graded samples; `key` is the grader's vote key (for rows without "votes", of older versions)."""
     # over-long answers (rows of older versions may hold them) never vote: strict_key stays bounded
     votes = row.get("votes") or [key(e) if e is not None and len(e) <= MAX_ANSWER_CHARS else None for e in row["extracted"]]
     return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"), row.get("classes"))
@@ -105,11 +102,11 @@ def _item_scores(ex: Example, row: dict[str, Any], reward: str = "math") -> Item
 class _Grading:
     """Grades chunks and appends their rows, counting what the summary reports."""
 
-    def __init__(self, grader: MathGrader, results: Path, done: dict[str, dict], total: int, progress: Optional[Progress],
+    def __init__(self, grader: Any, results: Path, done: dict[str, dict], total: int, progress: Optional[Progress],
                  truncated: str = "zero"):
         self.grader, self.results, self.done, self.total, self.progress = grader, results, done, total, progress
         self.zero_truncated = truncated == "zero"
-        self.vote_key = getattr(grader, "vote_key", strict_key)  # maj@n's vote of an extracted answer
+        self.vote_key = grader.vote_key  # maj@n's vote of an extracted answer
         self.responses = sum(len(r["correct"]) for r in done.values())
         self.correct = sum(sum(r["correct"]) for r in done.values())
         self.seconds = 0.0
@@ -118,8 +115,8 @@ class _Grading:
     def __call__(self, items: Sequence[Example], groups: Sequence[Sequence[str]], extra: Sequence[dict]) -> None:
         t0 = time.perf_counter()
         flat = [r for g in groups for r in g]
-        golds = [Gold.of(ex) for ex, g in zip(items, groups) for _ in g]
-        grades = iter(self.grader.grade(flat, golds))
+        examples = [ex for ex, g in zip(items, groups) for _ in g]
+        grades = iter(self.grader.grade(flat, examples))
         rows = []
         for ex, group, more in zip(items, groups, extra):
             gs = [next(grades) for _ in group]
@@ -244,15 +241,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     todo = [ex for ex in examples if ex.id not in done]
 
     gen_stats: dict[str, Any] = {"generation_time_s": 0.0, "generated_tokens": 0, "tokens_per_s": None, "truncated_responses": 0}
-    if s.reward == "math":
-        grader_cm: Any = MathGrader(workers=s.grader_workers, timeout=s.grader_timeout, think=s.think)
-    elif s.reward in ("em", "f1"):
-        from emapg_cli.rewards.qa import QAGrader
+    from emapg_cli.rewards.graders import get_grader
 
-        grader_cm = QAGrader(s.reward)
-    else:
-        raise UserError(f"--reward must be math, em or f1 (got '{s.reward}')")
-    with grader_cm as grader:
+    # the rewards registry, as in training: a registered name or a plugin (rewards/graders.py)
+    with get_grader(s.reward, think=s.think, workers=s.grader_workers, timeout=s.grader_timeout) as grader:
         grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress, s.truncated)
         if progress:
             progress(resumed, len(examples), grading.correct / max(grading.responses, 1))
@@ -264,22 +256,23 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
             index_of = {ex.id: i for i, ex in enumerate(examples)}
             gen_stats = _generate_all(s, backend, todo, index_of, grading)
         timeouts, refused, stats = grader.timeouts, grader.refused, grader.pool_stats
+        version, votes, vote_key = grader.version, grader.votes, grader.vote_key
 
     t_scores = time.perf_counter()
-    scores = [_item_scores(ex, done[ex.id], s.reward) for ex in examples]
+    scores = [_item_scores(ex, done[ex.id], vote_key) for ex in examples]
     grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
     mean_score = None
-    if s.reward != "math":  # the reward itself (f1 is partial credit; avg@n counts full scores only)
+    if s.reward not in ("math", "toy"):  # the reward itself (f1 is partial credit; avg@n counts full scores only)
         per_item = [sum(done[ex.id]["scores"]) / len(done[ex.id]["scores"]) for ex in examples if "scores" in done[ex.id]]
         mean_score = sum(per_item) / len(per_item) if per_item else None
     summary = {
         "bench": s.bench,
         "model": s.model if s.model else f"responses:{s.responses_file}",
         "backend": backend,
-        **summarize(scores),
-        "subsets": by_subset(scores),
+        **summarize(scores, votes),
+        "subsets": by_subset(scores, votes),
         # per data source, when the bench mixes several (items regrouped by Example.source)
-        "sources": by_subset([replace(sc, subset=ex.source) for sc, ex in zip(scores, examples)])
+        "sources": by_subset([replace(sc, subset=ex.source) for sc, ex in zip(scores, examples)], votes)
         if len({ex.source for ex in examples}) > 1 else {},
         "sampling": None if s.model is None else {
             "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
@@ -290,7 +283,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "mean_score": mean_score,
         "truncated": s.truncated,
         "think": s.think,
-        "grader_version": grader_version() if s.reward == "math" else f"rewards.qa.{s.reward}",
+        "grader_version": version,
         "grader_timeouts": timeouts,
         "grader_refused": refused,
         "grader_errors": stats.errors,

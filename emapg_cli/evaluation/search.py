@@ -101,9 +101,15 @@ def search_summary(examples: Sequence[Example], rows: dict[str, dict]) -> dict[s
     for ex in examples:
         groups[ex.source or "-"].append((ex, rows[ex.id]))
 
+    def answers(r: dict) -> list[Optional[str]]:
+        # em / f1 extract the last <answer> themselves; a reward that extracts none (a plugin) leaves it to
+        # the trajectory's own `answer` (the same last <answer> of the same text)
+        traj = r.get("trajectories") or []
+        return [a if a is not None or i >= len(traj) else traj[i].get("answer") for i, a in enumerate(r["extracted"])]
+
     def stats(pairs: list[tuple[Example, dict]]) -> dict[str, Any]:
-        em = [em_score(a, ex.answers) for ex, r in pairs for a in r["extracted"]]
-        f1 = [f1_score(a, ex.answers) for ex, r in pairs for a in r["extracted"]]
+        em = [em_score(a, ex.answers) for ex, r in pairs for a in answers(r)]
+        f1 = [f1_score(a, ex.answers) for ex, r in pairs for a in answers(r)]
         traj = [t for _, r in pairs for t in r.get("trajectories", [])]
         turns = sum(t["turns"] for t in traj)
         out: dict[str, Any] = {"num_items": len(pairs), "exact_match": sum(em) / max(len(em), 1), "f1": sum(f1) / max(len(f1), 1)}

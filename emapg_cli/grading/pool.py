@@ -105,6 +105,7 @@ class PoolStats:
     errors: int = 0  # tasks whose function raised (MemoryError included)
     out_of_memory: int = 0  # of those, MemoryError (the worker's memory cap)
     crashes: int = 0  # workers that died without a timeout (e.g. killed at the memory cap)
+    last_error: str = ""  # the last task error, "Type: message" (or a timeout)
 
 
 @dataclass
@@ -232,6 +233,7 @@ class TimeoutPool:
                             self._kill(w)
                             raise RuntimeError(f"a worker for {self.fn_ref} exited while starting (exit code {w.proc.returncode})") from None
                         self.stats.crashes += 1
+                        self.stats.last_error = "the worker died (e.g. at its memory cap)"
                 elif not w.ready:
                     if time.monotonic() < w.started + STARTUP_TIMEOUT:
                         continue
@@ -241,6 +243,7 @@ class TimeoutPool:
                     continue
                 else:
                     self.stats.timeouts += 1
+                    self.stats.last_error = f"timed out after {self.timeout:g} s"
                 # Timed out or died: the task in progress scores the default, the rest is re-queued.
                 if w.pending:
                     index, _ = w.pending.popleft()
@@ -261,6 +264,7 @@ class TimeoutPool:
             w.pending.popleft()
             if error is not None:
                 self.stats.errors += 1
+                self.stats.last_error = error
                 self.stats.out_of_memory += error.startswith("MemoryError")
                 log.debug("task %d raised %s", index, error)
                 value = self.default

@@ -131,6 +131,9 @@ def default_workers() -> int:
 class MathGrader:
     """Grades batches of responses; owns a worker pool (started on first use; `close()` stops it)."""
 
+    votes = True  # extracted answers vote (maj@n), keyed by `vote_key`
+    vote_key = staticmethod(strict_key)
+
     def __init__(self, workers: Optional[int] = None, timeout: float = 5.0, memory_limit: int = MEMORY_LIMIT,
                  think: str = "emapg") -> None:
         self.workers = workers or default_workers()
@@ -157,10 +160,17 @@ class MathGrader:
             )
         return self._pool
 
+    @property
+    def version(self) -> str:
+        """summary.json's grader_version."""
+        return grader_version()
+
     def grade(self, responses: Sequence[str], golds: Sequence[Gold], on_grade=None) -> list[Grade]:
-        """Grade `responses[i]` against `golds[i]`; `on_grade(i, grade)` is called as each finishes."""
+        """Grade `responses[i]` against `golds[i]` (a `Gold`, or an `Example`: `Gold.of` it); `on_grade(i, grade)`
+        is called as each finishes."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} golds")
+        golds = [g if isinstance(g, Gold) else Gold.of(g) for g in golds]
         extracted = [extract_answer(r, self.think) for r in responses]
         grades: list[Optional[Grade]] = [None] * len(responses)
         todo: list[int] = []

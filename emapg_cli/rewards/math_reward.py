@@ -23,5 +23,10 @@ class MathReward:
         grades = self.grader.grade(responses, [Gold.of(e) for e in examples])
         return [1.0 if g.correct else 0.0 for g in grades]
 
+    def eval_grader(self) -> MathGrader:
+        """What `emapg eval` grades with (rewards/graders.py): the same grader, answer by answer
+        (extracted boxed answers, strict matches, math-verify equivalence for maj@n)."""
+        return self.grader
+
     def close(self) -> None:
         self.grader.close()

@@ -107,6 +107,18 @@ class PluginReward:
         st = self._pool.stats
         return st.errors + st.timeouts + st.crashes
 
+    @property
+    def stats(self):
+        """The grading pool's counts (`grading.pool.PoolStats`; all 0 before the first call)."""
+        from emapg_cli.grading.pool import PoolStats
+
+        return self._pool.stats if self._pool is not None else PoolStats()
+
+    @property
+    def last_error(self) -> str:
+        """The last failed call's error ("Type: message", or a timeout), "" when none."""
+        return self.stats.last_error
+
     def __call__(self, responses: Sequence[str], examples: Sequence[Any]) -> list[float]:
         from emapg_cli.grading.pool import TimeoutPool
         from emapg_cli.grading.verify import default_workers

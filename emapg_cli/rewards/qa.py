@@ -59,6 +59,21 @@ def f1_reward(responses: Sequence[str], examples: Sequence[Example]) -> list[flo
 
 #: reward name -> per-response score of (prediction, golds)
 QA_SCORES = {"em": em_score, "f1": f1_score}
+_REWARDS = {"em": em_reward, "f1": f1_reward}
+
+
+class QAReward:
+    """The registered `em` / `f1` reward: scores a batch as `em_reward` / `f1_reward`; `emapg eval` grades
+    it answer by answer with `QAGrader` (extracted answers, maj@n votes)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
+        return _REWARDS[self.kind](responses, examples)
+
+    def eval_grader(self) -> "QAGrader":
+        return QAGrader(self.kind)
 
 
 @dataclass(frozen=True)
@@ -75,17 +90,22 @@ class QAGrader:
     """`emapg eval --reward em|f1`: the `MathGrader` interface (`grade`, `timeouts`, a context manager) for QA."""
 
     timeouts = refused = 0  # pure string work: nothing times out or is refused
+    votes = True  # extracted answers vote (maj@n)
 
     def __init__(self, reward: str):
         from emapg_cli.grading.pool import PoolStats
 
         self.score = QA_SCORES[reward]
+        self.version = f"rewards.qa.{reward}"  # summary.json's grader_version
         self.pool_stats = PoolStats()  # no worker pool: all counts stay 0
 
     def __enter__(self) -> "QAGrader":
         return self
 
     def __exit__(self, *exc) -> None:
+        return None
+
+    def close(self) -> None:
         return None
 
     @staticmethod
@@ -100,7 +120,7 @@ class QAGrader:
         return [self.vote_key(a) == self.vote_key(b) for a, b in pairs]
 
     def grade(self, responses: Sequence[str], golds: Sequence) -> list[QAGrade]:
-        """Grades in order; `golds` are `grading.Gold`s (their `answers`)."""
+        """Grades in order; `golds` are `grading.Gold`s or `Example`s (their `answers`)."""
         out = []
         for r, gold in zip(responses, golds):
             pred = last_answer(r)

@@ -7,12 +7,16 @@ A name is a registered reward (`math`, `exact_match`, `toy`) or a plugin referen
 A reward maps a batch of responses (one per example, in order) to floats. Every reward returned by
 `get_reward` is wrapped in `SafeReward`: a batch that raises is retried item by item, and an item
 that still raises scores 0.0 and is counted in `errors`, so one bad response never stops training.
+
+This is the one way to choose a reward: training calls `get_reward`, and `emapg eval` calls
+`rewards.graders.get_grader`, which calls `get_reward` and grades with what the reward returns.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from emapg_cli.data.schema import Example
 from emapg_cli.errors import UserError
@@ -24,10 +28,10 @@ class RewardFn(Protocol):
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]: ...
 
 
-def _math(think: str = "emapg") -> RewardFn:
+def _math(think: str = "emapg", workers: Optional[int] = None, timeout: float = 5.0) -> RewardFn:
     from emapg_cli.rewards.math_reward import MathReward
 
-    return MathReward(think=think)
+    return MathReward(workers=workers, timeout=timeout, think=think)
 
 
 def _exact_match(think: str = "emapg") -> RewardFn:
@@ -37,19 +41,20 @@ def _exact_match(think: str = "emapg") -> RewardFn:
 
 
 def _em(**_) -> RewardFn:
-    from emapg_cli.rewards.qa import em_reward
+    from emapg_cli.rewards.qa import QAReward
 
-    return em_reward
+    return QAReward("em")
 
 
 def _f1(**_) -> RewardFn:
-    from emapg_cli.rewards.qa import f1_reward
+    from emapg_cli.rewards.qa import QAReward
 
-    return f1_reward
+    return QAReward("f1")
 
 
 #: name -> factory `factory(think=...)` (called once per `get_reward`, so each caller owns its
-#: reward's resources; `think` is the `grading.think` rule, which a factory may ignore).
+#: reward's resources; `think` is the `grading.think` rule, which a factory may ignore). A factory
+#: that also accepts `workers` and `timeout` gets them (`emapg eval --grader-workers/--grader-timeout`).
 REWARDS: dict[str, Callable[..., RewardFn]] = {
     "math": _math,
     "exact_match": _exact_match,
@@ -70,11 +75,17 @@ class SafeReward:
     def __init__(self, name: str, fn: RewardFn) -> None:
         self.name, self.fn = name, fn
         self._errors = 0  # items that raised here, over this object's life
+        self._last_error = ""  # the last of them, "Type: message"
 
     @property
     def errors(self) -> int:
         """Items scored 0 because they raised (here, or inside the reward: a plugin's pool counts its own)."""
         return self._errors + int(getattr(self.fn, "errors", 0))
+
+    @property
+    def last_error(self) -> str:
+        """The last failure ("Type: message"; a plugin's pool keeps its own), "" when none."""
+        return str(getattr(self.fn, "last_error", "") or self._last_error)
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         if len(responses) != len(examples):
@@ -87,8 +98,9 @@ class SafeReward:
         for response, example in zip(responses, examples):
             try:
                 out.append(float(self.fn([response], [example])[0]))
-            except Exception:
+            except Exception as e:
                 self._errors += 1
+                self._last_error = f"{type(e).__name__}: {e}"
                 out.append(0.0)
         return out
 
@@ -99,13 +111,38 @@ class SafeReward:
             close()
 
 
-def get_reward(name: str, think: str = "emapg") -> SafeReward:
-    """The reward registered as `name`, or the plugin `name` refers to; an unknown name is a UserError
-    listing the known ones. `think` is the `grading.think` rule of the rewards that extract answers."""
-    from emapg_cli.rewards.plugin import PluginReward, is_plugin_ref
+def _build(factory: Callable[..., RewardFn], **kwargs) -> RewardFn:
+    """`factory(think=...)`, plus those of `kwargs` (workers, timeout) it accepts and that are set."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    extra = {k: v for k, v in kwargs.items() if k != "think" and v is not None and (takes_all or k in params)}
+    return factory(think=kwargs["think"], **extra)
+
+
+def check_reward(name: str) -> str:
+    """`name` as a run records it: a registered name unchanged, a plugin checked (importable, callable with
+    (response, example)) and its file path made absolute; else a one-line UserError (as `get_reward`)."""
+    from emapg_cli.rewards.plugin import is_plugin_ref, resolve_ref, validate_ref
 
     if is_plugin_ref(name):
-        return SafeReward(name, PluginReward(name))
+        validate_ref(name)
+        return resolve_ref(name)
     if name not in REWARDS:
         raise UserError(f"unknown reward '{name}' (known: {', '.join(sorted(REWARDS))}; or module:function / path/to/file.py:function)")
-    return SafeReward(name, REWARDS[name](think=think))
+    return name
+
+
+def get_reward(name: str, think: str = "emapg", workers: Optional[int] = None, timeout: Optional[float] = None) -> SafeReward:
+    """The reward registered as `name`, or the plugin `name` refers to; an unknown name is a UserError
+    listing the known ones. `think` is the `grading.think` rule of the rewards that extract answers;
+    `workers` and `timeout` (None: the defaults, as in training) size the grading pool and bound one
+    call (a plugin call, a math-verify comparison)."""
+    from emapg_cli.rewards.plugin import PLUGIN_TIMEOUT, PluginReward, is_plugin_ref
+
+    name = check_reward(name)
+    if is_plugin_ref(name):
+        return SafeReward(name, PluginReward(name, workers=workers, timeout=timeout or PLUGIN_TIMEOUT))
+    return SafeReward(name, _build(REWARDS[name], think=think, workers=workers, timeout=timeout))
