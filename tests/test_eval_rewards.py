@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_untrusted_input import _one_line_error  # exit 2, one line on stderr, no traceback
 
 PLUGIN = '''
 def parity(response, example):
@@ -36,15 +37,6 @@ def files(tmp_path, emapg_home) -> tuple[Path, Path, Path]:
     plugin = tmp_path / "my_reward.py"
     plugin.write_text(PLUGIN)
     return bench, given, plugin
-
-
-def _one_line_error(r, *needles: str) -> str:
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def _run(out: Path) -> tuple[dict, list[dict]]:
