@@ -6,7 +6,6 @@ reason it was dropped (conversion failure, schema violation, duplicate question,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ from emapg_cli.datasets.convert import RowError, convert_row, source_id
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
 from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_spec
 from emapg_cli.errors import UserError
+from emapg_cli.fileio import sha256_file
 from emapg_cli.paths import emapg_home
 
 MANIFEST = "manifest.json"
@@ -72,14 +72,6 @@ def convert_rows(rows: Sequence[Any], spec: DatasetSpec, progress: Optional[Call
         seen_ids.add(ex.id)
         out.examples.append(ex)
     return out
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def dataset_dir(name: str, out: Optional[Path] = None) -> Path:
