@@ -17,9 +17,10 @@ from pydantic import ValidationError
 
 from emapg_cli import __version__
 from emapg_cli.data.schema import Example, first_error, load_examples, resolve_data_ref, write_jsonl
-from emapg_cli.datasets.convert import RowError, convert_row, source_id
+from emapg_cli.datasets.convert import convert_row
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
 from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_spec
+from emapg_cli.datasets.rows import RowError, source_id
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import sha256_file
 from emapg_cli.paths import emapg_home
