@@ -54,7 +54,7 @@ class SearchRunner:
 
     def __init__(self, tokenizer, cfg, max_turns: int):
         from emapg_cli.agents import SearchAgent, protocol
-        from emapg_cli.retrieval.base import make_retriever
+        from emapg_cli.retrieval import make_retriever
 
         self.tokenizer = tokenizer
         self.template = protocol.load_template(cfg.prompt_template)
