@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from emapg_cli.data import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.datasets import get_spec
 from emapg_cli.datasets.convert import convert_row
 from emapg_cli.datasets.rows import RowError

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from emapg_cli.data.schema import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.toy.sft import IGNORE, PairEncoder, SFTConfig, collate, warm_start
 from emapg_cli.toy.task import Problem, make_splits, problem_stream, response_text
 

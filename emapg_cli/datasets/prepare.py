@@ -16,9 +16,10 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import ValidationError
 
 from emapg_cli import __version__
-from emapg_cli.data.schema import Example, first_error, load_examples, resolve_data_ref, write_jsonl
+from emapg_cli.data.schema import Example, first_error, resolve_data_ref, write_jsonl
 from emapg_cli.datasets.convert import convert_row
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_spec
 from emapg_cli.datasets.rows import RowError, source_id
 from emapg_cli.errors import UserError

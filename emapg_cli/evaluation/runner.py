@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from emapg_cli.data.schema import Example, load_examples, read_jsonl
+from emapg_cli.data.schema import Example, read_jsonl
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
 from emapg_cli.evaluation.metrics import ItemScores, by_subset, candidate_pairs, candidates, equivalence_votes, summarize
 from emapg_cli.evaluation.report import write_report
