@@ -95,7 +95,7 @@ def _model(tokenizer, seed=0):
 
 
 def test_pairs_supervise_only_the_response(tokenizer):
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.prompts import render_prompt
 
     ids, labels = PairEncoder(tokenizer)("What is 37 + 48?", "\\boxed{85}")
     prompt = render_prompt(tokenizer, "What is 37 + 48?")

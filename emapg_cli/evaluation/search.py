@@ -64,7 +64,7 @@ class SearchRunner:
 
     def prompt(self, question: str) -> list[int]:
         from emapg_cli.agents import protocol
-        from emapg_cli.train.rollout import render_prompt
+        from emapg_cli.models.prompts import render_prompt
 
         return render_prompt(self.tokenizer, protocol.format_question(question, self.template))
 
