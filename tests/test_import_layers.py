@@ -3,9 +3,9 @@
 Every module under emapg_cli is parsed with `ast` (nothing is imported). Each `import emapg_cli...` /
 `from emapg_cli... import` is an edge, at module level or inside a function. The tests fail on
   * an edge from a module to one on a higher floor (module- and function-level edges alike);
-  * an import cycle between modules, over the module-level edges (what runs at import time);
-  * an import of `evaluation/` from `train/`'s floor-mates that the floor allows but the design does not
-    (`FORBIDDEN`: evaluation never reaches into train);
+  * an import cycle between modules over the module-level edges (what runs at import time), and any new cycle
+    once imports inside functions count too (`KNOWN_FUNCTION_LEVEL_CYCLES` lists the ones left);
+  * a same-floor import the design forbids (`FORBIDDEN`: evaluation never reaches into train);
   * `typer` imported anywhere outside `cli/`.
 FLOORS below is the one table of floors; docs/architecture.md describes it.
 """
@@ -30,12 +30,14 @@ FLOORS: dict[str, int] = {
     "data": 2,
     # 3: models (loading, dtypes, prompt rendering, tiny test models) and datasets (cards, layouts, loading)
     "models": 3, "datasets": 3,
-    # 4: the extension points (environments/agents, rewards, retrievers, engines) and the run's config
-    "agents": 4, "rewards": 4, "retrieval": 4, "engines": 4, "config": 4,
-    # 5: the cores of the commands
-    "train": 5, "evaluation": 5, "ablate": 5, "toy": 5, "klcheck": 5, "bench": 5, "plots": 5,
-    # 6: the command line
-    "cli": 6, "__main__": 6,
+    # 4: the extension points: environments/agents, rewards, retrievers, engines (plain settings in, no config)
+    "agents": 4, "rewards": 4, "retrieval": 4, "engines": 4,
+    # 5: the run's config (pydantic models, presets); it checks plugin references through rewards.plugin
+    "config": 5,
+    # 6: the cores of the commands, which read the config and pass settings down
+    "train": 6, "evaluation": 6, "ablate": 6, "toy": 6, "klcheck": 6, "bench": 6, "plots": 6,
+    # 7: the command line
+    "cli": 7, "__main__": 7,
 }
 
 # Same-floor imports the design still forbids: (importer's top-level name, imported top-level name).
@@ -97,13 +99,13 @@ def test_every_module_has_a_floor():
 
 
 def test_no_import_goes_up_a_floor():
-    up = []
+    up = set()
     for src, dst, top, line in edges():
         a, b = top_name(src), top_name(dst)
-        if FLOORS.get(b, -1) > FLOORS.get(a, 99) or (a, b) in FORBIDDEN:
+        if FLOORS[b] > FLOORS[a] or (a, b) in FORBIDDEN:
             where = "" if top else " (inside a function)"
-            up.append(f"{src}:{line} imports {dst}{where}: floor {FLOORS[a]} -> {FLOORS[b]}")
-    assert not up, "imports that go up a floor:\n" + "\n".join(up)
+            up.add(f"{src}:{line} imports {dst}{where}: {a} (floor {FLOORS[a]}) -> {b} (floor {FLOORS[b]})")
+    assert not up, "imports that go up a floor (or are forbidden):\n" + "\n".join(sorted(up))
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -153,6 +155,20 @@ def test_no_import_cycle_between_modules():
         if top and dst != src:
             graph.setdefault(src, set()).add(dst)
     assert not find_cycles(graph), f"import cycles (module level): {find_cycles(graph)}"
+
+
+# Circles closed only by imports inside functions (harmless at import time, still a tangle). Known ones, to go:
+# train/checks.py and train/plan.py each call the other's launch checks (issue 19: launch checks in one function).
+KNOWN_FUNCTION_LEVEL_CYCLES = [["emapg_cli.train.checks", "emapg_cli.train.plan"]]
+
+
+def test_no_new_import_cycle_through_function_imports():
+    graph: dict[str, set[str]] = {}
+    for src, dst, _, _ in edges():
+        if dst != src:
+            graph.setdefault(src, set()).add(dst)
+    new = [c for c in find_cycles(graph) if c not in KNOWN_FUNCTION_LEVEL_CYCLES]
+    assert not new, f"import cycles (counting imports inside functions): {new}"
 
 
 def test_only_cli_imports_typer():
