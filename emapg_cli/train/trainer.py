@@ -28,12 +28,12 @@ from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_update_, grpo_advantages, informative_groups
+from emapg_cli.models.loading import DTYPES, cast_state, compute_dtype, load_tokenizer, set_config_dtype
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
-from emapg_cli.models.loading import DTYPES, cast_state, compute_dtype, load_tokenizer, set_config_dtype
 from emapg_cli.train.loading import load_policy, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
