@@ -12,7 +12,7 @@ Other scalar fields go to `meta` (worked solutions are left out: they are long a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from emapg_cli.datasets.qa import convert_qa_row
 from emapg_cli.datasets.registry import DatasetSpec
