@@ -30,7 +30,7 @@ FLOORS: dict[str, int] = {
     "data": 2,
     # 3: models (loading, dtypes, prompt rendering, tiny test models) and datasets (cards, layouts, loading)
     "models": 3, "datasets": 3,
-    # 4: the extension points: environments/agents, rewards, retrievers, engines (plain settings in, no config)
+    # 4: the extension points: environments/agents, rewards, retrievers, engines (they do not import config)
     "agents": 4, "rewards": 4, "retrieval": 4, "engines": 4,
     # 5: the run's config (pydantic models, presets); it checks plugin references through rewards.plugin
     "config": 5,
