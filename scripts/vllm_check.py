@@ -126,7 +126,7 @@ def main() -> int:
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.engines.vllm import VLLMEngine, sampling_kwargs, vllm_device
     from emapg_cli.models.tiny import save_tiny
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.prompts import render_prompt
 
     device = vllm_device()
     if args.device != "auto" and args.device != device:

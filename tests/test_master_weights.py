@@ -55,7 +55,8 @@ def test_an_adamw_step_of_lr_rounds_away_in_bf16_but_not_on_master_weights():
 
 def test_policy_dtype_follows_master_weights(tiny_qwen2):
     from emapg_cli.config.models import LoRAConfig, ModelConfig
-    from emapg_cli.train.loading import compute_dtype, load_policy, param_dtype
+    from emapg_cli.models.loading import compute_dtype, param_dtype
+    from emapg_cli.train.loading import load_policy
 
     cases = [("bfloat16", True, torch.float32, torch.bfloat16),  # master weights: fp32 params, bf16 compute
              ("bfloat16", False, torch.bfloat16, None),  # lossy: bf16 params, no autocast
@@ -118,7 +119,7 @@ def test_bf16_anchor_is_updated_in_place_like_the_official_run():
 def test_cast_state_keeps_tied_weights_one_tensor(tiny_qwen2):
     from transformers import AutoModelForCausalLM
 
-    from emapg_cli.train.loading import cast_state
+    from emapg_cli.models.loading import cast_state
 
     state = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32).state_dict()
     out = cast_state(state, torch.bfloat16)

@@ -17,7 +17,8 @@ def _batch(tiny, n: int, prompts: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from emapg_cli.engines.hf import HFEngine
-    from emapg_cli.train.rollout import build_batch, render_prompt
+    from emapg_cli.models.prompts import render_prompt
+    from emapg_cli.train.rollout import build_batch
 
     lm, tok = AutoModelForCausalLM.from_pretrained(tiny).eval(), AutoTokenizer.from_pretrained(tiny)
     ids = [render_prompt(tok, q) for q in QUESTIONS[:prompts]]

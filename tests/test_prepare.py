@@ -6,12 +6,14 @@ import json
 
 import pytest
 
-from emapg_cli.data import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.datasets import datasets, get_spec
 from emapg_cli.datasets import Fields, hub
-from emapg_cli.datasets.convert import RowError, convert_row
+from emapg_cli.datasets.convert import convert_row
+from emapg_cli.datasets.rows import RowError
 from emapg_cli.datasets.decontaminate import find_overlaps
-from emapg_cli.datasets.prepare import decontaminate, prepare_dataset, sha256_file
+from emapg_cli.datasets.prepare import decontaminate, prepare_dataset
+from emapg_cli.fileio import sha256_file
 from emapg_cli.datasets.registry import cards_dir, custom_spec, read_card
 from emapg_cli.errors import UserError
 

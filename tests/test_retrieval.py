@@ -13,7 +13,7 @@ import pytest
 
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
-from emapg_cli.datasets.prepare import sha256_file
+from emapg_cli.fileio import sha256_file
 from emapg_cli.retrieval.corpus import paragraph_contents
 from emapg_cli.retrieval.http import HTTPRetriever
 from train_helpers import free_port

@@ -123,7 +123,8 @@ def sampled(tiny_qwen2):
     from emapg_cli.train.loading import make_anchor
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.passes import reference_passes
-    from emapg_cli.train.rollout import build_batch, render_prompt
+    from emapg_cli.models.prompts import render_prompt
+    from emapg_cli.train.rollout import build_batch
 
     lm, tok = AutoModelForCausalLM.from_pretrained(tiny_qwen2).eval(), AutoTokenizer.from_pretrained(tiny_qwen2)
     prompts = [render_prompt(tok, q) for q in ("1+2", "what is 13*17?")]

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from emapg_cli.data import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.datasets import get_spec
-from emapg_cli.datasets.convert import RowError, convert_row
+from emapg_cli.datasets.convert import convert_row
+from emapg_cli.datasets.rows import RowError
 from emapg_cli.datasets.prepare import prepare_dataset
 
 SEARCH = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")

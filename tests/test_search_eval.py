@@ -7,7 +7,7 @@ import json
 import pytest
 from eval_helpers import rerun_after_torn_write
 
-from emapg_cli.data import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.datasets.prepare import prepare_dataset
 from emapg_cli.errors import UserError
 from emapg_cli.evaluation.search import parse_retriever, search_summary

@@ -46,7 +46,7 @@ def test_hf_episodes_are_exactly_what_the_policy_sampled(tiny_qwen2, index):
     from emapg_cli.engines.hf import HFEngine
     from emapg_cli.retrieval.bm25 import BM25Retriever
     from emapg_cli.train.logprobs import token_stats
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.prompts import render_prompt
 
     lm, tok = AutoModelForCausalLM.from_pretrained(tiny_qwen2).eval(), AutoTokenizer.from_pretrained(tiny_qwen2)
     s = SearchConfig(enabled=True, retriever="bm25", max_obs_tokens=40, max_context_tokens=2048)

@@ -77,7 +77,7 @@ def test_agent_on_real_vllm_cpu_matches_trainer(tmp_path):
     from emapg_cli.engines.vllm import VLLMEngine, vllm_device
     from emapg_cli.models.tiny import save_tiny
     from emapg_cli.train.logprobs import token_stats
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.prompts import render_prompt
 
     if vllm_device() != "cpu":
         pytest.skip("for vLLM's CPU build")

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from emapg_cli.data.schema import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.toy.sft import IGNORE, PairEncoder, SFTConfig, collate, warm_start
 from emapg_cli.toy.task import Problem, make_splits, problem_stream, response_text
 
@@ -95,7 +95,7 @@ def _model(tokenizer, seed=0):
 
 
 def test_pairs_supervise_only_the_response(tokenizer):
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.prompts import render_prompt
 
     ids, labels = PairEncoder(tokenizer)("What is 37 + 48?", "\\boxed{85}")
     prompt = render_prompt(tokenizer, "What is 37 + 48?")

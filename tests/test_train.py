@@ -28,7 +28,8 @@ def lm_and_tok(tiny_qwen2):
 
 def _rollout_batch(lm, tok, n=3, max_new=5, topk=4):
     from emapg_cli.engines.hf import HFEngine
-    from emapg_cli.train.rollout import build_batch, render_prompt
+    from emapg_cli.models.prompts import render_prompt
+    from emapg_cli.train.rollout import build_batch
 
     prompts = [render_prompt(tok, q) for q in ("1+2", "what is 13*17?")]
     groups = HFEngine(lm, tok).generate(prompts, SamplingParams(n=n, max_new_tokens=max_new, seed=3, topk=topk))

@@ -90,7 +90,8 @@ def test_huge_question_is_skipped_before_tokenising(tiny_qwen2):
     from transformers import AutoTokenizer
 
     from emapg_cli.data.schema import Example
-    from emapg_cli.train.rollout import max_chars_per_token, prepare_prompts, render_prompt
+    from emapg_cli.models.prompts import max_chars_per_token, render_prompt
+    from emapg_cli.train.rollout import prepare_prompts
 
     tok = AutoTokenizer.from_pretrained(tiny_qwen2)
     short = Example(id="s", question="1+1", answers=["2"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from emapg_cli.data.schema import load_examples
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
 
 

@@ -35,7 +35,7 @@ import torch
 
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.vllm import VLLMEngine, named_weights, vllm_device, weight_loader  # imports vLLM lazily
-from emapg_cli.train.rollout import render_prompt
+from emapg_cli.models.prompts import render_prompt
 
 pytestmark = pytest.mark.vllm
 

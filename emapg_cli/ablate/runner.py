@@ -140,7 +140,8 @@ def config_differences(expected: Any, found: Any, prefix: str = "") -> list[str]
 def check_reuse(sweep: Sweep, runs: list[RunSpec], out: Path) -> None:
     """UserError (one line naming the run and the differing keys) when a run folder that this sweep would
     reuse (finished, or resumed from its checkpoint) was made with another config than the run's now."""
-    from emapg_cli.config.loading import load_config, read_yaml_mapping, validate
+    from emapg_cli.config.loading import load_config, validate
+    from emapg_cli.fileio import read_yaml_mapping
 
     for spec in runs:
         if not (is_finished(out, spec) or has_checkpoint(out, spec)):

@@ -20,8 +20,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from emapg_cli.ablate.grid import Axis, RunSpec, Variant, check_axes, format_value, plan_runs
-from emapg_cli.config.loading import is_path_like, preset_dir, read_yaml_mapping
+from emapg_cli.config.loading import is_path_like, preset_dir
 from emapg_cli.errors import UserError
+from emapg_cli.fileio import read_yaml_mapping
 
 STUDY_FILE = "study.yaml"
 

@@ -71,7 +71,7 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
 
     from emapg_cli.data.schema import write_jsonl
     from emapg_cli.paths import emapg_home, write_text_atomic
-    from emapg_cli.datasets.prepare import sha256_file
+    from emapg_cli.fileio import sha256_file
     from emapg_cli.retrieval.corpus import hotpotqa_corpus
 
     if from_file is None:

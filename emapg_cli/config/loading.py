@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
+from emapg_cli.fileio import read_yaml_mapping, safe_load_yaml
 
 
 def preset_dir() -> Path:
@@ -38,46 +39,6 @@ def list_presets() -> list[str]:
 def is_path_like(name: str) -> bool:
     """A `--preset` / `--study` value naming a file rather than a built-in (ends in .yaml/.yml or has a '/')."""
     return name.endswith((".yaml", ".yml")) or "/" in name
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping with the same key twice (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key: PyYAML's own error follows
-                break
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key '{key}' (line {key_node.start_mark.line + 1})", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def safe_load_yaml(text: str) -> Any:
-    """yaml.safe_load, with a repeated mapping key an error (yaml.YAMLError)."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)
-
-
-def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
-    """A YAML file holding a mapping ({} when empty); every problem (a duplicate key too) is a
-    one-line UserError naming `what`."""
-    if not path.is_file():
-        raise UserError(f"{what} not found: {path}")
-    try:
-        data = safe_load_yaml(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot read {what} {path}: {first}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UserError(f"{what} {path} must be a YAML mapping, got {type(data).__name__}")
-    return data
 
 
 def read_preset(name: str) -> dict[str, Any]:

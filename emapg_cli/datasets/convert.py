@@ -12,66 +12,22 @@ Other scalar fields go to `meta` (worked solutions are left out: they are long a
 
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Any
 
+from emapg_cli.datasets.qa import convert_qa_row
 from emapg_cli.datasets.registry import DatasetSpec
+from emapg_cli.datasets.rows import ID_FIELDS, RowError, answer_text, first_field, lookup
 from emapg_cli.grading.extract import last_boxed
 
 QUESTION_FIELDS = ("question", "problem", "prompt")
 ANSWER_FIELDS = ("answer", "final_answer", "answers", "golden_answers")
 SOLUTION_FIELDS = ("solution",)
-ID_FIELDS = ("id", "unique_id", "problem_id", "_id", "question_id")
 SUBSET_FIELDS = ("subset", "subfield", "subject", "type")
-
-
-class RowError(ValueError):
-    """A row that cannot be converted; the message is the reason reported in the manifest."""
-
-
-def lookup(row: Any, path: str) -> Any:
-    """row[path], where a dotted path reads nested values (`a.0.b` is row["a"][0]["b"]); None when absent."""
-    value = row
-    for key in path.split("."):
-        if isinstance(value, dict):
-            value = value.get(key)
-        elif isinstance(value, list) and key.isdigit() and int(key) < len(value):
-            value = value[int(key)]
-        else:
-            return None
-    return value
-
-
-def _first(row: dict[str, Any], preferred: Optional[str], common: tuple[str, ...]) -> Optional[str]:
-    """The first field name present (and not None) in `row`: the card's, then the common ones."""
-    for name in ((preferred,) if preferred else ()) + common:
-        if lookup(row, name) is not None:
-            return name
-    return None
-
-
-def source_id(row: Any, index: int) -> str:
-    """The id a source row is reported under (its first id field, else its index)."""
-    name = _first(row, None, ID_FIELDS) if isinstance(row, dict) else None
-    return str(row[name]) if name else str(index)
 
 
 def _top(names) -> set[str]:
     """The top-level columns of (possibly dotted) field names, left out of meta once used."""
     return {n.split(".")[0] for n in names if n}
-
-
-def answer_text(value: Any) -> str:
-    """An answer value as a string: integral floats lose their `.0` (AMC files store 142.0)."""
-    if isinstance(value, bool):
-        raise RowError(f"boolean answer {value!r}")
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise RowError(f"non-finite answer {value!r}")
-        return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, (int, str)):
-        return str(value).strip()
-    raise RowError(f"answer of type {type(value).__name__}")
 
 
 def _question(value: Any) -> str:
@@ -88,9 +44,9 @@ def _answers(row: dict[str, Any], spec: DatasetSpec) -> tuple[list[str], set[str
     preferred = spec.fields.answer if spec.fields.answer and lookup(row, spec.fields.answer) is not None else None
     if preferred and spec.answer_format == "boxed_solution":
         name, boxed = preferred, True
-    elif (name := _first(row, preferred, ANSWER_FIELDS)) is not None:
+    elif (name := first_field(row, preferred, ANSWER_FIELDS)) is not None:
         boxed = False
-    elif (name := _first(row, None, SOLUTION_FIELDS)) is not None:
+    elif (name := first_field(row, None, SOLUTION_FIELDS)) is not None:
         boxed = True
     else:
         raise RowError("no answer field (answer | final_answer | answers | solution)")
@@ -118,11 +74,9 @@ def convert_row(row: dict[str, Any], index: int, spec: DatasetSpec) -> dict[str,
     if not isinstance(row, dict):
         raise RowError(f"row is a {type(row).__name__}, not an object")
     if spec.answer_format == "qa_aliases":
-        from emapg_cli.datasets.qa import convert_qa_row  # imports this module
-
         return convert_qa_row(row, index, spec.name)
     f = spec.fields
-    qname = _first(row, f.question, QUESTION_FIELDS)
+    qname = first_field(row, f.question, QUESTION_FIELDS)
     if qname is None:
         raise RowError("no question field (question | problem | prompt)")
     question = _question(lookup(row, qname))
@@ -130,11 +84,11 @@ def convert_row(row: dict[str, Any], index: int, spec: DatasetSpec) -> dict[str,
     if isinstance(context, str) and context.strip():
         question = f"{context.strip()}\n\n{question}"
     answers, used = _answers(row, spec)
-    id_name = _first(row, f.id, ID_FIELDS)
+    id_name = first_field(row, f.id, ID_FIELDS)
     used = _top(used | {qname, id_name, f.context})
 
     meta = {k: v for k, v in row.items() if k not in used and k not in SOLUTION_FIELDS and v is not None and _meta_value(v)}
-    subset_name = _first(row, f.subset, SUBSET_FIELDS)
+    subset_name = first_field(row, f.subset, SUBSET_FIELDS)
     if subset_name is not None:
         meta["subset"] = str(lookup(row, subset_name))
     tolerance = lookup(row, f.tolerance) if f.tolerance else None

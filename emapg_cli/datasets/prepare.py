@@ -6,7 +6,6 @@ reason it was dropped (conversion failure, schema violation, duplicate question,
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections import Counter
@@ -17,11 +16,14 @@ from typing import Any, Callable, Optional, Sequence
 from pydantic import ValidationError
 
 from emapg_cli import __version__
-from emapg_cli.data.schema import Example, first_error, load_examples, resolve_data_ref, write_jsonl
-from emapg_cli.datasets.convert import RowError, convert_row, source_id
+from emapg_cli.data.schema import Example, first_error, resolve_data_ref, write_jsonl
+from emapg_cli.datasets.convert import convert_row
 from emapg_cli.datasets.decontaminate import Overlap, find_overlaps, question_key
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_spec
+from emapg_cli.datasets.rows import RowError, source_id
 from emapg_cli.errors import UserError
+from emapg_cli.fileio import sha256_file
 from emapg_cli.paths import emapg_home
 
 MANIFEST = "manifest.json"
@@ -72,14 +74,6 @@ def convert_rows(rows: Sequence[Any], spec: DatasetSpec, progress: Optional[Call
         seen_ids.add(ex.id)
         out.examples.append(ex)
     return out
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def dataset_dir(name: str, out: Optional[Path] = None) -> Path:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from emapg_cli.datasets.convert import ID_FIELDS, RowError, answer_text, source_id
+from emapg_cli.datasets.rows import ID_FIELDS, RowError, answer_text, source_id
 
 QUESTION_MARK = "Question: "
 

@@ -91,7 +91,7 @@ def cards_dir() -> Path:
 
 def read_card(path: Path) -> DatasetSpec:
     """Validate one card; any problem is a one-line UserError naming the file."""
-    from emapg_cli.config.loading import read_yaml_mapping
+    from emapg_cli.fileio import read_yaml_mapping
 
     raw = read_yaml_mapping(path, "dataset card")
     if "name" in raw:

@@ -38,8 +38,6 @@ def make_engine(
     """
     import torch
 
-    from emapg_cli.config.models import ModelConfig
-
     backend = resolve_backend(backend)
     dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if backend == "vllm":
@@ -51,10 +49,9 @@ def make_engine(
         )
     if backend == "hf":
         from emapg_cli.engines.hf import HFEngine
-        from emapg_cli.train.loading import load_policy, load_tokenizer
+        from emapg_cli.models.loading import load_causal_lm, load_tokenizer
 
         # an evaluation model computes in `dtype` itself (no float32 master weights: nothing trains it)
-        cfg = ModelConfig(path=model_path, dtype=dtype, trust_remote_code=trust_remote_code, master_weights=False)
-        model = load_policy(cfg).to("cuda" if torch.cuda.is_available() else "cpu")
-        return HFEngine(model, load_tokenizer(cfg))
+        model = load_causal_lm(model_path, dtype, trust_remote_code=trust_remote_code).to("cuda" if torch.cuda.is_available() else "cpu")
+        return HFEngine(model, load_tokenizer(model_path, trust_remote_code))
     raise ValueError(f"unknown backend '{backend}' (hf, vllm or auto)")

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from emapg_cli.data.schema import Example, load_examples, read_jsonl
+from emapg_cli.data.schema import Example, read_jsonl
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
 from emapg_cli.evaluation.metrics import ItemScores, by_subset, candidate_pairs, candidates, equivalence_votes, summarize
 from emapg_cli.evaluation.report import write_report
@@ -163,14 +164,13 @@ class _Grading:
 
 def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_of: dict[str, int], grade: _Grading) -> dict[str, Any]:
     """Sample every item of `todo` in chunks, handing each chunk to `grade` in the background."""
-    from emapg_cli.config.models import ModelConfig
     from emapg_cli.engines import make_engine
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.engines.base import derive_seed
-    from emapg_cli.train.loading import load_tokenizer
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.loading import load_tokenizer
+    from emapg_cli.models.prompts import render_prompt
 
-    tokenizer = load_tokenizer(ModelConfig(path=s.model))
+    tokenizer = load_tokenizer(s.model)
     engine = make_engine(
         backend, s.model, seed=s.seed, dtype=s.dtype, max_model_len=s.max_model_len,
         gpu_memory_utilization=s.gpu_memory_utilization,

@@ -54,7 +54,7 @@ class SearchRunner:
 
     def __init__(self, tokenizer, cfg, max_turns: int):
         from emapg_cli.agents import SearchAgent, protocol
-        from emapg_cli.retrieval.base import make_retriever
+        from emapg_cli.retrieval import make_retriever
 
         self.tokenizer = tokenizer
         self.template = protocol.load_template(cfg.prompt_template)
@@ -64,7 +64,7 @@ class SearchRunner:
 
     def prompt(self, question: str) -> list[int]:
         from emapg_cli.agents import protocol
-        from emapg_cli.train.rollout import render_prompt
+        from emapg_cli.models.prompts import render_prompt
 
         return render_prompt(self.tokenizer, protocol.format_question(question, self.template))
 

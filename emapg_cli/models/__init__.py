@@ -1,1 +1,2 @@
-"""Model helpers: loading policies and building tiny local models for tests and the toy task."""
+"""Model helpers: loading a causal LM and its tokenizer (`loading`), prompt rendering (`prompts`), the prompt-sharing
+layout of a pass (`prefix`), and tiny local models for tests and the toy task (`tiny`)."""

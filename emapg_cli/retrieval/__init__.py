@@ -1,8 +1,34 @@
-"""Retrievers behind one interface (`base.Retriever`): in-process BM25 (`bm25`) and a Search-R1 HTTP client (`http`).
+"""Retrievers behind one interface (`base.Retriever`): in-process BM25 (`bm25`) and a Search-R1 HTTP client (`http`),
+and the factory that builds one by name.
 
 Only `bm25.py` imports bm25s; the HTTP client and `server.py` use the standard library only.
 """
 
-from emapg_cli.retrieval.base import Hit, Retriever, make_retriever
+from __future__ import annotations
+
+from typing import Optional
+
+from emapg_cli.retrieval.base import Hit, Retriever
 
 __all__ = ["Hit", "Retriever", "make_retriever"]
+
+
+def make_retriever(kind: str, *, index: Optional[str] = None, url: Optional[str] = None,
+                   timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0) -> Retriever:
+    """`bm25` over a saved index folder (`emapg retriever index`), or `http` against a Search-R1 `/retrieve` URL."""
+    from emapg_cli.errors import UserError
+
+    if kind == "bm25":
+        if not index:
+            raise UserError("search.index is not set: the folder written by `emapg retriever index CORPUS --out DIR`")
+        from emapg_cli.paths import expand
+        from emapg_cli.retrieval.bm25 import BM25Retriever
+
+        return BM25Retriever.load(expand(index))
+    if kind == "http":
+        if not url:
+            raise UserError("search.url is not set (a Search-R1 `/retrieve` endpoint, e.g. http://127.0.0.1:8000/retrieve)")
+        from emapg_cli.retrieval.http import HTTPRetriever
+
+        return HTTPRetriever(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
+    raise UserError(f"unknown retriever '{kind}' (bm25 or http)")

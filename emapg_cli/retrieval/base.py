@@ -7,7 +7,7 @@ of `contents` is the title (wiki-18 quotes it: `"Evan Morris"\nEvan Morris Evan 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -46,24 +46,3 @@ class Retriever(Protocol):
     def close(self) -> None:
         """Release resources (connections, memory maps)."""
         ...
-
-
-def make_retriever(kind: str, *, index: Optional[str] = None, url: Optional[str] = None,
-                   timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0) -> Retriever:
-    """`bm25` over a saved index folder (`emapg retriever index`), or `http` against a Search-R1 `/retrieve` URL."""
-    from emapg_cli.errors import UserError
-
-    if kind == "bm25":
-        if not index:
-            raise UserError("search.index is not set: the folder written by `emapg retriever index CORPUS --out DIR`")
-        from emapg_cli.paths import expand
-        from emapg_cli.retrieval.bm25 import BM25Retriever
-
-        return BM25Retriever.load(expand(index))
-    if kind == "http":
-        if not url:
-            raise UserError("search.url is not set (a Search-R1 `/retrieve` endpoint, e.g. http://127.0.0.1:8000/retrieve)")
-        from emapg_cli.retrieval.http import HTTPRetriever
-
-        return HTTPRetriever(url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
-    raise UserError(f"unknown retriever '{kind}' (bm25 or http)")

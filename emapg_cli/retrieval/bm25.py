@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from emapg_cli.errors import UserError
+from emapg_cli.fileio import sha256_file
 from emapg_cli.retrieval.base import Hit, hit_from_doc
-from emapg_cli.datasets.prepare import sha256_file
 from emapg_cli.retrieval.corpus import read_corpus
 
 MANIFEST = "manifest.json"

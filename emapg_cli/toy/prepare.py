@@ -30,7 +30,7 @@ SFT_THREADS = 1
 
 def render_all(tokenizer, examples: list[Example]) -> list[list[int]]:
     """Chat-template prompt ids of `examples`, rendered as the trainer renders them."""
-    from emapg_cli.train.rollout import render_prompt
+    from emapg_cli.models.prompts import render_prompt
 
     return [render_prompt(tokenizer, e.question) for e in examples]
 

@@ -60,7 +60,7 @@ class EpisodeEncoder:
 
     def prompt(self, question: str) -> list[int]:
         from emapg_cli.agents import protocol
-        from emapg_cli.train.rollout import render_prompt
+        from emapg_cli.models.prompts import render_prompt
 
         return render_prompt(self.tok, protocol.format_question(question, self.template))
 
@@ -108,7 +108,8 @@ def agent_accuracy(model, tokenizer, examples: list[Example], cfg, retriever, ma
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.engines.hf import HFEngine
     from emapg_cli.rewards import get_reward
-    from emapg_cli.train.rollout import render_prompt, score
+    from emapg_cli.models.prompts import render_prompt
+    from emapg_cli.train.rollout import score
 
     template = protocol.load_template(cfg.search.prompt_template)
     prompts = [render_prompt(tokenizer, protocol.format_question(e.question, template)) for e in examples]

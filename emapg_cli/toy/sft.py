@@ -56,7 +56,7 @@ class PairEncoder:
         self._prompts: dict[str, list[int]] = {}  # the toy has only 8100 distinct questions
 
     def prompt(self, question: str) -> list[int]:
-        from emapg_cli.train.rollout import render_prompt
+        from emapg_cli.models.prompts import render_prompt
 
         if question not in self._prompts:
             self._prompts[question] = render_prompt(self.tokenizer, question)

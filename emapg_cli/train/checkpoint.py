@@ -21,8 +21,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from emapg_cli.datasets.prepare import sha256_file
 from emapg_cli.errors import UserError
+from emapg_cli.fileio import sha256_file
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from emapg_cli.config.models import Config
-from emapg_cli.data.schema import Example, load_examples
+from emapg_cli.data.schema import Example
+from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
 from emapg_cli.kl import INFO
 from emapg_cli.paths import expand, prepare_hint

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from emapg_cli.kl.fused import DEFAULT_BUDGET_MIB, LossFn, fused_head_loss, stream_stats
+from emapg_cli.models.loading import autocast_dtype, compute_autocast
 from emapg_cli.models.prefix import position_ids
-from emapg_cli.train.loading import autocast_dtype, compute_autocast
 
 
 @dataclass
@@ -161,7 +161,7 @@ class TokenScorer(nn.Module):
     """Wraps a causal LM so its log-prob pass is the module's `forward` (what DDP/FSDP wrap and sync).
 
     `compute_dtype`: run the pass under autocast to this dtype (float32 master weights computing in
-    model.dtype, `emapg_cli.train.loading.compute_dtype`); None: no autocast context at all."""
+    model.dtype, `emapg_cli.models.loading.compute_dtype`); None: no autocast context at all."""
 
     def __init__(self, lm: nn.Module, compute_dtype: Optional[torch.dtype] = None):
         super().__init__()

@@ -41,7 +41,8 @@ from torch import Tensor, nn
 
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import distance_from_norms, ema_distance, ema_norms
-from emapg_cli.train.loading import compute_autocast, ema_tensors
+from emapg_cli.models.loading import compute_autocast
+from emapg_cli.train.loading import ema_tensors
 from emapg_cli.train.logprobs import TokenScorer
 
 

@@ -1,4 +1,5 @@
-"""Rollouts: prompt rendering, the deterministic prompt schedule, scoring, and the padded batch the passes consume."""
+"""Rollouts: the prompts that fit the token budget, the deterministic prompt schedule, scoring, and the padded batch
+the passes consume (rendering a prompt is `models/prompts.py`)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,7 @@ from emapg_cli.data.schema import Example
 from emapg_cli.engines.base import Completion
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-
-
-def render_prompt(tokenizer, question: str) -> list[int]:
-    """Token ids of `question` as the single user message, through the tokenizer's chat template."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def max_chars_per_token(tokenizer) -> int:
-    """The most characters one token can stand for: the longest vocabulary entry (a raw entry is at
-    least as long as its text: byte-level entries spell each byte with one character, sentencepiece
-    ones each character with one, byte-fallback `<0xNN>` ones one byte with six)."""
-    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+from emapg_cli.models.prompts import max_chars_per_token, render_prompt
 
 
 def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int,

@@ -28,13 +28,13 @@ from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_update_, grpo_advantages, informative_groups
+from emapg_cli.models.loading import DTYPES, cast_state, compute_dtype, load_tokenizer, set_config_dtype
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
 from emapg_cli.train.evaluate import evaluate
-from emapg_cli.train.loading import (DTYPES, cast_state, compute_dtype, load_policy, load_tokenizer, make_anchor,
-                                     set_config_dtype)
+from emapg_cli.train.loading import load_policy, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
@@ -68,7 +68,7 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
         return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context,
                         share_prompts=cfg.train.share_prompts != "never", end_token_ids=end_ids)
     from emapg_cli.engines.vllm import VLLMEngine
-    from emapg_cli.train.loading import model_ref
+    from emapg_cli.models.loading import model_ref
 
     # the search agent's contexts grow over turns, up to search.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
@@ -155,7 +155,7 @@ class Trainer:
     def _setup(self) -> int:
         """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         self.agent = make_search_agent(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
         message = user_message_fn(cfg)
         train_ex, self.train_prompts, self.skipped_train = prepare_prompts(
