@@ -164,6 +164,7 @@ def test_bf16_master_weights_move_the_weights_like_fp32(single_runs, tiny_qwen2)
     assert {t.dtype for t in load_weights(single_runs["master"] / "final" / "policy").values()} == {torch.float32}
 
 
+@pytest.mark.slow  # three training subprocesses, about 32 s in the full suite: kept out of CI's 20-minute budget
 def test_bf16_master_weights_resume_exactly_and_save_in_model_dtype(tiny_qwen2, tmp_path):
     """3 steps straight vs 2 steps, then --resume to 3: checkpoints hold the float32 master weights and AdamW
     state, so the resumed run's float32 final weights equal the straight run's bit for bit. Without
