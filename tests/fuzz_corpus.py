@@ -340,6 +340,19 @@ def eval_cases() -> list[Case]:
         case("eval", "missing-bench-option", "eval", "--responses", "resp.jsonl"),
         case("eval", "bench-unprepared-name", "eval", "--bench", "aime24", "--responses", "resp.jsonl", "--out", "new"),
         case("eval", "bench-name-dotdot", "eval", "--bench", "../../etc", "--responses", "resp.jsonl", "--out", "new"),
+        # --reward: a name or a plugin, checked as training's rollout.reward is, before anything is read or written
+        case("eval", "reward-unknown", *base, "--reward", "nosuchreward", "--out", "new"),
+        case("eval", "reward-empty", *base, "--reward", "", "--out", "new"),
+        case("eval", "reward-markup", *base, "--reward", "[/bold]", "--out", "new"),
+        case("eval", "reward-file-missing", *base, "--reward", "nofile.py:score", "--out", "new"),
+        case("eval", "reward-file-is-dir", *base, "--reward", "emptydir:score", "--out", "new"),
+        case("eval", "reward-no-function", *base, "--reward", "plug.py:absent", "--out", "new",
+             files={"plug.py": "def score(response, example):\n    return 1.0\n"}),
+        case("eval", "reward-not-callable", *base, "--reward", "plug.py:score", "--out", "new", files={"plug.py": "score = 3\n"}),
+        case("eval", "reward-syntax-error", *base, "--reward", "plug.py:score", "--out", "new", files={"plug.py": "def score(:\n"}),
+        case("eval", "reward-import-raises", *base, "--reward", "plug.py:score", "--out", "new",
+             files={"plug.py": "raise RuntimeError('boom')\n"}),
+        case("eval", "reward-module-missing", *base, "--reward", "no_such_module_xyz:score", "--out", "new"),
     ]
     for name, text in BAD_JSONL.items():
         cases.append(case("eval", f"bench-{name}", "eval", "--bench", "badbench.jsonl", "--responses", "resp.jsonl",

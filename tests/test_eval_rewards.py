@@ -22,6 +22,12 @@ def half_length(response, example):
 
 def broken(response, example):
     return example["answer"]  # the canonical row has "answers": KeyError on every item
+
+
+def picky(response, example):
+    if response == "x":
+        raise ValueError("cannot grade x")
+    return 1.0
 '''
 
 # Two items, four responses each (lengths 1 2 3 4 and 2 4 2 1).
@@ -100,6 +106,19 @@ def test_eval_generates_and_grades_with_a_plugin(files, tiny_qwen2, tmp_path, cl
     assert r.returncode == 0, r.stderr
     _, rows = _run(tmp_path / "gen2")
     assert all(row["scores"] == [float(len(t) % 2) for t in row["responses"]] for row in rows)
+
+
+def test_a_response_the_plugin_cannot_grade_scores_zero_and_is_reported(files, tmp_path, cli):
+    bench, given, plugin = files
+    out = tmp_path / "picky"
+    r = cli("eval", "--bench", str(bench), "--responses", str(given), "--reward", f"{plugin}:picky",
+            "--grader-workers", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    summary, rows = _run(out)
+    # only item 1's last response is "x": it raises, scores 0 and is counted; the other 7 score 1 -> avg@n = (4/4 + 3/4) / 2
+    assert rows[1]["scores"] == [1.0, 1.0, 1.0, 0.0] and summary["grader_errors"] == 1
+    assert summary["avg@n"] == pytest.approx(0.875)
+    assert "warning: some responses could not be graded and scored 0 (1 errors" in r.stderr
 
 
 def test_bad_plugin_refs_are_one_line_errors(files, tmp_path, cli):

@@ -106,6 +106,10 @@ def eval_(
     with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
         summary = run_eval(settings, progress)
     console.print(markdown(summary), markup=False, highlight=False)
+    failed = {k: summary.get(f"grader_{k}") or 0 for k in ("errors", "timeouts", "crashes", "out_of_memory")}
+    if any(failed.values()):  # each counted response scored 0: say so, not only in summary.json
+        counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in failed.items() if v)
+        typer.echo(f"warning: some responses could not be graded and scored 0 ({counts}; see summary.json grader_*)", err=True)
     from emapg_cli.plots.common import PLOTS_DIR
     from emapg_cli.plots.eval import plot_evals
 
