@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 import json
 import math
 import random
@@ -27,12 +28,13 @@ from emapg_cli.config.models import Config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_update_, grpo_advantages, informative_groups
+from emapg_cli.grpo import ema_update_, grpo_advantages
 from emapg_cli.models.loading import DTYPES, cast_state, compute_dtype, load_tokenizer, set_config_dtype
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.checks import preflight
+from emapg_cli.train.dynamic_sampling import filtered_groups, grade_groups
 from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
@@ -42,8 +44,8 @@ from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
-#: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
-_ROLLOUT, _UPDATE, _EVAL, _FILTER = 1, 2, 3, 4
+#: Offsets that keep the seed streams of rollouts, updates and evaluation apart (4: dynamic sampling's draws).
+_ROLLOUT, _UPDATE, _EVAL = 1, 2, 3
 
 
 def seed_everything(seed: int) -> None:
@@ -259,61 +261,10 @@ class Trainer:
         return dict(truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
                     overlong_penalty_max=rw.overlong_penalty)
 
-    def _global_max(self, value: int) -> int:
-        if self.acc.num_processes == 1:
-            return value
-        return int(self.acc.reduce(torch.tensor(float(value), device=self.acc.device), reduction="max"))
-
-    def _filtered_groups(self, mine: list[int], step: int, stage):
-        """DAPO's dynamic sampling (train.filter_groups): groups are graded at once; those whose rewards are all
-        equal are dropped and fresh prompts (a seeded draw per extra round) are sampled until this rank has its
-        share of prompts_per_step informative groups, or filter_max_rounds extra rounds were spent; then
-        uninformative groups fill the rest (advantage 0: only the KL term acts on them).
-        Returns (prompt ids, completions, examples, rewards [G_rank, n], reward errors, filter metrics)."""
-        cfg, acc = self.cfg, self.acc
-        r, t = cfg.rollout, cfg.train
-        per_rank = len(mine)
-
-        def graded(items: list[int], round_: int):
-            prompts, completions, examples = self._generate(items, step, stage, round_)
-            rewards, errors = score(self.reward_fn, completions, examples, shaping=self._shaping(stage))
-            rewards = torch.tensor(rewards, dtype=torch.float32).view(len(items), r.n)  # [G, n]
-            # each group as (prompt ids, its n completions, its n examples, its rewards [n])
-            return [(prompts[g], completions[g * r.n:(g + 1) * r.n], examples[g * r.n:(g + 1) * r.n], rewards[g])
-                    for g in range(len(items))], errors
-
-        groups, errors = graded(mine, 0)
-        flags = informative_groups(torch.stack([g[3] for g in groups])).tolist()  # [G_rank]
-        keep = [g for g, ok in zip(groups, flags) if ok]
-        spare = [g for g, ok in zip(groups, flags) if not ok]
-        rounds = 0
-        while self._global_max(per_rank - len(keep)) > 0 and rounds < t.filter_max_rounds:
-            rounds += 1
-            need = per_rank - len(keep)
-            draw = random.Random(derive_seed(cfg.train.seed, _FILTER, step, rounds, acc.process_index))
-            items = draw.sample(range(len(self.train_ex)), min(per_rank, len(self.train_ex))) if need > 0 else []
-            more, e2 = graded(items, rounds)
-            errors += e2
-            if more:
-                for g, ok in zip(more, informative_groups(torch.stack([g[3] for g in more])).tolist()):
-                    (keep if ok else spare).append(g)
-        dropped = len(spare)
-        filled = max(0, per_rank - len(keep))
-        groups = (keep + spare[:filled])[:per_rank]
-        dropped -= filled
-        counts = torch.tensor([float(rounds), float(dropped), float(filled)], device=acc.device)
-        if acc.num_processes > 1:
-            counts = acc.reduce(counts, reduction="sum")
-            counts[0] = rounds  # every rank runs the same number of rounds
-        filtering = {"rollout/filter_rounds": float(counts[0]), "rollout/filtered_groups": float(counts[1]),
-                     "rollout/filter_filled": float(counts[2])}
-        return ([g[0] for g in groups], [c for g in groups for c in g[1]], [e for g in groups for e in g[2]],
-                torch.stack([g[3] for g in groups]), errors, filtering)
-
     def _rollout(self, step: int):
         """Generate this rank's groups, start grading them in the background and build the padded batch
         (advantages still zero: `_advantages` fills them). Returns (batch, pending grades, metrics inputs).
-        With train.filter_groups the groups are graded before the batch is built (`_filtered_groups`)."""
+        With train.filter_groups the groups are graded before the batch is built (train/dynamic_sampling.py)."""
         cfg, acc = self.cfg, self.acc
         r, t = cfg.rollout, cfg.train
         per_rank = r.prompts_per_step // acc.num_processes
@@ -322,7 +273,10 @@ class Trainer:
         stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
         roll: dict[str, Any] = {}
         if t.filter_groups:
-            prompts, completions, examples, rewards, errors, roll["filtering"] = self._filtered_groups(mine, step, stage)
+            graded = partial(grade_groups, lambda items, round_: self._generate(items, step, stage, round_), self.reward_fn,
+                             self._shaping(stage), r.n)
+            prompts, completions, examples, rewards, errors, roll["filtering"] = filtered_groups(
+                acc, mine, graded, len(self.train_ex), t.filter_max_rounds, cfg.train.seed, step)
             grading: Future = Future()
             grading.set_result((rewards.reshape(-1).tolist(), errors))
         else:
