@@ -8,14 +8,13 @@ are listed in `memory_terms` and explained in docs/dry_run.md.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
-from emapg_cli.paths import expand
+from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
 
 GIB = 2**30
 
@@ -113,22 +112,6 @@ KNOWN_MODELS: dict[str, ModelShapes] = {
     ),
 }
 KNOWN_MODELS["Qwen/Qwen2.5-3B-Instruct"] = KNOWN_MODELS["Qwen/Qwen2.5-3B"]
-
-
-def load_model_config(path: Optional[str]) -> Optional[dict[str, Any]]:
-    """The config.json of a local model folder as a dict; None when `path` is not a local folder (a hub id)."""
-    if not path:
-        return None
-    folder = expand(path)
-    if not folder.is_dir():
-        return None
-    config = folder / "config.json"
-    if not config.is_file():
-        raise UserError(f"model folder {path} has no config.json")
-    try:
-        return json.loads(config.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {config}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -358,8 +341,6 @@ def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, 
 def evaluation_line(cfg: Config) -> str:
     """The dry-run's evaluation row: sampling, the token budget (per turn, within the context, for search runs),
     the sets and when they run."""
-    from emapg_cli.train.checks import eval_refs
-
     refs, e = eval_refs(cfg.data.eval), cfg.eval
     if not refs:
         return "none (data.eval is null)"
@@ -433,10 +414,7 @@ def make_plan(
         notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
 
     per_mini = max(1, cfg.sequences_per_mini_batch // processes)  # sequences per mini-batch on one rank
-    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
-                        ("train.mini_batch_sequences", t.mini_batch_sequences)):
-        if value is not None and value % processes:
-            notes.append(f"{name} ({value}) is not a multiple of {processes} processes: the trainer refuses this")
+    notes += [f"{line} (the trainer refuses this)" for line in launch_problems(cfg, processes)]
     plan = dict(
         name=cfg.name, model_path=cfg.model.path, model=model, model_source=source, dtype=cfg.model.dtype,
         steps=t.steps, prompts_per_step=r.prompts_per_step, n=r.n, responses_per_step=d.responses_per_step,

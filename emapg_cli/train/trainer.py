@@ -33,7 +33,7 @@ from emapg_cli.models.loading import DTYPES, cast_state, compute_dtype, load_tok
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
-from emapg_cli.train.checks import preflight
+from emapg_cli.train.checks import launch_problems, preflight
 from emapg_cli.train.dynamic_sampling import filtered_groups, grade_groups
 from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, make_anchor
@@ -132,21 +132,9 @@ class Trainer:
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
         self._layouts_checked = False  # pack_sequences, share_prompts: == the padded pass, verified at the first step
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
-        world = self.acc.num_processes
-        r, t = cfg.rollout, cfg.train
-        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
-                            ("train.mini_batch_sequences", t.mini_batch_sequences)):
-            if value is not None and value % world:
-                raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
-        if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
-            raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
-                            "train.parallel=fsdp; use ddp or micro_batch_size")
-        if cfg.train.share_prompts == "always" and cfg.train.parallel == "fsdp" and world > 1:
-            raise UserError("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
-                            "on several processes does not support; use auto or never")
-        if self.acc.distributed_type.name == "FSDP":
-            raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
-                            "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
+        problems = launch_problems(cfg, self.acc.num_processes, accelerate_fsdp=self.acc.distributed_type.name == "FSDP")
+        if problems:
+            raise UserError(problems[0])
         self.strategy = make_strategy(self.acc, cfg.train.parallel)
         self.phase_s: dict[str, float] = {}  # wall seconds of the current step's phases (`step`)
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
