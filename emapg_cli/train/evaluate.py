@@ -10,6 +10,16 @@ from emapg_cli.engines.base import SamplingParams
 from emapg_cli.train.rollout import score
 
 
+def eval_max_new_tokens(cfg, step: int) -> int:
+    """The response cap of the evaluation after RL step `step` (0: before training): eval.max_new_tokens, and with
+    staged lengths (cfg.stages, single-turn runs) at most the length of that step's stage, as each of the official
+    stage scripts validates with its own data.max_response_length."""
+    cap = cfg.eval.max_new_tokens
+    if cfg.stages and not cfg.search.enabled:
+        cap = min(cap, cfg.stage_at(max(step, 1)).max_new_tokens)
+    return cap
+
+
 @dataclass
 class EvalScores:
     """`accuracy`: fraction of (item, sample) pairs scoring > 0.5 over the whole evaluation set; `by_source`: the
