@@ -20,6 +20,14 @@ def eval_max_new_tokens(cfg, step: int) -> int:
     return cap
 
 
+def eval_params(cfg, step: int, seed: int) -> SamplingParams:
+    """Sampling of the evaluation after RL step `step`: the `eval` section, stopping on rollout.stop, capped by
+    `eval_max_new_tokens` (for search runs the budget of each turn, as rollout.max_new_tokens is in training)."""
+    e = cfg.eval
+    return SamplingParams(n=e.n, max_new_tokens=eval_max_new_tokens(cfg, step), temperature=e.temperature, top_p=e.top_p,
+                          stop=tuple(cfg.rollout.stop), seed=seed)
+
+
 @dataclass
 class EvalScores:
     """`accuracy`: fraction of (item, sample) pairs scoring > 0.5 over the whole evaluation set; `by_source`: the

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable
 
+import torch
+
 from emapg_cli.engines.base import SamplingParams, derive_seed
+from emapg_cli.grpo import grpo_advantages
 from emapg_cli.train.dynamic_sampling import filtered_groups, grade_groups
 from emapg_cli.train.rollout import padded_batch, schedule, score
 
@@ -77,3 +80,14 @@ class Rollouts:
             batch, truncated = padded_batch(prompts, completions, r.n, stage.mask_truncated, self.pad_id, acc.device)
         roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=truncated, max_new_tokens=stage.max_new_tokens)
         return batch, (grading, completions, examples), roll
+
+
+def group_advantages(acc, rewards: list[float], n: int, norm: str, eps: float):
+    """GRPO advantages (`grpo.grpo_advantages`) over all ranks' rewards (this rank's: G_rank groups of n, in order).
+    Returns (this rank's advantages [G_rank * n] on its device, all ranks' rewards [G, n] on the CPU)."""
+    per_rank = len(rewards) // n
+    local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, n)  # [G_rank, n]
+    all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
+    adv = grpo_advantages(all_rewards, norm, eps)  # [G, n]
+    adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+    return adv_local.to(acc.device).float(), all_rewards.cpu()

@@ -1,4 +1,4 @@
-"""What a run builds before its first step: the seeds, the optimizer and its learning-rate schedule, the prompts."""
+"""What a run builds before its first step: the seeds, the prompts, the models with their optimizer and learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import numpy as np
 import torch
 
 from emapg_cli.errors import UserError
+from emapg_cli.models.loading import DTYPES, compute_dtype
+from emapg_cli.train.loading import load_policy, make_anchor
 from emapg_cli.train.rollout import prepare_prompts
 
 
@@ -45,3 +47,18 @@ def run_prompts(tokenizer, inputs, max_prompt_tokens: int, message, with_eval: b
     if with_eval:  # data.eval_limit already applied, per source (train/checks.py)
         eval_ex, eval_prompts, skipped_eval = prepare_prompts(tokenizer, inputs.eval, max_prompt_tokens, message)
     return train_ex, train_prompts, eval_ex, eval_prompts, skipped + skipped_eval
+
+
+def build_models(cfg, strategy):
+    """The policy (loaded after seeding with train.seed) and, when the run needs one, its anchor, wrapped by the
+    parallel `strategy` together with the optimizer; the scheduler. Returns (scorer, anchor scorer or None,
+    optimizer, scheduler, k: kl.k capped to the vocabulary)."""
+    seed_everything(cfg.train.seed)
+    policy = load_policy(cfg.model, cfg.lora)
+    vocab = policy.get_output_embeddings().weight.shape[0]
+    k = min(cfg.kl.k, vocab)
+    anchor = make_anchor(policy, DTYPES[cfg.ema.dtype]) if cfg.derived.loads_anchor else None
+    # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
+    # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
+    scorer, anchor_scorer, optimizer = strategy.wrap(policy, anchor, make_optimizer_fn(cfg.optim), compute_dtype(cfg.model, cfg.lora))
+    return scorer, anchor_scorer, optimizer, make_scheduler(optimizer, cfg), k

@@ -19,27 +19,24 @@ from typing import Any, Optional
 
 import torch
 
-from emapg_cli.config.loading import to_yaml
 from emapg_cli.config.models import Config
-from emapg_cli.engines.base import SamplingParams, derive_seed
+from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_update_, grpo_advantages
-from emapg_cli.models.loading import DTYPES, compute_dtype, load_tokenizer
+from emapg_cli.grpo import ema_update_
+from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import launch_problems, preflight
-from emapg_cli.train.evaluate import eval_max_new_tokens, evaluate
-from emapg_cli.train.loading import load_policy, make_anchor
+from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
+from emapg_cli.train.loggers import open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
 from emapg_cli.train.progress import PhaseTimer, TrainProgress
-from emapg_cli.train.rollouts import Rollouts
-from emapg_cli.train.setup import make_optimizer_fn, make_scheduler, run_prompts, seed_everything
+from emapg_cli.train.rollouts import Rollouts, group_advantages
+from emapg_cli.train.setup import build_models, make_scheduler, run_prompts, seed_everything  # noqa: F401 - make_scheduler: re-exported
 from emapg_cli.train.update import NonFiniteWeights, update_policy
-
-__all__ = ["Trainer", "eval_max_new_tokens", "make_scheduler", "seed_everything"]  # the last three: moved, still importable here
 
 #: Offsets that keep the seed streams of updates and evaluation apart (1: rollouts, 4: dynamic sampling's draws).
 _UPDATE, _EVAL = 2, 3
@@ -123,7 +120,9 @@ class Trainer:
         message = user_message_fn(cfg)
         self.train_ex, self.train_prompts, self.eval_ex, self.eval_prompts, self.skipped_prompts = run_prompts(
             self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, with_eval=bool(cfg.data.eval))
-        last = self._load_models()
+        self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.k = build_models(cfg, self.strategy)
+        self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
+        last = self._resume()
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
         # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
         self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
@@ -132,36 +131,19 @@ class Trainer:
         self._push(self.policy)
         return last
 
-    def _load_models(self) -> int:
-        """Policy, anchor, optimizer and scheduler (the strategy wraps them); the checkpoint when resuming. Returns the
-        last finished step."""
-        cfg = self.cfg
-        seed_everything(cfg.train.seed)
-        policy = load_policy(cfg.model, cfg.lora)
-        vocab = policy.get_output_embeddings().weight.shape[0]
-        self.k = min(cfg.kl.k, vocab)
-        anchor = make_anchor(policy, DTYPES[cfg.ema.dtype]) if cfg.derived.loads_anchor else None
-        # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
-        # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
-        self.scorer, self.anchor_scorer, self.optimizer = self.strategy.wrap(policy, anchor, make_optimizer_fn(cfg.optim),
-                                                                             compute_dtype(cfg.model, cfg.lora))
-        self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
-        self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
-        last = 0
-        if self.resume:
-            saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy,
-                                         anchor=self.anchor, optimizer=self.optimizer, scheduler=self.scheduler,
-                                         notify=self._warn)
-            if saved is not None:
-                self.state = {**self.state, **saved}
-                last = self.state["step"]
-        return last
-
     def _warn(self, line: str) -> None:
         """One line on stderr, from the main process only."""
         if self.acc.is_main_process:
             print(line, file=sys.stderr, flush=True)
+
+    def _resume(self) -> int:
+        """The run's counters, from its newest intact checkpoint when resuming; returns the last finished step."""
+        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
+        saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
+                                     optimizer=self.optimizer, scheduler=self.scheduler, notify=self._warn) if self.resume else None
+        if saved is not None:
+            self.state = {**self.state, **saved}
+        return self.state["step"] if saved is not None else 0
 
     @contextlib.contextmanager
     def _generating(self, model):
@@ -189,9 +171,7 @@ class Trainer:
         """Accuracy of `model` (the policy or the anchor) on the evaluation set: {key: over all items} plus
         {key/<source>: per source} when the set mixes sources. For search runs `eval.max_new_tokens` is the
         budget of each turn (the agent runs every turn with it), as rollout.max_new_tokens is in training."""
-        e = self.cfg.eval
-        params = SamplingParams(n=e.n, max_new_tokens=eval_max_new_tokens(self.cfg, step), temperature=e.temperature, top_p=e.top_p,
-                                stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
+        params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
         scores = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
@@ -203,21 +183,15 @@ class Trainer:
         """Wait for the grades, then GRPO advantages over all ranks' rewards; (batch, all rewards [G, n], reward
         errors, search metrics of this process's episodes)."""
         grading, completions, examples = pending
-        cfg, acc = self.cfg, self.acc
-        r = cfg.rollout
-        per_rank = r.prompts_per_step // acc.num_processes
         with self.phases("reward"):  # only the part of grading that the passes did not hide
             rewards, errors = grading.result()
-        local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
-        all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
-        adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
-        adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+        adv_local, all_rewards = group_advantages(self.acc, rewards, self.cfg.rollout.n, self.cfg.train.adv_norm, self.cfg.train.adv_eps)
         extra: dict[str, float] = {}
         if self.agent is not None:  # this process's episodes
             from emapg_cli.agents import search_metrics
 
             extra = {**search_metrics(completions, self.agent.latencies), **reward_by_source(rewards, examples)}
-        return batch.with_(advantages=adv_local.to(acc.device).float()), all_rewards.cpu(), errors, extra
+        return batch.with_(advantages=adv_local), all_rewards, errors, extra
 
     def _passes(self, batch):
         """Old-policy and anchor passes (as the config needs them); (batch, engine/trainer log-prob differences or None)."""
@@ -267,18 +241,10 @@ class Trainer:
             ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), e.decay)
         return self.strategy.ema_distance(self.policy, self.anchor)
 
-    def _save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
-                             optimizer=self.optimizer, scheduler=self.scheduler, state=self.state,
-                             keep=self.cfg.train.keep_checkpoints)
-
     def step(self, step: int) -> StepResult:
-        """One RL step: generation, batch (grading runs in the background), passes, advantages, update, EMA and weight push.
-
-        Returns its metrics row and wall-time breakdown (`StepResult.phase_s`): generation, batch, passes, reward
-        (waiting for grades the passes did not hide), update, ema, and the totals rollout (generation + batch) and
-        update_total (the rest).
-        """
+        """One RL step: rollout (grading in the background), passes, advantages, update, EMA and weight push. Returns
+        its metrics and wall-time breakdown (`StepResult.phase_s`): generation, batch, passes, reward (the grading the
+        passes did not hide), update, ema, and the totals rollout (generation + batch) and update_total (the rest)."""
         self.phases.reset()
         seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
         with self.phases("rollout"):
@@ -330,27 +296,16 @@ class Trainer:
                 # ---------------------------------------------- checkpoint
                 self.state["elapsed_s"] = elapsed0 + time.time() - start_time
                 if (self.cfg.train.save_every and step % self.cfg.train.save_every == 0) or step == self.cfg.train.steps:
-                    self._save(step)
+                    ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
+                                         optimizer=self.optimizer, scheduler=self.scheduler, state=self.state,
+                                         keep=self.cfg.train.keep_checkpoints)
                 progress.advance(step, metrics, time.time() - t0)
         # -------------------------------------------------- finish: final weights, summary
         return self._finish(logger, metrics, started=start_time - elapsed0)
 
     def _start(self, last: int):
         """The run folder, its config and the metrics logger; at step 0 the data counts and the initial accuracy."""
-        from emapg_cli.train.loggers import NullLogger, make_logger
-
-        cfg, acc = self.cfg, self.acc
-        if acc.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            # on resume: the saved config plus any --set, written only now that the checkpoint took it;
-            # atomic, as the other ranks may be reading the old one
-            write_text_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
-        acc.wait_for_everyone()
-        # On resume, metrics of steps after the checkpoint are dropped (they are logged again); with no
-        # checkpoint at all, every row goes (-1), step 0 included.
-        resume_step = (last if last > 0 else -1) if self.resume else None
-        logger = (make_logger(cfg.logging, self.run_dir, cfg.model_dump(mode="json"), resume_step=resume_step)
-                  if acc.is_main_process else NullLogger())
+        logger = open_run(self.cfg, self.run_dir, self.acc, last, self.resume)
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
             if self.eval_prompts:
