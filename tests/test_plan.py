@@ -210,7 +210,7 @@ def test_token_budget_bounds_the_micro_batch_activations():
 
 def test_launch_problems_are_one_list_for_the_trainer_and_the_plan():
     """train/checks.py launch_problems: what the trainer refuses is what the dry-run notes (one function)."""
-    from emapg_cli.train.checks import launch_problems
+    from emapg_cli.train.checks import check_launch, launch_problems
 
     cfg = load_config("toy", overrides=["rollout.prompts_per_step=6", "train.mini_batch_prompts=6", "train.parallel=fsdp",
                                         "train.share_prompts=always"])
@@ -222,3 +222,6 @@ def test_launch_problems_are_one_list_for_the_trainer_and_the_plan():
     notes = make_plan(cfg, processes=4).notes
     assert all(f"{line} (the trainer refuses this)" in notes for line in four)
     assert launch_problems(cfg, 1, accelerate_fsdp=True)[0].startswith("emapg shards the policy and the anchor itself")
+    check_launch(cfg, 1)  # nothing to refuse
+    with pytest.raises(UserError, match=r"^rollout.prompts_per_step \(6\) is not a multiple of 4 processes$"):
+        check_launch(cfg, 4)  # the trainer: the first problem, one line

@@ -185,6 +185,13 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
     return out
 
 
+def check_launch(cfg: Config, processes: int, accelerate_fsdp: bool = False) -> None:
+    """The first of `launch_problems` as a one-line UserError (the trainer, before any weights load)."""
+    problems = launch_problems(cfg, processes, accelerate_fsdp)
+    if problems:
+        raise UserError(problems[0])
+
+
 def _lookup(cfg: Config, key: str) -> Any:
     section, field = key.split(".")
     return getattr(getattr(cfg, section), field)

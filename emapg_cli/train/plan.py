@@ -363,7 +363,7 @@ def evaluation_line(cfg: Config) -> str:
     if cfg.search.enabled:  # the agent runs every turn with eval.max_new_tokens (checked to fit with the prompt)
         budget = (f"<= {e.max_new_tokens:,} tokens per turn, context {cfg.search.max_context_tokens:,} "
                   f"(prompt <= {cfg.data.max_prompt_tokens:,})")
-    elif cfg.stages:  # each stage evaluates at its own response cap (train/trainer.py eval_max_new_tokens)
+    elif cfg.stages:  # each stage evaluates at its own response cap (train/evaluate.py eval_max_new_tokens)
         budget = f"<= each stage's response cap, at most {e.max_new_tokens:,} tokens"
     else:
         budget = f"<= {e.max_new_tokens:,} tokens"

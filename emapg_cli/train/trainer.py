@@ -1,11 +1,10 @@
-"""The RL loop: rollout -> rewards -> GRPO advantages -> old/anchor passes -> update -> EMA anchor -> log/eval/checkpoint.
-
-Built on `accelerate.Accelerator` (single process, or several with `accelerate launch`); how the
-ranks hold the policy and the anchor (replicated with DDP, or sharded with FSDP2) is the
-`train.parallel` strategy of train/parallel.py, which the loop calls without branching. Every
-source of randomness is seeded per step from (train.seed, step), and a checkpoint holds the full
-optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted one bit for bit on CPU.
-"""
+"""The RL loop, read top to bottom in `run`: setup, then each `step` (rollout -> GRPO advantages -> old/anchor passes
+-> update -> EMA anchor) followed by evaluate / log / checkpoint, then finish. The pieces sit beside it: rollouts.py
+(with dynamic_sampling.py), passes.py, update.py, setup.py, bookkeeping.py, checkpoint.py, loggers.py.
+Built on `accelerate.Accelerator`; how the ranks hold the policy and the anchor (DDP or FSDP2) is the `train.parallel`
+strategy of train/parallel.py, which the loop calls without branching. Every source of randomness is seeded per step
+from (train.seed, step), and a checkpoint holds the full optimizer/scheduler/anchor state, so a resumed run reproduces
+an uninterrupted one bit for bit on CPU."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
-from emapg_cli.train.checks import launch_problems, preflight
+from emapg_cli.train.checks import check_launch, preflight
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
 from emapg_cli.train.loggers import open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
@@ -102,9 +101,7 @@ class Trainer:
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
         self._layouts_checked = False  # pack_sequences, share_prompts: == the padded pass, verified at the first step
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
-        problems = launch_problems(cfg, self.acc.num_processes, accelerate_fsdp=self.acc.distributed_type.name == "FSDP")
-        if problems:
-            raise UserError(problems[0])
+        check_launch(cfg, self.acc.num_processes, accelerate_fsdp=self.acc.distributed_type.name == "FSDP")
         self.strategy = make_strategy(self.acc, cfg.train.parallel)
         self.phases = PhaseTimer()  # wall seconds of the current step's phases (`step`)
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
@@ -141,9 +138,8 @@ class Trainer:
         self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
         saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
                                      optimizer=self.optimizer, scheduler=self.scheduler, notify=self._warn) if self.resume else None
-        if saved is not None:
-            self.state = {**self.state, **saved}
-        return self.state["step"] if saved is not None else 0
+        self.state = {**self.state, **(saved or {})}
+        return self.state.get("step", 0)
 
     @contextlib.contextmanager
     def _generating(self, model):
@@ -168,9 +164,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
     def _eval(self, model, step: int, key: str = "eval/accuracy") -> dict[str, float]:
-        """Accuracy of `model` (the policy or the anchor) on the evaluation set: {key: over all items} plus
-        {key/<source>: per source} when the set mixes sources. For search runs `eval.max_new_tokens` is the
-        budget of each turn (the agent runs every turn with it), as rollout.max_new_tokens is in training."""
+        """Accuracy of `model` (the policy or the anchor) on the evaluation set (`eval_params`): {key: over all items}
+        plus {key/<source>: per source} when the set mixes sources."""
         params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
@@ -295,10 +290,7 @@ class Trainer:
                 check_skips(self.state, self.cfg, step, result.skipped)
                 # ---------------------------------------------- checkpoint
                 self.state["elapsed_s"] = elapsed0 + time.time() - start_time
-                if (self.cfg.train.save_every and step % self.cfg.train.save_every == 0) or step == self.cfg.train.steps:
-                    ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
-                                         optimizer=self.optimizer, scheduler=self.scheduler, state=self.state,
-                                         keep=self.cfg.train.keep_checkpoints)
+                self._checkpoint(step)
                 progress.advance(step, metrics, time.time() - t0)
         # -------------------------------------------------- finish: final weights, summary
         return self._finish(logger, metrics, started=start_time - elapsed0)
@@ -329,6 +321,13 @@ class Trainer:
             out.update(self._eval(self.policy, step))
             self.state["eval_accuracy_final"] = out["eval/accuracy"]
         return out
+
+    def _checkpoint(self, step: int) -> None:
+        """A checkpoint every train.save_every steps and after the last one (every rank calls this)."""
+        t = self.cfg.train
+        if (t.save_every and step % t.save_every == 0) or step == t.steps:
+            ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
+                                 optimizer=self.optimizer, scheduler=self.scheduler, state=self.state, keep=t.keep_checkpoints)
 
     def _finish(self, logger, metrics: dict[str, Any], started: float) -> dict[str, Any]:
         """Final weights, summary.json (returned; wall time since `started`, earlier sessions included), and the
