@@ -203,7 +203,6 @@ def make_logger(cfg: LoggingConfig, run_dir: Path, run_config: dict[str, Any], *
     return MultiLogger(sinks)
 
 
-
 def open_run(cfg, run_dir: Path, accelerator, last: int, resume: bool) -> Logger:
     """Write the run's config.yaml (main process; atomic, as the other ranks may be reading the old one) and open its
     metrics logger there (a NullLogger on the other ranks). On resume the config is the saved one plus any --set,

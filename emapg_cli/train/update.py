@@ -232,18 +232,6 @@ def global_token_share(accelerator, local_tokens: float) -> float:
     return float(total) / accelerator.num_processes
 
 
-def mini_batch_rows(order: Tensor, group_size: int, rows_per_mini: int) -> list[Tensor]:
-    """The rows of each mini-batch of one epoch: groups in `order` [G] laid out row by row (group g holds
-    rows g*n .. g*n + n - 1), cut into consecutive chunks of `rows_per_mini` rows. [rows_per_mini] each.
-
-    With rows_per_mini a multiple of n every chunk is whole groups (train.mini_batch_prompts); otherwise
-    a group's rows may fall into two chunks (train.mini_batch_sequences, verl's ppo_mini_batch_size
-    splitting the batch of sequences).
-    """
-    laid = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [G * n]
-    return [laid[r0:r0 + rows_per_mini] for r0 in range(0, laid.numel(), rows_per_mini)]
-
-
 def kept_rows(accelerator, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, float]:
     """The mini-batch's rows without the dropped ones (`batch.keep`, train.mask_truncated: no loss, no count), and
     its number of sequences (seq-mean's N_seqs: all ranks' kept rows / world when rows were dropped)."""
@@ -254,6 +242,18 @@ def kept_rows(accelerator, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, f
     # a mini-batch left empty on this rank still runs one (zero-loss) pass on a dropped row, whose masks
     # are zero, so that every rank takes part in the gradient reduction
     return (kept if kept.numel() else rows[:1]), num_seqs
+
+
+def mini_batch_rows(order: Tensor, group_size: int, rows_per_mini: int) -> list[Tensor]:
+    """The rows of each mini-batch of one epoch: groups in `order` [G] laid out row by row (group g holds
+    rows g*n .. g*n + n - 1), cut into consecutive chunks of `rows_per_mini` rows. [rows_per_mini] each.
+
+    With rows_per_mini a multiple of n every chunk is whole groups (train.mini_batch_prompts); otherwise
+    a group's rows may fall into two chunks (train.mini_batch_sequences, verl's ppo_mini_batch_size
+    splitting the batch of sequences).
+    """
+    laid = (order[:, None] * group_size + torch.arange(group_size)).reshape(-1)  # [G * n]
+    return [laid[r0:r0 + rows_per_mini] for r0 in range(0, laid.numel(), rows_per_mini)]
 
 
 def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, scheduler,
