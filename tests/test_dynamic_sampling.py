@@ -59,3 +59,29 @@ def test_filter_groups_through_the_cli(tiny_qwen2, tmp_path):
         assert row["rollout/filtered_groups"] + row["rollout/filter_filled"] >= 2
         if row["rollout/filter_filled"] == 0:  # every kept group is informative: rewards vary
             assert row["reward/std"] > 0
+
+
+def test_filtered_groups_by_hand():
+    """One rank, 2 groups of 2: in round 0 item 0 is all-equal ([1, 1]) and item 1 informative ([0, 1]); every
+    group of a later round is informative. With one extra round allowed: 1 round, item 0 dropped, nothing filled,
+    and the batch is item 1 plus the first drawn item. With none: item 0 fills the batch (after item 1)."""
+    from types import SimpleNamespace
+
+    from emapg_cli.train.dynamic_sampling import filtered_groups
+
+    acc = SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"))
+    calls = []
+
+    def graded(items, round_):
+        calls.append((list(items), round_))
+        rows = {0: [1.0, 1.0], 1: [0.0, 1.0]} if round_ == 0 else {}
+        return [(f"p{i}", [f"c{i}a", f"c{i}b"], [i, i], torch.tensor(rows.get(i, [0.0, 1.0]))) for i in items], 0
+
+    prompts, completions, examples, rewards, errors, m = filtered_groups(acc, [0, 1], graded, 8, 1, seed=1, step=1)
+    assert len(calls) == 2 and calls[1][1] == 1 and len(calls[1][0]) == 2  # one extra round drew 2 prompts
+    assert prompts == ["p1", f"p{calls[1][0][0]}"] and rewards.shape == (2, 2) and len(completions) == 4
+    assert m == {"rollout/filter_rounds": 1.0, "rollout/filtered_groups": 1.0, "rollout/filter_filled": 0.0}
+    calls.clear()
+    prompts, _, examples, rewards, _, m = filtered_groups(acc, [0, 1], graded, 8, 0, seed=1, step=1)
+    assert calls == [([0, 1], 0)] and prompts == ["p1", "p0"] and examples == [1, 1, 0, 0]
+    assert m == {"rollout/filter_rounds": 0.0, "rollout/filtered_groups": 0.0, "rollout/filter_filled": 1.0}

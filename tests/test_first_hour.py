@@ -43,7 +43,9 @@ def test_unknown_reward_fails_the_dry_run():
     assert r.returncode == 2
     from emapg_cli.rewards import REWARDS
 
-    assert r.stderr.strip() == f"error: rollout.reward: unknown reward 'nope' (known: {', '.join(sorted(REWARDS))})"
+    # the rewards registry's message (rewards.registry.check_reward, as `emapg eval --reward`), under the config key
+    assert r.stderr.strip() == (f"error: rollout.reward: unknown reward 'nope' (known: {', '.join(sorted(REWARDS))}; "
+                                "or module:function / path/to/file.py:function)")
 
 
 @pytest.mark.skipif(find_spec("tensorboard") is not None, reason="tensorboard is installed here")

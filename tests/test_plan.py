@@ -206,3 +206,22 @@ def test_token_budget_bounds_the_micro_batch_activations():
     assert full["activations"] * 32_768 == capped["activations"] * 204_800
     tiny = {t.name: t.bytes for t in make_plan(olympiad(over + ["train.max_tokens_per_micro_batch=100"])).memory}
     assert tiny["activations"] * 204_800 == full["activations"] * 25_600
+
+
+def test_launch_problems_are_one_list_for_the_trainer_and_the_plan():
+    """train/checks.py launch_problems: what the trainer refuses is what the dry-run notes (one function)."""
+    from emapg_cli.train.checks import check_launch, launch_problems
+
+    cfg = load_config("toy", overrides=["rollout.prompts_per_step=6", "train.mini_batch_prompts=6", "train.parallel=fsdp",
+                                        "train.share_prompts=always"])
+    assert launch_problems(cfg, 1) == [] and len(launch_problems(cfg, 3)) == 1  # 6 = 2 x 3: only the fsdp refusal
+    assert launch_problems(cfg, 3)[0].startswith("train.share_prompts=always runs each prompt's layers twice")
+    four = launch_problems(cfg, 4)  # 6 % 4 = 2: both batch sizes, then the fsdp refusal
+    assert four[:2] == ["rollout.prompts_per_step (6) is not a multiple of 4 processes",
+                        "train.mini_batch_prompts (6) is not a multiple of 4 processes"] and len(four) == 3
+    notes = make_plan(cfg, processes=4).notes
+    assert all(f"{line} (the trainer refuses this)" in notes for line in four)
+    assert launch_problems(cfg, 1, accelerate_fsdp=True)[0].startswith("emapg shards the policy and the anchor itself")
+    check_launch(cfg, 1)  # nothing to refuse
+    with pytest.raises(UserError, match=r"^rollout.prompts_per_step \(6\) is not a multiple of 4 processes$"):
+        check_launch(cfg, 4)  # the trainer: the first problem, one line

@@ -53,34 +53,34 @@ def test_a_step_that_makes_weights_non_finite_raises():
 
 def test_skipped_steps_window_by_hand():
     """2 optimizer steps per RL step, a window of 3 RL steps (6 optimizer steps), max fraction 0.5."""
-    from emapg_cli.train.trainer import Trainer
+    from emapg_cli.train.bookkeeping import check_skips
 
     cfg = load_config(overrides=["rollout.prompts_per_step=4", "train.mini_batch_prompts=2", "train.steps=10",
                                  "train.skip_window=3", "train.max_skipped_fraction=0.5"])
     assert cfg.derived.optimizer_steps_per_rl_step == 2
     t = SimpleNamespace(cfg=cfg, state={})
-    Trainer._check_skips(t, 1, 2)  # [2]: window not full yet (1 < 3 RL steps), even at 100% skipped
-    Trainer._check_skips(t, 2, 1)  # [2, 1]: not full
-    Trainer._check_skips(t, 3, 0)  # [2, 1, 0]: 3 of 6 = 0.5, not more than 0.5
-    Trainer._check_skips(t, 4, 1)  # [1, 0, 1]: 2 of 6 (step 1 left the window)
+    check_skips(t.state, t.cfg, 1, 2)  # [2]: window not full yet (1 < 3 RL steps), even at 100% skipped
+    check_skips(t.state, t.cfg, 2, 1)  # [2, 1]: not full
+    check_skips(t.state, t.cfg, 3, 0)  # [2, 1, 0]: 3 of 6 = 0.5, not more than 0.5
+    check_skips(t.state, t.cfg, 4, 1)  # [1, 0, 1]: 2 of 6 (step 1 left the window)
     assert t.state["skip_window"] == [1, 0, 1]
-    Trainer._check_skips(t, 5, 2)  # [0, 1, 2]: 3 of 6, not more than half
+    check_skips(t.state, t.cfg, 5, 2)  # [0, 1, 2]: 3 of 6, not more than half
     with pytest.raises(UserError, match=r"step 6: 5 of the last 6 optimizer steps \(3 RL steps\) were skipped"):
-        Trainer._check_skips(t, 6, 2)  # [1, 2, 2]: 5 of 6 > 0.5 x 6 = 3
+        check_skips(t.state, t.cfg, 6, 2)  # [1, 2, 2]: 5 of 6 > 0.5 x 6 = 3
     t = SimpleNamespace(cfg=cfg.model_copy(update={"train": cfg.train.model_copy(update={"max_skipped_fraction": 1.0})}), state={})
     for step in range(1, 6):
-        Trainer._check_skips(t, step, 2)  # 1.0: never stops, even at 6 of 6
+        check_skips(t.state, t.cfg, step, 2)  # 1.0: never stops, even at 6 of 6
 
 
 def test_short_run_judged_over_all_its_steps():
     """A run shorter than the window is judged once all its steps are in: 2 steps, both fully skipped."""
-    from emapg_cli.train.trainer import Trainer
+    from emapg_cli.train.bookkeeping import check_skips
 
     cfg = load_config(overrides=["rollout.prompts_per_step=2", "train.mini_batch_prompts=2", "train.steps=2", "train.skip_window=20"])
     t = SimpleNamespace(cfg=cfg, state={})
-    Trainer._check_skips(t, 1, 1)
+    check_skips(t.state, t.cfg, 1, 1)
     with pytest.raises(UserError, match="2 of the last 2 optimizer steps"):
-        Trainer._check_skips(t, 2, 1)
+        check_skips(t.state, t.cfg, 2, 1)
 
 
 def test_huge_question_is_skipped_before_tokenising(tiny_qwen2):

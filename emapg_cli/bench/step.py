@@ -24,11 +24,11 @@ def bench_step(preset: str, overrides: Iterable[str] = (), steps: int = 3, warmu
         trainer._setup()
         trainer.scorer.eval()
         for step in range(1, warmup + steps + 1):
-            roll, _, _, _ = trainer.step(step)
+            result = trainer.step(step)
             if step > warmup:
-                phases = dict(trainer.phase_s)
+                phases = result.phase_s
                 total = phases["rollout"] + phases["update_total"]
-                row = {**{p: phases.get(p, 0.0) for p in PHASES}, "step": total, "tokens": float(sum(roll["response_lens"]))}
+                row = {**{p: phases.get(p, 0.0) for p in PHASES}, "step": total, "tokens": float(result.response_tokens)}
                 row["other"] = total - sum(row[p] for p in PHASES)
                 rows.append(row)
         trainer.close()

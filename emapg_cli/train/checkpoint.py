@@ -155,6 +155,31 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
     return final
 
 
+def save_final(strategy, run_dir: Path, models: dict[str, Any], tokenizer, dtype: torch.dtype, lora: bool) -> None:
+    """final/<name> of each of `models` (policy, anchor; None: skipped) in save_pretrained format (whole weights;
+    gathering is collective: every rank calls this), in `dtype` (model.save_dtype, default model.dtype, the
+    transformers convention; checkpoints keep the master weights). `lora`: merged weights plus the adapter."""
+    from emapg_cli.models.loading import cast_state, set_config_dtype
+
+    main = strategy.acc.is_main_process
+    for name, model in models.items():
+        if model is None:
+            continue
+        out = Path(run_dir) / "final" / name
+        if lora:  # merged weights in save_pretrained format, plus the adapter
+            if main:
+                from emapg_cli.train.lora import save_merged
+
+                save_merged(model, out, tokenizer, dtype=dtype)
+            continue
+        state = strategy.model_state(model)
+        if main:
+            model.save_pretrained(out, state_dict=cast_state(state, dtype))
+            set_config_dtype(out, dtype)
+            tokenizer.save_pretrained(out)
+    strategy.acc.wait_for_everyone()
+
+
 # ---------------------------------------------------------------------------------- load
 def _read(folder: Path, rank: int, with_anchor: bool) -> dict[str, Any]:
     """Every file this rank needs from a verified checkpoint, deserialised without running code

@@ -8,6 +8,7 @@ a multi-turn rollout (not implemented yet), engine log-probs in the loss that ar
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -36,10 +37,24 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", ".", "~", "$")) or expand(path).exists() or path.count("/") != 1
 
 
+def load_model_config(path: Optional[str]) -> Optional[dict[str, Any]]:
+    """The config.json of a local model folder as a dict; None when `path` is not a local folder (a hub id)."""
+    if not path:
+        return None
+    folder = expand(path)
+    if not folder.is_dir():
+        return None
+    config = folder / "config.json"
+    if not config.is_file():
+        raise UserError(f"model folder {path} has no config.json")
+    try:
+        return json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {config}: {e}") from None
+
+
 def model_config(path: Optional[str], trust_remote_code: bool = False) -> dict[str, Any]:
     """The model's config.json as a dict: a local folder, else the local Hugging Face cache, else the hub."""
-    from emapg_cli.train.plan import load_model_config
-
     if not path:
         raise UserError("model.path is not set (a local model folder or a hub id)")
     local = load_model_config(path)
@@ -71,14 +86,15 @@ def config_checks(cfg: Config) -> None:
     and first in `preflight`."""
     from importlib.util import find_spec
 
-    from emapg_cli.rewards import REWARDS
-    from emapg_cli.rewards.plugin import is_plugin_ref
+    from emapg_cli.rewards.registry import check_reward
 
     for key, module, extra in OPTIONAL_PACKAGES:
         if _lookup(cfg, key) and find_spec(module) is None:
             raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
-    if cfg.rollout.reward not in REWARDS and not is_plugin_ref(cfg.rollout.reward):  # plugins: validated with the config
-        raise UserError(f"rollout.reward: unknown reward '{cfg.rollout.reward}' (known: {', '.join(sorted(REWARDS))})")
+    try:  # the rewards registry's own check (a plugin was imported when the config validated: cached)
+        check_reward(cfg.rollout.reward)
+    except UserError as e:
+        raise UserError(f"rollout.reward: {e}") from None
     from emapg_cli.train.passes import check_rollout_correction
 
     check_rollout_correction(cfg)
@@ -148,6 +164,34 @@ def engine_logprob_checks(cfg: Config) -> None:
             "or rollout.temperature=1, or train.rollout_correction=none and train.old_logprobs=pass (docs/vllm.md)")
 
 
+def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) -> list[str]:
+    """What a launch on `processes` processes refuses, one line each ([]: none). The trainer raises the first; the
+    dry-run plan lists them as notes. `accelerate_fsdp`: launched with accelerate's own FSDP config."""
+    r, t = cfg.rollout, cfg.train
+    out = [f"{name} ({value}) is not a multiple of {processes} processes"
+           for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
+                               ("train.mini_batch_sequences", t.mini_batch_sequences))
+           if value is not None and value % processes]
+    fsdp = t.parallel == "fsdp" and processes > 1
+    if fsdp and t.max_tokens_per_micro_batch is not None:
+        out.append("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
+                   "train.parallel=fsdp; use ddp or micro_batch_size")
+    if fsdp and t.share_prompts == "always":
+        out.append("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
+                   "on several processes does not support; use auto or never")
+    if accelerate_fsdp:
+        out.append("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
+                   "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
+    return out
+
+
+def check_launch(cfg: Config, processes: int, accelerate_fsdp: bool = False) -> None:
+    """The first of `launch_problems` as a one-line UserError (the trainer, before any weights load)."""
+    problems = launch_problems(cfg, processes, accelerate_fsdp)
+    if problems:
+        raise UserError(problems[0])
+
+
 def _lookup(cfg: Config, key: str) -> Any:
     section, field = key.split(".")
     return getattr(getattr(cfg, section), field)
@@ -157,7 +201,6 @@ def missing_inputs(cfg: Config) -> list[str]:
     """One line per input the run would need and this machine lacks (model folder, data files); `--dry-run`
     prints them as warnings (a plan for a GPU node may be made where the data is not prepared)."""
     from emapg_cli.data.schema import resolve_data_ref
-    from emapg_cli.train.plan import load_model_config
 
     notes = []
     if cfg.model.path and _looks_local(cfg.model.path) and load_model_config(cfg.model.path) is None:

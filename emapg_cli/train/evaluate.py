@@ -10,6 +10,24 @@ from emapg_cli.engines.base import SamplingParams
 from emapg_cli.train.rollout import score
 
 
+def eval_max_new_tokens(cfg, step: int) -> int:
+    """The response cap of the evaluation after RL step `step` (0: before training): eval.max_new_tokens, and with
+    staged lengths (cfg.stages, single-turn runs) at most the length of that step's stage, as each of the official
+    stage scripts validates with its own data.max_response_length."""
+    cap = cfg.eval.max_new_tokens
+    if cfg.stages and not cfg.search.enabled:
+        cap = min(cap, cfg.stage_at(max(step, 1)).max_new_tokens)
+    return cap
+
+
+def eval_params(cfg, step: int, seed: int) -> SamplingParams:
+    """Sampling of the evaluation after RL step `step`: the `eval` section, stopping on rollout.stop, capped by
+    `eval_max_new_tokens` (for search runs the budget of each turn, as rollout.max_new_tokens is in training)."""
+    e = cfg.eval
+    return SamplingParams(n=e.n, max_new_tokens=eval_max_new_tokens(cfg, step), temperature=e.temperature, top_p=e.top_p,
+                          stop=tuple(cfg.rollout.stop), seed=seed)
+
+
 @dataclass
 class EvalScores:
     """`accuracy`: fraction of (item, sample) pairs scoring > 0.5 over the whole evaluation set; `by_source`: the

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from emapg_cli.train.update import UpdateStats
+
+
+@dataclass
+class StepResult:
+    """What one RL step (`Trainer.step`) returns."""
+
+    metrics: dict[str, Any]  # its metrics.jsonl row (`step_metrics`, the engine mismatch, filter and environment counters)
+    skipped: int  # optimizer steps skipped for a non-finite loss or gradient
+    phase_s: dict[str, float]  # wall seconds: generation, batch, passes, reward, update, ema; totals rollout, update_total
+    response_tokens: int  # tokens of this rank's responses
 
 
 def mean(values: list[float]) -> float:

@@ -165,12 +165,9 @@ def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, to
 
 def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: int) -> RolloutBatch:
     """Fill old_logp / q_index (old-policy pass) and ref_logp / ref_logp_q (anchor pass) as the config needs.
-
-    Both models come as `TokenScorer`s (the policy's unwrapped from DDP; a sharded model's FSDP root).
-
-    k is the effective top-k size (kl.k capped at the vocabulary). The exact estimator needs no
-    anchor pass here: it evaluates the anchor's full logits chunk by chunk inside the loss.
-    """
+    Both models come as `TokenScorer`s (the policy's unwrapped from DDP; a sharded model's FSDP root). k is the
+    effective top-k size (kl.k capped at the vocabulary). The exact estimator needs no anchor pass here: it
+    evaluates the anchor's full logits chunk by chunk inside the loss."""
     b, r = batch.response_mask.shape
     device = batch.input_ids.device
 

@@ -8,14 +8,13 @@ are listed in `memory_terms` and explained in docs/dry_run.md.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
-from emapg_cli.paths import expand
+from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
 
 GIB = 2**30
 
@@ -115,22 +114,6 @@ KNOWN_MODELS: dict[str, ModelShapes] = {
 KNOWN_MODELS["Qwen/Qwen2.5-3B-Instruct"] = KNOWN_MODELS["Qwen/Qwen2.5-3B"]
 
 
-def load_model_config(path: Optional[str]) -> Optional[dict[str, Any]]:
-    """The config.json of a local model folder as a dict; None when `path` is not a local folder (a hub id)."""
-    if not path:
-        return None
-    folder = expand(path)
-    if not folder.is_dir():
-        return None
-    config = folder / "config.json"
-    if not config.is_file():
-        raise UserError(f"model folder {path} has no config.json")
-    try:
-        return json.loads(config.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {config}: {e}") from None
-
-
 @dataclass(frozen=True)
 class MemoryTerm:
     """One line of the memory estimate."""
@@ -211,17 +194,8 @@ def memory_terms(
 ) -> list[MemoryTerm]:
     """The memory estimate of one device, term by term, with P parameters, b = micro_batch, T = seq_len.
 
-    With train.parallel=fsdp over N = `processes` ranks, weights, AdamW moments, anchor and
-    gradients are divided by N (each rank holds 1/N of every tensor), and FSDP's gathered copies
-    come on top:
-      gathered units   (R + 2 * layer) * bytes(dtype): the root unit (embeddings, output layer,
-                       final norm: R = V*h, twice when untied, + h) whole during a pass, plus one
-                       decoder layer gathered and the next prefetched
-      anchor gathered  P * 4  the whole fp32 anchor during the update, for the exact estimator only
-      policy gathered  P * bytes(dtype) in the rollout phase: hf generation and the vLLM weight
-                       push gather the whole policy (P * 4 for the fp32 anchor instead when
-                       eval.anchor_every evaluates it, one model at a time)
-    With ddp (or one process) every rank holds everything.
+    With train.parallel=fsdp each rank holds 1/N of the state and FSDP's gathered copies come on top
+    (`_state_terms`).
 
     state (whole run):
       weights          P * 4 with master weights (model.master_weights and a bf16/fp16 model.dtype: the
@@ -250,31 +224,54 @@ def memory_terms(
     rollout:
       vLLM engine      gpu_memory_utilization * device memory (weights + KV cache of the engine)
     """
+    wb = DTYPE_BYTES[cfg.model.dtype]
+    state = _lora_terms(m, cfg) if cfg.lora.r > 0 else _state_terms(m, cfg, master_weights, processes)
+    return state + _activation_terms(cfg, m, micro_batch, seq_len, wb, activation_elems_per_token_per_layer(m), device_memory_bytes)
+
+
+def _lora_terms(m: ModelShapes, cfg: Config) -> list[MemoryTerm]:
+    """LoRA: the frozen base in model.dtype; only the fp32 adapters train and are averaged (train/lora.py), so the
+    AdamW moments, the anchor and the gradients are adapter-sized."""
+    p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
+    ap = lora_params(m, cfg.lora.r, cfg.lora.target_modules)
+    terms = [
+        MemoryTerm("policy weights", p * wb, f"P x {wb} B ({cfg.model.dtype}, frozen base)", "state"),
+        MemoryTerm("LoRA adapters", ap * FP32, f"P_lora x 4 B, P_lora = {_count(ap)} (r = {cfg.lora.r})", "state"),
+        MemoryTerm("AdamW moments", 2 * ap * FP32, "2 x P_lora x 4 B (adapters only)", "state"),
+    ]
+    if cfg.derived.loads_anchor:
+        terms.append(MemoryTerm("EMA anchor", ap * FP32, "P_lora x 4 B (fp32 adapters only: adapter-sized)", "state"))
+    terms.append(MemoryTerm("gradients", ap * FP32, "P_lora x 4 B (adapters only)", "update"))
+    return terms
+
+
+def _state_terms(m: ModelShapes, cfg: Config, master_weights: bool, processes: int) -> list[MemoryTerm]:
+    """Weights, AdamW moments, anchor, gradients (and the working copy) of full fine-tuning, per rank.
+
+    With train.parallel=fsdp over N = `processes` ranks, weights, AdamW moments, anchor and
+    gradients are divided by N (each rank holds 1/N of every tensor), and FSDP's gathered copies
+    come on top:
+      gathered units   (R + 2 * layer) * bytes(dtype): the root unit (embeddings, output layer,
+                       final norm: R = V*h, twice when untied, + h) whole during a pass, plus one
+                       decoder layer gathered and the next prefetched
+      anchor gathered  P * 4  the whole fp32 anchor during the update, for the exact estimator only
+      policy gathered  P * bytes(dtype) in the rollout phase: hf generation and the vLLM weight
+                       push gather the whole policy (P * 4 for the fp32 anchor instead when
+                       eval.anchor_every evaluates it, one model at a time)
+    With ddp (or one process) every rank holds everything.
+    """
     from emapg_cli.kl.registry import INFO
 
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
     ab = DTYPE_BYTES[cfg.ema.dtype]  # the anchor's bytes per parameter
     master = master_weights and cfg.model.dtype != "float32"
     pb = FP32 if master else wb  # the policy's parameters (and gradients)
-    b, t = micro_batch, seq_len
-    a = activation_elems_per_token_per_layer(m)
     shards = processes if cfg.train.parallel == "fsdp" else 1
     per = f" / {shards} ranks" if shards > 1 else ""
 
     def sharded(n: int) -> int:
         return -(-n // shards)  # ceil(n / shards)
 
-    if cfg.lora.r > 0:  # LoRA: only the fp32 adapters train and are averaged (train/lora.py)
-        ap = lora_params(m, cfg.lora.r, cfg.lora.target_modules)
-        terms = [
-            MemoryTerm("policy weights", p * wb, f"P x {wb} B ({cfg.model.dtype}, frozen base)", "state"),
-            MemoryTerm("LoRA adapters", ap * FP32, f"P_lora x 4 B, P_lora = {_count(ap)} (r = {cfg.lora.r})", "state"),
-            MemoryTerm("AdamW moments", 2 * ap * FP32, "2 x P_lora x 4 B (adapters only)", "state"),
-        ]
-        if cfg.derived.loads_anchor:
-            terms.append(MemoryTerm("EMA anchor", ap * FP32, "P_lora x 4 B (fp32 adapters only: adapter-sized)", "state"))
-        terms.append(MemoryTerm("gradients", ap * FP32, "P_lora x 4 B (adapters only)", "update"))
-        return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
     weights = (f"P x 4 B (fp32 master weights; computes in {cfg.model.dtype}){per}" if master
                else f"P x {wb} B ({cfg.model.dtype}){per}")
     terms = [
@@ -297,7 +294,7 @@ def memory_terms(
                                     "eval.anchor_every / weight push; the policy's turn is smaller)", "rollout"))
         else:
             terms.append(MemoryTerm("policy gathered", p * wb, f"P x {wb} B (generation / weight push)", "rollout"))
-    return terms + _activation_terms(cfg, m, b, t, wb, a, device_memory_bytes)
+    return terms
 
 
 def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a: int, device_memory_bytes: int) -> list[MemoryTerm]:
@@ -358,8 +355,6 @@ def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, 
 def evaluation_line(cfg: Config) -> str:
     """The dry-run's evaluation row: sampling, the token budget (per turn, within the context, for search runs),
     the sets and when they run."""
-    from emapg_cli.train.checks import eval_refs
-
     refs, e = eval_refs(cfg.data.eval), cfg.eval
     if not refs:
         return "none (data.eval is null)"
@@ -368,7 +363,7 @@ def evaluation_line(cfg: Config) -> str:
     if cfg.search.enabled:  # the agent runs every turn with eval.max_new_tokens (checked to fit with the prompt)
         budget = (f"<= {e.max_new_tokens:,} tokens per turn, context {cfg.search.max_context_tokens:,} "
                   f"(prompt <= {cfg.data.max_prompt_tokens:,})")
-    elif cfg.stages:  # each stage evaluates at its own response cap (train/trainer.py eval_max_new_tokens)
+    elif cfg.stages:  # each stage evaluates at its own response cap (train/evaluate.py eval_max_new_tokens)
         budget = f"<= each stage's response cap, at most {e.max_new_tokens:,} tokens"
     else:
         budget = f"<= {e.max_new_tokens:,} tokens"
@@ -414,29 +409,11 @@ def make_plan(
     r, t, d = cfg.rollout, cfg.train, cfg.derived
     if master_weights is None:
         master_weights = cfg.model.master_weights
-    seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
+    seq_len, notes = _sequence_length(cfg)
     device = int(device_memory_gib * GIB)
-    notes: list[str] = []
-    if cfg.search.enabled:
-        seq_len = cfg.search.max_context_tokens
-        notes.append(f"T is search.max_context_tokens: the prompt, {r.max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
-                     f"and observations of <= {cfg.search.max_obs_tokens} tokens fit in it")
-    elif r.max_turns > 1:
-        notes.append(f"T counts {r.max_turns} turns of {r.max_new_tokens} tokens; tool outputs come on top")
-
-    if model_config is not None:
-        model, source = ModelShapes.from_hf_config(model_config), "config.json"
-    elif cfg.model.path in KNOWN_MODELS:
-        model, source = KNOWN_MODELS[cfg.model.path], "built-in table"
-    else:
-        model, source = None, "unknown model: pass a local path" if cfg.model.path else "model.path is not set"
-        notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
-
+    model, source = _model_shapes(cfg, model_config, notes)
     per_mini = max(1, cfg.sequences_per_mini_batch // processes)  # sequences per mini-batch on one rank
-    for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
-                        ("train.mini_batch_sequences", t.mini_batch_sequences)):
-        if value is not None and value % processes:
-            notes.append(f"{name} ({value}) is not a multiple of {processes} processes: the trainer refuses this")
+    notes += [f"{line} (the trainer refuses this)" for line in launch_problems(cfg, processes)]
     plan = dict(
         name=cfg.name, model_path=cfg.model.path, model=model, model_source=source, dtype=cfg.model.dtype,
         steps=t.steps, prompts_per_step=r.prompts_per_step, n=r.n, responses_per_step=d.responses_per_step,
@@ -455,6 +432,36 @@ def make_plan(
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
+    return _memory_plan(plan, cfg, model, seq_len, device, master_weights, processes, notes)
+
+
+def _sequence_length(cfg: Config) -> tuple[int, list[str]]:
+    """T = max_prompt_tokens + max_turns * max_new_tokens, or search.max_context_tokens for the search agent; and the
+    notes that say so."""
+    r = cfg.rollout
+    if cfg.search.enabled:
+        return cfg.search.max_context_tokens, [
+            f"T is search.max_context_tokens: the prompt, {r.max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
+            f"and observations of <= {cfg.search.max_obs_tokens} tokens fit in it"]
+    notes = [f"T counts {r.max_turns} turns of {r.max_new_tokens} tokens; tool outputs come on top"] if r.max_turns > 1 else []
+    return cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens, notes
+
+
+def _model_shapes(cfg: Config, model_config: Optional[dict[str, Any]], notes: list[str]) -> tuple[Optional[ModelShapes], str]:
+    """(shapes, where they came from): the config.json, the built-in table, or None (noted: memory is not estimated)."""
+    if model_config is not None:
+        return ModelShapes.from_hf_config(model_config), "config.json"
+    if cfg.model.path in KNOWN_MODELS:
+        return KNOWN_MODELS[cfg.model.path], "built-in table"
+    source = "unknown model: pass a local path" if cfg.model.path else "model.path is not set"
+    notes.append(f"{source}; memory is not estimated (known hub ids: {', '.join(KNOWN_MODELS)})")
+    return None, source
+
+
+def _memory_plan(plan: dict[str, Any], cfg: Config, model: ModelShapes, seq_len: int, device: int, master_weights: bool,
+                 processes: int, notes: list[str]) -> Plan:
+    """The plan with its memory estimate: terms, update and rollout peaks, the largest micro-batch that fits, notes."""
+    r, t, d = cfg.rollout, cfg.train, cfg.derived
 
     def terms_for(b: int) -> list[MemoryTerm]:
         return memory_terms(model, cfg, seq_len, micro_batch=b, device_memory_bytes=device, master_weights=master_weights,

@@ -1,9 +1,11 @@
 """What `emapg train` shows while it runs: the config in one line, a progress bar whose ETA is
-smoothed, and the closing summary as a short table. No torch; rich only."""
+smoothed, the phases of a step timed, and the closing summary as a short table. No torch; rich only."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from typing import Any, Optional
 
 #: Weight of the newest step in the step-time average. Steps with an evaluation (every `eval.every`)
@@ -24,6 +26,51 @@ class StepTimer:
     def eta(self, remaining: int) -> Optional[float]:
         """Seconds left for `remaining` steps; None before the first step."""
         return None if self.mean is None else self.mean * remaining
+
+
+class PhaseTimer:
+    """Wall seconds of a step's phases: `with timer("passes"): ...` adds the block's time to seconds["passes"]
+    (the step's breakdown, see `emapg bench step`); `reset()` starts a new step."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def reset(self) -> None:
+        self.seconds = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class TrainProgress:
+    """The progress bar of `emapg train` (main process only): steps done, reward, KL and tokens/s of the last step,
+    elapsed time and the smoothed ETA (evaluation steps included)."""
+
+    def __init__(self, steps: int, done: int, show: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.steps, self.timer = steps, StepTimer()
+        self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                            TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), disable=not show)
+        self.task = self.bar.add_task("train", total=steps, completed=done, info="", eta=clock(None))
+
+    def __enter__(self) -> "TrainProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def advance(self, step: int, metrics: dict[str, Any], seconds: float) -> None:
+        """Step `step` finished in `seconds` with `metrics`."""
+        info = f"reward {metrics['reward/mean']:.3f}  kl {metrics.get('kl/value', 0.0):.2e}  {metrics['throughput/tokens_per_s']:.0f} tok/s"
+        self.timer.add(seconds)
+        self.bar.update(self.task, advance=1, info=info, eta=clock(self.timer.eta(self.steps - step)))
 
 
 def clock(seconds: Optional[float]) -> str:

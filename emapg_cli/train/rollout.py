@@ -189,6 +189,27 @@ def build_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completio
                         loss_mask=loss_mask)
 
 
+def padded_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completion], n: int, mask_truncated: bool,
+                 pad_id: int, device) -> tuple[RolloutBatch, int]:
+    """The step's batch on `device` (advantages zero until the rewards are in) from each group's prompt ids and its
+    n completions each, and how many rows were truncated. `mask_truncated` (overlong filtering, rllm's
+    mask_truncated_samples): truncated rows leave the update; their rewards still enter their group's GRPO
+    statistics, as rllm drops them after computing the advantages."""
+    from emapg_cli.rewards.shaping import is_truncated
+
+    batch = build_batch([p for p in prompt_ids for _ in range(n)], completions, torch.zeros(len(completions)), pad_id)
+    cut = torch.tensor([is_truncated(c.finish_reason) for c in completions], dtype=torch.bool)  # [B]
+    if mask_truncated:
+        batch.response_mask[cut] = False  # no token of theirs is scored by the passes or counted in the metrics
+        if batch.loss_mask is not None:
+            batch.loss_mask[cut] = False
+        batch.keep = ~cut  # [B] ... nor counted as sequences of their mini-batch (update_policy)
+    batch = batch.with_(**{f: getattr(batch, f).to(device) for f in
+                           ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
+                           if getattr(batch, f) is not None})
+    return batch, int(cut.sum())
+
+
 def micro_batches(rows: Tensor, prompt_lens: Tensor, response_lens: Tensor, max_rows: int,
                   max_tokens: Optional[int] = None) -> list[Tensor]:
     """Split `rows` [n] into micro-batches of at most `max_rows` rows and, with `max_tokens`, at most that

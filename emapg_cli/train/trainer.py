@@ -1,56 +1,44 @@
-"""The RL loop: rollout -> rewards -> GRPO advantages -> old/anchor passes -> update -> EMA anchor -> log/eval/checkpoint.
-
-Built on `accelerate.Accelerator` (single process, or several with `accelerate launch`); how the
-ranks hold the policy and the anchor (replicated with DDP, or sharded with FSDP2) is the
-`train.parallel` strategy of train/parallel.py, which the loop calls without branching. Every
-source of randomness is seeded per step from (train.seed, step), and a checkpoint holds the full
-optimizer/scheduler/anchor state, so a resumed run reproduces an uninterrupted one bit for bit on CPU.
-"""
+"""The RL loop, read top to bottom in `run`: setup, then each `step` (rollout -> GRPO advantages -> old/anchor passes
+-> update -> EMA anchor) followed by evaluate / log / checkpoint, then finish. The pieces sit beside it: rollouts.py
+(with dynamic_sampling.py), passes.py, update.py, setup.py, bookkeeping.py, checkpoint.py, loggers.py.
+Built on `accelerate.Accelerator`; how the ranks hold the policy and the anchor (DDP or FSDP2) is the `train.parallel`
+strategy of train/parallel.py, which the loop calls without branching. Every source of randomness is seeded per step
+from (train.seed, step), and a checkpoint holds the full optimizer/scheduler/anchor state, so a resumed run reproduces
+an uninterrupted one bit for bit on CPU."""
 
 from __future__ import annotations
 
 import contextlib
-from concurrent.futures import Future, ThreadPoolExecutor
 import json
-import math
-import random
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
-from emapg_cli.config.loading import to_yaml
 from emapg_cli.config.models import Config
-from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_update_, grpo_advantages, informative_groups
-from emapg_cli.models.loading import DTYPES, cast_state, compute_dtype, load_tokenizer, set_config_dtype
+from emapg_cli.grpo import ema_update_
+from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
-from emapg_cli.rewards.shaping import is_truncated
 from emapg_cli.train import checkpoint as ckpt
-from emapg_cli.train.checks import preflight
-from emapg_cli.train.evaluate import evaluate
-from emapg_cli.train.loading import load_policy, make_anchor
-from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
+from emapg_cli.train.bookkeeping import check_skips, run_summary
+from emapg_cli.train.checks import check_launch, preflight
+from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
+from emapg_cli.train.loggers import open_run
+from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
-from emapg_cli.train.progress import StepTimer, clock
-from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
+from emapg_cli.train.progress import PhaseTimer, TrainProgress
+from emapg_cli.train.rollouts import Rollouts, group_advantages
+from emapg_cli.train.setup import build_models, make_scheduler, run_prompts, seed_everything  # noqa: F401 - make_scheduler: re-exported
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
-#: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
-_ROLLOUT, _UPDATE, _EVAL, _FILTER = 1, 2, 3, 4
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+#: Offsets that keep the seed streams of updates and evaluation apart (1: rollouts, 4: dynamic sampling's draws).
+_UPDATE, _EVAL = 2, 3
 
 
 def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
@@ -104,23 +92,6 @@ def user_message_fn(cfg: Config):
     return lambda question: format_question(question, template)
 
 
-def make_scheduler(optimizer, cfg: Config):
-    """Linear warm-up over `optim.warmup_ratio` of all optimizer steps, then constant."""
-    total = cfg.train.steps * cfg.derived.optimizer_steps_per_rl_step
-    warmup = math.ceil(cfg.optim.warmup_ratio * total)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
-
-
-def eval_max_new_tokens(cfg: Config, step: int) -> int:
-    """The response cap of the evaluation after RL step `step` (0: before training): eval.max_new_tokens, and with
-    staged lengths (cfg.stages, single-turn runs) at most the length of that step's stage, as each of the official
-    stage scripts validates with its own data.max_response_length."""
-    cap = cfg.eval.max_new_tokens
-    if cfg.stages and not cfg.search.enabled:
-        cap = min(cap, cfg.stage_at(max(step, 1)).max_new_tokens)
-    return cap
-
-
 class Trainer:
     """One training run in `run_dir` (fresh, or resumed from its latest checkpoint)."""
 
@@ -130,23 +101,9 @@ class Trainer:
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
         self._layouts_checked = False  # pack_sequences, share_prompts: == the padded pass, verified at the first step
         self.acc = Accelerator(cpu=not torch.cuda.is_available())
-        world = self.acc.num_processes
-        r, t = cfg.rollout, cfg.train
-        for name, value in (("rollout.prompts_per_step", r.prompts_per_step), ("train.mini_batch_prompts", t.mini_batch_prompts),
-                            ("train.mini_batch_sequences", t.mini_batch_sequences)):
-            if value is not None and value % world:
-                raise UserError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
-        if cfg.train.max_tokens_per_micro_batch is not None and cfg.train.parallel == "fsdp" and world > 1:
-            raise UserError("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
-                            "train.parallel=fsdp; use ddp or micro_batch_size")
-        if cfg.train.share_prompts == "always" and cfg.train.parallel == "fsdp" and world > 1:
-            raise UserError("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
-                            "on several processes does not support; use auto or never")
-        if self.acc.distributed_type.name == "FSDP":
-            raise UserError("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
-                            "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
+        check_launch(cfg, self.acc.num_processes, accelerate_fsdp=self.acc.distributed_type.name == "FSDP")
         self.strategy = make_strategy(self.acc, cfg.train.parallel)
-        self.phase_s: dict[str, float] = {}  # wall seconds of the current step's phases (`step`)
+        self.phases = PhaseTimer()  # wall seconds of the current step's phases (`step`)
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
         self.inputs = preflight(cfg)
         self.reward_fn = self.inputs.reward_fn
@@ -158,43 +115,16 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         self.agent = make_search_agent(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
         message = user_message_fn(cfg)
-        train_ex, self.train_prompts, self.skipped_train = prepare_prompts(
-            self.tokenizer, self.inputs.train, cfg.data.max_prompt_tokens, message)
-        if not train_ex:
-            raise UserError(f"every training prompt is longer than data.max_prompt_tokens ({cfg.data.max_prompt_tokens})")
-        self.train_ex = train_ex
-        self.eval_ex, self.eval_prompts, self.skipped_eval = [], [], 0
-        if cfg.data.eval:
-            ex = self.inputs.eval  # data.eval_limit already applied, per source (train/checks.py)
-            self.eval_ex, self.eval_prompts, self.skipped_eval = prepare_prompts(self.tokenizer, ex, cfg.data.max_prompt_tokens, message)
-        seed_everything(cfg.train.seed)
-        policy = load_policy(cfg.model, cfg.lora)
-        vocab = policy.get_output_embeddings().weight.shape[0]
-        self.k = min(cfg.kl.k, vocab)
-        opt = cfg.optim
-
-        def make_optimizer(params):
-            return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-
-        anchor = make_anchor(policy, DTYPES[cfg.ema.dtype]) if cfg.derived.loads_anchor else None
-        # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
-        # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
-        self.scorer, self.anchor_scorer, self.optimizer = self.strategy.wrap(policy, anchor, make_optimizer,
-                                                                             compute_dtype(cfg.model, cfg.lora))
+        self.train_ex, self.train_prompts, self.eval_ex, self.eval_prompts, self.skipped_prompts = run_prompts(
+            self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, with_eval=bool(cfg.data.eval))
+        self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.k = build_models(cfg, self.strategy)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
-        self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
-        last = 0
-        if self.resume:
-            saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy,
-                                         anchor=self.anchor, optimizer=self.optimizer, scheduler=self.scheduler,
-                                         notify=self._warn)
-            if saved is not None:
-                self.state = {**self.state, **saved}
-                last = self.state["step"]
+        last = self._resume()
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
         # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
         self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
+        self.rollouts = Rollouts(cfg, self.acc, self.generator, self.train_prompts, self.train_ex, self.reward_fn, self._grader,
+                                 self.tokenizer.pad_token_id, topk=engine_topk(cfg, self.k), timed=self.phases)
         self._push(self.policy)
         return last
 
@@ -202,6 +132,14 @@ class Trainer:
         """One line on stderr, from the main process only."""
         if self.acc.is_main_process:
             print(line, file=sys.stderr, flush=True)
+
+    def _resume(self) -> int:
+        """The run's counters, from its newest intact checkpoint when resuming; returns the last finished step."""
+        self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
+        saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
+                                     optimizer=self.optimizer, scheduler=self.scheduler, notify=self._warn) if self.resume else None
+        self.state = {**self.state, **(saved or {})}
+        return self.state.get("step", 0)
 
     @contextlib.contextmanager
     def _generating(self, model):
@@ -226,12 +164,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
     def _eval(self, model, step: int, key: str = "eval/accuracy") -> dict[str, float]:
-        """Accuracy of `model` (the policy or the anchor) on the evaluation set: {key: over all items} plus
-        {key/<source>: per source} when the set mixes sources. For search runs `eval.max_new_tokens` is the
-        budget of each turn (the agent runs every turn with it), as rollout.max_new_tokens is in training."""
-        e = self.cfg.eval
-        params = SamplingParams(n=e.n, max_new_tokens=eval_max_new_tokens(self.cfg, step), temperature=e.temperature, top_p=e.top_p,
-                                stop=tuple(self.cfg.rollout.stop), seed=derive_seed(self.cfg.train.seed, _EVAL, step))
+        """Accuracy of `model` (the policy or the anchor) on the evaluation set (`eval_params`): {key: over all items}
+        plus {key/<source>: per source} when the set mixes sources."""
+        params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         if model is not self.policy:
             self._push(model)
         scores = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
@@ -239,139 +174,25 @@ class Trainer:
             self._push(self.policy)
         return scores.metrics(key)
 
-    def _generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:
-        """Generate this rank's groups for dataset indices `items` (may be empty: every rank calls
-        generate, which a sharded engine needs). Returns (prompt ids, completions, their examples)."""
-        cfg, acc, r = self.cfg, self.acc, self.cfg.rollout
-        prompts = [self.train_prompts[i] for i in items]
-        seed = derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index, *((round_,) if round_ else ()))
-        params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=seed, topk=engine_topk(cfg, self.k))
-        with self._timed("generation"):
-            groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
-        completions = [c for g in groups for c in g]
-        examples = [self.train_ex[i] for i in items for _ in range(r.n)]
-        return prompts, completions, examples
-
-    def _shaping(self, stage) -> dict:
-        """`rewards.shaping.shape_rewards` settings of this stage: the truncation rule and DAPO's overlong penalty."""
-        rw = self.cfg.reward
-        return dict(truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
-                    overlong_penalty_max=rw.overlong_penalty)
-
-    def _global_max(self, value: int) -> int:
-        if self.acc.num_processes == 1:
-            return value
-        return int(self.acc.reduce(torch.tensor(float(value), device=self.acc.device), reduction="max"))
-
-    def _filtered_groups(self, mine: list[int], step: int, stage):
-        """DAPO's dynamic sampling (train.filter_groups): groups are graded at once; those whose rewards are all
-        equal are dropped and fresh prompts (a seeded draw per extra round) are sampled until this rank has its
-        share of prompts_per_step informative groups, or filter_max_rounds extra rounds were spent; then
-        uninformative groups fill the rest (advantage 0: only the KL term acts on them).
-        Returns (prompt ids, completions, examples, rewards [G_rank, n], reward errors, filter metrics)."""
-        cfg, acc = self.cfg, self.acc
-        r, t = cfg.rollout, cfg.train
-        per_rank = len(mine)
-
-        def graded(items: list[int], round_: int):
-            prompts, completions, examples = self._generate(items, step, stage, round_)
-            rewards, errors = score(self.reward_fn, completions, examples, shaping=self._shaping(stage))
-            rewards = torch.tensor(rewards, dtype=torch.float32).view(len(items), r.n)  # [G, n]
-            # each group as (prompt ids, its n completions, its n examples, its rewards [n])
-            return [(prompts[g], completions[g * r.n:(g + 1) * r.n], examples[g * r.n:(g + 1) * r.n], rewards[g])
-                    for g in range(len(items))], errors
-
-        groups, errors = graded(mine, 0)
-        flags = informative_groups(torch.stack([g[3] for g in groups])).tolist()  # [G_rank]
-        keep = [g for g, ok in zip(groups, flags) if ok]
-        spare = [g for g, ok in zip(groups, flags) if not ok]
-        rounds = 0
-        while self._global_max(per_rank - len(keep)) > 0 and rounds < t.filter_max_rounds:
-            rounds += 1
-            need = per_rank - len(keep)
-            draw = random.Random(derive_seed(cfg.train.seed, _FILTER, step, rounds, acc.process_index))
-            items = draw.sample(range(len(self.train_ex)), min(per_rank, len(self.train_ex))) if need > 0 else []
-            more, e2 = graded(items, rounds)
-            errors += e2
-            if more:
-                for g, ok in zip(more, informative_groups(torch.stack([g[3] for g in more])).tolist()):
-                    (keep if ok else spare).append(g)
-        dropped = len(spare)
-        filled = max(0, per_rank - len(keep))
-        groups = (keep + spare[:filled])[:per_rank]
-        dropped -= filled
-        counts = torch.tensor([float(rounds), float(dropped), float(filled)], device=acc.device)
-        if acc.num_processes > 1:
-            counts = acc.reduce(counts, reduction="sum")
-            counts[0] = rounds  # every rank runs the same number of rounds
-        filtering = {"rollout/filter_rounds": float(counts[0]), "rollout/filtered_groups": float(counts[1]),
-                     "rollout/filter_filled": float(counts[2])}
-        return ([g[0] for g in groups], [c for g in groups for c in g[1]], [e for g in groups for e in g[2]],
-                torch.stack([g[3] for g in groups]), errors, filtering)
-
-    def _rollout(self, step: int):
-        """Generate this rank's groups, start grading them in the background and build the padded batch
-        (advantages still zero: `_advantages` fills them). Returns (batch, pending grades, metrics inputs).
-        With train.filter_groups the groups are graded before the batch is built (`_filtered_groups`)."""
-        cfg, acc = self.cfg, self.acc
-        r, t = cfg.rollout, cfg.train
-        per_rank = r.prompts_per_step // acc.num_processes
-        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
-        stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
-        roll: dict[str, Any] = {}
-        if t.filter_groups:
-            prompts, completions, examples, rewards, errors, roll["filtering"] = self._filtered_groups(mine, step, stage)
-            grading: Future = Future()
-            grading.set_result((rewards.reshape(-1).tolist(), errors))
-        else:
-            prompts, completions, examples = self._generate(mine, step, stage, 0)
-            # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
-            grading = self._grader.submit(score, self.reward_fn, completions, examples, self._shaping(stage))
-        pending = (grading, completions, examples)
-        with self._timed("batch"):
-            rows_prompts = [p for p in prompts for _ in range(r.n)]
-            batch = build_batch(rows_prompts, completions, torch.zeros(len(completions)), self.tokenizer.pad_token_id)
-            cut = torch.tensor([is_truncated(c.finish_reason) for c in completions], dtype=torch.bool)  # [B]
-            if stage.mask_truncated:  # overlong filtering: truncated rows leave the update (rllm's mask_truncated_samples)
-                batch.response_mask[cut] = False  # no token of theirs is scored by the passes or counted in the metrics
-                if batch.loss_mask is not None:
-                    batch.loss_mask[cut] = False
-                batch.keep = ~cut  # [B] ... nor counted as sequences of their mini-batch (update_policy); their rewards still
-                # enter their group's GRPO statistics, as rllm drops them after computing the advantages
-            batch = batch.with_(**{f: getattr(batch, f).to(acc.device) for f in
-                                   ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
-                                   if getattr(batch, f) is not None})
-        roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=int(cut.sum()),
-                    max_new_tokens=stage.max_new_tokens)
-        return batch, pending, roll
-
     def _advantages(self, batch, pending) -> tuple[Any, Any, int, dict]:
         """Wait for the grades, then GRPO advantages over all ranks' rewards; (batch, all rewards [G, n], reward
         errors, search metrics of this process's episodes)."""
         grading, completions, examples = pending
-        cfg, acc = self.cfg, self.acc
-        r = cfg.rollout
-        per_rank = r.prompts_per_step // acc.num_processes
-        with self._timed("reward"):  # only the part of grading that the passes did not hide
+        with self.phases("reward"):  # only the part of grading that the passes did not hide
             rewards, errors = grading.result()
-        local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, r.n)  # [G_rank, n]
-        all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
-        adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
-        adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+        adv_local, all_rewards = group_advantages(self.acc, rewards, self.cfg.rollout.n, self.cfg.train.adv_norm, self.cfg.train.adv_eps)
         extra: dict[str, float] = {}
         if self.agent is not None:  # this process's episodes
             from emapg_cli.agents import search_metrics
 
             extra = {**search_metrics(completions, self.agent.latencies), **reward_by_source(rewards, examples)}
-        return batch.with_(advantages=adv_local.to(acc.device).float()), all_rewards.cpu(), errors, extra
+        return batch.with_(advantages=adv_local), all_rewards, errors, extra
 
     def _passes(self, batch):
-        """Old-policy and anchor passes (as the config needs them); records the engine/trainer log-prob mismatch."""
+        """Old-policy and anchor passes (as the config needs them); (batch, engine/trainer log-prob differences or None)."""
         cfg = self.cfg
         self.engine.release_memory()
-        with self._timed("passes"):
+        with self.phases("passes"):
             if not self._layouts_checked:  # every rank, at its first step
                 scorer = self.acc.unwrap_model(self.scorer)
                 # float32 master weights are checked in float32: the layouts must agree to float32 rounding, while bf16
@@ -388,9 +209,9 @@ class Trainer:
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
         mask = batch.policy_mask.bool()
-        self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
-                              if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
-        return batch
+        diff = ((batch.old_logp - batch.sampling_logp)[mask]
+                if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
+        return batch, diff
 
     def _update(self, step: int, batch) -> Any:
         """The policy update; returns its UpdateStats."""
@@ -398,14 +219,12 @@ class Trainer:
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         try:
-            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self._timed("update"):
+            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self.phases("update"):
                 stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
         except NonFiniteWeights as e:
             raise UserError(f"step {step}: {e}; stopped before the EMA anchor or a checkpoint could take them (the "
                             "newest checkpoint is unchanged): lower optim.lr or optim.weight_decay, then --resume") from None
         self.scorer.eval()
-        if stats.logprob_diffs:
-            self._logprob_diff = torch.cat(stats.logprob_diffs)
         return stats
 
     def _ema(self, step: int, skipped_now: bool) -> Optional[float]:
@@ -417,77 +236,30 @@ class Trainer:
             ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), e.decay)
         return self.strategy.ema_distance(self.policy, self.anchor)
 
-    def _check_skips(self, step: int, skipped: int) -> None:
-        """Stop (UserError) when more than train.max_skipped_fraction of the optimizer steps of the last
-        train.skip_window RL steps were skipped (judged once the window, or the whole run if shorter, is full)."""
-        t = self.cfg.train
-        window = [*self.state.get("skip_window", []), skipped][-t.skip_window:]  # skipped optimizer steps per RL step
-        self.state["skip_window"] = window
-        per_step = self.cfg.derived.optimizer_steps_per_rl_step
-        if len(window) < min(t.skip_window, t.steps):
-            return
-        total = len(window) * per_step
-        if sum(window) > t.max_skipped_fraction * total:
-            raise UserError(f"step {step}: {sum(window)} of the last {total} optimizer steps ({len(window)} RL steps) were skipped "
-                            f"for a non-finite loss or gradient, more than train.max_skipped_fraction={t.max_skipped_fraction}: "
-                            "stopping (the run is not training; see metrics.jsonl, lower optim.lr or check the data/reward)")
-
-    def _save(self, step: int) -> None:
-        ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
-                             optimizer=self.optimizer, scheduler=self.scheduler, state=self.state,
-                             keep=self.cfg.train.keep_checkpoints)
-
-    def _save_final(self) -> None:
-        """final/policy and final/anchor in save_pretrained format (whole weights; gathering is collective), in
-        model.save_dtype (default model.dtype, the transformers convention; checkpoints keep the master weights)."""
-        dtype = DTYPES[self.cfg.model.save_dtype or self.cfg.model.dtype]
-        for name, model in (("policy", self.policy), ("anchor", self.anchor)):
-            if model is None:
-                continue
-            out = self.run_dir / "final" / name
-            if self.cfg.lora.r > 0:  # merged weights in save_pretrained format, plus the adapter
-                if self.acc.is_main_process:
-                    from emapg_cli.train.lora import save_merged
-
-                    save_merged(model, out, self.tokenizer, dtype=dtype)
-                continue
-            state = self.strategy.model_state(model)
-            if self.acc.is_main_process:
-                model.save_pretrained(out, state_dict=cast_state(state, dtype))
-                set_config_dtype(out, dtype)
-                self.tokenizer.save_pretrained(out)
-        self.acc.wait_for_everyone()
-
-    @contextlib.contextmanager
-    def _timed(self, name: str):
-        """Adds the wall time of the block to `phase_s[name]` (the step's breakdown, see `emapg bench step`)."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
-
-    def step(self, step: int):
-        """One RL step: generation, batch (grading runs in the background), passes, advantages, update, EMA and weight push.
-
-        Returns (rollout metrics inputs, UpdateStats, EMA distance, search metrics); `phase_s` holds its wall-time breakdown:
-        generation, batch, passes, reward (waiting for grades the passes did not hide), update, ema, and the
-        totals rollout (generation + batch) and update_total (the rest).
-        """
-        self.phase_s = {}
+    def step(self, step: int) -> StepResult:
+        """One RL step: rollout (grading in the background), passes, advantages, update, EMA and weight push. Returns
+        its metrics and wall-time breakdown (`StepResult.phase_s`): generation, batch, passes, reward (the grading the
+        passes did not hide), update, ema, and the totals rollout (generation + batch) and update_total (the rest)."""
+        self.phases.reset()
         seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
-        with self._timed("rollout"):
-            batch, pending, roll = self._rollout(step)
-        with self._timed("update_total"):
-            batch = self._passes(batch)
+        with self.phases("rollout"):
+            batch, pending, roll = self.rollouts(step)
+        with self.phases("update_total"):
+            batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
             extra.update(roll.pop("filtering", {}))
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
-            with self._timed("ema"):
+            with self.phases("ema"):
                 dist = self._ema(step, upd.skipped > 0)
                 self._push(self.policy)
-        return roll, upd, dist, extra
+        diff = torch.cat(upd.logprob_diffs) if upd.logprob_diffs else diff  # recorded by the update without an old pass
+        metrics = step_metrics(**roll, upd=upd, beta=self.cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
+                               t_rollout=self.phases.seconds["rollout"], t_update=self.phases.seconds["update_total"],
+                               skipped_total=self.state["skipped"], ema_distance=dist)
+        metrics.update(rollout_mismatch(diff))  # this process's rollouts
+        metrics.update(extra)
+        return StepResult(metrics, upd.skipped, dict(self.phases.seconds), sum(roll["response_lens"]))
 
     def close(self) -> None:
         """Stop the grading thread, the reward's worker pool and the search agent's retriever."""
@@ -501,82 +273,72 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
         """Train to `train.steps`; returns the summary also written to summary.json."""
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        from emapg_cli.train.loggers import NullLogger, make_logger
-
-        cfg, acc = self.cfg, self.acc
         start_time = time.time()
         last = self._setup()  # nothing is written before the data, models and checkpoint loaded
-        if acc.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            # on resume: the saved config plus any --set, written only now that the checkpoint took it;
-            # atomic, as the other ranks may be reading the old one
-            write_text_atomic(self.run_dir / "config.yaml", to_yaml(cfg))
-        acc.wait_for_everyone()
-        elapsed0 = float(self.state.get("elapsed_s", 0.0))
-        # On resume, metrics of steps after the checkpoint are dropped (they are logged again); with no
-        # checkpoint at all, every row goes (-1), step 0 included.
-        resume_step = (last if last > 0 else -1) if self.resume else None
-        logger = (make_logger(cfg.logging, self.run_dir, cfg.model_dump(mode="json"), resume_step=resume_step)
-                  if acc.is_main_process else NullLogger())
-        has_eval = bool(self.eval_prompts)
-        if last == 0:  # step 0: the data counts and the initial accuracy
-            row = {"data/train_prompts": float(len(self.train_prompts)),
-                   "data/skipped_prompts": float(self.skipped_train + self.skipped_eval)}
-            if has_eval:
+        logger = self._start(last)
+        elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
+        with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress:
+            for step in range(last + 1, self.cfg.train.steps + 1):
+                t0 = time.time()
+                # ---------------------------------------------- rollout, grading, passes, update, EMA anchor
+                result = self.step(step)
+                metrics = result.metrics
+                # ---------------------------------------------- evaluate (policy, anchor; always after the last step)
+                metrics.update(self._evaluate(step))
+                # ---------------------------------------------- log; stop when the run no longer trains
+                logger.log(metrics, step)
+                check_skips(self.state, self.cfg, step, result.skipped)
+                # ---------------------------------------------- checkpoint
+                self.state["elapsed_s"] = elapsed0 + time.time() - start_time
+                self._checkpoint(step)
+                progress.advance(step, metrics, time.time() - t0)
+        # -------------------------------------------------- finish: final weights, summary
+        return self._finish(logger, metrics, started=start_time - elapsed0)
+
+    def _start(self, last: int):
+        """The run folder, its config and the metrics logger; at step 0 the data counts and the initial accuracy."""
+        logger = open_run(self.cfg, self.run_dir, self.acc, last, self.resume)
+        if last == 0:
+            row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
+            if self.eval_prompts:
                 row.update(self._eval(self.policy, 0))
                 self.state["eval_accuracy_initial"] = row["eval/accuracy"]
             logger.log(row, 0)
         self.scorer.eval()
-        metrics: dict[str, Any] = {}
-        progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                            TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), disable=not acc.is_main_process)
-        timer = StepTimer()  # smoothed seconds per step (evaluation steps included)
-        with progress:
-            task = progress.add_task("train", total=cfg.train.steps, completed=last, info="", eta=clock(None))
-            for step in range(last + 1, cfg.train.steps + 1):
-                t0 = time.time()
-                roll, upd, dist, extra = self.step(step)
-                metrics = step_metrics(**roll, upd=upd, beta=cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
-                                       t_rollout=self.phase_s["rollout"], t_update=self.phase_s["update_total"],
-                                       skipped_total=self.state["skipped"], ema_distance=dist)
-                metrics.update(rollout_mismatch(self._logprob_diff))  # this process's rollouts
-                metrics.update(extra)
-                if has_eval and cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
-                    metrics.update(self._eval(self.policy, step))
-                if has_eval and self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:
-                    metrics.update(self._eval(self.anchor, step, "eval/anchor_accuracy"))
-                if step == cfg.train.steps and has_eval:
-                    metrics.update(self._eval(self.policy, step))
-                    self.state["eval_accuracy_final"] = metrics["eval/accuracy"]
-                logger.log(metrics, step)
-                self._check_skips(step, upd.skipped)
-                self.state["elapsed_s"] = elapsed0 + time.time() - start_time
-                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == cfg.train.steps:
-                    self._save(step)
-                info = f"reward {metrics['reward/mean']:.3f}  kl {metrics.get('kl/value', 0.0):.2e}  {metrics['throughput/tokens_per_s']:.0f} tok/s"
-                timer.add(time.time() - t0)
-                progress.update(task, advance=1, info=info, eta=clock(timer.eta(cfg.train.steps - step)))
-        self._save_final()
+        return logger
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """The evaluations due after step `step`: the policy every eval.every steps and after the last one, the anchor
+        every eval.anchor_every steps; {} without an evaluation set."""
+        cfg, out = self.cfg, {}
+        if not self.eval_prompts:
+            return out
+        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.train.steps:
+            out.update(self._eval(self.policy, step))
+        if self.anchor is not None and cfg.eval.anchor_every and step % cfg.eval.anchor_every == 0:
+            out.update(self._eval(self.anchor, step, "eval/anchor_accuracy"))
+        if step == cfg.train.steps:
+            out.update(self._eval(self.policy, step))
+            self.state["eval_accuracy_final"] = out["eval/accuracy"]
+        return out
+
+    def _checkpoint(self, step: int) -> None:
+        """A checkpoint every train.save_every steps and after the last one (every rank calls this)."""
+        t = self.cfg.train
+        if (t.save_every and step % t.save_every == 0) or step == t.steps:
+            ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
+                                 optimizer=self.optimizer, scheduler=self.scheduler, state=self.state, keep=t.keep_checkpoints)
+
+    def _finish(self, logger, metrics: dict[str, Any], started: float) -> dict[str, Any]:
+        """Final weights, summary.json (returned; wall time since `started`, earlier sessions included), and the
+        process group torn down."""
+        cfg, acc = self.cfg, self.acc
+        ckpt.save_final(self.strategy, self.run_dir, {"policy": self.policy, "anchor": self.anchor}, self.tokenizer,
+                        DTYPES[cfg.model.save_dtype or cfg.model.dtype], lora=cfg.lora.r > 0)
         logger.close()
         self.close()
-        summary = {
-            "eval_accuracy_initial": self.state.get("eval_accuracy_initial"),
-            "eval_accuracy_final": self.state.get("eval_accuracy_final"),
-            "steps": cfg.train.steps,
-            "wall_time_s": elapsed0 + time.time() - start_time,
-            "steps_skipped": self.state["skipped"],
-            "reward_mean_last": metrics.get("reward/mean"),
-            "prompts_skipped_too_long": self.skipped_train + self.skipped_eval,
-        }
-        summary["parallel"] = self.strategy.name
-        if acc.device.type == "cpu":  # what makes a CPU run's floating-point results (and so the run) reproducible
-            summary["torch_threads"] = torch.get_num_threads()
-            summary["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        hashes = self.strategy.replica_hashes(self.anchor) if self.anchor is not None else None
-        if hashes is not None:  # each rank's copy of the anchor, which must stay identical
-            summary["anchor_sha256_per_rank"] = hashes
+        summary = run_summary(self.state, cfg.train.steps, time.time() - started, metrics, self.skipped_prompts, self.strategy,
+                              self.anchor, acc.device)
         if acc.is_main_process:
             write_text_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         acc.wait_for_everyone()

@@ -210,6 +210,14 @@ class UpdateStats:
     logprob_diffs: list[Tensor] = field(default_factory=list)  # see LossParts.logprob_diff
     correction: Optional[CorrectionStats] = None  # rho's statistics (train.rollout_correction), this rank's rows
 
+    def add(self, parts: "LossParts") -> None:
+        """Count one micro-batch's clipped tokens, entropy, tokens and engine/trainer log-prob differences."""
+        self.clipped_tokens += parts.clipped_tokens
+        self.entropy_sum += parts.entropy_sum
+        self.tokens += parts.tokens
+        if parts.logprob_diff is not None:
+            self.logprob_diffs.append(parts.logprob_diff)
+
 
 def global_token_share(accelerator, local_tokens: float) -> float:
     """The mini-batch's response tokens over all ranks, divided by the number of ranks.
@@ -222,6 +230,18 @@ def global_token_share(accelerator, local_tokens: float) -> float:
         return local_tokens
     total = accelerator.reduce(torch.tensor(local_tokens, dtype=torch.float64, device=accelerator.device), reduction="sum")
     return float(total) / accelerator.num_processes
+
+
+def kept_rows(accelerator, batch: RolloutBatch, rows: Tensor) -> tuple[Tensor, float]:
+    """The mini-batch's rows without the dropped ones (`batch.keep`, train.mask_truncated: no loss, no count), and
+    its number of sequences (seq-mean's N_seqs: all ranks' kept rows / world when rows were dropped)."""
+    if batch.keep is None:
+        return rows, float(rows.numel())
+    kept = rows[batch.keep[rows]]
+    num_seqs = global_token_share(accelerator, float(kept.numel()))  # all ranks' kept rows / world
+    # a mini-batch left empty on this rank still runs one (zero-loss) pass on a dropped row, whose masks
+    # are zero, so that every rank takes part in the gradient reduction
+    return (kept if kept.numel() else rows[:1]), num_seqs
 
 
 def mini_batch_rows(order: Tensor, group_size: int, rows_per_mini: int) -> list[Tensor]:
@@ -261,13 +281,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     for _ in range(t.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for rows in mini_batch_rows(order, group_size, rows_per_mini):
-            num_seqs = float(rows.numel())
-            if batch.keep is not None:  # dropped rows (train.mask_truncated) leave the mini-batch: no loss, no count
-                kept = rows[batch.keep[rows]]
-                num_seqs = global_token_share(accelerator, float(kept.numel()))  # all ranks' kept rows / world
-                # a mini-batch left empty on this rank still runs one (zero-loss) pass on a dropped row, whose masks
-                # are zero, so that every rank takes part in the gradient reduction
-                rows = kept if kept.numel() else rows[:1]
+            rows, num_seqs = kept_rows(accelerator, batch, rows)
             mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
             if t.loss_agg == "token-mean":  # the only mode that divides by a token count
@@ -283,11 +297,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
                     accelerator.backward(parts.loss)
                 pg, kl = pg + parts.pg, kl + parts.kl
-                stats.clipped_tokens += parts.clipped_tokens
-                stats.entropy_sum += parts.entropy_sum
-                stats.tokens += parts.tokens
-                if parts.logprob_diff is not None:
-                    stats.logprob_diffs.append(parts.logprob_diff)
+                stats.add(parts)
             record = False  # the weights change from here on
             norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
             if stepped:

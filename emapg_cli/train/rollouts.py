@@ -1,0 +1,93 @@
+"""The rollout phase of a step: this rank's prompts, generation (dynamic sampling when train.filter_groups), grading
+in the background, and the padded batch. Advantages are filled later (`Trainer._advantages`), once the grades are in."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable
+
+import torch
+
+from emapg_cli.engines.base import SamplingParams, derive_seed
+from emapg_cli.grpo import grpo_advantages
+from emapg_cli.train.dynamic_sampling import filtered_groups, grade_groups
+from emapg_cli.train.rollout import padded_batch, schedule, score
+
+#: The seed stream of rollouts (the trainer's others: 2 update, 3 eval, 4 dynamic sampling's draws).
+ROLLOUT_STREAM = 1
+
+
+@dataclass
+class Rollouts:
+    """What the rollout phase samples from and grades with; `Rollouts(...)(step)` runs it for one RL step."""
+
+    cfg: Any  # the run's Config
+    acc: Any  # accelerate.Accelerator
+    generator: Any  # the engine, or the search agent's episodes on it
+    train_prompts: list[list[int]]  # tokenised prompts of the training examples
+    train_ex: list  # the training examples
+    reward_fn: Callable
+    grader: ThreadPoolExecutor  # grades beside the log-prob passes
+    pad_id: int
+    topk: int  # top-k ids the engine records per token (`passes.engine_topk`; 0: none)
+    timed: Callable[[str], Any]  # name -> context manager adding the block's wall time to the step's phases
+
+    def generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:
+        """Generate this rank's groups for dataset indices `items` (may be empty: every rank calls
+        generate, which a sharded engine needs). Returns (prompt ids, completions, their examples)."""
+        cfg, acc, r = self.cfg, self.acc, self.cfg.rollout
+        prompts = [self.train_prompts[i] for i in items]
+        seed = derive_seed(cfg.train.seed, ROLLOUT_STREAM, step, acc.process_index, *((round_,) if round_ else ()))
+        params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                stop=tuple(r.stop), seed=seed, topk=self.topk)
+        with self.timed("generation"):
+            groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
+        completions = [c for g in groups for c in g]
+        examples = [self.train_ex[i] for i in items for _ in range(r.n)]
+        return prompts, completions, examples
+
+    def shaping(self, stage) -> dict:
+        """`rewards.shaping.shape_rewards` settings of this stage: the truncation rule and DAPO's overlong penalty."""
+        rw = self.cfg.reward
+        return dict(truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
+                    overlong_penalty_max=rw.overlong_penalty)
+
+    def __call__(self, step: int):
+        """Generate this rank's groups, start grading them in the background and build the padded batch
+        (advantages still zero). Returns (batch, pending grades, metrics inputs).
+        With train.filter_groups the groups are graded before the batch is built (train/dynamic_sampling.py)."""
+        cfg, acc = self.cfg, self.acc
+        r, t = cfg.rollout, cfg.train
+        per_rank = r.prompts_per_step // acc.num_processes
+        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
+        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
+        stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
+        roll: dict[str, Any] = {}
+        if t.filter_groups:
+            graded = partial(grade_groups, lambda items, round_: self.generate(items, step, stage, round_), self.reward_fn,
+                             self.shaping(stage), r.n)
+            prompts, completions, examples, rewards, errors, roll["filtering"] = filtered_groups(
+                acc, mine, graded, len(self.train_ex), t.filter_max_rounds, cfg.train.seed, step)
+            grading: Future = Future()
+            grading.set_result((rewards.reshape(-1).tolist(), errors))
+        else:
+            prompts, completions, examples = self.generate(mine, step, stage, 0)
+            # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
+            grading = self.grader.submit(score, self.reward_fn, completions, examples, self.shaping(stage))
+        with self.timed("batch"):  # overlong filtering (stage.mask_truncated): truncated rows leave the update
+            batch, truncated = padded_batch(prompts, completions, r.n, stage.mask_truncated, self.pad_id, acc.device)
+        roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=truncated, max_new_tokens=stage.max_new_tokens)
+        return batch, (grading, completions, examples), roll
+
+
+def group_advantages(acc, rewards: list[float], n: int, norm: str, eps: float):
+    """GRPO advantages (`grpo.grpo_advantages`) over all ranks' rewards (this rank's: G_rank groups of n, in order).
+    Returns (this rank's advantages [G_rank * n] on its device, all ranks' rewards [G, n] on the CPU)."""
+    per_rank = len(rewards) // n
+    local = torch.tensor(rewards, dtype=torch.float32, device=acc.device).view(per_rank, n)  # [G_rank, n]
+    all_rewards = acc.gather(local) if acc.num_processes > 1 else local  # [G, n]
+    adv = grpo_advantages(all_rewards, norm, eps)  # [G, n]
+    adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
+    return adv_local.to(acc.device).float(), all_rewards.cpu()
