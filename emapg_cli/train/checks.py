@@ -79,7 +79,7 @@ def config_checks(cfg: Config) -> None:
             raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
     if cfg.rollout.reward not in REWARDS and not is_plugin_ref(cfg.rollout.reward):  # plugins: validated with the config
         raise UserError(f"rollout.reward: unknown reward '{cfg.rollout.reward}' (known: {', '.join(sorted(REWARDS))})")
-    from emapg_cli.train.passes import check_rollout_correction
+    from emapg_cli.train.settings import check_rollout_correction
 
     check_rollout_correction(cfg)
     engine_logprob_checks(cfg)

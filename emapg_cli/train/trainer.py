@@ -37,9 +37,10 @@ from emapg_cli.train.evaluate import evaluate
 from emapg_cli.train.loading import load_policy, make_anchor
 from emapg_cli.train.metrics import reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
+from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, check_layouts, reference_passes
 from emapg_cli.train.progress import StepTimer, clock
 from emapg_cli.train.rollout import build_batch, prepare_prompts, schedule, score
+from emapg_cli.train.settings import step_settings
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
 #: Offsets that keep the seed streams of rollouts, updates and evaluation apart.
@@ -54,30 +55,26 @@ def seed_everything(seed: int) -> None:
 
 
 def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
-    """The configured rollout engine; `hf` samples from the live policy module (vLLM is imported only when chosen).
+    """The configured rollout engine (`engines.make_engine` on the live policy): `hf` samples from the policy module,
+    vLLM takes the rollouts' sampling settings (it is imported only when chosen).
 
     `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`). Both engines
     end responses on the same tokens (`end_token_ids`: the tokenizer's EOS plus the generation config's).
     """
+    from emapg_cli.engines import make_engine
     from emapg_cli.engines.base import end_token_ids
-
-    end_ids = end_token_ids(tokenizer, getattr(policy, "generation_config", None))
-    if cfg.rollout.engine == "hf":
-        from emapg_cli.engines.hf import HFEngine
-
-        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context,
-                        share_prompts=cfg.train.share_prompts != "never", end_token_ids=end_ids)
-    from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.models.loading import model_ref
 
     # the search agent's contexts grow over turns, up to search.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return VLLMEngine(
-        model_ref(cfg.model.path), dtype=cfg.model.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        seed=cfg.train.seed, max_model_len=max_len,
-        trust_remote_code=cfg.model.trust_remote_code,
-        # the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, end_token_ids=end_ids,
+    return make_engine(
+        cfg.rollout.engine, model_ref(cfg.model.path), model=policy, tokenizer=tokenizer, seed=cfg.train.seed,
+        dtype=cfg.model.dtype, max_model_len=max_len, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        trust_remote_code=cfg.model.trust_remote_code, batch_size=cfg.rollout.hf_batch_size,
+        weights_context=weights_context, share_prompts=cfg.train.share_prompts != "never",
+        # vLLM: the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        end_token_ids=end_token_ids(tokenizer, getattr(policy, "generation_config", None)),
     )
 
 
@@ -170,7 +167,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
         policy = load_policy(cfg.model, cfg.lora)
         vocab = policy.get_output_embeddings().weight.shape[0]
-        self.k = min(cfg.kl.k, vocab)
+        self.settings = step_settings(cfg, vocab)  # what every step needs, decided once
         opt = cfg.optim
 
         def make_optimizer(params):
@@ -218,7 +215,7 @@ class Trainer:
         """Make the engine sample from `model` (the policy or the anchor). An engine with weights of
         its own (vLLM) is sent whole tensors, gathered first when the model is sharded (every rank
         calls this); `hf` samples from the live module, so nothing is copied."""
-        if getattr(self.engine, "shares_weights", False):
+        if self.engine.shares_weights:
             self.engine.load_weights(model)
             return
         with self.strategy.full_weights(model):
@@ -246,7 +243,8 @@ class Trainer:
         prompts = [self.train_prompts[i] for i in items]
         seed = derive_seed(cfg.train.seed, _ROLLOUT, step, acc.process_index, *((round_,) if round_ else ()))
         params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=seed, topk=engine_topk(cfg, self.k))
+                                stop=tuple(r.stop), seed=seed,
+                                topk=self.settings.engine_topk if self.engine.records_topk else 0)
         with self._timed("generation"):
             groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
         completions = [c for g in groups for c in g]
@@ -379,17 +377,17 @@ class Trainer:
                 # (lossy bf16 weights, and FSDP's bf16 all-gathers, can only be checked at bf16's tolerance)
                 half = cfg.model.dtype != "float32" and (not cfg.model.master_weights or self.strategy.name == "sharded")
                 with scorer.float32_passes():
-                    check_layouts(scorer, batch, cfg.rollout.temperature, cfg.train.pack_sequences, cfg.train.share_prompts,
-                                  tol=HALF_PRECISION_LAYOUT_TOL if half else 1e-4)
+                    p = self.settings.passes
+                    check_layouts(scorer, batch, p.temperature, p.pack, p.share, tol=HALF_PRECISION_LAYOUT_TOL if half else 1e-4)
                 self._layouts_checked = True
-            batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
+            batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, self.settings)
         if self.anchor is not None:
             self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
         mask = batch.policy_mask.bool()
         self._logprob_diff = ((batch.old_logp - batch.sampling_logp)[mask]
-                              if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
+                              if self.settings.old_pass and batch.old_logp is not None and batch.sampling_logp is not None else None)
         return batch
 
     def _update(self, step: int, batch) -> Any:
@@ -398,8 +396,8 @@ class Trainer:
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         try:
-            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self._timed("update"):
-                stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
+            with self.strategy.full_weights(self.anchor) if self.settings.anchor_inside_loss else contextlib.nullcontext(), self._timed("update"):
+                stats = update_policy(self.strategy, self.scorer, batch, self.settings, self.optimizer, self.scheduler, gen, self.anchor)
         except NonFiniteWeights as e:
             raise UserError(f"step {step}: {e}; stopped before the EMA anchor or a checkpoint could take them (the "
                             "newest checkpoint is unchanged): lower optim.lr or optim.weight_decay, then --resume") from None
