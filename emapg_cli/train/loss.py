@@ -57,7 +57,8 @@ class PolicyLoss:
 
         c_t = sg(rollout-correction weight) (`grpo.rollout_correction`): `mb.is_weight` when the update computed it
         from the old-policy log-probs, else (token modes without an old-policy pass: one on-policy step, whose first
-        pass is the old policy) from this pass's detached log-probs and the engine's. Mode none: no factor at all.
+        pass is the old policy) from this pass's detached log-probs and the engine's. Mode none: no factor at all (the
+        loss is bit-identical to the uncorrected one).
         With a mode on, the KL estimators' importance weight s = pi_theta / pi_sampling uses the engine's sampling
         log-probs (the distribution the tokens were drawn from) instead of the old policy's.
         """

@@ -5,7 +5,7 @@ down; train/passes.py, train/update.py and train/logprobs.py never read the conf
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from emapg_cli.errors import UserError
@@ -73,9 +73,6 @@ class StepSettings:
     passes: PassSettings = field(default_factory=PassSettings)
     loss: PolicyLoss = field(default_factory=PolicyLoss)
 
-    def with_(self, **changes: Any) -> "StepSettings":
-        return replace(self, **changes)
-
 
 def old_from_engine(cfg) -> bool:
     """The old-policy log-probs (and q) are the rollout engine's, recorded while sampling (`train.old_logprobs`)."""
@@ -118,9 +115,9 @@ def pass_settings(cfg) -> PassSettings:
 
 def step_settings(cfg, vocab: int) -> StepSettings:
     """The step's settings for a policy whose output layer has `vocab` ids (decided once, at setup)."""
-    info = INFO[cfg.kl.estimator]
+    info, loss = INFO[cfg.kl.estimator], policy_loss(cfg)
     kl_on = cfg.kl.coef > 0
-    topk = kl_on and info.uses_topk
+    topk = loss.topk  # the one test of "the KL term needs q"
     from_engine = old_from_engine(cfg)
     sampling_q = topk and topk_source(cfg.kl.direction) == "sampling"  # q: the sampling policy's top-k
     q_from = None if not topk else ("anchor" if not sampling_q else "engine" if from_engine else "policy")
@@ -135,5 +132,5 @@ def step_settings(cfg, vocab: int) -> StepSettings:
         old_pass=not from_engine and fallback, anchor_pass=kl_on and not inside, anchor_inside_loss=inside,
         anchor_autocast=cfg.ema.anchor_autocast, engine_topk=k if q_from == "engine" else 0,
         epochs=cfg.train.epochs, group_size=cfg.rollout.n, sequences_per_mini_batch=cfg.sequences_per_mini_batch,
-        grad_clip=cfg.optim.grad_clip, passes=pass_settings(cfg), loss=policy_loss(cfg),
+        grad_clip=cfg.optim.grad_clip, passes=pass_settings(cfg), loss=loss,
     )
