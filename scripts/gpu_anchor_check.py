@@ -43,6 +43,7 @@ def main() -> int:
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.passes import reference_passes
+    from emapg_cli.train.settings import step_settings
     from emapg_cli.train.rollout import RolloutBatch
 
     dev = torch.device("cuda")
@@ -71,7 +72,7 @@ def main() -> int:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                out = reference_passes(policy, anchor, batch, cfg, 32)
+                out = reference_passes(policy, anchor, batch, step_settings(cfg, 2**31))  # k = kl.k = 32
                 torch.cuda.synchronize()
                 times[mode].append(time.perf_counter() - t0)
                 peaks[mode] = torch.cuda.max_memory_allocated() / 2**30

@@ -70,6 +70,7 @@ def main() -> int:
     from emapg_cli.train.passes import check_layouts
     from emapg_cli.train.plan import KNOWN_MODELS
     from emapg_cli.train.rollout import RolloutBatch
+    from emapg_cli.train.settings import step_settings
     from emapg_cli.train.update import update_policy
 
     dev = torch.device(args.device)
@@ -142,7 +143,7 @@ def main() -> int:
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            stats = update_policy(strategy, scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(step))
+            stats = update_policy(strategy, scorer, batch, step_settings(cfg, 2**31), opt, sched, torch.Generator().manual_seed(step))
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t)

@@ -8,7 +8,7 @@ import torch
 
 from emapg_cli.config.loading import load_config
 from test_mini_batch_sequences import _batch
-from train_helpers import OneProcess
+from train_helpers import OneProcess, settings_of
 
 #: advantages of the 6 rows; row 3 (A = 1.5) is the truncated one
 ADV = [0.6, -0.3, 0.9, 1.5, -1.2, 0.3]
@@ -42,7 +42,7 @@ def _losses(tiny, batch, cfg, monkeypatch):
     monkeypatch.setattr(update, "micro_batch_loss", recording)
     lm = AutoModelForCausalLM.from_pretrained(tiny)
     opt = torch.optim.SGD(lm.parameters(), lr=0.1)
-    update.update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, cfg, opt, make_scheduler(opt, cfg),
+    update.update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, settings_of(cfg), opt, make_scheduler(opt, cfg),
                          torch.Generator().manual_seed(0))
     return sum(seen), [p.detach().clone() for p in lm.parameters()]
 

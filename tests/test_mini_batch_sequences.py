@@ -7,7 +7,7 @@ import torch
 
 from emapg_cli.config.loading import load_config
 from emapg_cli.engines.base import SamplingParams
-from train_helpers import OneProcess
+from train_helpers import OneProcess, settings_of
 
 QUESTIONS = ("1+2", "what is 13*17?", "2+2", "7-3")
 
@@ -48,7 +48,7 @@ def _update(tiny, batch, cfg, spy=None, monkeypatch=None):
     lm = AutoModelForCausalLM.from_pretrained(tiny)
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     sched = make_scheduler(opt, cfg)
-    stats = update.update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, cfg, opt, sched,
+    stats = update.update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, settings_of(cfg), opt, sched,
                                  torch.Generator().manual_seed(1))
     return [p.detach().clone() for p in lm.parameters()], stats, sched
 

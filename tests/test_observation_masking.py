@@ -15,7 +15,7 @@ import torch
 from emapg_cli.agents import Episode
 from emapg_cli.config.loading import load_config
 from emapg_cli.train.rollout import build_batch
-from train_helpers import OneProcess
+from train_helpers import OneProcess, settings_of
 
 # (policy, observation) segment lengths per row; row 3 ends with an observation (its targets are changed below)
 SEGMENTS = [[("p", 3), ("o", 2), ("p", 4)], [("p", 2), ("o", 4), ("p", 1)], [("p", 5)], [("p", 2), ("o", 3), ("p", 2), ("o", 3)]]
@@ -56,7 +56,7 @@ def loss_and_grads(lm, anchor, batch, cfg):
     scorer = TokenScorer(lm)
     mask = batch.policy_mask
     lm.zero_grad(set_to_none=True)
-    parts = micro_batch_loss(scorer, batch, cfg, float(mask.sum()), float(mask.shape[0]), anchor)
+    parts = micro_batch_loss(scorer, batch, settings_of(cfg), float(mask.sum()), float(mask.shape[0]), anchor)
     parts.loss.backward()
     grads = [p.grad.detach().clone() for p in lm.parameters()]
     lm.zero_grad(set_to_none=True)
@@ -91,7 +91,7 @@ def test_observations_change_nothing(lm, estimator, direction):
                                      "rollout.prompts_per_step=2", "rollout.n=2", "train.mini_batch_prompts=1",
                                      f"train.loss_agg={mode}", "train.logit_chunk=7"])
         use(sampled)
-        ref = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, cfg, k=4)
+        ref = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, settings_of(cfg))
         use(moved)
         base, g0 = loss_and_grads(lm, anchor, ref, cfg)
 
@@ -118,7 +118,7 @@ def test_observations_change_nothing(lm, estimator, direction):
         tail = batch.prompt_len + torch.nonzero(obs[3]).squeeze(-1)[-3:]
         ids[3, tail] = (ids[3, tail] + 5) % lm.config.vocab_size
         use(sampled)
-        ref2 = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch.with_(input_ids=ids), cfg, k=4)
+        ref2 = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch.with_(input_ids=ids), settings_of(cfg))
         use(moved)
         parts, g2 = loss_and_grads(lm, anchor, ref2, cfg)
         assert torch.equal(parts.loss, base.loss), (mode, "targets")
@@ -148,7 +148,7 @@ def test_masked_aggregation_hand_computed(lm, mode, expected):
     cfg = load_config(overrides=["rollout.prompts_per_step=1", "rollout.n=2", "train.mini_batch_prompts=1",
                                  "train.micro_batch_size=1", f"train.loss_agg={mode}", "kl.coef=0"])
     opt = torch.optim.SGD(lm.parameters(), lr=0.0)
-    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, cfg, opt, make_scheduler(opt, cfg),
+    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, settings_of(cfg), opt, make_scheduler(opt, cfg),
                           torch.Generator().manual_seed(0))
     assert stats.pg[0] == pytest.approx(expected, abs=1e-6)
     assert stats.tokens == 5.0  # entropy and clip fractions are over the 5 policy tokens

@@ -22,6 +22,7 @@ import torch
 
 from emapg_cli.config.loading import load_config
 from emapg_cli.errors import UserError
+from train_helpers import settings_of
 
 RHO = [[3.0, 0.25, 1.0], [4.0, 4.0, 1.0], [0.25, 1.0, 1.0], [1.5, 1.0, 0.4]]
 RHO_SUM = 4.25 + 9.0 + 2.25 + 2.9  # = 18.4 (row sums: 3 + 0.25 + 1, 4 + 4 + 1, 0.25 + 1 + 1, 1.5 + 1 + 0.4)
@@ -137,7 +138,7 @@ def sampled(tiny_qwen2):
         for p in anchor.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     cfg = _cfg("none")
-    batch = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, cfg, k=4)
+    batch = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, settings_of(cfg))
     assert batch.old_logp is not None  # 2 mini-batches: the old-policy pass ran
     log_rho = (batch.old_logp - batch.sampling_logp)[batch.response_mask]  # [12] the perturbation, seen by the trainer
     torch.testing.assert_close(log_rho, torch.tensor(RHO).log().reshape(-1), rtol=0, atol=1e-4)
@@ -157,9 +158,9 @@ def _loss(lm, anchor, batch, cfg):
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.update import correction_weights, micro_batch_loss
 
-    batch, _ = correction_weights(batch, cfg)
+    batch, _ = correction_weights(batch, settings_of(cfg).loss)
     lm.zero_grad(set_to_none=True)
-    parts = micro_batch_loss(TokenScorer(lm), batch, cfg, 12.0, 4.0, anchor)
+    parts = micro_batch_loss(TokenScorer(lm), batch, settings_of(cfg), 12.0, 4.0, anchor)
     parts.loss.backward()
     grads = [p.grad.detach().clone() for p in lm.parameters()]
     lm.zero_grad(set_to_none=True)
@@ -183,7 +184,7 @@ def test_perturbed_engine_weights_the_pg_term(sampled, mode):
 
     lm, anchor, batch = sampled
     cfg = _cfg(mode)
-    weighted, st = correction_weights(batch, cfg)
+    weighted, st = correction_weights(batch, settings_of(cfg).loss)
     if mode == "none":
         assert weighted.is_weight is None and st is None
     else:
@@ -220,7 +221,8 @@ def test_kl_importance_weight_uses_the_sampling_log_probs(sampled):
 
 
 def _head_loss_fn(cfg, mb, num_tokens, num_seqs, loss_mask):
-    """token_loss_fn as it was before the rollout correction (verbatim), the reference for mode none."""
+    """The per-token loss as it was before the rollout correction (verbatim, reading the config), the reference for
+    mode none."""
     from emapg_cli.grpo import ppo_clip_loss, token_weights
     from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
 
@@ -265,7 +267,7 @@ def test_none_reproduces_the_uncorrected_loss_exactly(sampled, monkeypatch):
     moved = batch.with_(old_logp=batch.old_logp - 0.05)  # ratios != 1, so PPO's ratio and s are not trivially 1
     cfg = _cfg("none")
     now, g_now = _loss(lm, anchor, moved, cfg)
-    monkeypatch.setattr(update, "token_loss_fn", _head_loss_fn)
+    monkeypatch.setattr(update.PolicyLoss, "per_token", lambda loss, *args: _head_loss_fn(cfg, *args))
     before, g_before = _loss(lm, anchor, moved, cfg)
     assert torch.equal(now.loss, before.loss) and now.pg == before.pg and now.kl == before.kl
     assert all(torch.equal(x, y) for x, y in zip(g_now, g_before))
@@ -277,21 +279,20 @@ def test_one_on_policy_step_takes_the_weights_from_its_own_pass(sampled, mode):
     gives the same weights, loss and gradient as the precomputed ones, and the same statistics."""
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.passes import needs_old_pass
     from emapg_cli.train.trainer import make_scheduler
     from emapg_cli.train.update import update_policy
     from train_helpers import OneProcess
 
     lm, anchor, batch = sampled
     one = _cfg(mode, "train.mini_batch_prompts=2", "kl.coef=0")
-    assert not needs_old_pass(one)
+    assert not settings_of(one).old_pass
     a, ga = _loss(lm, anchor, batch.with_(old_logp=None), one)
     b, gb = _loss(lm, anchor, batch, one)
     assert a.pg == pytest.approx(PG[mode], rel=2e-4) and a.pg == pytest.approx(b.pg, rel=1e-5)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-6)
     opt = torch.optim.SGD(lm.parameters(), lr=0.0)
-    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm), batch.with_(old_logp=None), one, opt,
+    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm), batch.with_(old_logp=None), settings_of(one), opt,
                           make_scheduler(opt, one), torch.Generator().manual_seed(0))
     lm.zero_grad(set_to_none=True)
     mean, mx, clipped = STATS[mode]
@@ -314,7 +315,7 @@ def test_update_reports_the_metrics(sampled):
     lm, _, batch = sampled
     cfg = _cfg("token_mask", "kl.coef=0")
     opt = torch.optim.SGD(lm.parameters(), lr=0.0)
-    upd = update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, cfg, opt, make_scheduler(opt, cfg),
+    upd = update_policy(Replicated(OneProcess()), TokenScorer(lm), batch, settings_of(cfg), opt, make_scheduler(opt, cfg),
                         torch.Generator().manual_seed(0))
     lm.zero_grad(set_to_none=True)
     # each mini-batch (one prompt, 6 tokens) is its own token-mean: the two pg values sum to 2 x the 12-token mean
@@ -330,12 +331,12 @@ def test_sequence_mode_runs_the_old_policy_pass(sampled):
     """A sequence mode needs each sequence's ratio before the fused loss's first chunk: one on-policy step still runs
     the old-policy pass and keeps its log-probs."""
     from emapg_cli.train.logprobs import TokenScorer
-    from emapg_cli.train.passes import needs_old_pass, reference_passes
+    from emapg_cli.train.passes import reference_passes
 
     lm, anchor, batch = sampled
     one = _cfg("sequence_truncate", "train.mini_batch_prompts=2", "kl.coef=0")
-    assert needs_old_pass(one) and not needs_old_pass(_cfg("token_truncate", "train.mini_batch_prompts=2", "kl.coef=0"))
-    out = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch.with_(old_logp=None), one, k=4)
+    assert settings_of(one).old_pass and not settings_of(_cfg("token_truncate", "train.mini_batch_prompts=2", "kl.coef=0")).old_pass
+    out = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch.with_(old_logp=None), settings_of(one))
     torch.testing.assert_close(out.old_logp, batch.old_logp)
 
 
@@ -344,8 +345,8 @@ def test_no_engine_log_probs_is_a_user_error(sampled):
 
     _, _, batch = sampled
     with pytest.raises(UserError, match="train.rollout_correction=token_truncate needs the log-probs"):
-        correction_weights(batch.with_(sampling_logp=None), _cfg("token_truncate"))
-    assert correction_weights(batch.with_(sampling_logp=None), _cfg("none"))[1] is None
+        correction_weights(batch.with_(sampling_logp=None), settings_of(_cfg("token_truncate")).loss)
+    assert correction_weights(batch.with_(sampling_logp=None), settings_of(_cfg("none")).loss)[1] is None
 
 
 # ---------------------------------------------------------------- config

@@ -13,7 +13,7 @@ import torch
 from emapg_cli.config.loading import load_config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
-from train_helpers import OneProcess, load_weights, run, tiny_overrides, train_cmd, write_dataset
+from train_helpers import OneProcess, load_weights, run, settings_of, tiny_overrides, train_cmd, write_dataset
 
 ESTIMATOR_CASES = [("k3", "reverse"), ("k5", "forward"), ("topk", "reverse"), ("topk", "forward"),
                    ("topk_paper", "reverse"), ("truncated", "forward"), ("exact", "reverse"), ("exact", "forward")]
@@ -107,7 +107,7 @@ def test_engine_topk_equals_the_old_policy_pass(lm_and_tok):
     """The hf engine's recorded top-k ids are the trainer's old-policy top-k (train.old_logprobs=engine skips that
     pass), and with old_logprobs=engine the passes take old_logp from the engine's log-probs."""
     from emapg_cli.train.logprobs import TokenScorer, token_stats
-    from emapg_cli.train.passes import needs_old_pass, reference_passes
+    from emapg_cli.train.passes import reference_passes
 
     lm, tok = lm_and_tok
     batch, _ = _rollout_batch(lm, tok, topk=4)
@@ -117,8 +117,8 @@ def test_engine_topk_equals_the_old_policy_pass(lm_and_tok):
     assert torch.equal(batch.q_index[m], st.topk_index[m])
     over = ["kl.estimator=topk", "kl.k=4", "rollout.prompts_per_step=2", "train.mini_batch_prompts=1"]
     engine = load_config(overrides=over)  # auto + hf engine: from the engine
-    assert not needs_old_pass(engine) and needs_old_pass(load_config(overrides=over + ["train.old_logprobs=pass"]))
-    out = reference_passes(TokenScorer(lm), TokenScorer(lm), batch.with_(q_index=batch.q_index), engine, k=4)
+    assert not settings_of(engine).old_pass and settings_of(load_config(overrides=over + ["train.old_logprobs=pass"])).old_pass
+    out = reference_passes(TokenScorer(lm), TokenScorer(lm), batch.with_(q_index=batch.q_index), settings_of(engine))
     assert torch.equal(out.old_logp, batch.sampling_logp) and torch.equal(out.q_index, batch.q_index)
 
 
@@ -137,8 +137,8 @@ def test_every_estimator_trains(lm_and_tok, estimator, direction):
     batch, _ = _rollout_batch(lm, tok)
     anchor = make_anchor(lm)
     scorer = TokenScorer(lm)
-    batch = reference_passes(scorer, TokenScorer(anchor), batch, cfg, k=4)
-    parts = micro_batch_loss(scorer, batch, cfg, float(batch.response_mask.sum()), 6.0, anchor)
+    batch = reference_passes(scorer, TokenScorer(anchor), batch, settings_of(cfg))
+    parts = micro_batch_loss(scorer, batch, settings_of(cfg), float(batch.response_mask.sum()), 6.0, anchor)
     assert math.isfinite(float(parts.loss.detach()))
     assert abs(parts.kl) < 1e-5  # policy == anchor: every estimator's value is 0 (up to round-off)
     parts.loss.backward()
@@ -168,9 +168,9 @@ def test_shared_prompts_give_the_padded_passes_and_update(lm_and_tok, estimator)
         cfg = load_config(overrides=[f"kl.estimator={estimator}", "kl.k=4", "kl.coef=0.5", "rollout.prompts_per_step=2",
                                      "train.mini_batch_prompts=1", "train.micro_batch_size=6", "train.logit_chunk=5",
                                      "train.old_logprobs=pass", f"train.share_prompts={share}", "train.pack_sequences=never"])
-        filled = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, cfg, k=4)
+        filled = reference_passes(TokenScorer(lm), TokenScorer(anchor), batch, settings_of(cfg))
         lm.zero_grad(set_to_none=True)
-        parts = micro_batch_loss(TokenScorer(lm), filled, cfg, float(batch.response_mask.sum()), 6.0, anchor)
+        parts = micro_batch_loss(TokenScorer(lm), filled, settings_of(cfg), float(batch.response_mask.sum()), 6.0, anchor)
         parts.loss.backward()
         out.append((filled, parts, [p.grad.clone() for p in lm.parameters()]))
     lm.zero_grad(set_to_none=True)
@@ -204,18 +204,18 @@ def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2
     sched = make_scheduler(opt, cfg)  # 4 RL steps x 2 optimizer steps = 8; warm-up over 4: lr = 1e-3 * (i + 1) / 4
     before = [p.detach().clone() for p in lm.parameters()]
     bad = batch.with_(advantages=torch.full_like(batch.advantages, float("nan")))
-    stats = update_policy(Replicated(OneProcess()), scorer, bad, cfg, opt, sched, torch.Generator().manual_seed(0))
+    stats = update_policy(Replicated(OneProcess()), scorer, bad, settings_of(cfg), opt, sched, torch.Generator().manual_seed(0))
     assert stats.skipped == 2 and sched.last_epoch == 0 and not opt.state
     assert sched.get_last_lr()[0] == pytest.approx(0.25e-3)
     assert all(torch.equal(a, b) for a, b in zip(before, lm.parameters()))
-    stats = update_policy(Replicated(OneProcess()), scorer, batch, cfg, opt, sched, torch.Generator().manual_seed(0))
+    stats = update_policy(Replicated(OneProcess()), scorer, batch, settings_of(cfg), opt, sched, torch.Generator().manual_seed(0))
     assert stats.skipped == 0 and sched.last_epoch == 2
     # one on-policy mini-batch (the only case without an old-policy pass): the update's own pass runs on the
     # sampling weights and compares every response token's log-prob with the engine's
     lm2 = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
     one = load_config(overrides=["rollout.prompts_per_step=2", "rollout.n=3", "train.mini_batch_prompts=2", "kl.coef=0"])
     opt2 = torch.optim.AdamW(lm2.parameters(), lr=1e-3)
-    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm2), batch, one, opt2, make_scheduler(opt2, one),
+    stats = update_policy(Replicated(OneProcess()), TokenScorer(lm2), batch, settings_of(one), opt2, make_scheduler(opt2, one),
                           torch.Generator().manual_seed(0))
     assert sum(d.numel() for d in stats.logprob_diffs) == int(batch.response_mask.sum())
     assert float(torch.cat(stats.logprob_diffs).abs().max()) < 1e-3

@@ -117,3 +117,11 @@ def assert_layout_equals_padded(model, ids, attn, p: int, resp, **layout) -> Non
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
     for x, y in zip(gb, ga):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def settings_of(cfg, vocab: int = 2**31):
+    """The trainer's step settings of `cfg` (`train.settings.step_settings`, what the passes and the update take);
+    `vocab` caps kl.k (default: no cap)."""
+    from emapg_cli.train.settings import step_settings
+
+    return step_settings(cfg, vocab)

@@ -2,7 +2,7 @@
 against the GEMMs they cannot avoid.
 
 update: random hidden states [T, H] (requiring grad), a random untied head [V, H] (requiring grad),
-random q [T, k] and anchor log-probs; the real per-token loss (`train.update.token_loss_fn`: PPO-clip
+random q [T, k] and anchor log-probs; the real per-token loss (`train.loss.PolicyLoss.per_token`: PPO-clip
 + beta * KL with the chosen estimator) through the fused output layer, then backward. Its floor is
 the three GEMMs it must do (logits, dH, dW) over the same chunks.
 passes: the old-policy pass (log-probs, log-sum-exp, top-k indices) and the anchor pass (gathers at
@@ -70,7 +70,7 @@ def bench_update(tokens: int, hidden: int, vocab: int, k: int, *, chunk: Optiona
     from emapg_cli.kl import check_estimator
     from emapg_cli.kl.fused import EXACT_BUFFERS, auto_chunk, fused_head_loss
     from emapg_cli.train.rollout import RolloutBatch
-    from emapg_cli.train.update import token_loss_fn
+    from emapg_cli.train.settings import policy_loss
 
     info = check_estimator(estimator, direction)
     dev, dt = torch.device(device), DTYPES[dtype]
@@ -93,7 +93,7 @@ def bench_update(tokens: int, hidden: int, vocab: int, k: int, *, chunk: Optiona
         ref_logp=-torch.rand(1, tokens, generator=g).to(**f32) * 4, ref_logp_q=-torch.rand(1, tokens, k, generator=g).to(**f32) * 4,
     )
     cfg = load_config(overrides=[f"kl.estimator={estimator}", f"kl.direction={direction}", f"kl.k={k}", "kl.coef=0.01"])
-    loss_fn = token_loss_fn(cfg, batch, float(tokens), 1.0, batch.response_mask)
+    loss_fn = policy_loss(cfg).per_token(batch, float(tokens), 1.0, batch.response_mask)
     exact = info.full_vocab
     ref = dict(ref_hidden=rand(tokens, hidden), ref_weight=rand(vocab, hidden, scale=hidden ** -0.5)) if exact else {}
     c = chunk or auto_chunk(vocab, budget_mib, EXACT_BUFFERS if exact else 1)

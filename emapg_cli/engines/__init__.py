@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 
 def resolve_backend(backend: str) -> str:
@@ -24,17 +24,31 @@ def make_engine(
     backend: str,
     model_path: str,
     *,
+    model: Any = None,
+    tokenizer: Any = None,
     seed: int = 0,
     dtype: Optional[str] = None,
     max_model_len: Optional[int] = None,
     gpu_memory_utilization: float = 0.9,
     trust_remote_code: bool = False,
+    batch_size: int = 256,
+    weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None,
+    share_prompts: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    end_token_ids: Optional[Sequence[int]] = None,
 ):
-    """A standalone `Engine` sampling from the saved model at `model_path` (for evaluation).
+    """The one factory of `Engine`s: for evaluation (a saved model) and for training (the live policy).
 
-    `dtype` None: bfloat16 on a GPU, float32 on CPU. The trainer builds its engines itself (it
-    shares the policy's weights with `hf`). For `vllm`, `gpu_memory_utilization` applies on a
-    GPU only; on CPU the engine sizes the KV cache in bytes (see `VLLMEngine`).
+    `model` None: a standalone engine on the saved model at `model_path` (evaluation); `hf` loads it computing in
+    `dtype` (no float32 master weights: nothing trains it). `model` given (the trainer's policy module, with its
+    `tokenizer`): `hf` samples from that live module (`shares_weights`; `weights_context(model)` is entered around
+    each generation, `batch_size` rows at a time, `share_prompts` prefills each distinct prompt once), while vLLM
+    loads `model_path` and is pushed the policy's weights (`load_weights`), with sleep mode on so the update can
+    take its memory back. `dtype` None: bfloat16 on a GPU, float32 on CPU. vLLM only: `temperature`, `top_p` are
+    the sampling settings whose log-probs must be exact (the rollouts'); `gpu_memory_utilization` applies on a GPU
+    (on CPU the engine sizes the KV cache in bytes, see `VLLMEngine`). `end_token_ids`: the tokens a response ends
+    on (None: each engine's default, the tokenizer's EOS plus the generation config's).
     """
     import torch
 
@@ -45,13 +59,17 @@ def make_engine(
 
         return VLLMEngine(
             model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
-            max_model_len=max_model_len, enable_sleep_mode=False, trust_remote_code=trust_remote_code,
+            max_model_len=max_model_len, enable_sleep_mode=model is not None, trust_remote_code=trust_remote_code,
+            temperature=temperature, top_p=top_p, end_token_ids=end_token_ids,
         )
     if backend == "hf":
         from emapg_cli.engines.hf import HFEngine
         from emapg_cli.models.loading import load_causal_lm, load_tokenizer
 
-        # an evaluation model computes in `dtype` itself (no float32 master weights: nothing trains it)
-        model = load_causal_lm(model_path, dtype, trust_remote_code=trust_remote_code).to("cuda" if torch.cuda.is_available() else "cpu")
-        return HFEngine(model, load_tokenizer(model_path, trust_remote_code))
+        if model is None:
+            model = load_causal_lm(model_path, dtype, trust_remote_code=trust_remote_code).to("cuda" if torch.cuda.is_available() else "cpu")
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_path, trust_remote_code)
+        return HFEngine(model, tokenizer, batch_size=batch_size, weights_context=weights_context, share_prompts=share_prompts,
+                        end_token_ids=end_token_ids)
     raise ValueError(f"unknown backend '{backend}' (hf, vllm or auto)")

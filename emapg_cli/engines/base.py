@@ -63,7 +63,16 @@ class Completion:
 
 
 class Engine(Protocol):
-    """A generation backend."""
+    """A generation backend.
+
+    What differs between engines is said by two attributes, read by the trainer (never probed):
+    `shares_weights`: it samples from the live module it was given (`load_weights` copies nothing, so a
+    sharded model need not be gathered for it); `records_topk`: it records each step's top-k ids of the
+    sampling distribution when `SamplingParams.topk` > 0 (what reverse Top-k with `train.old_logprobs=engine` needs).
+    """
+
+    shares_weights: bool
+    records_topk: bool
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions for each prompt, in prompt order."""
@@ -85,3 +94,17 @@ class Engine(Protocol):
     def resume_memory(self) -> None:
         """Take the memory back before the next rollout (no-op where unsupported)."""
         ...
+
+
+class EngineBase:
+    """Defaults for an `Engine`: weights of its own, no top-k records, no memory to hand back. Subclass it and
+    write `generate`, `load_weights` and `full_vocab_logprobs` (a fake in a test may subclass it too)."""
+
+    shares_weights: bool = False
+    records_topk: bool = False
+
+    def release_memory(self) -> None:
+        """Nothing to release."""
+
+    def resume_memory(self) -> None:
+        """Nothing to take back."""

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from emapg_cli.engines.base import Completion, SamplingParams, derive_seed, end_token_ids
+from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
 from emapg_cli.models.prefix import cache_kwarg, prompt_cache
 
 
@@ -80,11 +80,13 @@ class SeededSampler(LogitsProcessor):
         return out
 
 
-class HFEngine:
+class HFEngine(EngineBase):
     """`Engine` over a transformers causal LM that lives in this process (shares the trainer's weights)."""
 
     #: Samples from the live module it was given: `load_weights` copies nothing.
     shares_weights = True
+    #: Records each step's top-k ids of softmax(scores / T) when asked (`SamplingParams.topk`).
+    records_topk = True
 
     def __init__(self, model, tokenizer, batch_size: int = 256,
                  weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None, share_prompts: bool = True,

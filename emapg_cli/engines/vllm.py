@@ -27,7 +27,7 @@ import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from emapg_cli.engines.base import Completion, SamplingParams, end_token_ids
+from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, end_token_ids
 from emapg_cli.errors import UserError
 
 MISSING_VLLM = (
@@ -424,8 +424,11 @@ def _default_end_ids(llm: Any, model_path: str) -> tuple[int, ...]:
     return end_token_ids(tokenizer, generation_config)
 
 
-class VLLMEngine:
-    """The `Engine` interface on a vLLM `LLM` living in this process, on one CUDA GPU or on the CPU."""
+class VLLMEngine(EngineBase):
+    """The `Engine` interface on a vLLM `LLM` living in this process, on one CUDA GPU or on the CPU.
+
+    It holds weights of its own (`shares_weights` False: the trainer pushes whole tensors) and records no top-k ids
+    (`records_topk` False)."""
 
     def __init__(
         self,

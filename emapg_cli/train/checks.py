@@ -95,7 +95,7 @@ def config_checks(cfg: Config) -> None:
         check_reward(cfg.rollout.reward)
     except UserError as e:
         raise UserError(f"rollout.reward: {e}") from None
-    from emapg_cli.train.passes import check_rollout_correction
+    from emapg_cli.train.settings import check_rollout_correction
 
     check_rollout_correction(cfg)
     engine_logprob_checks(cfg)

@@ -7,85 +7,17 @@ import contextlib
 import torch
 
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import sequence_level
-from emapg_cli.kl import INFO, topk_source
 from emapg_cli.train.logprobs import TokenStats
 from emapg_cli.train.rollout import RolloutBatch, micro_batches
+from emapg_cli.train.settings import StepSettings
 
 
-def single_on_policy_step(cfg) -> bool:
-    """One epoch of one mini-batch: the policy being updated is exactly the one that sampled.
-
-    Then the old log-probs are the policy's own detached log-probs (ratio = 1 exactly) and the
-    old-policy pass can be skipped.
-    """
-    return cfg.train.epochs == 1 and cfg.derived.mini_batches_per_step == 1
-
-
-def anchor_inside_loss(cfg) -> bool:
-    """The exact estimator reads the anchor's decoder and output layer inside the policy's loss (its full
-    logits, chunk by chunk) instead of in a separate anchor pass."""
-    return cfg.kl.coef > 0 and INFO[cfg.kl.estimator].full_vocab
-
-
-def old_from_engine(cfg) -> bool:
-    """The old-policy log-probs (and q) are the rollout engine's, recorded while sampling (`train.old_logprobs`)."""
-    source = cfg.train.old_logprobs
-    return source == "engine" or (source == "auto" and cfg.rollout.engine == "hf")
-
-
-def check_rollout_correction(cfg) -> None:
-    """A train.rollout_correction other than none needs the engine's sampling log-probs and old-policy log-probs that
-    are not those same records: a one-line UserError when the config rules either out (at launch, in `--dry-run`,
-    and again before the first update)."""
-    mode = cfg.train.rollout_correction
-    if mode == "none":
-        return
-    if old_from_engine(cfg):
-        source = cfg.train.old_logprobs + (f" (engine, with rollout.engine={cfg.rollout.engine})" if cfg.train.old_logprobs == "auto" else "")
-        raise UserError(f"train.rollout_correction={mode} weighs by pi_old / pi_engine, but train.old_logprobs={source} makes "
-                        "the old-policy log-probs the engine's own (the ratio is 1): set train.old_logprobs=pass or "
-                        "train.rollout_correction=none")
-    if cfg.search.enabled and cfg.search.retokenize:
-        raise UserError(f"train.rollout_correction={mode} needs the engine's sampling log-probs, which search.retokenize "
-                        "drops: set train.rollout_correction=none")
-
-
-def engine_topk(cfg, k: int) -> int:
-    """How many top-k ids the engine must record per token: k when reverse Top-k reads q from the engine, else 0."""
-    info = INFO[cfg.kl.estimator]
-    needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
-    return k if needs_q and old_from_engine(cfg) else 0
-
-
-def anchor_autocast(cfg, device: torch.device):
-    """bf16 autocast around the anchor's forward on CUDA (`ema.anchor_autocast`): the fp32 anchor's
+def anchor_autocast(enabled: bool, device: torch.device):
+    """bf16 autocast around the anchor's forward on CUDA when `enabled` (`ema.anchor_autocast`): the fp32 anchor's
     matmuls run in bf16 like the policy's, as in the paper's code; a no-op on CPU."""
-    if cfg.ema.anchor_autocast and device.type == "cuda":
+    if enabled and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def needs_old_pass(cfg) -> bool:
-    """The old-policy pass runs unless the engine's log-probs stand in for it (`old_from_engine`) or
-    `single_on_policy_step`; reverse Top-k needs it anyway for q (the sampling policy's top-k set, which
-    must be fixed before the update) unless the engine recorded q."""
-    return not old_from_engine(cfg) and _pass_needed(cfg)
-
-
-def correction_needs_old_pass(cfg) -> bool:
-    """A sequence-level train.rollout_correction weighs each token by its whole sequence's ratio, which the fused
-    loss (chunk by chunk) cannot know before the chunk: the old-policy log-probs must exist before the update,
-    also for one on-policy step (token modes then take them from the update's own first pass)."""
-    return sequence_level(cfg.train.rollout_correction)
-
-
-def _pass_needed(cfg) -> bool:
-    """Without the engine's records: old log-probs unless `single_on_policy_step` (or for a sequence-level
-    rollout correction), and q for reverse Top-k."""
-    info = INFO[cfg.kl.estimator]
-    needs_q = cfg.kl.coef > 0 and info.uses_topk and topk_source(cfg.kl.direction) == "sampling"
-    return not single_on_policy_step(cfg) or needs_q or correction_needs_old_pass(cfg)
 
 
 def _layout_diff(scorer, mb: RolloutBatch, temperature: float, **layout) -> float:
@@ -163,11 +95,16 @@ def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, to
             out[rows, :r] = getattr(stats, name)
 
 
-def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: int) -> RolloutBatch:
-    """Fill old_logp / q_index (old-policy pass) and ref_logp / ref_logp_q (anchor pass) as the config needs.
-    Both models come as `TokenScorer`s (the policy's unwrapped from DDP; a sharded model's FSDP root). k is the
-    effective top-k size (kl.k capped at the vocabulary). The exact estimator needs no anchor pass here: it
-    evaluates the anchor's full logits chunk by chunk inside the loss."""
+def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, settings: StepSettings) -> RolloutBatch:
+    """Fill old_logp / q_index (old-policy pass) and ref_logp / ref_logp_q (anchor pass) as `settings` say.
+
+    Both models come as `TokenScorer`s (the policy's unwrapped from DDP; a sharded model's FSDP root).
+
+    q (the top-k set of a Top-k estimator, `settings.k` ids: kl.k capped at the vocabulary) comes from where
+    `settings.q_from` says. The exact estimator needs no anchor pass here: it evaluates the anchor's full logits
+    chunk by chunk inside the loss.
+    """
+    s, k = settings, settings.k
     b, r = batch.response_mask.shape
     device = batch.input_ids.device
 
@@ -175,49 +112,44 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, cfg, k: 
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     # no-grad passes never report entropy: skip its [chunk, V] softmax
-    max_tokens = cfg.train.max_tokens_per_micro_batch
-    micro, common = cfg.train.micro_batch_size, dict(temperature=cfg.rollout.temperature, chunk=cfg.train.logit_chunk,
-                                                       budget_mib=cfg.train.logit_memory_mib, entropy=False,
-                                                       pack=cfg.train.pack_sequences, share=cfg.train.share_prompts)
-    info = INFO[cfg.kl.estimator]
-    use_topk = cfg.kl.coef > 0 and info.uses_topk
-    source = topk_source(cfg.kl.direction)
+    micro, max_tokens, common = s.passes.micro_batch_size, s.passes.max_tokens, s.passes.scorer_args(entropy=False)
+    sampling_q = s.q_from in ("engine", "policy")  # q: the sampling policy's top-k
     out = {}
-    recorded = batch.sampling_logp is not None and not (use_topk and source == "sampling" and batch.q_index is None)
+    recorded = batch.sampling_logp is not None and not (sampling_q and batch.q_index is None)
     # `auto` uses the engine's records when it made them (the search agent's episodes, or a hand-built batch,
     # have none: then the pass runs); `engine` insists on them
-    if old_from_engine(cfg) and (recorded or cfg.train.old_logprobs == "engine"):
-        if use_topk and source == "sampling" and batch.q_index is None:
+    if s.old_from_engine and (recorded or s.engine_required):
+        if sampling_q and batch.q_index is None:
             raise UserError("train.old_logprobs=engine with reverse Top-k needs an engine that records the top-k "
                             "ids while sampling (hf); use train.old_logprobs=pass")
         if batch.sampling_logp is None:
             raise UserError("train.old_logprobs=engine needs an engine that returns sampling log-probs")
-        out["old_logp"] = None if single_on_policy_step(cfg) else batch.sampling_logp
-        if use_topk and source == "sampling":
+        out["old_logp"] = None if s.single_on_policy else batch.sampling_logp
+        if sampling_q:
             out["q_index"] = batch.q_index
-    elif _pass_needed(cfg):
+    elif s.old_pass_fallback:
         fill = {"logp": zeros(b, r)}  # [B, R]
-        if use_topk and source == "sampling":
+        if sampling_q:
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
         was = policy_scorer.training
         policy_scorer.eval()
         _run(policy_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k if "topk_index" in fill else 0, **common)
         policy_scorer.train(was)
-        out["old_logp"] = None if single_on_policy_step(cfg) and not correction_needs_old_pass(cfg) else fill["logp"]
+        out["old_logp"] = None if s.single_on_policy and not s.correction_old_pass else fill["logp"]
         if "topk_index" in fill:
             out["q_index"] = fill["topk_index"]
-    if cfg.kl.coef > 0 and not anchor_inside_loss(cfg):
-        with anchor_autocast(cfg, device):  # weights stay fp32; the matmuls run in bf16 on CUDA
+    if s.anchor_pass:
+        with anchor_autocast(s.anchor_autocast, device):  # weights stay fp32; the matmuls run in bf16 on CUDA
             fill = {"logp": zeros(b, r)}  # [B, R]
-            if use_topk:
+            if s.topk:
                 fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
-            if use_topk and source == "anchor":  # q is the anchor's own top-k, gathered in the same pass
+            if s.q_from == "anchor":  # q is the anchor's own top-k, gathered in the same pass
                 fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
                 _run(anchor_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k, **common)
                 out["q_index"] = fill["topk_index"]
             else:
                 _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, max_tokens, fill, **common)
             out["ref_logp"] = fill["logp"]
-            if use_topk:
+            if s.topk:
                 out["ref_logp_q"] = fill["logp_q"]
     return batch.with_(**out)

@@ -324,7 +324,9 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
     terms.append(MemoryTerm("head gradient", m.vocab * m.hidden * FP32, "V x H x 4 B (fp32 dW of the fused output layer)", "update"))
     if cfg.derived.loads_anchor:
         if INFO[cfg.kl.estimator].uses_topk:
-            k = min(cfg.kl.k, m.vocab)
+            from emapg_cli.train.settings import capped_k
+
+            k = capped_k(cfg.kl.k, m.vocab)
             terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}", "update"))
     if cfg.rollout.engine == "vllm":
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)

@@ -31,7 +31,7 @@ class Rollouts:
     reward_fn: Callable
     grader: ThreadPoolExecutor  # grades beside the log-prob passes
     pad_id: int
-    topk: int  # top-k ids the engine records per token (`passes.engine_topk`; 0: none)
+    topk: int  # top-k ids the engine records per token (`StepSettings.engine_topk` when the engine records top-k; 0: none)
     timed: Callable[[str], Any]  # name -> context manager adding the block's wall time to the step's phases
 
     def generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:

@@ -31,7 +31,7 @@ from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate 
 from emapg_cli.train.loggers import open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
-from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, anchor_inside_loss, check_layouts, engine_topk, needs_old_pass, reference_passes
+from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, check_layouts, reference_passes
 from emapg_cli.train.progress import PhaseTimer, TrainProgress
 from emapg_cli.train.rollouts import Rollouts, group_advantages
 from emapg_cli.train.setup import build_models, make_scheduler, run_prompts, seed_everything  # noqa: F401 - make_scheduler: re-exported
@@ -42,30 +42,26 @@ _UPDATE, _EVAL = 2, 3
 
 
 def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
-    """The configured rollout engine; `hf` samples from the live policy module (vLLM is imported only when chosen).
+    """The configured rollout engine (`engines.make_engine` on the live policy): `hf` samples from the policy module,
+    vLLM takes the rollouts' sampling settings (it is imported only when chosen).
 
     `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`). Both engines
     end responses on the same tokens (`end_token_ids`: the tokenizer's EOS plus the generation config's).
     """
+    from emapg_cli.engines import make_engine
     from emapg_cli.engines.base import end_token_ids
-
-    end_ids = end_token_ids(tokenizer, getattr(policy, "generation_config", None))
-    if cfg.rollout.engine == "hf":
-        from emapg_cli.engines.hf import HFEngine
-
-        return HFEngine(policy, tokenizer, batch_size=cfg.rollout.hf_batch_size, weights_context=weights_context,
-                        share_prompts=cfg.train.share_prompts != "never", end_token_ids=end_ids)
-    from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.models.loading import model_ref
 
     # the search agent's contexts grow over turns, up to search.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    return VLLMEngine(
-        model_ref(cfg.model.path), dtype=cfg.model.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        seed=cfg.train.seed, max_model_len=max_len,
-        trust_remote_code=cfg.model.trust_remote_code,
-        # the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, end_token_ids=end_ids,
+    return make_engine(
+        cfg.rollout.engine, model_ref(cfg.model.path), model=policy, tokenizer=tokenizer, seed=cfg.train.seed,
+        dtype=cfg.model.dtype, max_model_len=max_len, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        trust_remote_code=cfg.model.trust_remote_code, batch_size=cfg.rollout.hf_batch_size,
+        weights_context=weights_context, share_prompts=cfg.train.share_prompts != "never",
+        # vLLM: the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+        end_token_ids=end_token_ids(tokenizer, getattr(policy, "generation_config", None)),
     )
 
 
@@ -117,14 +113,14 @@ class Trainer:
         message = user_message_fn(cfg)
         self.train_ex, self.train_prompts, self.eval_ex, self.eval_prompts, self.skipped_prompts = run_prompts(
             self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, with_eval=bool(cfg.data.eval))
-        self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.k = build_models(cfg, self.strategy)
+        self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.settings = build_models(cfg, self.strategy)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         last = self._resume()
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
         # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
         self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
         self.rollouts = Rollouts(cfg, self.acc, self.generator, self.train_prompts, self.train_ex, self.reward_fn, self._grader,
-                                 self.tokenizer.pad_token_id, topk=engine_topk(cfg, self.k), timed=self.phases)
+                                 self.tokenizer.pad_token_id, topk=self.settings.engine_topk if self.engine.records_topk else 0, timed=self.phases)
         self._push(self.policy)
         return last
 
@@ -156,7 +152,7 @@ class Trainer:
         """Make the engine sample from `model` (the policy or the anchor). An engine with weights of
         its own (vLLM) is sent whole tensors, gathered first when the model is sharded (every rank
         calls this); `hf` samples from the live module, so nothing is copied."""
-        if getattr(self.engine, "shares_weights", False):
+        if self.engine.shares_weights:
             self.engine.load_weights(model)
             return
         with self.strategy.full_weights(model):
@@ -200,17 +196,17 @@ class Trainer:
                 # (lossy bf16 weights, and FSDP's bf16 all-gathers, can only be checked at bf16's tolerance)
                 half = cfg.model.dtype != "float32" and (not cfg.model.master_weights or self.strategy.name == "sharded")
                 with scorer.float32_passes():
-                    check_layouts(scorer, batch, cfg.rollout.temperature, cfg.train.pack_sequences, cfg.train.share_prompts,
-                                  tol=HALF_PRECISION_LAYOUT_TOL if half else 1e-4)
+                    p = self.settings.passes
+                    check_layouts(scorer, batch, p.temperature, p.pack, p.share, tol=HALF_PRECISION_LAYOUT_TOL if half else 1e-4)
                 self._layouts_checked = True
-            batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, cfg, self.k)
+            batch = reference_passes(self.acc.unwrap_model(self.scorer), self.anchor_scorer, batch, self.settings)
         if self.anchor is not None:
             self.strategy.forget_forwards(self.anchor)
         # engine vs trainer log-probs of the sampled tokens under the same weights (the update records
         # them itself when the old-policy pass was skipped)
         mask = batch.policy_mask.bool()
         diff = ((batch.old_logp - batch.sampling_logp)[mask]
-                if needs_old_pass(cfg) and batch.old_logp is not None and batch.sampling_logp is not None else None)
+                if self.settings.old_pass and batch.old_logp is not None and batch.sampling_logp is not None else None)
         return batch, diff
 
     def _update(self, step: int, batch) -> Any:
@@ -219,8 +215,8 @@ class Trainer:
         self.scorer.train()
         gen = torch.Generator().manual_seed(derive_seed(cfg.train.seed, _UPDATE, step))
         try:
-            with self.strategy.full_weights(self.anchor) if anchor_inside_loss(cfg) else contextlib.nullcontext(), self.phases("update"):
-                stats = update_policy(self.strategy, self.scorer, batch, cfg, self.optimizer, self.scheduler, gen, self.anchor)
+            with self.strategy.full_weights(self.anchor) if self.settings.anchor_inside_loss else contextlib.nullcontext(), self.phases("update"):
+                stats = update_policy(self.strategy, self.scorer, batch, self.settings, self.optimizer, self.scheduler, gen, self.anchor)
         except NonFiniteWeights as e:
             raise UserError(f"step {step}: {e}; stopped before the EMA anchor or a checkpoint could take them (the "
                             "newest checkpoint is unchanged): lower optim.lr or optim.weight_decay, then --resume") from None

@@ -10,12 +10,11 @@ import torch
 from torch import Tensor
 
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import CorrectionStats, ppo_clip_loss, rollout_correction, sequence_level, token_weights
-from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
-from emapg_cli.kl.fused import LossFn
+from emapg_cli.grpo import CorrectionStats, rollout_correction
 from emapg_cli.train.logprobs import response_hidden
-from emapg_cli.train.passes import anchor_inside_loss, check_rollout_correction, needs_old_pass
+from emapg_cli.train.loss import PolicyLoss, no_sampling_logprobs
 from emapg_cli.train.rollout import RolloutBatch, micro_batches
+from emapg_cli.train.settings import StepSettings
 
 
 @dataclass
@@ -31,112 +30,44 @@ class LossParts:
     logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (no old-policy pass)
 
 
-def no_sampling_logprobs(mode: str) -> str:
-    """The one-line error for a rollout correction without the engine's sampling log-probs."""
-    return (f"train.rollout_correction={mode} needs the log-probs the rollout engine recorded while sampling, and "
-            "this batch has none (search.retokenize, or a batch built without them); set train.rollout_correction=none")
-
-
-def correction_weights(batch: RolloutBatch, cfg) -> tuple[RolloutBatch, Optional[CorrectionStats]]:
+def correction_weights(batch: RolloutBatch, loss: PolicyLoss) -> tuple[RolloutBatch, Optional[CorrectionStats]]:
     """The batch with `is_weight` [B, R] = sg(w) of train.rollout_correction computed from its old-policy and
     sampling log-probs over the policy's tokens, and the statistics of rho; unchanged (None) with mode none, or
     for a token mode without old-policy log-probs (one on-policy step: the loss computes w from its own first
-    pass, `token_loss_fn`). Sequence modes always have them (`passes.correction_needs_old_pass`)."""
-    t = cfg.train
-    mode = t.rollout_correction
+    pass, `PolicyLoss.per_token`). Sequence modes always have them (`StepSettings.correction_old_pass`). The config's
+    own refusals (`settings.check_rollout_correction`) ran once at launch."""
+    mode = loss.correction
     if mode == "none":
         return batch, None
-    check_rollout_correction(cfg)
     if batch.sampling_logp is None:
         raise UserError(no_sampling_logprobs(mode))
     if batch.old_logp is None:
         return batch, None
-    w, stats = rollout_correction(batch.old_logp, batch.sampling_logp, batch.policy_mask, mode, t.rollout_correction_cap)
+    w, stats = rollout_correction(batch.old_logp, batch.sampling_logp, batch.policy_mask, mode, loss.correction_cap)
     return batch.with_(is_weight=w), stats
 
 
-def token_loss_fn(cfg, mb: RolloutBatch, num_tokens: float, num_seqs: float, loss_mask: Tensor) -> LossFn:
-    """The per-token loss w_t (c_t PPO-clip_t + beta * KL_t) of one micro-batch, for `emapg_cli.kl.fused`.
-
-    Every per-token input is flattened over the response mask (the order the fused function walks);
-    w_t is the token's weight in the aggregated loss (`grpo.token_weights` over `loss_mask` [b, R],
-    with the mini-batch totals for gradient accumulation). Extras: `pg` and `kl` (w_t times each
-    part) and `clipped`.
-
-    c_t = sg(rollout-correction weight) (`grpo.rollout_correction`, train.rollout_correction): `mb.is_weight`
-    when the update computed it from the old-policy log-probs, else (token modes without an old-policy pass:
-    one on-policy step, whose first pass is the old policy) from this pass's detached log-probs and the
-    engine's. Mode none: no factor at all (the loss is bit-identical to the uncorrected one). With a mode on,
-    the KL estimators' importance weight s = pi_theta / pi_sampling uses the engine's sampling log-probs
-    (the distribution the tokens were drawn from) instead of the old policy's.
-    """
-    kl_cfg, t = cfg.kl, cfg.train
-    beta, info = kl_cfg.coef, INFO[kl_cfg.estimator]
-    m = mb.response_mask.bool()
-    w = token_weights(loss_mask.bool(), t.loss_agg, num_tokens, num_seqs)[m]  # [N]
-    adv = mb.advantages[:, None].expand(m.shape)[m].float()  # [N]
-    old = mb.old_logp[m] if mb.old_logp is not None else None  # [N]
-    topk = beta > 0 and info.uses_topk
-    ref = mb.ref_logp[m] if beta > 0 and mb.ref_logp is not None else None  # [N]
-    ref_q = mb.ref_logp_q[m] if topk else None  # [N, k]
-    in_q = topk_membership(mb.q_index, mb.targets)[m] if topk else None  # [N]
-    mode, cap = t.rollout_correction, t.rollout_correction_cap
-    correct = mode != "none"
-    if correct and mb.sampling_logp is None:
-        raise UserError(no_sampling_logprobs(mode))
-    samp = mb.sampling_logp[m].float() if correct else None  # [N] the engine's log-probs of the sampled tokens
-    is_w = mb.is_weight[m] if correct and mb.is_weight is not None else None  # [N]
-    if correct and is_w is None and (old is not None or sequence_level(mode)):
-        raise RuntimeError("rollout correction weights were not computed before the update")  # update_policy does
-
-    def loss_fn(s: int, e: int, logp: Tensor, logp_q: Optional[Tensor], logits=None, ref_logits=None):
-        o = old[s:e] if old is not None else logp.detach()
-        pg_tok, clipped = ppo_clip_loss(logp, o, adv[s:e], t.clip_low, t.clip_high, t.dual_clip)  # [c]
-        pg_w = w[s:e] * pg_tok
-        if is_w is not None:
-            pg_w = pg_w * is_w[s:e]
-        elif correct:  # token mode, no old-policy pass: o is this first pass's log-probs, the old policy's
-            pg_w = pg_w * rollout_correction(o, samp[s:e], torch.ones_like(o, dtype=torch.bool), mode, cap)[0]
-        extras = {"pg": pg_w.detach(), "clipped": clipped.float()}
-        if beta <= 0:
-            return pg_w, extras
-        iw = importance_weight(logp, samp[s:e] if correct else o, kl_cfg.iw_clip) if kl_cfg.iw else None
-        kl_tok = kl_per_token(
-            kl_cfg.estimator, kl_cfg.direction, logp=logp, ref_logp=ref[s:e] if ref is not None else None, iw=iw,
-            logp_q=logp_q, ref_logp_q=ref_q[s:e] if ref_q is not None else None,
-            in_q=in_q[s:e] if in_q is not None else None, logits=logits, ref_logits=ref_logits,
-            log_ratio_clamp=kl_cfg.log_ratio_clamp, estimate_clamp=kl_cfg.estimate_clamp,
-        )  # [c]
-        kl_w = w[s:e] * kl_tok
-        extras["kl"] = kl_w.detach()
-        return pg_w + beta * kl_w, extras
-
-    return loss_fn
-
-
-def micro_batch_loss(scorer, mb: RolloutBatch, cfg, num_tokens: float, num_seqs: float, anchor_lm=None,
+def micro_batch_loss(scorer, mb: RolloutBatch, settings: StepSettings, num_tokens: float, num_seqs: float, anchor_lm=None,
                      record: bool = False) -> LossParts:
-    """PPO-clip + beta * KL on one micro-batch, aggregated with the mini-batch totals (gradient accumulation).
+    """PPO-clip + beta * KL (`settings.loss`) on one micro-batch, aggregated with the mini-batch totals (gradient
+    accumulation).
 
     The loss is computed by the fused output layer (`emapg_cli.kl.fused`): its gradient w.r.t. the
     logits is formed chunk by chunk inside the forward. With `record` (the first optimizer step of the
     update, without an old-policy pass) this pass runs on the weights that sampled the batch, so its
     log-probs are also compared with the engine's (`logprob_diff`).
     """
-    kl_cfg, t = cfg.kl, cfg.train
-    info = INFO[kl_cfg.estimator]
+    p = settings.passes
     ref_hidden = ref_head = None
-    if anchor_inside_loss(cfg):  # exact: the anchor's full logits, chunk by chunk inside the pass
+    if settings.anchor_inside_loss:  # exact: the anchor's full logits, chunk by chunk inside the pass
         with torch.no_grad():
-            ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len, t.pack_sequences,
-                                         t.share_prompts)  # [b, R, H]
+            ref_hidden = response_hidden(anchor_lm, mb.input_ids, mb.attention_mask, mb.prompt_len, p.pack, p.share)  # [b, R, H]
         ref_head = anchor_lm.get_output_embeddings()
     loss_mask = mb.policy_mask.bool()  # [b, R] observation tokens (multi-turn) get no loss, no KL, no entropy, no count
     stats = scorer(
-        mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask,
-        temperature=cfg.rollout.temperature, q_index=mb.q_index if kl_cfg.coef > 0 and info.uses_topk else None,
-        chunk=t.logit_chunk, budget_mib=t.logit_memory_mib, loss_fn=token_loss_fn(cfg, mb, num_tokens, num_seqs, loss_mask),
-        loss_mask=loss_mask, ref_hidden=ref_hidden, ref_head=ref_head, pack=t.pack_sequences, share=t.share_prompts,
+        mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index if settings.topk else None,
+        loss_fn=settings.loss.per_token(mb, num_tokens, num_seqs, loss_mask), loss_mask=loss_mask, ref_hidden=ref_hidden,
+        ref_head=ref_head, **p.scorer_args(),
     )
     m = loss_mask.float()
     record = record and mb.sampling_logp is not None
@@ -256,42 +187,42 @@ def mini_batch_rows(order: Tensor, group_size: int, rows_per_mini: int) -> list[
     return [laid[r0:r0 + rows_per_mini] for r0 in range(0, laid.numel(), rows_per_mini)]
 
 
-def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, scheduler,
+def update_policy(strategy, scorer, batch: RolloutBatch, settings: StepSettings, optimizer, scheduler,
                   generator: torch.Generator, anchor_lm=None) -> UpdateStats:
     """`epochs` passes over this rank's rollouts in mini-batches, micro-batched.
 
     Each epoch shuffles the groups with `generator`, lays their rows out group by group and cuts
-    that row sequence into mini-batches of this rank's share of `cfg.sequences_per_mini_batch`
+    that row sequence into mini-batches of this rank's share of `settings.sequences_per_mini_batch`
     rows (`mini_batch_rows`): whole groups with train.mini_batch_prompts, while with
     train.mini_batch_sequences a group may span two mini-batches (its advantages were computed
     over the whole group before the update, as in verl). The learning-rate schedule advances
     once per optimizer step that was taken (a skipped step leaves optimizer and schedule untouched).
     """
     accelerator = strategy.acc
-    t, group_size = cfg.train, cfg.rollout.n
+    s, p, group_size = settings, settings.passes, settings.group_size
     n_groups = batch.advantages.shape[0] // group_size
-    rows_per_mini = cfg.sequences_per_mini_batch // accelerator.num_processes  # this rank's rows per optimizer step
+    rows_per_mini = s.sequences_per_mini_batch // accelerator.num_processes  # this rank's rows per optimizer step
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
     prompt_lens, response_lens = batch.lengths()  # [B], [B]
-    record = not needs_old_pass(cfg)  # no old-policy pass measured the engine/trainer mismatch: the first step does
-    batch, stats.correction = correction_weights(batch, cfg)
-    in_loss = t.rollout_correction != "none" and batch.is_weight is None  # w from the first pass (token_loss_fn)
+    record = not s.old_pass  # no old-policy pass measured the engine/trainer mismatch: the first step does
+    batch, stats.correction = correction_weights(batch, s.loss)
+    in_loss = s.loss.correction != "none" and batch.is_weight is None  # w from the first pass (PolicyLoss.per_token)
     record = record or in_loss  # then the first pass is on the sampling weights (one on-policy step)
-    for _ in range(t.epochs):
+    for _ in range(s.epochs):
         order = torch.randperm(n_groups, generator=generator)
         for rows in mini_batch_rows(order, group_size, rows_per_mini):
             rows, num_seqs = kept_rows(accelerator, batch, rows)
             mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
-            if t.loss_agg == "token-mean":  # the only mode that divides by a token count
+            if s.loss.agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
-            micros = micro_batches(rows, prompt_lens, response_lens, t.micro_batch_size, t.max_tokens_per_micro_batch)
+            micros = micro_batches(rows, prompt_lens, response_lens, p.micro_batch_size, p.max_tokens)
             finite = True
             pg = kl = 0.0
             for i, micro in enumerate(micros):
                 with strategy.no_sync(scorer, last=i == len(micros) - 1):
-                    parts = micro_batch_loss(scorer, batch.select(micro), cfg, num_tokens, num_seqs, anchor_lm, record)
+                    parts = micro_batch_loss(scorer, batch.select(micro), s, num_tokens, num_seqs, anchor_lm, record)
                     if not parts.loss.requires_grad:  # no response token left (train.mask_truncated): a zero gradient
                         parts.loss = parts.loss + sum(p.sum() for p in params) * 0.0
                     finite = finite and bool(torch.isfinite(parts.loss.detach()))
@@ -299,7 +230,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
                 pg, kl = pg + parts.pg, kl + parts.kl
                 stats.add(parts)
             record = False  # the weights change from here on
-            norm, stepped = finite_step(strategy, params, optimizer, cfg.optim.grad_clip, finite)
+            norm, stepped = finite_step(strategy, params, optimizer, s.grad_clip, finite)
             if stepped:
                 scheduler.step()
             stats.skipped += 0 if stepped else 1
@@ -309,7 +240,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, cfg, optimizer, schedul
     if in_loss and stats.logprob_diffs:  # the weights the loss used: rho = exp(first pass - engine), per token
         d = torch.cat(stats.logprob_diffs)  # [tokens]
         stats.correction = rollout_correction(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool),
-                                              t.rollout_correction, t.rollout_correction_cap)[1]
+                                              s.loss.correction, s.loss.correction_cap)[1]
     if accelerator.num_processes > 1:  # each rank's loss is its share of the mini-batch loss: log their mean
         losses = torch.tensor(stats.pg + stats.kl, dtype=torch.float64, device=accelerator.device)
         losses = accelerator.reduce(losses, reduction="mean").tolist()
