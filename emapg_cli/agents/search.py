@@ -9,7 +9,7 @@ and their sampling log-probs are appended as they are (mask 1). The turn's decod
 the action (`protocol.parse_action`): an answer ends the episode; all searches of the turn go to
 the retriever in one call; a turn with no action gets the invalid-action message. Observations are
 tokenised, cut to `max_obs_tokens` and appended with mask 0 and log-prob 0. After
-`rollout.max_turns` turns, episodes still running get one final turn with search disabled (a
+`search.max_turns` turns, episodes still running get one final turn with search disabled (a
 search there ends the episode unanswered), as in Search-R1.
 
 Context limit: a turn starts only when prompt + trajectory + a full turn (`params.max_new_tokens`)
@@ -26,45 +26,14 @@ re-tokenise instead (EOS dropped, token boundaries may shift, no sampling log-pr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from emapg_cli.agents import protocol
-from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
+from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, add_policy_turn, new_episode,
+                                      still_running, turn_params, turn_tokens)
+from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.retrieval.base import Retriever
-
-
-@dataclass
-class Episode(Completion):
-    """One multi-turn trajectory: `token_ids` is everything after the prompt (policy turns and observations).
-
-    `text` is the policy's own text only (observations excluded): rewards read the answer there.
-    `finish_reason` is per turn: "length" when the episode's last policy turn hit the per-turn token cap
-    (`SamplingParams.max_new_tokens`) and gave no answer, else "stop": an answer, a turn that ended on its own
-    (a search, an invalid turn, EOS) before the turn or context limit ended the episode, or no turn at all.
-    So `rewards.shaping.is_truncated`, `train.mask_truncated` and `reward.truncated` see an unanswered
-    episode as truncated only when the policy was cut mid-turn; `outcome` says why the episode ended.
-    `last_turn_tokens` is that last turn's policy token count (what DAPO's overlong penalty measures against
-    the per-turn cap; observations and earlier turns excluded).
-    """
-
-    policy_mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
-    outcome: str = ""  # "answer" | "no_answer" (turns used up) | "context" (context limit reached)
-    turns: int = 0  # generation turns taken (the final no-search turn included)
-    last_turn_tokens: int = 0  # policy tokens of the last generated turn (0: no turn)
-    searches: int = 0  # retriever queries issued
-    invalid: int = 0  # turns with neither a search nor an answer (final turn excluded)
-    obs_tokens: int = 0  # observation tokens appended (mask 0)
-    obs_cut: int = 0  # observations cut at max_obs_tokens or at the context limit
-    queries: list[str] = field(default_factory=list)  # the searches issued, in order
-    retrieved: list[list[str]] = field(default_factory=list)  # per search: the ids of the hits shown, best first
-
-
-@dataclass
-class _State:
-    prompt: list[int]
-    episode: Episode
-    done: bool = False
 
 
 class SearchAgent:
@@ -81,24 +50,14 @@ class SearchAgent:
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams) -> list[list[Episode]]:
         """`params.n` episodes per prompt (row i*n + j is sample j of prompt i), in prompt order."""
         n, s = params.n, self.s
-        states = [_State(list(p), Episode(token_ids=[], text="", finish_reason="stop", logprobs=[]))
-                  for p in prompts for _ in range(n)]
+        states = [_State(list(p), new_episode()) for p in prompts for _ in range(n)]
         self.latencies = []
         for turn in range(self.max_turns + (1 if s.final_turn else 0)):
             final = turn == self.max_turns
-            active = []
-            for st in states:
-                if st.done:
-                    continue
-                if len(st.prompt) + len(st.episode.token_ids) + params.max_new_tokens > s.max_context_tokens:
-                    st.done, st.episode.outcome = True, "context"
-                else:
-                    active.append(st)
+            active = still_running(states, s.max_context_tokens, params.max_new_tokens)
             if not active:
                 break
-            turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                                         top_p=params.top_p, stop=protocol.STOP, seed=derive_seed(params.seed, turn))
-            outs = engine.generate([st.prompt + st.episode.token_ids for st in active], turn_params)
+            outs = engine.generate([st.prompt + st.episode.token_ids for st in active], turn_params(params, protocol.STOP, turn))
             queries: list[tuple[_State, str]] = []
             for st, group in zip(active, outs):
                 kind, content = self._take_turn(st, group[0])
@@ -133,37 +92,19 @@ class SearchAgent:
     def _take_turn(self, st: _State, c: Completion) -> tuple[Optional[str], str]:
         """Append one generated turn (mask 1); return its action. Engines return only the tokens the policy
         sampled (no pad or unsampled EOS of a finished row: docs/vllm.md "End tokens"), each with its log-prob."""
-        ep = st.episode
-        ids = list(c.token_ids)
+        ids, logprobs = turn_tokens(c)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        logprobs: Optional[list[float]] = list(c.logprobs) if c.logprobs is not None else None
-        if logprobs is not None and len(logprobs) != len(ids):
-            raise RuntimeError(f"the engine returned {len(ids)} tokens with {len(logprobs)} log-probs for one turn")
         if self.s.retokenize:
             text = protocol.cut_after_action(text)
             ids, logprobs = self._encode(text), None
-        ep.token_ids += ids
-        ep.policy_mask += [True] * len(ids)
-        ep.logprobs = ep.logprobs + logprobs if (ep.logprobs is not None and logprobs is not None) else None
-        ep.text += text
-        ep.turns += 1
-        ep.last_turn_tokens = len(ids)
-        ep.finish_reason = "length" if c.finish_reason == "length" else "stop"  # this turn hit the per-turn cap
+        add_policy_turn(st.episode, ids, logprobs, text, c.finish_reason)
         return protocol.parse_action(text)
 
     def _observe(self, st: _State, text: str) -> None:
         """Append an observation (mask 0, log-prob 0), cut to max_obs_tokens and to the room left."""
         ep, s = st.episode, self.s
-        ids = self._encode(text)
         room = max(s.max_context_tokens - len(st.prompt) - len(ep.token_ids), 0)
-        keep = min(len(ids), s.max_obs_tokens, room)
-        ep.obs_cut += keep < len(ids)
-        ids = ids[:keep]
-        ep.token_ids += ids
-        ep.policy_mask += [False] * len(ids)
-        if ep.logprobs is not None:
-            ep.logprobs += [0.0] * len(ids)
-        ep.obs_tokens += len(ids)
+        add_observation(ep, self._encode(text), min(s.max_obs_tokens, room))
 
 
 @dataclass

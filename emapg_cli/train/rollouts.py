@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from emapg_cli.agents.environments import generate
 from emapg_cli.engines.base import SamplingParams, derive_seed
 from emapg_cli.grpo import grpo_advantages
 from emapg_cli.train.dynamic_sampling import filtered_groups, grade_groups
@@ -25,7 +26,7 @@ class Rollouts:
 
     cfg: Any  # the run's Config
     acc: Any  # accelerate.Accelerator
-    generator: Any  # the engine, or the search agent's episodes on it
+    generator: Any  # the engine, or the environment's episodes on it (`agents.environments`)
     train_prompts: list[list[int]]  # tokenised prompts of the training examples
     train_ex: list  # the training examples
     reward_fn: Callable
@@ -43,7 +44,8 @@ class Rollouts:
         params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=seed, topk=self.topk)
         with self.timed("generation"):
-            groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
+            # engines take their memory back themselves; a user environment builds its episodes from the examples
+            groups = generate(self.generator, prompts, params, [self.train_ex[i] for i in items])
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in items for _ in range(r.n)]
         return prompts, completions, examples

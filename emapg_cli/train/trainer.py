@@ -52,8 +52,10 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     from emapg_cli.engines.base import end_token_ids
     from emapg_cli.models.loading import model_ref
 
-    # the search agent's contexts grow over turns, up to search.max_context_tokens
+    # a multi-turn environment's contexts grow over turns, up to search.max_context_tokens / rollout.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if cfg.rollout.env not in ("single", "search"):
+        max_len = cfg.rollout.max_context_tokens
     return make_engine(
         cfg.rollout.engine, model_ref(cfg.model.path), model=policy, tokenizer=tokenizer, seed=cfg.train.seed,
         dtype=cfg.model.dtype, max_model_len=max_len, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
@@ -65,27 +67,14 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     )
 
 
-def make_search_agent(cfg: Config, tokenizer):
-    """The search agent (rollout.max_turns turns, retriever from the `search` section), or None when search is off."""
-    if not cfg.search.enabled:
-        return None
-    from emapg_cli.agents import SearchAgent
-    from emapg_cli.retrieval import make_retriever
+def make_env(cfg: Config, tokenizer):
+    """The run's environment (rollout.env; agents/environments.py): single-turn, the search agent (its retriever
+    probed here, before the models load, so one that is down fails fast) or a user environment."""
+    from emapg_cli.agents.environments import make_environment
 
-    s = cfg.search
-    retriever = make_retriever(s.retriever, index=s.index, url=s.url, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s)
-    retriever.search(["test"], 1)  # a server that is down fails here, before any rollout (one-line UserError)
-    return SearchAgent(tokenizer, retriever, s, cfg.rollout.max_turns)
-
-
-def user_message_fn(cfg: Config):
-    """question -> user message: the search agent's prompt template, or None (the question alone)."""
-    if not cfg.search.enabled:
-        return None
-    from emapg_cli.agents.protocol import format_question, load_template
-
-    template = load_template(cfg.search.prompt_template)
-    return lambda question: format_question(question, template)
+    r = cfg.rollout
+    return make_environment(r.env, tokenizer, search=cfg.search, max_context_tokens=r.max_context_tokens,
+                            timeout_s=r.env_timeout_s, probe=True)
 
 
 class Trainer:
@@ -109,16 +98,16 @@ class Trainer:
         """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-        self.agent = make_search_agent(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
-        message = user_message_fn(cfg)
+        self.env = make_env(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
+        message = self.env.user_message()
         self.train_ex, self.train_prompts, self.eval_ex, self.eval_prompts, self.skipped_prompts = run_prompts(
             self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, with_eval=bool(cfg.data.eval))
         self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.settings = build_models(cfg, self.strategy)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         last = self._resume()
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
-        # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
-        self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
+        # what rollouts and evaluation sample from: the engine, or the environment's episodes on it
+        self.generator = self.env.bind(self.engine)
         self.rollouts = Rollouts(cfg, self.acc, self.generator, self.train_prompts, self.train_ex, self.reward_fn, self._grader,
                                  self.tokenizer.pad_token_id, topk=self.settings.engine_topk if self.engine.records_topk else 0, timed=self.phases)
         self._push(self.policy)
@@ -178,10 +167,8 @@ class Trainer:
             rewards, errors = grading.result()
         adv_local, all_rewards = group_advantages(self.acc, rewards, self.cfg.rollout.n, self.cfg.train.adv_norm, self.cfg.train.adv_eps)
         extra: dict[str, float] = {}
-        if self.agent is not None:  # this process's episodes
-            from emapg_cli.agents import search_metrics
-
-            extra = {**search_metrics(completions, self.agent.latencies), **reward_by_source(rewards, examples)}
+        if self.env.multi_turn:  # this process's episodes
+            extra = {**self.env.metrics(completions), **reward_by_source(rewards, examples)}
         return batch.with_(advantages=adv_local), all_rewards, errors, extra
 
     def _passes(self, batch):
@@ -258,13 +245,12 @@ class Trainer:
         return StepResult(metrics, upd.skipped, dict(self.phases.seconds), sum(roll["response_lens"]))
 
     def close(self) -> None:
-        """Stop the grading thread, the reward's worker pool and the search agent's retriever."""
+        """Stop the grading thread, the reward's worker pool and the environment (the search agent's retriever)."""
         self._grader.shutdown(wait=True)
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
             close()
-        if self.agent is not None:
-            self.agent.retriever.close()
+        self.env.close()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
