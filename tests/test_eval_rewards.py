@@ -51,13 +51,19 @@ def _run(out: Path) -> tuple[dict, list[dict]]:
     return summary, rows
 
 
+def _grade_given(files, out: Path, cli, fn: str):
+    """`emapg eval --responses` of the given responses with plugin function `fn`; (process, summary, rows)."""
+    bench, given, plugin = files
+    r = cli("eval", "--bench", str(bench), "--responses", str(given), "--reward", f"{plugin}:{fn}",
+            "--grader-workers", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return (r, *_run(out))
+
+
 def test_eval_grades_given_responses_with_a_plugin(files, tmp_path, cli):
     bench, given, plugin = files
     out = tmp_path / "parity"
-    r = cli("eval", "--bench", str(bench), "--responses", str(given), "--reward", f"{plugin}:parity",
-            "--grader-workers", "1", "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    summary, rows = _run(out)
+    _, summary, rows = _grade_given(files, out, cli, "parity")
     # parity = len % 2: item 0 [1, 0, 1, 0] (c = 2 of 4), item 1 [0, 0, 0, 1] (c = 1 of 4)
     assert [row["scores"] for row in rows] == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
     assert [row["correct"] for row in rows] == [[True, False, True, False], [False, False, False, True]]
@@ -73,11 +79,7 @@ def test_eval_grades_given_responses_with_a_plugin(files, tmp_path, cli):
     assert "| - | - |" in (out / "summary.md").read_text()  # maj@n columns print as "-"
 
     # partial credit: half_length = len / 2, solved at >= 1
-    out = tmp_path / "half"
-    r = cli("eval", "--bench", str(bench), "--responses", str(given), "--reward", f"{plugin}:half_length",
-            "--grader-workers", "1", "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    summary, rows = _run(out)
+    _, summary, rows = _grade_given(files, tmp_path / "half", cli, "half_length")
     # item 0 [0.5, 1, 1.5, 2] -> solved [F, T, T, T]; item 1 [1, 2, 1, 0.5] -> [T, T, T, F]: avg@n = 3/4
     assert [row["correct"] for row in rows] == [[False, True, True, True], [True, True, True, False]]
     assert summary["avg@n"] == pytest.approx(0.75)
@@ -109,12 +111,7 @@ def test_eval_generates_and_grades_with_a_plugin(files, tiny_qwen2, tmp_path, cl
 
 
 def test_a_response_the_plugin_cannot_grade_scores_zero_and_is_reported(files, tmp_path, cli):
-    bench, given, plugin = files
-    out = tmp_path / "picky"
-    r = cli("eval", "--bench", str(bench), "--responses", str(given), "--reward", f"{plugin}:picky",
-            "--grader-workers", "1", "--out", str(out))
-    assert r.returncode == 0, r.stderr
-    summary, rows = _run(out)
+    r, summary, rows = _grade_given(files, tmp_path / "picky", cli, "picky")
     # only item 1's last response is "x": it raises, scores 0 and is counted; the other 7 score 1 -> avg@n = (4/4 + 3/4) / 2
     assert rows[1]["scores"] == [1.0, 1.0, 1.0, 0.0] and summary["grader_errors"] == 1
     assert summary["avg@n"] == pytest.approx(0.875)
