@@ -9,7 +9,7 @@ and their sampling log-probs are appended as they are (mask 1). The turn's decod
 the action (`protocol.parse_action`): an answer ends the episode; all searches of the turn go to
 the retriever in one call; a turn with no action gets the invalid-action message. Observations are
 tokenised, cut to `max_obs_tokens` and appended with mask 0 and log-prob 0. After
-`rollout.max_turns` turns, episodes still running get one final turn with search disabled (a
+`search.max_turns` turns, episodes still running get one final turn with search disabled (a
 search there ends the episode unanswered), as in Search-R1.
 
 Context limit: a turn starts only when prompt + trajectory + a full turn (`params.max_new_tokens`)
@@ -26,38 +26,13 @@ re-tokenise instead (EOS dropped, token boundaries may shift, no sampling log-pr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from emapg_cli.agents import protocol
+from emapg_cli.agents.episode import Episode, add_observation, add_policy_turn, turn_tokens
 from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
 from emapg_cli.retrieval.base import Retriever
-
-
-@dataclass
-class Episode(Completion):
-    """One multi-turn trajectory: `token_ids` is everything after the prompt (policy turns and observations).
-
-    `text` is the policy's own text only (observations excluded): rewards read the answer there.
-    `finish_reason` is per turn: "length" when the episode's last policy turn hit the per-turn token cap
-    (`SamplingParams.max_new_tokens`) and gave no answer, else "stop": an answer, a turn that ended on its own
-    (a search, an invalid turn, EOS) before the turn or context limit ended the episode, or no turn at all.
-    So `rewards.shaping.is_truncated`, `train.mask_truncated` and `reward.truncated` see an unanswered
-    episode as truncated only when the policy was cut mid-turn; `outcome` says why the episode ended.
-    `last_turn_tokens` is that last turn's policy token count (what DAPO's overlong penalty measures against
-    the per-turn cap; observations and earlier turns excluded).
-    """
-
-    policy_mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
-    outcome: str = ""  # "answer" | "no_answer" (turns used up) | "context" (context limit reached)
-    turns: int = 0  # generation turns taken (the final no-search turn included)
-    last_turn_tokens: int = 0  # policy tokens of the last generated turn (0: no turn)
-    searches: int = 0  # retriever queries issued
-    invalid: int = 0  # turns with neither a search nor an answer (final turn excluded)
-    obs_tokens: int = 0  # observation tokens appended (mask 0)
-    obs_cut: int = 0  # observations cut at max_obs_tokens or at the context limit
-    queries: list[str] = field(default_factory=list)  # the searches issued, in order
-    retrieved: list[list[str]] = field(default_factory=list)  # per search: the ids of the hits shown, best first
 
 
 @dataclass
@@ -133,37 +108,19 @@ class SearchAgent:
     def _take_turn(self, st: _State, c: Completion) -> tuple[Optional[str], str]:
         """Append one generated turn (mask 1); return its action. Engines return only the tokens the policy
         sampled (no pad or unsampled EOS of a finished row: docs/vllm.md "End tokens"), each with its log-prob."""
-        ep = st.episode
-        ids = list(c.token_ids)
+        ids, logprobs = turn_tokens(c)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        logprobs: Optional[list[float]] = list(c.logprobs) if c.logprobs is not None else None
-        if logprobs is not None and len(logprobs) != len(ids):
-            raise RuntimeError(f"the engine returned {len(ids)} tokens with {len(logprobs)} log-probs for one turn")
         if self.s.retokenize:
             text = protocol.cut_after_action(text)
             ids, logprobs = self._encode(text), None
-        ep.token_ids += ids
-        ep.policy_mask += [True] * len(ids)
-        ep.logprobs = ep.logprobs + logprobs if (ep.logprobs is not None and logprobs is not None) else None
-        ep.text += text
-        ep.turns += 1
-        ep.last_turn_tokens = len(ids)
-        ep.finish_reason = "length" if c.finish_reason == "length" else "stop"  # this turn hit the per-turn cap
+        add_policy_turn(st.episode, ids, logprobs, text, c.finish_reason)
         return protocol.parse_action(text)
 
     def _observe(self, st: _State, text: str) -> None:
         """Append an observation (mask 0, log-prob 0), cut to max_obs_tokens and to the room left."""
         ep, s = st.episode, self.s
-        ids = self._encode(text)
         room = max(s.max_context_tokens - len(st.prompt) - len(ep.token_ids), 0)
-        keep = min(len(ids), s.max_obs_tokens, room)
-        ep.obs_cut += keep < len(ids)
-        ids = ids[:keep]
-        ep.token_ids += ids
-        ep.policy_mask += [False] * len(ids)
-        if ep.logprobs is not None:
-            ep.logprobs += [0.0] * len(ids)
-        ep.obs_tokens += len(ids)
+        add_observation(ep, self._encode(text), min(s.max_obs_tokens, room))
 
 
 @dataclass

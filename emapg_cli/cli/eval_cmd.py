@@ -32,10 +32,11 @@ def eval_(
     reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong).")] = 5.0,
     retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR (an index from `emapg retriever index`) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`).")] = None,
-    max_turns: Annotated[int, typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled).")] = 4,
+    env: Annotated[Optional[str], typer.Option("--env", help="The environment the model answers in, built by training's factory (rollout.env): single (default), search (needs --retriever, which alone implies it), calc (the toy arithmetic calculator), or a user environment path/to/file.py:ClassName / module:ClassName (docs/environments.md); its own reward(text), when it has one, grades instead of --reward.")] = None,
+    max_turns: Annotated[Optional[int], typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled; default 4, search.max_turns). With a user --env: its turn limit (default: the class's max_turns).")] = None,
     topk: Annotated[int, typer.Option("--topk", min=1, help="With --retriever: passages per search.")] = 3,
     max_obs_tokens: Annotated[int, typer.Option("--max-obs-tokens", min=1, help="With --retriever: observations are cut to their first this many tokens.")] = 500,
-    max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", min=2, help="With --retriever: prompt + trajectory token limit.")] = 4096,
+    max_context_tokens: Annotated[int, typer.Option("--max-context-tokens", min=2, help="With --retriever or a user --env: prompt + trajectory token limit.")] = 4096,
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
     truncated: Annotated[Literal["zero", "grade"], typer.Option("--truncated", help="A response cut at the token cap: `zero` scores it 0 and it casts no maj@n vote (the paper's rule), `grade` grades it.")] = "zero",
     think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
@@ -56,6 +57,19 @@ def eval_(
         raise UserError("give --model (sample and grade) or --responses (grade given responses)")
     if responses is not None and not responses.is_file():
         raise UserError(f"{responses}: no such file")
+    from emapg_cli.agents.environments import check_env
+
+    try:  # the check training's rollout.env gets; a file path is made absolute
+        env = check_env(env) if env is not None else None
+    except UserError as e:
+        raise UserError(f"--env: {str(e).removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
+    if env == "search" and retriever is None:
+        raise UserError("--env search needs --retriever (bm25:DIR or http://HOST:PORT)")
+    if retriever is not None and env not in (None, "search"):
+        raise UserError(f"--retriever runs the search agent; it contradicts --env {env}")
+    if env is not None and env != "single" and responses is not None:
+        raise UserError("--env runs an environment on --model; given --responses are only graded")
+    user_env = env not in (None, "single", "search")
     searching = retriever is not None
     if searching and responses is not None:
         raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
@@ -63,7 +77,9 @@ def eval_(
         raise UserError("--prompt-template applies only with --retriever")
     n = n if n is not None else (1 if searching else 32)
     temperature = temperature if temperature is not None else (0.0 if searching else 0.8)
-    max_tokens = max_tokens if max_tokens is not None else (500 if searching else 28000)
+    max_tokens = max_tokens if max_tokens is not None else (500 if searching or user_env else 28000)
+    if max_turns is None:  # search: search.max_turns' default; a user environment: its class's (None)
+        max_turns = None if user_env else 4
     from emapg_cli.rewards.registry import check_reward
 
     try:  # the check training's rollout.reward gets; a plugin file path is made absolute
@@ -72,7 +88,7 @@ def eval_(
         raise UserError(f"--reward: {e}") from None
     if searching and reward in ("math", "toy"):
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
-    if searching:
+    if searching or user_env:
         from emapg_cli.evaluation.search import check_turn_budget
 
         check_turn_budget(max_tokens, max_context_tokens)
@@ -82,7 +98,7 @@ def eval_(
         temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
         instruction=instruction, chunk=chunk, max_model_len=max_model_len, dtype=dtype,
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
-        reward=reward, retriever=retriever, max_turns=max_turns, topk=topk, max_obs_tokens=max_obs_tokens,
+        reward=reward, retriever=retriever, env=env, max_turns=max_turns, topk=topk, max_obs_tokens=max_obs_tokens,
         max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
         truncated=truncated, think=think,
     )

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Optional
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from emapg_cli.config.models import Config
+from emapg_cli.config.models import MOVED_KEYS, Config
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import read_yaml_mapping, safe_load_yaml
 
@@ -108,6 +108,8 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     for item in overrides:
         parts, value = parse_override(item)
         owner = _resolve_model(parts[:-1])
+        if ".".join(parts) in MOVED_KEYS:
+            raise UserError(MOVED_KEYS[".".join(parts)])
         if owner is None or parts[-1] not in owner.model_fields:
             where, key = ".".join(parts[:-1]), ".".join(parts)
             if owner is None:

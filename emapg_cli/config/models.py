@@ -15,6 +15,9 @@ from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 
 Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
+#: Keys that moved: setting one is a one-line error naming where it went.
+MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
+                                   "a user environment's is its class's max_turns attribute (docs/environments.md)"}
 Direction = Literal["reverse", "forward"]
 
 
@@ -46,13 +49,32 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(128, ge=1, description="Prompts sampled per RL step.")
     n: int = Field(8, ge=1, description="Responses generated per prompt (the GRPO group size).")
     max_new_tokens: int = Field(8192, ge=1, description="Maximum response length in tokens (per turn for multi-turn tasks).")
-    max_turns: int = Field(1, ge=1, description="Assistant turns per episode (1 for single-turn maths; >1 for tool-using tasks such as search).")
+    env: str = Field("single", description="The environment a response is generated in (docs/environments.md): `single` (one turn, the default), `search` (the Search-R1 agent of the `search` section; the same as search.enabled=true), `calc` (the toy arithmetic task's calculator tool), or a user environment `path/to/file.py:ClassName` / `module:ClassName` (per episode `ClassName(example)`, then `step(text) -> observation | None` after each policy turn; its `max_turns`, `stop` and optional `reward(text)`, used instead of rollout.reward).")
+    env_timeout_s: float = Field(10.0, gt=0, description="A user environment (rollout.env=FILE.py:Class, calc): seconds one call into it (the constructor, step, reward, metrics) may take; past it the run stops with a one-line error naming the method.")
+    max_context_tokens: int = Field(4096, ge=2, description="A user environment (rollout.env=FILE.py:Class, calc): prompt + trajectory token limit; a turn starts only when a full rollout.max_new_tokens turn fits, observations are cut to the room left (the episode then ends, counted in env/context_full_frac). The search agent uses search.max_context_tokens.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _max_turns_moved(cls, data):
+        if isinstance(data, dict) and "max_turns" in data:
+            raise ValueError(MOVED_KEYS["rollout.max_turns"])
+        return data
+
+    @field_validator("env")
+    @classmethod
+    def _env_loads(cls, v: str) -> str:
+        from emapg_cli.agents.environments import check_env
+
+        try:
+            return check_env(v)  # a file path made absolute: resumes and ablate runs find the same file
+        except UserError as e:  # the key is named once, by the error's location
+            raise ValueError(str(e).removeprefix("rollout.env: ").removeprefix("rollout.env ")) from None
 
     @field_validator("reward")
     @classmethod
@@ -71,7 +93,8 @@ class RolloutConfig(Section):
 class SearchConfig(Section):
     """The Search-R1 agent protocol (docs/search.md); its defaults are the values of Search-R1 / EMA-PG's code."""
 
-    enabled: bool = Field(False, description="Run rollouts as the search agent: multi-turn <search>/<answer> episodes with retrieved observations (rollout.max_turns search turns, then one final turn without search).")
+    enabled: bool = Field(False, description="Run rollouts as the search agent: multi-turn <search>/<answer> episodes with retrieved observations (search.max_turns search turns, then one final turn without search). The same as rollout.env=search (either sets the other).")
+    max_turns: int = Field(4, ge=0, description="Search turns per episode, then one final turn without search (search.final_turn); 0: only that final turn.")
     prompt_template: Optional[str] = Field(None, description="User-message template file with a `{question}` placeholder (null: the packaged Search-R1 prompt, emapg_cli/agents/prompts/search_r1.txt).")
     retriever: Literal["bm25", "http"] = Field("http", description="`bm25`: in-process over `search.index`; `http`: a Search-R1 `/retrieve` server at `search.url`.")
     index: Optional[str] = Field(None, description="bm25 only: index folder written by `emapg retriever index`.")
@@ -79,7 +102,7 @@ class SearchConfig(Section):
     topk: int = Field(3, ge=1, description="Passages per search.")
     max_obs_tokens: int = Field(500, ge=1, description="Observations (retrieved passages, the invalid-action message) are cut to their first this many tokens.")
     max_context_tokens: int = Field(4096, ge=2, description="Prompt + trajectory token limit: a turn starts only if a full rollout.max_new_tokens turn fits; observations are cut to fit (the episode then ends, counted as `search/context_full_frac`).")
-    final_turn: bool = Field(True, description="After rollout.max_turns turns, give episodes without an answer one more turn with search disabled.")
+    final_turn: bool = Field(True, description="After search.max_turns turns, give episodes without an answer one more turn with search disabled.")
     retokenize: bool = Field(False, description="Compatibility with Search-R1: decode each turn, cut after the first </search> or </answer>, re-tokenise (drops EOS, may shift token boundaries; no engine log-probs). Default: keep the sampled token ids.")
     invalid_message: str = Field("\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n", description="Observation after a turn with neither a <search> nor an <answer> action.")
     timeout_s: float = Field(30.0, gt=0, description="http only: seconds per request.")
@@ -259,9 +282,23 @@ class Config(Section):
             raise ValueError("must be a plain name (one path component, no '/', '\\', '.' or '..')")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_max_turns(cls, data):
+        """Configs written before rollout.env (a run's config.yaml, for --resume) hold rollout.max_turns; its value
+        1 without search was the single-turn default and is dropped; any other value is the error naming
+        search.max_turns (RolloutConfig)."""
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "max_turns" in data["rollout"]:
+            search = data.get("search") or {}
+            enabled = search.get("enabled") if isinstance(search, dict) else getattr(search, "enabled", False)
+            if str(data["rollout"]["max_turns"]) == "1" and str(enabled).lower() not in ("true", "1"):
+                data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "max_turns"}}
+        return data
+
     @model_validator(mode="after")
     def _derive(self) -> "Config":
         r, t = self.rollout, self.train
+        self._one_environment()
         self._resolve_defaults()
         if t.mini_batch_prompts is not None and r.prompts_per_step % t.mini_batch_prompts != 0:
             raise ValueError(
@@ -298,6 +335,23 @@ class Config(Section):
             ema_updates=t.steps // self.ema.update_period,
         )
         return self
+
+    def _one_environment(self) -> None:
+        """search.enabled=true and rollout.env=search are one choice: either sets the other; a contradiction is an
+        error. A user environment's first turn must fit in rollout.max_context_tokens with the prompt."""
+        r, s = self.rollout, self.search
+        if s.enabled and r.env != "search":
+            if "env" in r.model_fields_set and r.env != "single":
+                raise ValueError(f"search.enabled=true contradicts rollout.env={r.env}: the search agent is rollout.env=search")
+            r.env = "search"
+        elif r.env == "search" and not s.enabled:
+            if "enabled" in s.model_fields_set:
+                raise ValueError("rollout.env=search contradicts search.enabled=false")
+            s.enabled = True
+        if r.env not in ("single", "search") and self.data.max_prompt_tokens + r.max_new_tokens > r.max_context_tokens:
+            raise ValueError(f"rollout.max_context_tokens ({r.max_context_tokens}) must hold data.max_prompt_tokens "
+                             f"({self.data.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}, per turn), "
+                             "or no turn could start")
 
     def _resolve_defaults(self) -> None:
         """Fill the defaults that depend on other sections, when the key was not given: train.rollout_correction

@@ -51,13 +51,20 @@ class EvalSettings:
     grader_timeout: float = 5.0
     reward: str = "math"  # a reward name or plugin, as rollout.reward (rewards/graders.py): math, em, f1, FILE.py:fn, ...
     retriever: Optional[str] = None  # bm25:DIR or http://HOST:PORT: answer with the search agent (evaluation/search.py)
-    max_turns: int = 4  # search turns (then one final turn without search)
+    env: Optional[str] = None  # rollout.env's choices (agents/environments.py); None: search with a retriever, else single
+    max_turns: Optional[int] = 4  # search turns (then one final turn without search); a user environment's (None: its own)
     topk: int = 3  # passages per search
     max_obs_tokens: int = 500  # observation token limit
     max_context_tokens: int = 4096  # prompt + trajectory token limit
     prompt_template: Optional[str] = None  # user-message template file (None: Search-R1's prompt)
     truncated: str = "zero"  # reward.truncated: a response cut at the token cap scores 0 (`zero`) or is graded (`grade`)
+    env_timeout_s: float = 10.0  # rollout.env_timeout_s: seconds one call into a user environment may take
     think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
+
+    @property
+    def env_name(self) -> str:
+        """The environment the model answers in: --env, else search with --retriever, else single."""
+        return self.env or ("search" if self.retriever else "single")
 
     def record(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -117,7 +124,14 @@ class _Grading:
         t0 = time.perf_counter()
         flat = [r for g in groups for r in g]
         examples = [ex for ex, g in zip(items, groups) for _ in g]
-        grades = iter(self.grader.grade(flat, examples))
+        own = [more.get("env_rewards") for more in extra]
+        if own and all(o is not None for o in own):  # the environment's own reward(text), instead of --reward
+            from emapg_cli.rewards.graders import FULL_SCORE, ScoreGrade
+
+            grades = iter([ScoreGrade(None, r >= FULL_SCORE, r >= FULL_SCORE, r) for o in own for r in o])
+            extra = [{k: v for k, v in more.items() if k != "env_rewards"} for more in extra]
+        else:
+            grades = iter(self.grader.grade(flat, examples))
         rows = []
         for ex, group, more in zip(items, groups, extra):
             gs = [next(grades) for _ in group]
@@ -164,6 +178,7 @@ class _Grading:
 
 def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_of: dict[str, int], grade: _Grading) -> dict[str, Any]:
     """Sample every item of `todo` in chunks, handing each chunk to `grade` in the background."""
+    from emapg_cli.agents.environments import generate, make_environment
     from emapg_cli.engines import make_engine
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.engines.base import derive_seed
@@ -176,19 +191,22 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
         gpu_memory_utilization=s.gpu_memory_utilization,
     )
     suffix = f"\n\n{s.instruction}" if s.instruction else ""
-    search = None
-    if s.retriever:
-        from emapg_cli.evaluation.search import SearchRunner, search_config
+    from emapg_cli.evaluation.search import episode_extra, search_config
 
-        search = SearchRunner(tokenizer, search_config(s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens,
-                                                       s.prompt_template), s.max_turns)
+    # the factory training uses (rollout.env): single-turn, the search agent, or a user environment
+    env = make_environment(s.env_name, tokenizer, max_turns=s.max_turns if s.env_name != "single" else None,
+                           search=search_config(s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens,
+                                                s.prompt_template) if s.retriever else None,
+                           max_context_tokens=s.max_context_tokens, timeout_s=s.env_timeout_s)
+    message = env.user_message()
+    generator = env.bind(engine)
     size = s.chunk or default_chunk(backend, s.n)
     gen_seconds, tokens, truncated = 0.0, 0, 0
     pending: Optional[Future] = None
     with ThreadPoolExecutor(max_workers=1) as background:
         for start in range(0, len(todo), size):
             items = todo[start : start + size]
-            prompts = [search.prompt(ex.question + suffix) if search else render_prompt(tokenizer, ex.question + suffix)
+            prompts = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix)
                        for ex in items]
             # Seeded by the chunk's first item: per-sample seeds never repeat across chunks.
             params = SamplingParams(
@@ -196,7 +214,7 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
                 seed=derive_seed(s.seed, index_of[items[0].id]) % 2**31,
             )
             t0 = time.perf_counter()
-            completions = search.generate(engine, prompts, params) if search else engine.generate(prompts, params)
+            completions = generate(generator, prompts, params, items)
             gen_seconds += time.perf_counter() - t0
             tokens += sum(len(c.token_ids) for g in completions for c in g)
             truncated += sum(c.finish_reason == "length" for g in completions for c in g)
@@ -204,12 +222,11 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
                 pending.result()  # surface a grading error before queueing more
             groups = [[c.text for c in g] for g in completions]
             extra = [{"num_tokens": [len(c.token_ids) for c in g], "finish_reasons": [c.finish_reason for c in g],
-                      **(search.extra(g) if search else {})} for g in completions]
+                      **(episode_extra(tokenizer, env, g) if env.multi_turn else {})} for g in completions]
             pending = background.submit(grade, items, groups, extra)
         if pending is not None:
             pending.result()
-    if search is not None:
-        search.close()
+    env.close()
     return {
         "generation_time_s": gen_seconds,
         "generated_tokens": tokens,
@@ -225,7 +242,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     t_start = time.perf_counter()
     if (s.model is None) == (s.responses_file is None):
         raise UserError("give exactly one of --model (generate) and --responses (grade given responses)")
-    if s.retriever:
+    if s.env_name != "single":
         from emapg_cli.evaluation.search import check_turn_budget
 
         check_turn_budget(s.max_tokens, s.max_context_tokens)
@@ -262,7 +279,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     scores = [_item_scores(ex, done[ex.id], vote_key) for ex in examples]
     grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
     mean_score = None
-    if s.reward not in ("math", "toy"):  # the reward itself (f1 is partial credit; avg@n counts full scores only)
+    if s.reward not in ("math", "toy") or s.env_name not in ("single", "search"):  # the reward itself (f1 is partial credit; avg@n counts full scores only; an environment's own)
         per_item = [sum(done[ex.id]["scores"]) / len(done[ex.id]["scores"]) for ex in examples if "scores" in done[ex.id]]
         mean_score = sum(per_item) / len(per_item) if per_item else None
     summary = {
@@ -277,6 +294,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "sampling": None if s.model is None else {
             "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
             **({"retriever": s.retriever, "max_turns": s.max_turns, "topk": s.topk} if s.retriever else {}),
+            **({"env": s.env_name, "max_turns": s.max_turns} if s.env_name not in ("single", "search") else {}),
         },
         "instruction": s.instruction,
         "reward": s.reward,
@@ -295,6 +313,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "graded_per_s": grading.graded / grading.seconds if grading.seconds > 0 else None,
         **gen_stats,
     }
+    if s.env_name not in ("single", "search"):
+        from emapg_cli.evaluation.search import env_summary
+
+        summary["env"] = env_summary(s.env_name, examples, done)
     if s.retriever or s.reward in ("em", "f1"):
         from emapg_cli.evaluation.search import search_summary
 

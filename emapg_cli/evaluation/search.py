@@ -1,6 +1,7 @@
-"""`emapg eval --retriever ...`: the search agent's loop as an evaluation (Search-R1's validation protocol).
+"""`emapg eval --retriever ...`: the search agent's loop as an evaluation (Search-R1's validation protocol); and the
+results fields of any multi-turn environment (`--env`).
 
-The same `SearchAgent` the trainer uses runs each question (greedy by default: Search-R1 validates
+The same `SearchAgent` the trainer uses, built by the same factory (agents/environments.py), runs each question (greedy by default: Search-R1 validates
 with T = 0), and each results row keeps every sample's full trajectory: its searches, the ids of
 the passages each search showed, the final answer and the episode's counts. The summary adds
 exact match and F1 (both computed from the extracted answers, so a resumed run reports the same
@@ -49,32 +50,13 @@ def search_config(retriever: str, topk: int, max_obs_tokens: int, max_context_to
                         prompt_template=prompt_template, **parse_retriever(retriever))
 
 
-class SearchRunner:
-    """Prompts and generation for `evaluation.runner` when the bench is answered with search."""
+def episode_extra(tokenizer, env, group) -> dict[str, Any]:
+    """The results-row fields of one item's episodes in a multi-turn environment: the search agent's full
+    trajectories (searches, passages shown, answer, counts, text), or a user environment's episodes (turns, calls,
+    invalid, outcome, text) and its own rewards (`env_rewards`, graded instead of --reward; not written)."""
+    from emapg_cli.agents import protocol
 
-    def __init__(self, tokenizer, cfg, max_turns: int):
-        from emapg_cli.agents import SearchAgent, protocol
-        from emapg_cli.retrieval import make_retriever
-
-        self.tokenizer = tokenizer
-        self.template = protocol.load_template(cfg.prompt_template)
-        self.retriever = make_retriever(cfg.retriever, index=cfg.index, url=cfg.url, timeout_s=cfg.timeout_s,
-                                        retries=cfg.retries, backoff_s=cfg.backoff_s)
-        self.agent = SearchAgent(tokenizer, self.retriever, cfg, max_turns)
-
-    def prompt(self, question: str) -> list[int]:
-        from emapg_cli.agents import protocol
-        from emapg_cli.models.prompts import render_prompt
-
-        return render_prompt(self.tokenizer, protocol.format_question(question, self.template))
-
-    def generate(self, engine, prompts, params):
-        return self.agent.generate(engine, prompts, params)
-
-    def extra(self, group) -> dict[str, Any]:
-        """The results-row fields of one item's episodes: each full trajectory and its counts."""
-        from emapg_cli.agents import protocol
-
+    if env.name == "search":
         return {"trajectories": [{
             "queries": e.queries,
             "retrieved_ids": e.retrieved,
@@ -83,11 +65,22 @@ class SearchRunner:
             "turns": e.turns,
             "searches": e.searches,
             "invalid": e.invalid,
-            "text": self.tokenizer.decode(e.token_ids, skip_special_tokens=False),
+            "text": tokenizer.decode(e.token_ids, skip_special_tokens=False),
         } for e in group]}
+    out: dict[str, Any] = {"episodes": [{"turns": e.turns, "calls": e.calls, "invalid": e.invalid, "outcome": e.outcome,
+                                         "text": tokenizer.decode(e.token_ids, skip_special_tokens=False)} for e in group]}
+    if env.has_reward:
+        out["env_rewards"] = [e.env_reward for e in group]
+    return out
 
-    def close(self) -> None:
-        self.retriever.close()
+
+def env_summary(name: str, examples: Sequence[Example], rows: dict[str, dict]) -> dict[str, Any]:
+    """A user environment's means over its episodes: turns and calls per episode, the invalid-turn rate."""
+    eps = [e for ex in examples for e in rows[ex.id].get("episodes", [])]
+    turns = sum(e["turns"] for e in eps)
+    return {"name": name, "episodes": len(eps), "turns": turns / max(len(eps), 1),
+            "calls": sum(e["calls"] for e in eps) / max(len(eps), 1),
+            "invalid_rate": sum(e["invalid"] for e in eps) / max(turns, 1)}
 
 
 def search_summary(examples: Sequence[Example], rows: dict[str, dict]) -> dict[str, Any]:

@@ -29,10 +29,10 @@ def is_plugin_ref(name: str) -> bool:
     return ":" in name
 
 
-def _split(ref: str) -> tuple[str, str]:
+def _split(ref: str, what: str = "reward", kind: str = "function") -> tuple[str, str]:
     target, _, fn_name = ref.rpartition(":")
     if not target or not fn_name.isidentifier():
-        raise UserError(f"reward '{ref}': expected module:function or path/to/file.py:function")
+        raise UserError(f"{what} '{ref}': expected module:{kind} or path/to/file.py:{kind}")
     return target, fn_name
 
 
@@ -44,29 +44,45 @@ def resolve_ref(ref: str) -> str:
     return ref
 
 
+def load_object(ref: str, what: str = "reward plugin", kind: str = "function") -> Any:
+    """The object `ref` (`module:name` or `path/to/file.py:name`) names, the module imported once per file (a
+    file is loaded under a private module name). A missing file, module or name is a one-line UserError that
+    starts with `what` (`reward plugin`, `rollout.env`). Shared by reward plugins and user environments."""
+    target, name = _split(ref, what.split()[0], kind)
+    module = _load_module(target, what)
+    if not hasattr(module, name):
+        raise UserError(f"{what} '{ref}': no {kind} '{name}' in {target}")
+    return getattr(module, name)
+
+
 @functools.lru_cache(maxsize=None)
-def load_plugin(ref: str) -> Callable[[str, dict], Any]:
-    """The function `ref` names; a missing file, module or function, or a wrong signature, is a UserError."""
-    target, fn_name = _split(ref)
+def _load_module(target: str, what: str):
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_file():
-            raise UserError(f"reward plugin file not found: {path}")
-        name = f"emapg_reward_plugin_{abs(hash(str(path.resolve())))}"
+            raise UserError(f"{what} file not found: {path}")
+        prefix = "emapg_reward_plugin" if what == "reward plugin" else "emapg_plugin"
+        name = f"{prefix}_{abs(hash(str(path.resolve())))}"
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)  # type: ignore[union-attr]
         except Exception as e:
-            raise UserError(f"reward plugin {path} failed to import: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as e:
-            raise UserError(f"reward plugin module '{target}' failed to import: {type(e).__name__}: {e}") from None
-    fn = getattr(module, fn_name, None)
+            raise UserError(f"{what} {path} failed to import: {type(e).__name__}: {e}") from None
+        return module
+    try:
+        return importlib.import_module(target)
+    except Exception as e:
+        raise UserError(f"{what} module '{target}' failed to import: {type(e).__name__}: {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def load_plugin(ref: str) -> Callable[[str, dict], Any]:
+    """The function `ref` names; a missing file, module or function, or a wrong signature, is a UserError."""
+    fn = load_object(ref)
     if not callable(fn):
+        target, fn_name = _split(ref)
         raise UserError(f"reward plugin '{ref}': no function '{fn_name}' in {target}")
     try:
         inspect.signature(fn).bind("response", {})

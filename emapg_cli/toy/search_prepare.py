@@ -104,18 +104,18 @@ def tokenizer_texts(world, examples: list[Example], retriever, cfg) -> list[str]
 def agent_accuracy(model, tokenizer, examples: list[Example], cfg, retriever, max_turns: Optional[int] = None) -> float:
     """Greedy exact match of the agent loop on `examples` (hf engine, `cfg.search`, the `em` reward);
     `max_turns=0` disables search (only the final no-search turn runs)."""
-    from emapg_cli.agents import SearchAgent, protocol
+    from emapg_cli.agents.environments import generate, make_environment
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.engines.hf import HFEngine
     from emapg_cli.rewards import get_reward
     from emapg_cli.models.prompts import render_prompt
     from emapg_cli.train.rollout import score
 
-    template = protocol.load_template(cfg.search.prompt_template)
-    prompts = [render_prompt(tokenizer, protocol.format_question(e.question, template)) for e in examples]
-    agent = SearchAgent(tokenizer, retriever, cfg.search, cfg.rollout.max_turns if max_turns is None else max_turns)
-    groups = agent.generate(HFEngine(model, tokenizer), prompts,
-                            SamplingParams(n=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0))
+    env = make_environment("search", tokenizer, search=cfg.search, retriever=retriever, max_turns=max_turns)
+    message = env.user_message()
+    prompts = [render_prompt(tokenizer, message(e.question)) for e in examples]
+    groups = generate(env.bind(HFEngine(model, tokenizer)), prompts,
+                      SamplingParams(n=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0), examples)
     reward = get_reward(cfg.rollout.reward)
     try:
         rewards, _ = score(reward, [g[0] for g in groups], examples)

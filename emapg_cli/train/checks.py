@@ -177,11 +177,6 @@ def preflight(cfg: Config) -> Inputs:
     from emapg_cli.rewards import get_reward
 
     config_checks(cfg)
-    if cfg.rollout.max_turns > 1 and not cfg.search.enabled:
-        raise UserError(
-            f"rollout.max_turns = {cfg.rollout.max_turns}: multi-turn rollouts run only for the search agent "
-            "(set search.enabled=true, see docs/search.md); single-turn tasks use rollout.max_turns=1"
-        )
     mc = model_config(cfg.model.path, cfg.model.trust_remote_code)
     vocab = vocab_size(mc)
     info = INFO[cfg.kl.estimator]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from emapg_cli.agents.environments import generate
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.train.rollout import score
 
@@ -28,7 +29,7 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
     """Accuracy over all ranks (each rank takes every world-th item), overall and per source.
 
     `params.max_new_tokens` is the budget of one generation call: the whole response for single-turn tasks,
-    one turn for the search agent (`engine` is then its `BoundAgent`, which runs each turn with it).
+    one turn for a multi-turn environment (`engine` is then its bound generator, which runs each turn with it).
     `truncated`: `zero` scores a response cut at the token cap 0 (reward.truncated)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     sources = sorted({ex.source for ex in examples})  # the same list on every rank: the examples are the whole set
@@ -36,7 +37,7 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
     mine = list(range(rank, len(prompts), world))
     counts = torch.zeros((1 + len(sources), 2))  # [1 + S, (correct, total)], float32 as before (exact below 2^24)
     # every rank calls generate, even with no items: a sharded engine gathers weights collectively
-    groups = engine.generate([prompts[i] for i in mine], params)
+    groups = generate(engine, [prompts[i] for i in mine], params, [examples[i] for i in mine])
     if mine:
         completions = [c for g in groups for c in g]
         exs = [examples[i] for i in mine for _ in range(params.n)]

@@ -403,8 +403,9 @@ def make_plan(
 ) -> Plan:
     """The plan of `cfg`'s run; `model_config` is the model's config.json (None: look the path up in KNOWN_MODELS).
 
-    Sequence length T = max_prompt_tokens + max_turns * max_new_tokens; for the search agent,
-    `search.max_context_tokens` (prompt, turns and observations together never exceed it). Tokens per step = prompts_per_step * n * T.
+    Sequence length T = max_prompt_tokens + max_new_tokens for single-turn runs; for a multi-turn environment its
+    context limit, `search.max_context_tokens` or `rollout.max_context_tokens` (prompt, turns and observations together
+    never exceed it). Tokens per step = prompts_per_step * n * T.
     Memory is per GPU of `device_memory_gib` (an 80 GiB H100 by default) when the run is launched
     on `processes` GPUs: the whole model on each with ddp, 1/N of it with fsdp (see
     `memory_terms`), and vLLM sleep mode during the update (the engine's share is freed).
@@ -414,15 +415,20 @@ def make_plan(
     r, t, d = cfg.rollout, cfg.train, cfg.derived
     if master_weights is None:
         master_weights = cfg.model.master_weights
-    seq_len = cfg.data.max_prompt_tokens + r.max_turns * r.max_new_tokens
+    from emapg_cli.agents.environments import env_max_turns
+
+    max_turns = env_max_turns(r.env, cfg.search.max_turns)  # the environment's turn limit (rollout.env)
+    seq_len = cfg.data.max_prompt_tokens + max_turns * r.max_new_tokens
     device = int(device_memory_gib * GIB)
     notes: list[str] = []
     if cfg.search.enabled:
         seq_len = cfg.search.max_context_tokens
-        notes.append(f"T is search.max_context_tokens: the prompt, {r.max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
+        notes.append(f"T is search.max_context_tokens: the prompt, {max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
                      f"and observations of <= {cfg.search.max_obs_tokens} tokens fit in it")
-    elif r.max_turns > 1:
-        notes.append(f"T counts {r.max_turns} turns of {r.max_new_tokens} tokens; tool outputs come on top")
+    elif r.env != "single":
+        seq_len = r.max_context_tokens
+        notes.append(f"T is rollout.max_context_tokens: the prompt, {max_turns} turns of <= {r.max_new_tokens} tokens "
+                     f"and the environment's observations ({r.env}) fit in it")
 
     if model_config is not None:
         model, source = ModelShapes.from_hf_config(model_config), "config.json"
@@ -445,7 +451,7 @@ def make_plan(
         micro_batch_size=t.micro_batch_size, micro_batches_per_mini_batch=math.ceil(per_mini / t.micro_batch_size),
         epochs=t.epochs, optimizer_steps_per_rl_step=d.optimizer_steps_per_rl_step,
         optimizer_steps_total=t.steps * d.optimizer_steps_per_rl_step, ema_updates=d.ema_updates,
-        max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens, max_turns=r.max_turns,
+        max_prompt_tokens=cfg.data.max_prompt_tokens, max_new_tokens=r.max_new_tokens, max_turns=max_turns,
         seq_len=seq_len, tokens_per_step=d.responses_per_step * seq_len, engine=r.engine,
         gradient_checkpointing=cfg.model.gradient_checkpointing, device_memory_bytes=device,
         processes=processes, parallel=cfg.train.parallel if processes > 1 else "single process",
@@ -521,7 +527,7 @@ def render_plan(plan: Plan):
     run.add_row("rollout correction", f"{plan.rollout_correction} (pi_old / pi_engine on the policy-gradient term)")
     budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
     run.add_row("sequence length T", f"<= {plan.seq_len:,} = {plan.max_prompt_tokens:,} prompt + {plan.max_turns} x {plan.max_new_tokens:,} response tokens"
-                if plan.seq_len == budget else f"<= {plan.seq_len:,} (search.max_context_tokens: prompt <= {plan.max_prompt_tokens:,}, "
+                if plan.seq_len == budget else f"<= {plan.seq_len:,} (the context limit: prompt <= {plan.max_prompt_tokens:,}, "
                 f"turns of <= {plan.max_new_tokens:,} tokens and observations)")
     run.add_row("tokens per step", f"<= {plan.tokens_per_step:,}")
     if plan.stages:

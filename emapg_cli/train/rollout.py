@@ -68,6 +68,7 @@ def shaped_length(c: Completion) -> int:
 def score(reward_fn: Callable, completions: Sequence[Completion], examples: list[Example], shaping: Optional[dict] = None) -> tuple[list[float], int]:
     """Rewards for (completion, example) pairs and how many items raised (scored 0).
 
+    Episodes of an environment with its own `reward(text)` (`Episode.env_reward`) score that instead of `reward_fn`.
     `reward_fn` comes from `emapg_cli.rewards.get_reward`, whose `SafeReward` wrapper scores an item
     that raises as 0 and counts it in `.errors`; this returns the increase of that count.
     `shaping`: keyword arguments of `rewards.shaping.shape_rewards` (truncation rule, overlong
@@ -76,7 +77,11 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
     from emapg_cli.rewards.shaping import shape_rewards
 
     before = getattr(reward_fn, "errors", 0)
-    rewards = [float(r) for r in reward_fn([c.text for c in completions], examples)]
+    own = [getattr(c, "env_reward", None) for c in completions]
+    if completions and all(r is not None for r in own):  # a user environment's own reward(text), instead of rollout.reward
+        rewards = [float(r) for r in own]
+    else:
+        rewards = [float(r) for r in reward_fn([c.text for c in completions], examples)]
     if shaping is not None:
         rewards = shape_rewards(rewards, [shaped_length(c) for c in completions], [c.finish_reason for c in completions], **shaping)
     return rewards, getattr(reward_fn, "errors", 0) - before

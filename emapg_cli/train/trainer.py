@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from emapg_cli.config.loading import to_yaml
+from emapg_cli.agents.environments import generate
 from emapg_cli.config.models import Config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.engines.base import derive_seed
@@ -70,8 +71,10 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     from emapg_cli.engines.vllm import VLLMEngine
     from emapg_cli.models.loading import model_ref
 
-    # the search agent's contexts grow over turns, up to search.max_context_tokens
+    # a multi-turn environment's contexts grow over turns, up to search.max_context_tokens / rollout.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    if cfg.rollout.env not in ("single", "search"):
+        max_len = cfg.rollout.max_context_tokens
     return VLLMEngine(
         model_ref(cfg.model.path), dtype=cfg.model.dtype, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         seed=cfg.train.seed, max_model_len=max_len,
@@ -81,27 +84,14 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     )
 
 
-def make_search_agent(cfg: Config, tokenizer):
-    """The search agent (rollout.max_turns turns, retriever from the `search` section), or None when search is off."""
-    if not cfg.search.enabled:
-        return None
-    from emapg_cli.agents import SearchAgent
-    from emapg_cli.retrieval import make_retriever
+def make_env(cfg: Config, tokenizer):
+    """The run's environment (rollout.env; agents/environments.py): single-turn, the search agent (its retriever
+    probed here, before the models load, so one that is down fails fast) or a user environment."""
+    from emapg_cli.agents.environments import make_environment
 
-    s = cfg.search
-    retriever = make_retriever(s.retriever, index=s.index, url=s.url, timeout_s=s.timeout_s, retries=s.retries, backoff_s=s.backoff_s)
-    retriever.search(["test"], 1)  # a server that is down fails here, before any rollout (one-line UserError)
-    return SearchAgent(tokenizer, retriever, s, cfg.rollout.max_turns)
-
-
-def user_message_fn(cfg: Config):
-    """question -> user message: the search agent's prompt template, or None (the question alone)."""
-    if not cfg.search.enabled:
-        return None
-    from emapg_cli.agents.protocol import format_question, load_template
-
-    template = load_template(cfg.search.prompt_template)
-    return lambda question: format_question(question, template)
+    r = cfg.rollout
+    return make_environment(r.env, tokenizer, search=cfg.search, max_context_tokens=r.max_context_tokens,
+                            timeout_s=r.env_timeout_s, probe=True)
 
 
 def make_scheduler(optimizer, cfg: Config):
@@ -156,8 +146,8 @@ class Trainer:
         """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-        self.agent = make_search_agent(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
-        message = user_message_fn(cfg)
+        self.env = make_env(cfg, self.tokenizer)
+        message = self.env.user_message()
         train_ex, self.train_prompts, self.skipped_train = prepare_prompts(
             self.tokenizer, self.inputs.train, cfg.data.max_prompt_tokens, message)
         if not train_ex:
@@ -193,8 +183,8 @@ class Trainer:
                 self.state = {**self.state, **saved}
                 last = self.state["step"]
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
-        # what rollouts and evaluation sample from: the engine, or the search agent's episodes on it
-        self.generator = self.agent.bind(self.engine) if self.agent is not None else self.engine
+        # what rollouts and evaluation sample from: the engine, or the environment's episodes on it
+        self.generator = self.env.bind(self.engine)
         self._push(self.policy)
         return last
 
@@ -248,7 +238,8 @@ class Trainer:
         params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=seed, topk=engine_topk(cfg, self.k))
         with self._timed("generation"):
-            groups = self.generator.generate(prompts, params)  # engines take their memory back themselves
+            # engines take their memory back themselves
+            groups = generate(self.generator, prompts, params, [self.train_ex[i] for i in items])
         completions = [c for g in groups for c in g]
         examples = [self.train_ex[i] for i in items for _ in range(r.n)]
         return prompts, completions, examples
@@ -361,10 +352,8 @@ class Trainer:
         adv = grpo_advantages(all_rewards, cfg.train.adv_norm, cfg.train.adv_eps)  # [G, n]
         adv_local = adv[acc.process_index * per_rank:(acc.process_index + 1) * per_rank].reshape(-1)  # [G_rank * n]
         extra: dict[str, float] = {}
-        if self.agent is not None:  # this process's episodes
-            from emapg_cli.agents import search_metrics
-
-            extra = {**search_metrics(completions, self.agent.latencies), **reward_by_source(rewards, examples)}
+        if self.env.multi_turn:  # this process's episodes
+            extra = {**self.env.metrics(completions), **reward_by_source(rewards, examples)}
         return batch.with_(advantages=adv_local.to(acc.device).float()), all_rewards.cpu(), errors, extra
 
     def _passes(self, batch):
@@ -490,13 +479,12 @@ class Trainer:
         return roll, upd, dist, extra
 
     def close(self) -> None:
-        """Stop the grading thread, the reward's worker pool and the search agent's retriever."""
+        """Stop the grading thread, the reward's worker pool and the environment (the search agent's retriever)."""
         self._grader.shutdown(wait=True)
         close = getattr(self.reward_fn, "close", None)
         if close is not None:
             close()
-        if self.agent is not None:
-            self.agent.retriever.close()
+        self.env.close()
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:

@@ -1,0 +1,78 @@
+"""A multi-turn trajectory, token-exact: the policy's sampled ids (mask 1) and the observations between them (mask 0).
+
+Every environment (the search agent, a user's `rollout.env` class) builds its episodes with the two functions
+here, so a trajectory is laid out one way: `add_policy_turn` appends what the engine sampled as it is, with its
+sampling log-probs; `add_observation` appends an observation's token ids with mask 0 and log-prob 0, cut to a
+limit. `train.rollout.build_batch` turns `policy_mask` into the batch's `loss_mask`, which every loss term,
+the KL, the entropy metric and the token counts use (tests/test_observation_masking.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from emapg_cli.engines.base import Completion
+
+
+@dataclass
+class Episode(Completion):
+    """One multi-turn trajectory: `token_ids` is everything after the prompt (policy turns and observations).
+
+    `text` is the policy's own text only (observations excluded): rewards read the answer there.
+    `finish_reason` is per turn: "length" when the episode's last policy turn hit the per-turn token cap
+    (`SamplingParams.max_new_tokens`) and gave no answer, else "stop": an answer, a turn that ended on its own
+    (a search, an invalid turn, EOS) before the turn or context limit ended the episode, or no turn at all.
+    So `rewards.shaping.is_truncated`, `train.mask_truncated` and `reward.truncated` see an unanswered
+    episode as truncated only when the policy was cut mid-turn; `outcome` says why the episode ended.
+    `last_turn_tokens` is that last turn's policy token count (what DAPO's overlong penalty measures against
+    the per-turn cap; observations and earlier turns excluded).
+    """
+
+    policy_mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy
+    # search: "answer" | "no_answer" (turns used up) | "context"; a user environment: "done" (step returned None),
+    # "turns" (max_turns used up) | "context" (context limit reached)
+    outcome: str = ""
+    turns: int = 0  # generation turns taken (the final no-search turn included)
+    last_turn_tokens: int = 0  # policy tokens of the last generated turn (0: no turn)
+    searches: int = 0  # retriever queries issued
+    invalid: int = 0  # turns with neither a search nor an answer (final turn excluded); a user environment's `invalid`
+    obs_tokens: int = 0  # observation tokens appended (mask 0)
+    obs_cut: int = 0  # observations cut at max_obs_tokens or at the context limit
+    queries: list[str] = field(default_factory=list)  # the searches issued, in order
+    retrieved: list[list[str]] = field(default_factory=list)  # per search: the ids of the hits shown, best first
+    calls: int = 0  # a user environment: turns whose observation was appended (the search agent counts `searches`)
+    env_reward: Optional[float] = None  # a user environment's own `reward(text)`, when it defines one
+    counters: dict[str, float] = field(default_factory=dict)  # a user environment's `metrics()` at the episode's end
+
+
+def turn_tokens(c: Completion) -> tuple[list[int], Optional[list[float]]]:
+    """(sampled ids, their sampling log-probs or None) of one engine completion, checked to be as long."""
+    ids = list(c.token_ids)
+    logprobs: Optional[list[float]] = list(c.logprobs) if c.logprobs is not None else None
+    if logprobs is not None and len(logprobs) != len(ids):
+        raise RuntimeError(f"the engine returned {len(ids)} tokens with {len(logprobs)} log-probs for one turn")
+    return ids, logprobs
+
+
+def add_policy_turn(ep: Episode, ids: list[int], logprobs: Optional[list[float]], text: str, finish_reason: str) -> None:
+    """Append one policy turn as sampled (mask 1); `logprobs` None drops the episode's log-probs (all or none)."""
+    ep.token_ids += ids
+    ep.policy_mask += [True] * len(ids)
+    ep.logprobs = ep.logprobs + logprobs if (ep.logprobs is not None and logprobs is not None) else None
+    ep.text += text
+    ep.turns += 1
+    ep.last_turn_tokens = len(ids)
+    ep.finish_reason = "length" if finish_reason == "length" else "stop"  # this turn hit the per-turn cap
+
+
+def add_observation(ep: Episode, ids: list[int], limit: int) -> None:
+    """Append an observation's first `limit` token ids (mask 0, log-prob 0); a cut one is counted in `obs_cut`."""
+    keep = min(len(ids), limit)
+    ep.obs_cut += keep < len(ids)
+    ids = ids[:keep]
+    ep.token_ids += ids
+    ep.policy_mask += [False] * len(ids)
+    if ep.logprobs is not None:
+        ep.logprobs += [0.0] * len(ids)
+    ep.obs_tokens += len(ids)
