@@ -66,11 +66,12 @@ def _walk(node: ast.AST) -> Fraction:
 
 
 def format_value(value: Fraction) -> str:
-    """An integer as is (`-42`); any other value with 6 decimals, trailing zeros removed (`0.333333`, `2.5`)."""
+    """An integer as is (`-42`); any other value rounded to 6 decimals, trailing zeros removed (`0.333333`, `2.5`,
+    `2` for 2.0000001, `0` for -0.0000001)."""
     if value.denominator == 1:
         return str(value.numerator)
-    text = f"{float(value):.6f}".rstrip("0")  # |value| < 10**15: float keeps 6 decimals
-    return text if text not in ("-0.", "0.") else "0"
+    text = f"{float(value):.6f}".rstrip("0").rstrip(".")  # |value| < 10**15: a float keeps 6 decimals
+    return "0" if text == "-0" else text
 
 
 def evaluate(expr: str) -> str:
