@@ -189,7 +189,7 @@ def test_splits_are_seeded_disjoint_and_canonical():
     assert len({e.question for e in rows}) == len({e.id for e in rows}) == 270  # distinct within and across splits
     for e in rows:
         a, b = e.meta["a"], e.meta["b"]
-        assert 100 <= a <= 999 and 10 <= b <= 99
+        assert 100 <= a <= 999 and 10 <= b <= 99 and 10_000 <= a * b  # five-digit products only
         assert e.answers == [str(a * b)] and e.question == f"What is {a} * {b}?" and e.source == "toy-tools"
     held_out = frozenset(e.question for e in splits["test"] + splits["dev"])
     stream = problem_stream(5, held_out)

@@ -1,4 +1,4 @@
-"""The toy-tools task: three-digit by two-digit multiplication, which a calculator makes easy.
+"""The toy-tools task: three-digit by two-digit multiplication (five-digit products), which a calculator makes easy.
 
 "What is 347 * 58?", answered as `\\boxed{20126}`. A 3-layer, 64-wide model does not learn such products
 in its head within minutes of CPU, but it learns quickly to copy: `<calc>347 * 58</calc>` (the expression,
@@ -43,8 +43,15 @@ class Problem:
 
 
 def sample_problem(rng: random.Random) -> Problem:
-    """One problem, uniform over 100..999 times 10..99 (81,000 questions)."""
-    return Problem(rng.randint(100, 999), rng.randint(10, 99))
+    """One problem, uniform over the 100..999 times 10..99 whose product has five digits (66,471 questions).
+
+    Four-digit products (100 * 10 .. 999 * 99 spans 1000..98901; 18% of the pairs) are left out: with answers
+    of two lengths, one of three warm-start seeds learnt to copy five-digit results only and never answered a
+    four-digit one, which RL cannot repair (eight wrong samples give no advantage)."""
+    while True:
+        p = Problem(rng.randint(100, 999), rng.randint(10, 99))
+        if p.value >= 10_000:
+            return p
 
 
 def problem_stream(seed: int, exclude: frozenset[str] = frozenset()) -> Iterator[Problem]:
