@@ -35,7 +35,7 @@ from emapg_cli.toy.tools_task import SOURCE, Problem, gold_turns, make_splits, p
 PRESET = "toy-tools"
 ENV = "calc"
 SIZES = {"test": 500, "dev": 200, "train": 4000}  # questions per split, drawn in this order, disjoint
-#: Batches of 32: copying is learnt in about as many steps as with 64 (~300-450), at half the cost per step.
+#: Batches of 32: copying is learnt in about as many steps as with 64 (~200-450), at half the cost per step.
 SFT = SFTConfig(max_steps=1500, check_every=10, target_accuracy=0.8, batch_size=32, lr=3e-3, warmup=50)
 TOOL_SHARE = 0.25  # of the episodes that train the decision: share that call the calculator
 COPY_SHARE = 0.5  # of each batch: calculator episodes with an untrained first token (the protocol only)
