@@ -56,7 +56,7 @@ def test_search_qa_preset_matches_the_paper_run():
     assert (c.kl.estimator, c.kl.direction, c.kl.k, c.kl.iw, c.kl.coef) == ("topk_paper", "reverse", 32, True, 0.001)
     assert (c.rollout.top_p, c.train.dual_clip) == (0.95, None)
     assert (c.ema.decay, c.ema.update_period) == (0.9, 10)
-    assert (c.rollout.max_turns, c.rollout.max_new_tokens) == (4, 500)
+    assert (c.search.max_turns, c.rollout.max_new_tokens, c.rollout.env) == (4, 500, "search")
     assert (c.rollout.top_p, c.train.dual_clip, c.optim.lr, c.rollout.reward) == (0.95, None, 1e-6, "em")
     assert (c.search.enabled, c.search.retriever, c.search.topk, c.search.max_obs_tokens) == (True, "http", 3, 500)
     assert c.data.train == "nq_hotpotqa_train"

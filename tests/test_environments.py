@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from emapg_cli.agents.environments import generate, make_environment
-from emapg_cli.agents.episode import Episode
 from emapg_cli.agents.runner import env_metrics
 from emapg_cli.config.loading import load_config
 from emapg_cli.data.schema import Example
@@ -129,7 +128,6 @@ def test_context_limit_cuts_and_ends(tmp_path, tok):
 
 
 def test_reward_from_the_environment_replaces_rollout_reward(tmp_path, tok):
-    from emapg_cli.rewards.shaping import shape_rewards  # noqa: F401 - score applies it
     from emapg_cli.train.rollout import score
 
     path = write_env(tmp_path, "class R:\n    max_turns = 1\n    def __init__(self, ex): self.ex = ex\n"

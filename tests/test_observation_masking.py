@@ -153,3 +153,79 @@ def test_masked_aggregation_hand_computed(lm, mode, expected):
     assert stats.pg[0] == pytest.approx(expected, abs=1e-6)
     assert stats.tokens == 5.0  # entropy and clip fractions are over the 5 policy tokens
     lm.zero_grad(set_to_none=True)
+
+
+SCRIPTED_ENV = '''
+class Scripted:
+    """Plays back the observations in the example's meta (None ends the episode)."""
+    max_turns = 3
+
+    def __init__(self, example):
+        self.obs = list(example["meta"]["obs"])
+
+    def step(self, text):
+        return self.obs.pop(0)
+'''
+
+
+class IdTokenizer:
+    """Text is the token ids written out: `decode` joins them, encoding splits them (so observations are exact ids)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(x) for x in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"{i} " for i in ids)
+
+
+def test_environment_episodes_are_the_hand_built_trajectories(lm, tmp_path):
+    """A user environment (rollout.env=FILE.py:Class) run by the multi-turn loop on a scripted engine gives exactly
+    hand-built episodes of `test_observations_change_nothing`'s layout (`episodes`: the same SEGMENTS, ids, mask,
+    log-probs) and the same batch tensors, so that test's proof (observation tokens change no loss, KL, entropy or
+    gradient) holds for environment episodes."""
+    from emapg_cli.agents.environments import generate, make_environment
+    from emapg_cli.data.schema import Example
+    from emapg_cli.engines.base import Completion, SamplingParams
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = lm.config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (4, 6, 5, 3)]
+    hand = episodes(gen, vocab)
+    turns, observations = [], []  # per row: the policy segments' ids; the observations' texts (then None: the end)
+    for row, ep in zip(SEGMENTS, hand):
+        at, ts, obs = 0, [], []
+        for kind, n in row:
+            part = ep.token_ids[at:at + n]
+            at += n
+            (ts if kind == "p" else obs).append(part if kind == "p" else "".join(f"{i} " for i in part))
+        turns.append(ts)
+        observations.append(obs + [None] * (len(ts) - len(obs)))
+
+    class Engine:
+        def __init__(self):
+            self.turn = [0] * len(prompts)
+
+        def generate(self, contexts, params):
+            out = []
+            for c in contexts:
+                row = next(i for i, p in enumerate(prompts) if c[:len(p)] == p)
+                ids = turns[row][self.turn[row]]
+                self.turn[row] += 1
+                out.append([Completion(ids, "", "stop", [-1.0] * len(ids))])
+            return out
+
+    path = tmp_path / "scripted_env.py"
+    path.write_text(SCRIPTED_ENV)
+    # context limit 17 with 5-token turns: row 3 (prompt 3) has 3 + 10 + 5 = 18 > 17 tokens before a third turn,
+    # so it ends on its trailing observation; row 1 (prompt 6) still fits its second turn: 6 + 6 + 5 = 17
+    env = make_environment(f"{path}:Scripted", IdTokenizer(), max_context_tokens=17, timeout_s=5)
+    exs = [Example(id=f"r{i}", question="q", answers=["a"], meta={"obs": o}) for i, o in enumerate(observations)]
+    got = [g[0] for g in generate(env.bind(Engine()), prompts, SamplingParams(max_new_tokens=5), exs)]
+    for a, b in zip(got, hand):
+        assert (a.token_ids, a.policy_mask, a.logprobs) == (b.token_ids, b.policy_mask, b.logprobs)
+    assert [e.outcome for e in got] == ["done", "done", "done", "context"]
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
+    x, y = build_batch(prompts, got, adv, pad_id=0), build_batch(prompts, hand, adv, pad_id=0)
+    for name in ("input_ids", "attention_mask", "response_mask", "loss_mask", "sampling_logp"):
+        assert torch.equal(getattr(x, name), getattr(y, name)), name
+    assert int((x.response_mask & ~x.loss_mask).sum()) == 12  # the observation tokens: 2 + 4 + 3 + 3, mask 0

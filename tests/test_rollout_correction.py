@@ -359,7 +359,7 @@ def test_defaults_per_engine_and_launch_checks():
     # where the correction could not work the default is none: the old policy is the engine's records (ratio 1), or
     # the search agent re-tokenises them away
     assert load_config(overrides=["rollout.engine=vllm", "train.old_logprobs=engine"]).train.rollout_correction == "none"
-    search = ["rollout.engine=vllm", "search.enabled=true", "search.retokenize=true", "rollout.max_turns=2",
+    search = ["rollout.engine=vllm", "search.enabled=true", "search.retokenize=true", "search.max_turns=2",
               "rollout.max_new_tokens=500"]
     assert load_config(overrides=search).train.rollout_correction == "none"
     # given explicitly there, one line at launch (and in --dry-run)

@@ -26,7 +26,7 @@ def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_hom
     sets = {
         "model.path": str(tiny_llama), "model.dtype": "float32", "model.gradient_checkpointing": "false",
         "rollout.engine": "hf", "rollout.prompts_per_step": "2", "rollout.n": "2", "rollout.max_new_tokens": "8",
-        "rollout.max_turns": "2", "train.steps": "2", "train.mini_batch_sequences": "4", "train.micro_batch_size": "4",
+        "search.max_turns": "2", "train.steps": "2", "train.mini_batch_sequences": "4", "train.micro_batch_size": "4",
         "train.save_every": "0", "data.train": "hotpotqa", "data.max_prompt_tokens": "900",
         "search.retriever": "bm25", "search.index": str(tmp_path / "index"), "search.max_obs_tokens": "64",
         "search.max_context_tokens": "1000",  # the tiny model has 1024 positions; Search-R1's prompt is ~700 bytes

@@ -66,7 +66,7 @@ def test_hf_episodes_are_exactly_what_the_policy_sampled(tiny_qwen2, index):
 
 def _opts(model, data, index, steps, *extra):
     values = [f"model.path={model}", f"data.train={data}", f"data.eval={data}", "data.eval_limit=2", "data.max_prompt_tokens=1000",
-              "rollout.reward=em", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.max_turns=2",
+              "rollout.reward=em", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "search.max_turns=2",
               f"train.steps={steps}", "train.mini_batch_prompts=1", "train.micro_batch_size=2", "train.save_every=1",
               "kl.estimator=topk", "kl.k=8", "kl.coef=0.1", "ema.update_period=1", "eval.max_new_tokens=8",
               "search.enabled=true", "search.retriever=bm25", f"search.index={index}", "search.max_obs_tokens=32",
@@ -111,7 +111,11 @@ def test_train_search_agent_hf_two_turns(tiny_qwen2, index, tmp_path):
 
 
 def test_multi_turn_needs_the_search_agent(tiny_qwen2, tmp_path, index):
+    """The turn limit lives with the environment: rollout.max_turns is one line naming search.max_turns, and a
+    user environment cannot be combined with search.enabled=true (exit 2, before anything runs)."""
     data = qa_data(tmp_path / "qa.jsonl")
-    opts = [o.replace("search.enabled=true", "search.enabled=false") for o in _opts(tiny_qwen2, data, index, 1)]
+    opts = [o.replace("search.max_turns=2", "rollout.max_turns=2") for o in _opts(tiny_qwen2, data, index, 1)]
     proc = run(train_cmd(*opts, "--out", str(tmp_path / "r")))
-    assert proc.returncode == 2 and "search.enabled=true" in proc.stderr
+    assert proc.returncode == 2 and "search.max_turns" in proc.stderr.strip().splitlines()[-1]
+    proc = run(train_cmd(*_opts(tiny_qwen2, data, index, 1), "--set", "rollout.env=calc", "--out", str(tmp_path / "r")))
+    assert proc.returncode == 2 and "rollout.env" in proc.stderr.strip().splitlines()[-1]

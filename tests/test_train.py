@@ -242,7 +242,7 @@ def test_bad_inputs_are_one_line_user_errors(tiny_qwen2, tmp_path):
         preflight(_cfg(tiny_qwen2, data, "rollout.reward=no_such_reward"))
     with pytest.raises(UserError, match="vocabulary"):
         preflight(_cfg(tiny_qwen2, data, "kl.estimator=topk", "kl.k=100000"))
-    with pytest.raises(UserError, match="multi-turn"):  # no silent single-turn fallback for search-qa
+    with pytest.raises(UserError, match="search.max_turns"):  # the turn limit moved to the environment
         preflight(_cfg(tiny_qwen2, data, "rollout.max_turns=4"))
 
 

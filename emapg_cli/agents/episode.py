@@ -10,9 +10,9 @@ the KL, the entropy metric and the token counts use (tests/test_observation_mask
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-from emapg_cli.engines.base import Completion
+from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
 
 
 @dataclass
@@ -76,3 +76,39 @@ def add_observation(ep: Episode, ids: list[int], limit: int) -> None:
     if ep.logprobs is not None:
         ep.logprobs += [0.0] * len(ids)
     ep.obs_tokens += len(ids)
+
+
+@dataclass
+class EpisodeState:
+    """One running episode of a turn loop: its prompt ids, the trajectory so far, the environment object (user
+    environments), and whether it has ended."""
+
+    prompt: list[int]
+    episode: Episode
+    env: Any = None
+    done: bool = False
+
+
+def new_episode() -> Episode:
+    return Episode(token_ids=[], text="", finish_reason="stop", logprobs=[])
+
+
+def still_running(states: list[EpisodeState], max_context_tokens: int, max_new_tokens: int) -> list[EpisodeState]:
+    """The episodes that take the next turn: not ended, and with room for prompt + trajectory + a full turn
+    (`max_new_tokens`) within `max_context_tokens`; one without that room ends here (outcome `context`)."""
+    active = []
+    for st in states:
+        if st.done:
+            continue
+        if len(st.prompt) + len(st.episode.token_ids) + max_new_tokens > max_context_tokens:
+            st.done, st.episode.outcome = True, "context"
+        else:
+            active.append(st)
+    return active
+
+
+def turn_params(params: SamplingParams, stop: tuple[str, ...], turn: int) -> SamplingParams:
+    """One turn's sampling: one sample per running episode (the episodes are the rows), the caller's length cap,
+    temperature and top-p, the loop's stop strings, and a seed derived from (params.seed, turn)."""
+    return SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                          top_p=params.top_p, stop=stop, seed=derive_seed(params.seed, turn))

@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 import threading
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
 from queue import SimpleQueue
 from typing import Any, Callable, Optional, Sequence
 
-from emapg_cli.agents.episode import Episode, add_observation, add_policy_turn, turn_tokens
-from emapg_cli.engines.base import SamplingParams, derive_seed
+from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, add_policy_turn, new_episode,
+                                      still_running, turn_params, turn_tokens)
+from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
 
 
@@ -76,14 +76,6 @@ def _number(value: Any, where: str) -> float:
     raise UserError(f"{where} returned {type(value).__name__} {value!r:.60}; expected a finite number")
 
 
-@dataclass
-class _State:
-    prompt: list[int]
-    episode: Episode
-    env: Any
-    done: bool = False
-
-
 class EnvRunner:
     """Runs episodes of the user environment class `cls` (reference `ref`) over any `Engine`."""
 
@@ -97,7 +89,7 @@ class EnvRunner:
     def _start(self, prompt: list[int], example: Any) -> _State:
         row = example.model_dump() if hasattr(example, "model_dump") else dict(example)
         env = self.worker.call("__init__", self.cls, row)
-        return _State(list(prompt), Episode(token_ids=[], text="", finish_reason="stop", logprobs=[]), env)
+        return _State(list(prompt), new_episode(), env)
 
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams, examples: Sequence[Any]) -> list[list[Episode]]:
         """`params.n` episodes per prompt (row i*n + j is sample j of prompt i); `examples[i]` is prompt i's row."""
@@ -107,19 +99,10 @@ class EnvRunner:
         states = [self._start(p, ex) for p, ex in zip(prompts, examples) for _ in range(n)]
         stop = self.stop + tuple(s for s in params.stop if s not in self.stop)
         for turn in range(self.max_turns):
-            active = []
-            for st in states:
-                if st.done:
-                    continue
-                if len(st.prompt) + len(st.episode.token_ids) + params.max_new_tokens > self.max_context_tokens:
-                    st.done, st.episode.outcome = True, "context"
-                else:
-                    active.append(st)
+            active = still_running(states, self.max_context_tokens, params.max_new_tokens)
             if not active:
                 break
-            turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                                         top_p=params.top_p, stop=stop, seed=derive_seed(params.seed, turn))
-            outs = engine.generate([st.prompt + st.episode.token_ids for st in active], turn_params)
+            outs = engine.generate([st.prompt + st.episode.token_ids for st in active], turn_params(params, stop, turn))
             for st, group in zip(active, outs):
                 self._turn(st, group[0], last=turn == self.max_turns - 1)
         for st in states:

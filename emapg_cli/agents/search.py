@@ -30,16 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from emapg_cli.agents import protocol
-from emapg_cli.agents.episode import Episode, add_observation, add_policy_turn, turn_tokens
-from emapg_cli.engines.base import Completion, SamplingParams, derive_seed
+from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, add_policy_turn, new_episode,
+                                      still_running, turn_params, turn_tokens)
+from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.retrieval.base import Retriever
-
-
-@dataclass
-class _State:
-    prompt: list[int]
-    episode: Episode
-    done: bool = False
 
 
 class SearchAgent:
@@ -56,24 +50,14 @@ class SearchAgent:
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams) -> list[list[Episode]]:
         """`params.n` episodes per prompt (row i*n + j is sample j of prompt i), in prompt order."""
         n, s = params.n, self.s
-        states = [_State(list(p), Episode(token_ids=[], text="", finish_reason="stop", logprobs=[]))
-                  for p in prompts for _ in range(n)]
+        states = [_State(list(p), new_episode()) for p in prompts for _ in range(n)]
         self.latencies = []
         for turn in range(self.max_turns + (1 if s.final_turn else 0)):
             final = turn == self.max_turns
-            active = []
-            for st in states:
-                if st.done:
-                    continue
-                if len(st.prompt) + len(st.episode.token_ids) + params.max_new_tokens > s.max_context_tokens:
-                    st.done, st.episode.outcome = True, "context"
-                else:
-                    active.append(st)
+            active = still_running(states, s.max_context_tokens, params.max_new_tokens)
             if not active:
                 break
-            turn_params = SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                                         top_p=params.top_p, stop=protocol.STOP, seed=derive_seed(params.seed, turn))
-            outs = engine.generate([st.prompt + st.episode.token_ids for st in active], turn_params)
+            outs = engine.generate([st.prompt + st.episode.token_ids for st in active], turn_params(params, protocol.STOP, turn))
             queries: list[tuple[_State, str]] = []
             for st, group in zip(active, outs):
                 kind, content = self._take_turn(st, group[0])

@@ -210,7 +210,7 @@ class EvalConfig(Section):
     n: int = Field(1, ge=1, description="Samples per evaluation item.")
     temperature: float = Field(0.0, ge=0, le=10, description="Evaluation sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Evaluation nucleus sampling threshold.")
-    max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens (per turn for search runs: unset there, rollout.max_new_tokens; data.max_prompt_tokens + this must fit in search.max_context_tokens).")
+    max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens (per turn for search runs and user environments: unset there, rollout.max_new_tokens; data.max_prompt_tokens + this must fit in search.max_context_tokens / rollout.max_context_tokens).")
 
 
 class RewardConfig(Section):
@@ -348,10 +348,13 @@ class Config(Section):
             if "enabled" in s.model_fields_set:
                 raise ValueError("rollout.env=search contradicts search.enabled=false")
             s.enabled = True
-        if r.env not in ("single", "search") and self.data.max_prompt_tokens + r.max_new_tokens > r.max_context_tokens:
-            raise ValueError(f"rollout.max_context_tokens ({r.max_context_tokens}) must hold data.max_prompt_tokens "
-                             f"({self.data.max_prompt_tokens}) + rollout.max_new_tokens ({r.max_new_tokens}, per turn), "
-                             "or no turn could start")
+        if r.env not in ("single", "search"):
+            for key, turn in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", self.eval.max_new_tokens)):
+                if key == "eval.max_new_tokens" and "max_new_tokens" not in self.eval.model_fields_set:
+                    continue  # defaults to the rollouts' per-turn cap (_resolve_defaults)
+                if self.data.max_prompt_tokens + turn > r.max_context_tokens:
+                    raise ValueError(f"rollout.max_context_tokens ({r.max_context_tokens}) must hold data.max_prompt_tokens "
+                                     f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start")
 
     def _resolve_defaults(self) -> None:
         """Fill the defaults that depend on other sections, when the key was not given: train.rollout_correction
@@ -363,7 +366,7 @@ class Config(Section):
             # and where vLLM can record the full-vocabulary distribution at all (T = 1 or top_p = 1; docs/vllm.md)
             usable = usable and (self.rollout.temperature == 1 or self.rollout.top_p >= 1)
             self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" and usable else "none"
-        if self.search.enabled and "max_new_tokens" not in self.eval.model_fields_set:
+        if self.rollout.env != "single" and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
             self.eval.max_new_tokens = self.rollout.max_new_tokens
 
     @property
