@@ -12,6 +12,11 @@ For `toy-search`, the final policy is also evaluated with search disabled (`emap
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
         python scripts/toy_benchmark.py --prepare-only --out ws-avx2  # ... as on a CPU without AVX-512
     python scripts/toy_benchmark.py --preset toy-search --seeds 0 1 2 --out toy-search-benchmark
+    python scripts/toy_benchmark.py --preset toy-tools --seeds 0 1 2 --out toy-tools-benchmark
+
+For `toy-tools`, the final policy is also evaluated in the `calc` environment (`emapg eval --env calc`, greedy)
+for its calculator calls per episode; the table adds calls before (the warm start's, greedy, from its manifest)
+and after, and the sampled calls per episode of the first and last RL steps (`env/calls` in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -37,12 +42,32 @@ def no_search_accuracy(home: Path, run_dir: Path) -> float:
     return json.loads((out / "summary.json").read_text())["search"]["exact_match"]
 
 
+def tools_calls(home: Path, run_dir: Path) -> dict:
+    """Greedy test accuracy and calculator calls per episode of the final toy-tools policy (`emapg eval --env calc`),
+    and the sampled calls per episode of the first and last RL steps."""
+    out = run_dir / "eval-calc"
+    subprocess.run(
+        [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(home / "toy-tools" / "test.jsonl"), "--model",
+         str(run_dir / "final" / "policy"), "--backend", "hf", "--env", "calc", "--n", "1", "--temperature", "0",
+         "--max-tokens", "24", "--out", str(out)],
+        env={**os.environ, "EMAPG_HOME": str(home)}, check=True,
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    sampled = [r["env/calls"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "env/calls" in r]
+    return {"eval_final": summary["pass@1"], "calls_final": summary["env"]["calls"], "sampled_calls_first": sampled[0],
+            "sampled_calls_last": sampled[-1]}
+
+
 def run_seed(seed: int, out: Path, preset: str, prepare_only: bool = False) -> dict:
     home = out / f"home-{seed}"
     if preset == "toy":
         from emapg_cli.toy.prepare import prepare_toy
 
         manifest = prepare_toy(home, seed, progress=True)
+    elif preset == "toy-tools":
+        from emapg_cli.toy.tools_prepare import prepare_toy_tools
+
+        manifest = prepare_toy_tools(home, seed, progress=True)
     else:
         from emapg_cli.toy.search_prepare import prepare_toy_search
 
@@ -58,6 +83,9 @@ def run_seed(seed: int, out: Path, preset: str, prepare_only: bool = False) -> d
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     extra = {"final_no_search": no_search_accuracy(home, run_dir)} if preset == "toy-search" else {}
+    if preset == "toy-tools":
+        extra = {"sft_steps": manifest["sft_steps"], "calls_initial": manifest["sft_test_calls"],
+                 "call_probability_initial": manifest["sft_call_probability"], **tools_calls(home, run_dir)}
     return {**extra,
         "seed": seed,
         "sft_s": manifest["sft_wall_s"],
@@ -72,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Seeds for prepare and train.")
     parser.add_argument("--out", type=Path, default=Path("toy-benchmark"), help="Folder for the homes and runs.")
-    parser.add_argument("--preset", choices=("toy", "toy-search"), default="toy", help="Which toy task.")
+    parser.add_argument("--preset", choices=("toy", "toy-search", "toy-tools"), default="toy", help="Which toy task.")
     parser.add_argument("--prepare-only", action="store_true", help="Only the warm start: its steps, time and initial accuracy.")
     args = parser.parse_args()
     if args.out.exists() and any(args.out.iterdir()):
@@ -91,6 +119,13 @@ def main() -> None:
     for r in rows:
         print(f"| {r['seed']} | {r['sft_s']:.0f} | {r['initial']:.1%} | {r['rl_s']:.0f} | {r['final']:.1%} "
               f"| {100 * (r['final'] - r['initial']):+.1f} pts |")
+    if args.preset == "toy-tools":
+        print("\n| seed | warm start | p(call) | greedy acc, calls: before | after | sampled calls: step 1 | last step |"
+              " RL wall (s) |\n|---:|---|---:|---|---|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['seed']} | {r['sft_steps']} steps, {r['sft_s']:.0f} s | {r['call_probability_initial']:.2f} "
+                  f"| {r['initial']:.1%}, {r['calls_initial']:.2f} | {r['final']:.1%}, {r['calls_final']:.2f} "
+                  f"| {r['sampled_calls_first']:.2f} | {r['sampled_calls_last']:.2f} | {r['rl_s']:.0f} |")
     if args.preset == "toy-search":
         print("\nsearch disabled, final policy: " + ", ".join(f"seed {r['seed']} {r['final_no_search']:.1%}" for r in rows))
     gains = [r["final"] - r["initial"] for r in rows]

@@ -65,6 +65,27 @@ def _prepare_toy_search(seed: int) -> None:
     console.print(f"next: emapg train --preset {PRESET}")
 
 
+def _prepare_toy_tools(seed: int) -> None:
+    from emapg_cli.paths import emapg_home
+    from emapg_cli.toy.tools_prepare import PRESET, prepare_toy_tools
+
+    from emapg_cli.hf_quiet import quiet_transformers
+
+    quiet_transformers()
+    home = emapg_home()
+    with claim_folder(home / PRESET, "prepare"):
+        m = prepare_toy_tools(home, seed, progress=True)
+    table = Table(title="prepared the toy tools task", show_header=False)
+    table.add_row("folder", escape(str(home / PRESET)))
+    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
+    table.add_row("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)")
+    table.add_row("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test accuracy "
+                  f"{m['sft_test_accuracy']:.1%} with {m['sft_test_calls']:.2f} calculator calls per episode "
+                  f"(sampled: calls with probability {m['sft_call_probability']:.2f})")
+    console.print(table)
+    console.print(f"next: emapg train --preset {PRESET}")
+
+
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
     """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
     import json
@@ -140,8 +161,8 @@ def prepare(
     names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from; `hotpotqa-corpus --from FILE` turns HotpotQA context paragraphs into a retrieval corpus); with --decontaminate: TRAIN EVAL...")] = None,
     from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model).")] = None,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search).")] = 0,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model; `toy-tools`: the multiplication task with a calculator and its warm-started model).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search | toy-tools).")] = 0,
     decontaminate: Annotated[bool, typer.Option("--decontaminate", help="Report training items (first NAME) that overlap the evaluation sets (the other NAMEs).")] = False,
     remove: Annotated[bool, typer.Option("--remove", help="With --decontaminate: also drop the overlapping items from the prepared training set.")] = False,
     ngram: Annotated[int, typer.Option("--ngram", min=1, help="With --decontaminate: word n-gram length of a partial match.")] = 13,
@@ -162,11 +183,12 @@ def prepare(
         console.print(table)
         return
     if preset is not None:
-        if preset not in ("toy", "toy-search"):
-            raise UserError(f"--preset supports 'toy' and 'toy-search' (got '{preset}')")
+        toys = {"toy": _prepare_toy, "toy-search": _prepare_toy_search, "toy-tools": _prepare_toy_tools}
+        if preset not in toys:
+            raise UserError(f"--preset supports 'toy', 'toy-search' and 'toy-tools' (got '{preset}')")
         if names or from_file:
             raise UserError(f"--preset {preset} takes no NAME or --from")
-        (_prepare_toy if preset == "toy" else _prepare_toy_search)(seed)
+        toys[preset](seed)
         return
     if decontaminate:
         _decontaminate(names, ngram, remove)

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from emapg_cli.data.schema import Example
 
 SOURCE = "toy-addition"
+P = TypeVar("P")  # a problem type with a `question` (this module's `Problem`, or another toy's)
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,29 @@ def sample_problem(rng: random.Random) -> Problem:
     return Problem(rng.randint(10, 99), rng.randint(10, 99))
 
 
-def problem_stream(seed: int, exclude: frozenset[str] = frozenset()) -> Iterator[Problem]:
-    """An endless seeded stream of problems whose question is not in `exclude`."""
+def problem_stream(seed: int, exclude: frozenset[str] = frozenset(),
+                   sample: Callable[[random.Random], P] = sample_problem) -> Iterator[P]:
+    """An endless seeded stream of problems (drawn by `sample`) whose question is not in `exclude`."""
     rng = random.Random(seed)
     while True:
-        p = sample_problem(rng)
+        p = sample(rng)
         if p.question not in exclude:
             yield p
+
+
+def draw_distinct(rng: random.Random, sample: Callable[[random.Random], P], sizes: Sequence[int]) -> list[list[P]]:
+    """Groups of `sizes[i]` problems drawn by `sample`, in order, no question twice across all groups."""
+    seen: set[str] = set()
+    groups: list[list[P]] = []
+    for n in sizes:
+        group: list[P] = []
+        while len(group) < n:
+            p = sample(rng)
+            if p.question not in seen:
+                seen.add(p.question)
+                group.append(p)
+        groups.append(group)
+    return groups
 
 
 def response_text(answer: int) -> str:
@@ -72,16 +89,7 @@ def to_example(p: Problem, split: str, index: int) -> Example:
 
 def make_splits(seed: int, n_train: int, n_test: int) -> tuple[list[Example], list[Example]]:
     """Disjoint train/test splits of distinct questions (test drawn first, then train excludes it)."""
-    rng = random.Random(seed)
-    seen: set[str] = set()
-    test: list[Problem] = []
-    train: list[Problem] = []
-    for target, n in ((test, n_test), (train, n_train)):
-        while len(target) < n:
-            p = sample_problem(rng)
-            if p.question not in seen:
-                seen.add(p.question)
-                target.append(p)
+    test, train = draw_distinct(random.Random(seed), sample_problem, (n_test, n_train))
     return (
         [to_example(p, "train", i) for i, p in enumerate(train)],
         [to_example(p, "test", i) for i, p in enumerate(test)],
