@@ -27,6 +27,17 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test (tiny matmuls: faster, and immune to other processes on the cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def shared_data() -> Path:
     """The real benchmark folder ($EMAPG_DATA_DIR); the test is skipped when it is absent."""
     from emapg_cli.paths import data_dir

@@ -20,15 +20,7 @@ from emapg_cli.toy.task import Problem, make_splits, problem_stream, response_te
 SMALL = SFTConfig(hidden=32, layers=1, heads=2, kv_heads=1, batch_size=8, warmup=1, lr=1e-2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one torch thread is faster, and immune to other processes on the cores."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: one thread is faster and immune to load
 
 
 # ---------------------------------------------------------------- task generator

@@ -15,14 +15,7 @@ from emapg_cli.toy.sft import IGNORE
 from emapg_cli.toy.tools_task import Problem, gold_turns, make_splits, problem_stream
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: one thread is faster and immune to load
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,7 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], prompts: list[lis
     return sum(r > 0.5 for r in rewards) / len(rewards)
 
 
-def _bar(enabled: bool):
+def warm_start_bar(enabled: bool):
     """A rich progress bar for the warm start (a no-op context when disabled). The warm start stops
     on a dev accuracy, not after a known number of steps, so the bar shows the steps done and the
     smoothed dev accuracy against its target instead of an invented total."""
@@ -104,7 +104,7 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     threads = torch.get_num_threads()
     torch.set_num_threads(SFT_THREADS)
     try:
-        with _bar(progress) as bar:
+        with warm_start_bar(progress) as bar:
             task = bar.add_task("warm start (SFT)", total=None, loss=float("nan"), dev="")
             losses, dev_curve = warm_start(model, tokenizer, sft, seed, frozenset(e.question for e in test + dev), dev_accuracy,
                                 progress=lambda step, loss: bar.update(task, completed=step, loss=loss))

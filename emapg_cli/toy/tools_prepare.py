@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.prepare import SFT_THREADS, _bar, save_warm_start
+from emapg_cli.toy.prepare import SFT_THREADS, save_warm_start, warm_start_bar
 from emapg_cli.toy.sft import IGNORE, SFTConfig, collate, fit
 from emapg_cli.toy.tools_task import SOURCE, Problem, gold_turns, make_splits, problem_stream
 
@@ -140,7 +140,7 @@ def prepare_toy_tools(home: Path, seed: int = 0, progress: bool = False, sft: SF
     torch.set_num_threads(SFT_THREADS)
     reward = get_reward(preset.rollout.reward)
     try:
-        with _bar(progress) as bar:
+        with warm_start_bar(progress) as bar:
             task = bar.add_task("warm start (SFT)", total=None, loss=float("nan"), dev="")
 
             def reached_target() -> bool:
