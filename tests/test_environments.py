@@ -196,7 +196,8 @@ def test_config_contradiction_and_context(tmp_path):
 def test_doc_example_trains_and_is_graded_by_eval(tiny_qwen2, tmp_path):
     """The doc's Retry trains through the CLI (2 steps, env/* metrics logged), then `emapg eval --env` grades
     it with its own reward, and a subclass without one by --reward, through the same factory."""
-    env_file = write_env(tmp_path, doc_example() + "\n\nclass NoReward(Retry):\n    reward = None\n", "retry_env.py")
+    env_file = write_env(tmp_path, doc_example() + "\n\nclass NoReward(Retry):\n    reward = None\n"
+                         "\n\nclass Quarter(Retry):\n    def reward(self, text):\n        return 0.25\n", "retry_env.py")
     data = write_dataset(tmp_path / "train.jsonl", n=8)
     out = tmp_path / "run"
     proc = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=2, **{"rollout.env": f"{env_file}:Retry",
@@ -225,7 +226,13 @@ def test_doc_example_trains_and_is_graded_by_eval(tiny_qwen2, tmp_path):
             # Retry's reward: 1 / tries when solved, else 0
             assert score == 0.0 or any(abs(score - 1 / k) < 1e-12 for k in (1, 2, 3)), score
             assert 1 <= ep["turns"] <= 3
+    # the class's reward grades, not --reward: the label says so, and there are no answers to vote on
+    assert own["summary"]["reward"] == f"{env_file}:Retry.reward" and own["summary"]["maj@n"] is None
+    quarter = evaluate("Quarter", "math")  # 0.25 for every episode: partial credit, never a full score
+    assert all(row["scores"] == [0.25, 0.25] for row in quarter["rows"])
+    assert quarter["summary"]["mean_score"] == 0.25 and quarter["summary"]["avg@n"] == 0.0
     plain = evaluate("NoReward", "test_digit")
+    assert plain["summary"]["reward"] == "test_digit"
     for row in plain["rows"]:  # graded by --reward (test_digit: 1 when the response has a digit)
         assert row["scores"] == [float(any(ch.isdigit() for ch in r)) for r in row["responses"]]
 
