@@ -65,6 +65,7 @@ def test_adapter_anchor_swaps_and_restores(tiny_qwen2):
     assert torch.equal(TokenScorer(policy)(*args).logp, moved)  # and the policy got its own back
 
 
+@pytest.mark.slow  # three training runs (~70 s): out of CI's default run for its 20-minute budget (`pytest -m slow`)
 def test_lora_run_checkpoints_resumes_and_saves_merged_weights(tiny_qwen2, tmp_path):
     from transformers import AutoModelForCausalLM
 

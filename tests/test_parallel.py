@@ -76,6 +76,7 @@ def test_fsdp_trains_the_same_model_as_ddp(runs):
         assert a["reward/mean"] == b["reward/mean"]  # same samples: rollouts come from the same weights and seeds
 
 
+@pytest.mark.slow  # two 2-process launches (~70 s): out of CI's default run for its 20-minute budget (`pytest -m slow`)
 def test_fsdp_resume_is_bit_identical(tiny_qwen2, tmp_path):
     """3 steps straight vs 2 steps, then --resume to 3: the sharded checkpoint (whole state dicts, gathered and
     re-sharded) restores policy, anchor, AdamW state and RNG exactly."""
