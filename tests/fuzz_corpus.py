@@ -238,6 +238,33 @@ def config_cases() -> list[Case]:
 
 # ------------------------------------------------------------------------------------------- train
 
+#: Broken user environments (rollout.env=FILE.py:Class, emapg eval --env): each must be one line at launch.
+BAD_ENVS = {
+    "env-not-a-class": "Env = 3\n",
+    "env-no-step": "class Env:\n    def __init__(self, example): pass\n",
+    "env-max-turns-zero": "class Env:\n    max_turns = 0\n    def __init__(self, example): pass\n    def step(self, text): return None\n",
+    "env-max-turns-text": "class Env:\n    max_turns = 'many'\n    def __init__(self, example): pass\n    def step(self, text): return None\n",
+    "env-stop-string": "class Env:\n    stop = '</x>'\n    def __init__(self, example): pass\n    def step(self, text): return None\n",
+    "env-stop-empty": "class Env:\n    stop = ['']\n    def __init__(self, example): pass\n    def step(self, text): return None\n",
+    "env-template-no-question": "class Env:\n    template = 'hi'\n    def __init__(self, example): pass\n    def step(self, text): return None\n",
+    "env-syntax-error": "class Env(:\n",
+    "env-import-raises": "raise RuntimeError('boom')\n",
+}
+
+
+def env_cases(command: str, *base: str) -> list[Case]:
+    """Bad environment references and broken environment classes, through `base` (argv up to the env option)."""
+    good = "class Env:\n    def __init__(self, example): pass\n    def step(self, text): return None\n"
+    refs = {"unknown": "nosuchenv", "empty": "", "markup": "[/bold]:X", "file-missing": "nofile.py:Env", "dir": "emptydir:Env",
+            "no-class": "envfile.py:Absent", "module-missing": "no_such_mod_xyz:Env"}
+    broken = {name: ("envfile.py:Env", text) for name, text in BAD_ENVS.items()}
+    cases = {**{name: (value, good) for name, value in refs.items()}, **broken}
+    opt = ("--set", "rollout.env={}") if command == "train" else ("--env", "{}")
+    tail = ("--out", "new") if command == "eval" else ()
+    return [case(command, f"env-{name}" if not name.startswith("env-") else name, *base, opt[0], opt[1].format(value), *tail,
+                 files={"envfile.py": text}) for name, (value, text) in cases.items()]
+
+
 def train_cases() -> list[Case]:
     keys = config_keys()
     cases = []
@@ -251,7 +278,12 @@ def train_cases() -> list[Case]:
         cases.append(case("train", f"file-{key}", "train", "--config", "bad.yaml", "--dry-run", files={"bad.yaml": text}))
     for name, text in BAD_YAML.items():
         cases.append(case("train", f"yaml-{name}", "train", "--config", "bad.yaml", files={"bad.yaml": text}))
+    cases += env_cases("train", "train", "--config", "good.yaml", "--dry-run")
     cases += [
+        case("train", "moved-max-turns", "train", "--config", "good.yaml", "--set", "rollout.max_turns=4", "--dry-run"),
+        case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
+             "--set", "rollout.env=calc", "--dry-run"),
+        case("train", "env-timeout-zero", "train", "--config", "good.yaml", "--set", "rollout.env_timeout_s=0", "--dry-run"),
         case("train", "out-is-file", "train", "--config", "good.yaml", "--out", "afile"),
         case("train", "out-under-file", "train", "--config", "good.yaml", "--out", "afile/run"),
         case("train", "out-foreign", "train", "--config", "good.yaml", "--out", "foreign"),
@@ -340,6 +372,7 @@ def eval_cases() -> list[Case]:
         case("eval", "missing-bench-option", "eval", "--responses", "resp.jsonl"),
         case("eval", "bench-unprepared-name", "eval", "--bench", "aime24", "--responses", "resp.jsonl", "--out", "new"),
         case("eval", "bench-name-dotdot", "eval", "--bench", "../../etc", "--responses", "resp.jsonl", "--out", "new"),
+        *env_cases("eval", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--backend", "hf"),
         # --reward: a name or a plugin, checked as training's rollout.reward is, before anything is read or written
         case("eval", "reward-unknown", *base, "--reward", "nosuchreward", "--out", "new"),
         case("eval", "reward-empty", *base, "--reward", "", "--out", "new"),
