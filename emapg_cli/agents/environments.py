@@ -73,6 +73,11 @@ def load_env_class(name: str) -> type:
     return cls
 
 
+def grades_itself(name: str) -> bool:
+    """True when environment `name` grades its own episodes: a user-contract class with a `reward` method."""
+    return is_user_env(name) and callable(getattr(load_env_class(name), "reward", None))
+
+
 def env_max_turns(name: str, search_max_turns: int) -> int:
     """The turn limit of environment `name`: 1 (single), search.max_turns (search: then one final turn without
     search), a user class's `max_turns` (default DEFAULT_MAX_TURNS). What `emapg train --dry-run` counts T with."""

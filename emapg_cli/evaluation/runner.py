@@ -107,13 +107,6 @@ def _item_scores(ex: Example, row: dict[str, Any], key: Callable[[str], str]) ->
     return ItemScores(row["correct"], row["strict"], votes, ex.meta.get("subset"), row.get("classes"))
 
 
-def _env_grades(env_name: str) -> bool:
-    """True when environment `env_name` grades its own episodes (a user-contract class with a `reward` method)."""
-    from emapg_cli.agents.environments import is_user_env, load_env_class
-
-    return is_user_env(env_name) and callable(getattr(load_env_class(env_name), "reward", None))
-
-
 class _Grading:
     """Grades chunks and appends their rows, counting what the summary reports."""
 
@@ -281,8 +274,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
             gen_stats = _generate_all(s, backend, todo, index_of, grading)
         timeouts, refused, stats = grader.timeouts, grader.refused, grader.pool_stats
         version, votes, vote_key = grader.version, grader.votes, grader.vote_key
+    from emapg_cli.agents.environments import grades_itself
+
     reward = s.reward
-    if s.model is not None and _env_grades(s.env_name):  # the environment's own reward(text) graded every response: say so, and no votes
+    if s.model is not None and grades_itself(s.env_name):  # the environment's own reward(text) graded every response: say so, and no votes
         reward, version, votes = f"{s.env_name}.reward", f"environment {s.env_name}.reward", False
 
     t_scores = time.perf_counter()
