@@ -7,12 +7,85 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from emapg_cli.cli.common import console
+from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console
 from emapg_cli.errors import UserError
+
+#: With --preset/--config/--set, each eval option given on the command line overrides this config key (so the
+#: config's own checks, the ones `train` runs, see the values the evaluation will use).
+FLAG_KEYS = {
+    "limit": ("data.eval_limit",), "n": ("eval.n",), "temperature": ("eval.temperature",),
+    "top_p": ("eval.top_p",), "max_tokens": ("eval.max_new_tokens",), "dtype": ("model.dtype",),
+    "reward": ("rollout.reward",), "env": ("rollout.env",), "truncated": ("reward.truncated",),
+    "think": ("grading.think",), "topk": ("search.topk",), "max_obs_tokens": ("search.max_obs_tokens",),
+    "prompt_template": ("search.prompt_template",),
+    "max_context_tokens": ("search.max_context_tokens", "rollout.max_context_tokens"),
+}
+
+
+def _given(ctx: typer.Context) -> set[str]:
+    """The options the user typed (not left at their defaults)."""
+    return {name for name in ctx.params  # (by the source's name: typer may bring its own click)
+            if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
+
+
+def _flag_overrides(params: dict, given: set[str]) -> list[str]:
+    """The typed eval options as `--set KEY=VALUE` overrides of the config (FLAG_KEYS; --retriever and --max-turns
+    set the search section; --backend rollout.engine)."""
+    from emapg_cli.evaluation.search import parse_retriever
+
+    out: list[str] = []
+    for name in sorted(given):
+        value = params[name]
+        if value is None:
+            continue
+        if isinstance(value, Path):
+            value = value.absolute()
+        for key in FLAG_KEYS.get(name, ()):
+            out.append(f"{key}={value}")
+        if name == "retriever":
+            out += ["search.enabled=true", *(f"search.{k}={v}" for k, v in parse_retriever(value).items())]
+        if name == "max_turns" and (params.get("retriever") is not None or params.get("env") in (None, "search")):
+            out.append(f"search.max_turns={value}")
+        if name == "backend" and value != "auto":
+            out.append(f"rollout.engine={value}")
+    return out
+
+
+def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]):
+    """(config, the eval options it implies): --preset/--config/--set as `train` resolves them, then the typed eval
+    options on top (they win), validated by the same checks as training; the options not typed take the run's
+    environment, prompt, retriever, reward and budgets: data.eval, rollout.engine/env/reward, the `eval` section's
+    sampling, eval.max_new_tokens per turn (capped as the final evaluation of the run is), search.*, reward.truncated,
+    grading.think, data.eval_limit, model.dtype."""
+    from emapg_cli.cli.common import resolve_config
+    from emapg_cli.train.evaluate import eval_max_new_tokens
+
+    params, given = dict(ctx.params), _given(ctx)
+    cfg = resolve_config(preset, config, [*(overrides or []), *_flag_overrides(params, given)])
+    # TODO(issue 20, trust): a reward or environment plugin named inside --preset/--config (not on this command line)
+    # runs only with --trust-code: call the trust check on `cfg` here, before anything below imports it.
+    if not isinstance(cfg.data.eval, str) and "bench" not in given:
+        raise UserError("give --bench: the config's data.eval " + ("is not set" if cfg.data.eval is None else "lists several sets"))
+    search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search")
+    from emapg_cli.paths import expand
+
+    implied = {
+        "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit, "backend": cfg.rollout.engine, "n": cfg.eval.n,
+        "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "max_tokens": eval_max_new_tokens(cfg, cfg.train.steps),
+        "dtype": cfg.model.dtype, "reward": cfg.rollout.reward, "env": cfg.rollout.env, "truncated": cfg.reward.truncated,
+        "think": cfg.grading.think,
+        "retriever": (f"bm25:{expand(cfg.search.index) if cfg.search.index else ''}" if cfg.search.retriever == "bm25" else cfg.search.url) if search else None,
+        "max_turns": cfg.search.max_turns if search else params["max_turns"], "topk": cfg.search.topk,
+        "max_obs_tokens": cfg.search.max_obs_tokens,
+        "max_context_tokens": cfg.rollout.max_context_tokens if user_env else cfg.search.max_context_tokens,
+        "prompt_template": expand(cfg.search.prompt_template) if search and cfg.search.prompt_template else None,
+    }
+    return cfg, {k: (params[k] if k in given else v) for k, v in implied.items()}
 
 
 def eval_(
-    bench: Annotated[str, typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, `toy` (the test set of `emapg prepare --preset toy`), or a JSONL file / folder in the canonical schema or any layout `emapg prepare` converts (e.g. the official OlympiadBench test.jsonl, MATH-style problem/answer).")],
+    ctx: typer.Context,
+    bench: Annotated[Optional[str], typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, `toy` / `toy-search` / `toy-tools` (the test set of `emapg prepare --preset NAME`), or a JSONL file / folder in the canonical schema or any layout `emapg prepare` converts (e.g. the official OlympiadBench test.jsonl, MATH-style problem/answer). Default with --preset/--config: the config's data.eval.")] = None,
     model: Annotated[Optional[str], typer.Option("--model", "-m", help="Model folder (save_pretrained format; a hub id with network) to sample from.")] = None,
     responses: Annotated[Optional[Path], typer.Option("--responses", help="Grade these responses instead of sampling: JSONL rows with \"id\" and \"responses\" (a list of strings), optionally \"finish_reasons\" (\"length\" = truncated).")] = None,
     backend: Annotated[Literal["auto", "vllm", "hf"], typer.Option("--backend", help="Generation engine: vllm (a CUDA GPU, or vLLM's CPU build), hf (transformers), or auto (vllm when installed and a CUDA GPU is present).")] = "auto",
@@ -40,10 +113,23 @@ def eval_(
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
     truncated: Annotated[Literal["zero", "grade"], typer.Option("--truncated", help="A response cut at the token cap: `zero` scores it 0 and it casts no maj@n vote (the paper's rule), `grade` grades it.")] = "zero",
     think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
 ) -> None:
-    """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md."""
+    """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md.
+
+    With --preset/--config/--set (resolved as `train` resolves them) the evaluation takes the run's settings: the
+    environment (rollout.env, the search section's retriever, turns, topk, observation and context limits, prompt
+    template), the reward, data.eval as --bench and the `eval` section's sampling (n, temperature, top_p,
+    max_new_tokens per turn), so `emapg eval --preset toy-search --model runs/RUN/final/policy` scores what the run's
+    final evaluation scored. Precedence: an eval option typed on the command line > --set > --config > --preset >
+    eval's own defaults; the result passes the checks `train` runs on its config (one line, exit 2).
+    """
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.progress import Progress
 
     from emapg_cli.evaluation.naming import bench_ref, default_out
     from emapg_cli.evaluation.report import markdown
@@ -51,10 +137,31 @@ def eval_(
     from emapg_cli.hf_quiet import quiet_transformers
 
     quiet_transformers()
+    from emapg_cli.evaluation.naming import BUILTIN_BENCHES
+
+    cfg = None
+    if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or set_ or env or retriever):
+        preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
+    label = bench  # names the default output folder
+    if preset or config or set_:
+        cfg, implied = _from_config(ctx, preset, config, set_)
+        label = bench or cfg.name  # runs/eval/<run name>-<model>: data.eval is often a file called test.jsonl
+        bench, limit, backend, n, temperature, top_p = (implied[k] for k in ("bench", "limit", "backend", "n", "temperature", "top_p"))
+        max_tokens, dtype, reward, env, truncated, think = (implied[k] for k in ("max_tokens", "dtype", "reward", "env", "truncated", "think"))
+        retriever, max_turns, topk, max_obs_tokens = (implied[k] for k in ("retriever", "max_turns", "topk", "max_obs_tokens"))
+        max_context_tokens, prompt_template = implied["max_context_tokens"], implied["prompt_template"]
+        if env == "search" and retriever is not None:
+            env = None  # the retriever implies the search agent
+    if bench is None:
+        raise UserError("give --bench (or --preset/--config whose data.eval names the evaluation set)")
     if top_p <= 0:
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     if model is None and responses is None:
         raise UserError("give --model (sample and grade) or --responses (grade given responses)")
+    if model is not None:  # a hub id offline and not cached: one line naming it, at once
+        from emapg_cli.models.hub import check_model_source
+
+        check_model_source(model, "--model")
     if responses is not None and not responses.is_file():
         raise UserError(f"{responses}: no such file")
     from emapg_cli.agents.environments import check_env
@@ -92,7 +199,7 @@ def eval_(
         from emapg_cli.evaluation.search import check_turn_budget
 
         check_turn_budget(max_tokens, max_context_tokens)
-    out = out or default_out(bench, model, responses)
+    out = out or default_out(label or bench, model, responses)
     settings = EvalSettings(
         bench=bench_ref(bench), out=out, model=model, responses_file=responses, backend=backend, n=n,
         temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
@@ -100,7 +207,7 @@ def eval_(
         gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
         reward=reward, retriever=retriever, env=env, max_turns=max_turns, topk=topk, max_obs_tokens=max_obs_tokens,
         max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
-        truncated=truncated, think=think,
+        truncated=truncated, think=think, **({"env_timeout_s": cfg.rollout.env_timeout_s} if cfg is not None else {}),
     )
     bar = Progress(
         TextColumn(escape(f"eval {bench}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text
@@ -117,6 +224,18 @@ def eval_(
     from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
     from emapg_cli.outputs import claim_folder, config_sha256
 
+    threads_note = ""
+    if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)
+        from emapg_cli.train.threads import set_torch_threads
+
+        threads_note = set_torch_threads(cfg.train.torch_threads if cfg is not None else None)
+    if cfg is not None:  # what the config gave: one line, before the work
+        what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
+        search_note = (f", retriever {retriever}, max turns {max_turns}, topk {topk}, observations {max_obs_tokens} "
+                       f"tokens, context {max_context_tokens} tokens" if retriever else "")
+        console.print(f"eval settings from {what}: bench {settings.bench}, n {n}, temperature {temperature}, top_p {top_p}, "
+                      f"max tokens {max_tokens}{' per turn' if searching or user_env else ''}, reward {reward}"
+                      f"{', env ' + env if user_env else ''}{search_note}{threads_note}", markup=False, highlight=False, soft_wrap=True)
     record = settings.record()
     digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
     with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:

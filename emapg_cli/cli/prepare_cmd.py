@@ -17,7 +17,9 @@ from emapg_cli.outputs import claim_folder
 
 def _progress_bar(label: str):
     """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.progress import Progress
 
     label = escape(label).replace("{", "{{").replace("}", "}}")  # rich markup, then TextColumn's str.format
     bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)

@@ -108,24 +108,13 @@ def train(
             console.print(f"[yellow]warning:[/] {escape(note)} (needed where the run starts)", highlight=False)
         return
 
-    import torch
-
     from emapg_cli.hf_quiet import quiet_transformers
     from emapg_cli.train.progress import config_line, summary_rows
+    from emapg_cli.train.threads import set_torch_threads
     from emapg_cli.train.trainer import Trainer
 
     quiet_transformers()
-    threads_note = ""  # on CPU: how many torch threads, and who chose them (they change the floating-point results)
-    if not torch.cuda.is_available():
-        if "OMP_NUM_THREADS" not in os.environ:
-            from emapg_cli.train.threads import choose_threads
-
-            threads, source = choose_threads(cfg.train.torch_threads, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            torch.set_num_threads(threads)
-        else:
-            source = "OMP_NUM_THREADS"
-        n = torch.get_num_threads()
-        threads_note = f", {n} torch thread{'s' if n != 1 else ''} ({source})"
+    threads_note = set_torch_threads(cfg.train.torch_threads)  # on CPU: how many torch threads, and who chose them (they change the floating-point results)
     from emapg_cli.config.loading import to_yaml
     from emapg_cli.outputs import claim_folder, config_sha256
 

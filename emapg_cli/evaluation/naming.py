@@ -1,4 +1,4 @@
-"""What `emapg eval` evaluates by default: the built-in `toy` bench, and the default output folder."""
+"""What `emapg eval` evaluates by default: the built-in toy benches, and the default output folder."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Optional
 from emapg_cli.paths import emapg_home
 
 #: Built-in benches written by `emapg prepare --preset NAME`: name -> file under $EMAPG_HOME.
-BUILTIN_BENCHES = {"toy": "toy/test.jsonl"}
+BUILTIN_BENCHES = {"toy": "toy/test.jsonl", "toy-search": "toy-search/test.jsonl", "toy-tools": "toy-tools/test.jsonl"}
 
 
 def bench_ref(bench: str) -> str:

@@ -176,6 +176,18 @@ class _Grading:
             row["classes"] = equivalence_votes(row["votes"], cands, same[a:b])
 
 
+def check_prompts_fit(prompt_lengths: Sequence[int], max_tokens: int, max_context_tokens: int) -> None:
+    """A multi-turn episode starts a turn only when prompt + a full --max-tokens turn fit in --max-context-tokens
+    (training's check of search.max_context_tokens / rollout.max_context_tokens against data.max_prompt_tokens, with
+    the longest real prompt in its place): a prompt that leaves no room would end its episode before its first turn
+    and score 0 silently."""
+    longest = max(prompt_lengths, default=0)
+    if longest + max_tokens > max_context_tokens:
+        over = sum(n + max_tokens > max_context_tokens for n in prompt_lengths)
+        raise UserError(f"--max-context-tokens ({max_context_tokens}) must hold the longest prompt ({longest} tokens) + "
+                        f"--max-tokens ({max_tokens}, per turn), or no turn could start ({over} of {len(prompt_lengths)} prompts)")
+
+
 def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_of: dict[str, int], grade: _Grading) -> dict[str, Any]:
     """Sample every item of `todo` in chunks, handing each chunk to `grade` in the background."""
     from emapg_cli.agents.environments import generate, make_environment
@@ -203,11 +215,13 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
     size = s.chunk or default_chunk(backend, s.n)
     gen_seconds, tokens, truncated = 0.0, 0, 0
     pending: Optional[Future] = None
+    rendered = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix) for ex in todo]
+    if env.multi_turn:
+        check_prompts_fit([len(p) for p in rendered], s.max_tokens, s.max_context_tokens)
     with ThreadPoolExecutor(max_workers=1) as background:
         for start in range(0, len(todo), size):
             items = todo[start : start + size]
-            prompts = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix)
-                       for ex in items]
+            prompts = rendered[start : start + size]
             # Seeded by the chunk's first item: per-sample seeds never repeat across chunks.
             params = SamplingParams(
                 n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,

@@ -27,6 +27,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer of the model at `path` (see `model_ref`), left-padded, with a pad token (the EOS token when it has none)."""
     from transformers import AutoTokenizer
 
+    from emapg_cli.models.hub import check_model_source
+
+    check_model_source(path)  # one fast line for a hub id that cannot load (offline, not cached), not a minute of retries
     tok = AutoTokenizer.from_pretrained(model_ref(path), trust_remote_code=trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token_id is None:

@@ -53,7 +53,9 @@ def warm_start_bar(enabled: bool):
     """A rich progress bar for the warm start (a no-op context when disabled). The warm start stops
     on a dev accuracy, not after a known number of steps, so the bar shows the steps done and the
     smoothed dev accuracy against its target instead of an invented total."""
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.progress import Progress
 
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("step {task.completed:.0f}"),
                     TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[dev]}"), TimeElapsedColumn(),

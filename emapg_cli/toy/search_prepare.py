@@ -125,7 +125,9 @@ def agent_accuracy(model, tokenizer, examples: list[Example], cfg, retriever, ma
 
 
 def _bar(enabled: bool):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.progress import Progress
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("loss {task.fields[loss]:.3f} dev EM {task.fields[dev]}"), disable=not enabled)

@@ -66,6 +66,10 @@ def model_config(path: Optional[str], trust_remote_code: bool = False) -> dict[s
 
     from transformers import AutoConfig
 
+    from emapg_cli.models.hub import check_model_source
+
+    check_model_source(path, "model.path")  # offline and not cached: one line now, not a minute of retries
+
     attempts = [True] if os.environ.get("HF_HUB_OFFLINE") else [True, False]
     for local_only in attempts:
         try:

@@ -52,7 +52,9 @@ class TrainProgress:
     elapsed time and the smoothed ETA (evaluation steps included)."""
 
     def __init__(self, steps: int, done: int, show: bool):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+        from emapg_cli.progress import Progress
 
         self.steps, self.timer = steps, StepTimer()
         self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),

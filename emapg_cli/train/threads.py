@@ -54,3 +54,19 @@ def choose_threads(configured: Optional[int], local_processes: int = 1) -> tuple
     except OSError:  # pragma: no cover
         load = 0.0
     return auto_threads(available_cores(), local_processes, load), "auto"
+
+
+def set_torch_threads(configured: Optional[int]) -> str:
+    """On CPU, set torch's intra-op threads by `choose_threads` (unless OMP_NUM_THREADS is set: torch read it) and
+    return the note `train` and `eval` print: ", 1 torch thread (auto)"; "" on a CUDA machine."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ""
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads, source = choose_threads(configured, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(threads)
+    else:
+        source = "OMP_NUM_THREADS"
+    n = torch.get_num_threads()
+    return f", {n} torch thread{'s' if n != 1 else ''} ({source})"

@@ -1,0 +1,68 @@
+"""Whether a model reference can load before anything tries: a local folder, the Hugging Face cache, or the hub.
+
+Without network and without HF_HUB_OFFLINE, transformers retries a hub id for most of a minute and then fails with
+a message that names neither the model nor the fix. `check_model_source` answers in a fraction of a second, before
+any download starts: a hub id that is not in the local cache loads only when the hub can be reached (a TCP connect
+to HF_ENDPOINT, 3 s at most; skipped behind an HTTP(S) proxy, which transformers then uses), else one line names
+the model and asks for a local folder. With HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) set, the cache is all there is.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from urllib.parse import urlparse
+
+from emapg_cli.errors import UserError
+from emapg_cli.paths import expand
+
+#: Seconds the hub reachability check may take.
+CONNECT_TIMEOUT_S = 3.0
+
+_TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def offline() -> bool:
+    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE set to a true value (huggingface_hub's own rule)."""
+    return any(os.environ.get(k, "").upper() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def in_cache(repo_id: str) -> bool:
+    """The hub id's config.json is in the local Hugging Face cache (False for a string that is no valid hub id)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - an invalid repo id, an unreadable cache: not cached
+        return False
+
+
+def hub_reachable(timeout: float = CONNECT_TIMEOUT_S) -> bool:
+    """A TCP connection to the hub's host opens within `timeout` seconds (True behind a proxy: not ours to test)."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname, url.port or (80 if url.scheme == "http" else 443)
+    if not host:
+        return True
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def check_model_source(path: str, what: str = "model") -> None:
+    """Raise one UserError line, fast, when `path` is neither a local folder, nor a hub id in the local cache, nor a
+    hub id the hub can serve now (module doc). `what` names the setting in the message (model.path, --model)."""
+    local = expand(path)
+    if local.exists() or in_cache(path):
+        return
+    looks_local = path.startswith((".", "/", "~", "$")) or path.count("/") > 1 or "\\" in path
+    if looks_local:
+        raise UserError(f"{what} {local}: no such model folder")
+    why = ("HF_HUB_OFFLINE is set" if offline() else
+           None if hub_reachable() else f"the hub ({urlparse(os.environ.get('HF_ENDPOINT') or 'https://huggingface.co').hostname}) cannot be reached")
+    if why is not None:
+        raise UserError(f"{what} '{path}' is not a local folder nor in the Hugging Face cache, and {why}: pass a local "
+                        f"model folder (save_pretrained format), or download it first (huggingface-cli download {path})")
