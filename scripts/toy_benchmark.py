@@ -32,11 +32,10 @@ from pathlib import Path
 
 def no_search_accuracy(home: Path, run_dir: Path) -> float:
     """Greedy test exact match of the final toy-search policy with search disabled (`--max-turns 0`)."""
-    task, out = home / "toy-search", run_dir / "eval-no-search"
+    out = run_dir / "eval-no-search"
     subprocess.run(
-        [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(task / "test.jsonl"), "--model", str(run_dir / "final" / "policy"),
-         "--backend", "hf", "--retriever", f"bm25:{task / 'index'}", "--prompt-template", str(task / "prompt.txt"),
-         "--max-turns", "0", "--max-tokens", "12", "--max-obs-tokens", "80", "--max-context-tokens", "320", "--out", str(out)],
+        [sys.executable, "-m", "emapg_cli", "eval", "--preset", "toy-search", "--model", str(run_dir / "final" / "policy"),
+         "--max-turns", "0", "--out", str(out)],  # the run's own evaluation settings, search disabled
         env={**os.environ, "EMAPG_HOME": str(home)}, check=True,
     )
     return json.loads((out / "summary.json").read_text())["search"]["exact_match"]
