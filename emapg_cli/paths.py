@@ -31,13 +31,14 @@ def expand(path: str) -> Path:
 
 
 def prepare_hint(path: Path) -> str:
-    """' (run: emapg prepare --preset toy)' when `path` lies in the toy task's folder, else ''."""
-    toy = emapg_home() / "toy"
-    try:
-        Path(path).resolve().relative_to(toy.resolve())
-    except ValueError:
-        return ""
-    return "; run: emapg prepare --preset toy"
+    """'; run: emapg prepare --preset toy' when `path` lies in a toy task's folder (toy, toy-search, toy-tools), else ''."""
+    for name in ("toy", "toy-search", "toy-tools"):
+        try:
+            Path(path).resolve().relative_to((emapg_home() / name).resolve())
+        except ValueError:
+            continue
+        return f"; run: emapg prepare --preset {name}"
+    return ""
 
 
 def shipped_dir(name: str) -> Path:

@@ -405,6 +405,20 @@ def eval_cases() -> list[Case]:
         case("eval", "responses-duplicate-ids", "eval", "--bench", "bench.jsonl", "--responses", "dup.jsonl", "--out", "new",
              files={"dup.jsonl": jsonl([RESPONSE_ROWS[0], RESPONSE_ROWS[0]])}),
     ]
+    # issue 20, first hour: eval takes --preset/--config/--set as train does, and training's checks with them
+    cases += [
+        case("eval", "preset-unknown", *base, "--preset", "nosuchpreset", "--out", "new"),
+        case("eval", "config-missing", *base, "--config", "missing.yaml", "--out", "new"),
+        case("eval", "config-is-dir", *base, "--config", "emptydir", "--out", "new"),
+        case("eval", "set-unknown-key", *base, "--set", "nosuch.key=1", "--out", "new"),
+        case("eval", "set-no-equals", *base, "--set", "eval.n", "--out", "new"),
+        case("eval", "set-eval-n-zero", *base, "--set", "eval.n=0", "--out", "new"),
+        case("eval", "preset-context-2", *base, "--preset", "toy-search", "--max-context-tokens", "2", "--out", "new"),
+        case("eval", "preset-turn-over-context", *base, "--preset", "toy-search", "--max-tokens", "999", "--out", "new"),
+        case("eval", "set-context-2", *base, "--preset", "toy-search", "--set", "search.max_context_tokens=2", "--out", "new"),
+        case("eval", "config-without-eval-set", "eval", "--config", "good.yaml", "--responses", "resp.jsonl", "--out", "new"),
+        case("eval", "bench-toy-search-unprepared", "eval", "--bench", "toy-search", "--responses", "resp.jsonl", "--out", "new"),
+    ]
     return cases
 
 

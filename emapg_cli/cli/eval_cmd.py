@@ -80,6 +80,8 @@ def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str
         "max_context_tokens": cfg.rollout.max_context_tokens if user_env else cfg.search.max_context_tokens,
         "prompt_template": expand(cfg.search.prompt_template) if search and cfg.search.prompt_template else None,
     }
+    if params.get("responses") is not None:  # given responses are only graded: the config's environment does not run
+        implied.update(retriever=None, env=None, prompt_template=None)
     return cfg, {k: (params[k] if k in given else v) for k, v in implied.items()}
 
 
@@ -140,7 +142,7 @@ def eval_(
     from emapg_cli.evaluation.naming import BUILTIN_BENCHES
 
     cfg = None
-    if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or set_ or env or retriever):
+    if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or env or retriever):
         preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
     label = bench  # names the default output folder
     if preset or config or set_:

@@ -98,6 +98,10 @@ def train(
     from emapg_cli.train.checks import config_checks
 
     config_checks(cfg)  # optional packages and the reward name: before a plan or any work
+    if not dry_run and cfg.model.path:  # a hub id offline and not cached: one line naming it, before torch loads
+        from emapg_cli.models.hub import check_model_source
+
+        check_model_source(cfg.model.path, "model.path")
     if dry_run:
         from emapg_cli.train.checks import missing_inputs
         from emapg_cli.train.plan import load_model_config, make_plan, render_plan

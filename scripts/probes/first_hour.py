@@ -1,0 +1,199 @@
+"""The first hour, second pass (issue 20): a new user evaluates what they trained, pipes a run into a log, names a
+hub model without network, and reads numbers in the docs. Plus eval's options checked as training's are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from probes import probe
+from probes.common import ROOT, emapg, ok, one_line_error
+
+HUB_ID = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+#: No network, the way a laptop on a train has none: the hub endpoint is a closed local port, HF_HUB_OFFLINE unset.
+NO_NETWORK = {"HF_HUB_OFFLINE": "", "TRANSFORMERS_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
+def _toy_search_home(ws: Path) -> Path:
+    """A stand-in for `emapg prepare --preset toy-search`'s test set (two questions) and given responses."""
+    task = ws / "home" / "toy-search"
+    task.mkdir(parents=True)
+    (task / "test.jsonl").write_text('{"id": "a", "question": "city of Doka?", "answers": ["Lumo"]}\n'
+                                     '{"id": "b", "question": "boss of Kiri?", "answers": ["Doka"]}\n')
+    (ws / "resp.jsonl").write_text('{"id": "a", "responses": ["<answer>Lumo</answer>"]}\n'
+                                   '{"id": "b", "responses": ["<answer>Pela</answer>"]}\n')
+    return task
+
+
+def _tiny_model(ws: Path) -> Path:
+    """A tiny local model (byte tokenizer, random weights), as the tests build: no hub."""
+    out = ws / "tiny"
+    code = ("import sys; from emapg_cli.models.tiny import save_tiny; "
+            "save_tiny(sys.argv[1], hidden=16, layers=1, heads=2, kv_heads=1)")
+    subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=ROOT, timeout=120, capture_output=True)
+    return out
+
+
+@probe("eval-bench-toy-search-resolves")
+def eval_bench_toy_search(ws: Path) -> None:
+    """`emapg eval --bench toy-search --responses R` after `prepare --preset toy-search` must read the toy's test set
+    (as `--bench toy` does), not say "run `emapg prepare toy-search`" (which then says "unknown dataset")."""
+    _toy_search_home(ws)
+    r = ok(emapg(ws, "eval", "--bench", "toy-search", "--responses", "resp.jsonl", "--out", "ev"))
+    summary = json.loads((ws / "ev" / "summary.json").read_text())
+    assert summary["num_items"] == 2 and summary["reward"] == "em", f"toy-search bench graded as {summary['reward']}: {r.show()}"
+    assert abs(summary["pass@1"] - 0.5) < 1e-9, f"EM {summary['pass@1']} (expected 1 of 2): {r.show()}"
+
+
+@probe("eval-bench-toy-search-unprepared-hint")
+def eval_bench_toy_search_unprepared(ws: Path) -> None:
+    """`emapg eval --bench toy-search` before preparing it: one line that names `emapg prepare --preset toy-search`."""
+    (ws / "resp.jsonl").write_text('{"id": "a", "responses": ["x"]}\n')
+    one_line_error(emapg(ws, "eval", "--bench", "toy-search", "--responses", "resp.jsonl", "--out", "ev"),
+                   "emapg prepare --preset toy-search")
+
+
+@probe("eval-max-context-2-refused-like-train")
+def eval_max_context_refused(ws: Path) -> None:
+    """`emapg eval --preset toy-search --max-context-tokens 2` must be refused with the line `train --preset toy-search
+    --set search.max_context_tokens=2` gives (not 0 turns, EM 0, exit 0)."""
+    _toy_search_home(ws)
+    train_line = one_line_error(emapg(ws, "train", "--preset", "toy-search", "--set", "search.max_context_tokens=2"))
+    line = one_line_error(emapg(ws, "eval", "--preset", "toy-search", "--model", "home/toy-search/model",
+                                "--max-context-tokens", "2", "--out", "ev"), "search.max_context_tokens (2)")
+    assert line == train_line, f"eval says {line!r}, train says {train_line!r}"
+    assert not (ws / "ev").exists(), "the refused eval wrote its output folder"
+
+
+@probe("eval-max-tokens-over-context-refused")
+def eval_max_tokens_over_context(ws: Path) -> None:
+    """`emapg eval --preset toy-search --max-tokens 400` (a turn longer than the preset's 320-token context): refused
+    with training's line about eval.max_new_tokens."""
+    _toy_search_home(ws)
+    one_line_error(emapg(ws, "eval", "--preset", "toy-search", "--responses", "resp.jsonl", "--max-tokens", "400", "--out", "ev"),
+                   "search.max_context_tokens (320)", "eval.max_new_tokens (400")
+
+
+@probe("eval-prompt-longer-than-context-refused", slow=True)
+def eval_prompt_over_context(ws: Path) -> None:
+    """Without a config, `emapg eval --env FILE.py:Class --max-tokens 1 --max-context-tokens 2`: every prompt is longer
+    than the context, so no turn could start; one line, exit 2 (it scored 0 and exited 0)."""
+    model = _tiny_model(ws)
+    (ws / "bench.jsonl").write_text('{"id": "a", "question": "1+1", "answer": "2"}\n')
+    (ws / "env.py").write_text("class Echo:\n    max_turns = 2\n    def __init__(self, example):\n        pass\n"
+                               "    def step(self, text):\n        return None\n")
+    one_line_error(emapg(ws, "eval", "--bench", "bench.jsonl", "--model", str(model), "--backend", "hf", "--env",
+                         "env.py:Echo", "--max-tokens", "1", "--max-context-tokens", "2", "--out", "ev", timeout=180),
+                   "--max-context-tokens (2)", "longest prompt")
+
+
+@probe("eval-preset-config-set-accepted-and-shown")
+def eval_preset_config_set(ws: Path) -> None:
+    """`emapg eval --preset toy-search`, `--config FILE` and `--set KEY=V` (as in train) are accepted; the settings
+    used are printed; a typed eval option beats --set, which beats the file, which beats the preset."""
+    _toy_search_home(ws)
+    (ws / "cfg.yaml").write_text("eval:\n  max_new_tokens: 10\n  temperature: 0.5\n  n: 4\n")
+    r = ok(emapg(ws, "eval", "--preset", "toy-search", "--config", "cfg.yaml", "--set", "eval.temperature=0.25",
+                 "--set", "eval.n=3", "--n", "2", "--responses", "resp.jsonl", "--out", "ev1"))
+    shown = next((ln for ln in r.out.splitlines() if ln.startswith("eval settings from --preset toy-search")), "")
+    assert "reward em" in shown, f"the preset's settings not shown: {r.show()}"
+    assert "max tokens 10" in shown, f"--config's eval.max_new_tokens not used: {shown!r}"
+    assert "temperature 0.25" in shown, f"--set does not beat --config: {shown!r}"
+    assert "n 2," in shown, f"--n does not beat --set: {shown!r}"
+    # the typed option is checked as training checks the key it overrides
+    one_line_error(emapg(ws, "eval", "--preset", "toy-search", "--set", "search.max_context_tokens=2",
+                         "--max-context-tokens", "320", "--responses", "resp.jsonl", "--out", "ev5", "--max-tokens", "999"),
+                   "eval.max_new_tokens (999")
+
+
+@probe("eval-set-bad-key-one-line")
+def eval_set_bad_key(ws: Path) -> None:
+    """`emapg eval --set nosuch.key=1 ...`: the line `train --set nosuch.key=1` gives, exit 2, nothing written."""
+    _toy_search_home(ws)
+    one_line_error(emapg(ws, "eval", "--bench", "toy-search", "--set", "nosuch.key=1", "--responses", "resp.jsonl", "--out", "ev"),
+                   "nosuch")
+    assert not (ws / "ev").exists()
+
+
+@probe("piped-train-prints-progress", slow=True)
+def piped_train_progress(ws: Path) -> None:
+    """`emapg train ... | cat`: stdout is not a terminal; plain progress lines `train  k/N ...` must appear while it
+    runs (at EMAPG_PROGRESS_SECONDS intervals; 0 here: every step), not nothing until the end."""
+    model = _tiny_model(ws)
+    data = ws / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i}+1", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    sets = {"model.path": model, "data.train": data, "rollout.reward": "math", "rollout.prompts_per_step": 2, "rollout.n": 2,
+            "rollout.max_new_tokens": 4, "train.steps": 3, "train.mini_batch_prompts": 2, "train.micro_batch_size": 4,
+            "kl.coef": 0.0, "train.save_every": 0}
+    argv = ["train", "--out", "run"] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    r = ok(emapg(ws, *argv, timeout=300, env={"EMAPG_PROGRESS_SECONDS": "0"}))
+    lines = [ln for ln in r.out.splitlines() if ln.startswith("train  ")]
+    assert len(lines) >= 3 and any(ln.startswith("train  3/3") for ln in lines), f"no plain progress lines: {r.show()}"
+    assert "reward" in lines[0] and "ETA" in lines[0], f"progress line without reward/ETA: {lines[0]!r}"
+
+
+@probe("piped-prepare-no-truncated-bar")
+def piped_prepare_progress(ws: Path) -> None:
+    """`emapg prepare x --from FILE | cat`: no rich bar cut to the width, but whole plain lines `converting x  k/N`."""
+    (ws / "qa.jsonl").write_text("".join(json.dumps({"id": f"q{i}", "question": f"q {i}", "answer": "a"}) + "\n" for i in range(50)))
+    r = ok(emapg(ws, "prepare", "mine", "--from", "qa.jsonl", env={"EMAPG_PROGRESS_SECONDS": "0"}))
+    assert "━" not in r.out, f"a terminal bar in a pipe: {r.out[-400:]!r}"
+    assert "converting mine  50/50" in r.out, f"no plain progress line: {r.out[-400:]!r}"
+
+
+@probe("offline-hub-id-fails-fast")
+def offline_hub_id(ws: Path) -> None:
+    """`emapg eval --model deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B` with no network and HF_HUB_OFFLINE unset: one
+    line naming the model and asking for a local folder, within seconds (was 48 s of retries under a 0/2 bar)."""
+    (ws / "bench.jsonl").write_text('{"id": "a", "question": "1+1", "answer": "2"}\n')
+    t0 = time.monotonic()
+    r = emapg(ws, "eval", "--bench", "bench.jsonl", "--model", HUB_ID, "--backend", "hf", "--out", "ev", env=NO_NETWORK, timeout=60)
+    took = time.monotonic() - t0
+    one_line_error(r, HUB_ID, "local")
+    assert took < 10, f"took {took:.0f} s"
+    assert not (ws / "ev").exists(), "the failed eval left its output folder"
+
+
+@probe("offline-hub-id-fails-fast-train")
+def offline_hub_id_train(ws: Path) -> None:
+    """`emapg train --set model.path=<hub id>` with no network, HF_HUB_OFFLINE unset or set: one line naming the model,
+    fast."""
+    (ws / "data.jsonl").write_text('{"id": "a", "question": "1+1", "answer": "2"}\n')
+    for env in (NO_NETWORK, {"HF_HUB_OFFLINE": "1"}):
+        t0 = time.monotonic()
+        r = emapg(ws, "train", "--set", f"model.path={HUB_ID}", "--set", "data.train=data.jsonl", "--out", "run",
+                  env=env, timeout=60)
+        took = time.monotonic() - t0
+        one_line_error(r, HUB_ID, "local")
+        assert took < 10, f"took {took:.0f} s ({env})"
+
+
+@probe("toy-search-preset-comment")
+def preset_comment(ws: Path) -> None:
+    """presets/toy-search.yaml's comment must not advise `--set search.max_turns=0 at eval` (eval took no --set): it
+    names the eval line that works, `emapg eval --preset toy-search`."""
+    text = (ROOT / "presets" / "toy-search.yaml").read_text()
+    assert "search.max_turns=0 at eval" not in text, "the preset still advises --set search.max_turns=0 at eval"
+    assert "emapg eval --preset toy-search" in text, "the preset's comment does not name its eval line"
+
+
+@probe("docs-numbers-match-code")
+def docs_numbers(ws: Path) -> None:
+    """The numbers docs/dry_run.md and docs/toy.md quote from the code (dry-run memory plan, automatic threads) are the
+    code's: `python scripts/doc_numbers.py` regenerates and compares them."""
+    script = ROOT / "scripts" / "doc_numbers.py"
+    assert script.is_file(), "no scripts/doc_numbers.py: the docs' numbers are not generated from the code"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, f"stale docs: {r.stdout.strip()[-400:]} {r.stderr.strip()[-400:]}"
+    dry = (ROOT / "docs" / "dry_run.md").read_text()
+    assert "T = 9,216, b = 8" not in dry, "docs/dry_run.md still gives the olympiad preset T = 9,216 (its T is 28,672)"
+
+
+@probe("toy-docs-no-stale-thread-default")
+def toy_docs_threads(ws: Path) -> None:
+    """docs/toy.md must not call two threads the default (train chooses the thread count automatically now)."""
+    text = (ROOT / "docs" / "toy.md").read_text()
+    assert "the default two threads" not in text, "docs/toy.md still speaks of 'the default two threads'"
