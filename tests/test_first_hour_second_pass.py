@@ -78,8 +78,7 @@ def test_offline_hub_id_fails_fast_in_one_line(monkeypatch, tmp_path):
     assert time.monotonic() - t0 < 5
     (tmp_path / "m").mkdir()
     check_model_source(str(tmp_path / "m"))  # a local folder: fine
-    with pytest.raises(UserError, match="no such model folder"):
-        check_model_source(str(tmp_path / "missing"))
+    check_model_source(str(tmp_path / "missing"))  # a missing local path: left to the loaders (their hint names `prepare`)
 
 
 def test_unreachable_hub_is_named(monkeypatch, tmp_path):

@@ -160,10 +160,6 @@ def eval_(
         raise UserError(f"--top-p must be in (0, 1], got {top_p}")
     if model is None and responses is None:
         raise UserError("give --model (sample and grade) or --responses (grade given responses)")
-    if model is not None:  # a hub id offline and not cached: one line naming it, at once
-        from emapg_cli.models.hub import check_model_source
-
-        check_model_source(model, "--model")
     if responses is not None and not responses.is_file():
         raise UserError(f"{responses}: no such file")
     from emapg_cli.agents.environments import check_env

@@ -266,6 +266,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         examples, given, reasons = load_responses(s.responses_file, examples)
     if not examples:
         raise UserError(f"nothing to evaluate: no items in '{s.bench}'" + (" match the given responses" if given else ""))
+    if s.model is not None:  # a hub id offline and not cached: one line naming it now, not a minute of retries later
+        from emapg_cli.models.hub import check_model_source
+
+        check_model_source(s.model, "--model")
     backend = resolve_backend(s.backend) if s.model else "none"
     done = open_run(s.out, {**s.record(), "backend": backend})
     resumed = sum(ex.id in done for ex in examples)

@@ -53,14 +53,14 @@ def hub_reachable(timeout: float = CONNECT_TIMEOUT_S) -> bool:
 
 
 def check_model_source(path: str, what: str = "model") -> None:
-    """Raise one UserError line, fast, when `path` is neither a local folder, nor a hub id in the local cache, nor a
-    hub id the hub can serve now (module doc). `what` names the setting in the message (model.path, --model)."""
+    """Raise one UserError line, fast, when `path` is a hub id (or a bare name) that is neither a local folder, nor in
+    the local cache, nor one the hub can serve now (module doc); a missing local path is left to the loaders' own
+    checks. `what` names the setting in the message (model.path, --model)."""
     local = expand(path)
     if local.exists() or in_cache(path):
         return
-    looks_local = path.startswith((".", "/", "~", "$")) or path.count("/") > 1 or "\\" in path
-    if looks_local:
-        raise UserError(f"{what} {local}: no such model folder")
+    if path.startswith((".", "/", "~", "$")) or path.count("/") > 1 or "\\" in path:
+        return  # a local path that is missing: the loaders' own checks say so (with the `emapg prepare` hint)
     why = ("HF_HUB_OFFLINE is set" if offline() else
            None if hub_reachable() else f"the hub ({urlparse(os.environ.get('HF_ENDPOINT') or 'https://huggingface.co').hostname}) cannot be reached")
     if why is not None:
