@@ -41,6 +41,19 @@ def no_search_accuracy(home: Path, run_dir: Path) -> float:
     return json.loads((out / "summary.json").read_text())["search"]["exact_match"]
 
 
+def preset_eval_accuracy(home: Path, run_dir: Path, preset: str) -> float:
+    """`emapg eval --preset PRESET --model RUN/final/policy` (the run's own evaluation settings), checked against the
+    run's final eval/accuracy: the documented eval line must reproduce the training run's final score exactly."""
+    out = run_dir / "eval-preset"
+    subprocess.run([sys.executable, "-m", "emapg_cli", "eval", "--preset", preset, "--model", str(run_dir / "final" / "policy"),
+                    "--out", str(out)], env={**os.environ, "EMAPG_HOME": str(home)}, check=True)
+    score = json.loads((out / "summary.json").read_text())["pass@1"]
+    final = json.loads((run_dir / "summary.json").read_text())["eval_accuracy_final"]
+    if abs(score - final) > 1e-6:  # eval/accuracy is a float32 ratio: 214/300 -> 0.71333331; pass@1 is float64
+        raise SystemExit(f"{run_dir}: `emapg eval --preset {preset}` scored {score:.6f}, the run's final evaluation {final:.6f}")
+    return score
+
+
 def tools_calls(home: Path, run_dir: Path) -> dict:
     """Greedy test accuracy and calculator calls per episode of the final toy-tools policy (`emapg eval --env calc`),
     and the sampled calls per episode of the first and last RL steps."""
@@ -82,6 +95,8 @@ def run_seed(seed: int, out: Path, preset: str, prepare_only: bool = False) -> d
     )
     summary = json.loads((run_dir / "summary.json").read_text())
     extra = {"final_no_search": no_search_accuracy(home, run_dir)} if preset == "toy-search" else {}
+    if preset in ("toy", "toy-search"):  # the documented eval line reproduces the run's final score (issue 20)
+        extra["final_eval_preset"] = preset_eval_accuracy(home, run_dir, preset)
     if preset == "toy-tools":
         extra = {"sft_steps": manifest["sft_steps"], "calls_initial": manifest["sft_test_calls"],
                  "call_probability_initial": manifest["sft_call_probability"], **tools_calls(home, run_dir)}
