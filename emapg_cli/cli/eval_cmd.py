@@ -66,15 +66,17 @@ def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str
     # runs only with --trust-code: call the trust check on `cfg` here, before anything below imports it.
     if not isinstance(cfg.data.eval, str) and "bench" not in given:
         raise UserError("give --bench: the config's data.eval " + ("is not set" if cfg.data.eval is None else "lists several sets"))
-    search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search")
     from emapg_cli.paths import expand
 
+    search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search")
+    retriever = None
+    if search:
+        retriever = f"bm25:{expand(cfg.search.index) if cfg.search.index else ''}" if cfg.search.retriever == "bm25" else cfg.search.url
     implied = {
-        "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit, "backend": cfg.rollout.engine, "n": cfg.eval.n,
-        "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p, "max_tokens": eval_max_new_tokens(cfg, cfg.train.steps),
-        "dtype": cfg.model.dtype, "reward": cfg.rollout.reward, "env": cfg.rollout.env, "truncated": cfg.reward.truncated,
-        "think": cfg.grading.think,
-        "retriever": (f"bm25:{expand(cfg.search.index) if cfg.search.index else ''}" if cfg.search.retriever == "bm25" else cfg.search.url) if search else None,
+        "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit,
+        "backend": cfg.rollout.engine, "n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
+        "max_tokens": eval_max_new_tokens(cfg, cfg.train.steps), "dtype": cfg.model.dtype, "reward": cfg.rollout.reward,
+        "env": cfg.rollout.env, "truncated": cfg.reward.truncated, "think": cfg.grading.think, "retriever": retriever,
         "max_turns": cfg.search.max_turns if search else params["max_turns"], "topk": cfg.search.topk,
         "max_obs_tokens": cfg.search.max_obs_tokens,
         "max_context_tokens": cfg.rollout.max_context_tokens if user_env else cfg.search.max_context_tokens,
@@ -131,16 +133,13 @@ def eval_(
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from emapg_cli.progress import Progress
-
-    from emapg_cli.evaluation.naming import bench_ref, default_out
+    from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
     from emapg_cli.evaluation.report import markdown
     from emapg_cli.evaluation.runner import EvalSettings, run_eval
     from emapg_cli.hf_quiet import quiet_transformers
+    from emapg_cli.progress import Progress
 
     quiet_transformers()
-    from emapg_cli.evaluation.naming import BUILTIN_BENCHES
-
     cfg = None
     if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or env or retriever):
         preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
