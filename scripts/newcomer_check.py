@@ -83,7 +83,7 @@ def main() -> None:
     prepare, train = README_RUN.split(" && ")
     step("prepare toy", prepare, clone, env, log, rows)
     step("train toy", f"{train} {args.train_args}".strip(), clone, env, log, rows)
-    runs = sorted((clone / "runs").glob("toy-*"))
+    runs = sorted((clone / "runs").glob("toy-[0-9]*"))  # runs/toy-<timestamp>, not runs/toy-search-* or toy-tools-*
     if len(runs) != 1:
         sys.exit(f"expected one run folder under {clone / 'runs'}, found {runs}")
     run = runs[0].relative_to(clone)
@@ -92,7 +92,7 @@ def main() -> None:
 
     manifest = json.loads((home / "toy" / "manifest.json").read_text())
     summary = json.loads((clone / run / "summary.json").read_text())
-    evals = sorted((clone / "runs" / "eval").glob("toy-*"))
+    evals = sorted((clone / "runs" / "eval").glob("toy-[0-9]*"))
     ev = json.loads((evals[0] / "summary.json").read_text()) if evals else {}
     report(rows, {
         "warm start": f"{manifest['sft_steps']} steps, greedy test accuracy {manifest['sft_test_accuracy']:.1%}",
