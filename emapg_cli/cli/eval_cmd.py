@@ -151,8 +151,8 @@ def eval_(
         max_tokens, dtype, reward, env, truncated, think = (implied[k] for k in ("max_tokens", "dtype", "reward", "env", "truncated", "think"))
         retriever, max_turns, topk, max_obs_tokens = (implied[k] for k in ("retriever", "max_turns", "topk", "max_obs_tokens"))
         max_context_tokens, prompt_template = implied["max_context_tokens"], implied["prompt_template"]
-        if env == "search" and retriever is not None:
-            env = None  # the retriever implies the search agent
+        if env == "single" or (env == "search" and retriever is not None):
+            env = None  # as without a config: the default, or the search agent the retriever implies
     if bench is None:
         raise UserError("give --bench (or --preset/--config whose data.eval names the evaluation set)")
     if top_p <= 0:
