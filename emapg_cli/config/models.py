@@ -109,6 +109,13 @@ class SearchConfig(Section):
     retries: int = Field(3, ge=0, description="http only: retries after a failed request (back-off doubles each time).")
     backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry, in seconds.")
 
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, value: str) -> str:
+        from emapg_cli.retrieval.http import check_url  # http(s) with a host: `notaurl` and file:// are refused
+
+        return check_url(value)
+
 
 class OptimConfig(Section):
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
