@@ -324,6 +324,9 @@ def train_cases() -> list[Case]:
         case("train", "name-absolute", "train", "--config", "abs.yaml", "--set", "model.path=missing-model",
              files={"abs.yaml": "name: /tmp/elsewhere\n"}),
     ]
+    # issue 20, the retriever client: search.url must be http(s) with a host (a file:// URL is never read)
+    cases += [case("train", f"search-url-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
+              for name, url in (("not-a-url", "notaurl"), ("file", "file:///etc/passwd"), ("no-host", "http://"))]
     return cases
 
 
