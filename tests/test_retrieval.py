@@ -282,3 +282,19 @@ def test_server_survives_a_hostile_body_in_process(index):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_client_splits_large_batches(monkeypatch):
+    """2,500 queries with BATCH_QUERIES 1,024 are three requests (1,024 + 1,024 + 452), hits in query order."""
+    import emapg_cli.retrieval.http as http
+
+    sent = []
+
+    def post(self, payload):
+        sent.append(len(payload["queries"]))
+        return {"result": [[{"document": {"id": q, "contents": q}, "score": 1.0}] for q in payload["queries"]]}
+
+    monkeypatch.setattr(http.HTTPRetriever, "_post", post)
+    queries = [f"q{i}" for i in range(2500)]
+    hits = http.HTTPRetriever("http://127.0.0.1:1/retrieve").search(queries, 1)
+    assert sent == [1024, 1024, 452] and [h[0].id for h in hits] == queries

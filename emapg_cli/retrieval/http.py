@@ -3,7 +3,7 @@
 Request `{"queries": [str], "topk": int, "return_scores": true}`, response
 `{"result": [[{"document": {"contents", ...}, "score": float}, ...] per query]}` (Search-R1
 `search_r1/search/retrieval_server.py`). One request per agent turn carries every active episode's
-query. Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
+query (split into requests of `BATCH_QUERIES` when there are more). Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
 retried with exponential back-off; when every try fails the run stops with a one-line UserError
 (checkpoints are written atomically, so the last one stays intact). Standard library only.
 
@@ -26,6 +26,10 @@ from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
 
 
+#: Most queries sent in one request: a larger batch (a whole evaluation set in one turn) is split into
+#: requests of this many, in order, so it stays under a server's query limit (`retriever serve
+#: --max-queries`, 4,096 by default); each query's hits do not depend on the others in its request.
+BATCH_QUERIES = 1024
 #: Largest reply read (bytes); a longer one is an error, not a memory spike.
 MAX_REPLY_BYTES = 256 << 20
 _EXPECTED = '{"result": [[{"document": {"contents": ...}, "score": ...}, ...] per query]}'
@@ -147,14 +151,16 @@ class HTTPRetriever:
             return ""
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        """One POST for all queries; a reply that does not have Search-R1's shape is a UserError (one line)."""
-        if not queries:
-            return []
-        reply = self._post({"queries": list(queries), "topk": topk, "return_scores": True})
-        try:
-            return _hits(reply, len(queries), topk)
-        except _BadReply as e:
-            raise UserError(f"retriever {self.url}: unexpected reply ({e}); expected {_EXPECTED}") from None
+        """One POST per BATCH_QUERIES queries; a reply that does not have Search-R1's shape is a UserError (one line)."""
+        hits: list[list[Hit]] = []
+        for start in range(0, len(queries), BATCH_QUERIES):  # one request per BATCH_QUERIES queries
+            batch = list(queries[start:start + BATCH_QUERIES])
+            reply = self._post({"queries": batch, "topk": topk, "return_scores": True})
+            try:
+                hits += _hits(reply, len(batch), topk)
+            except _BadReply as e:
+                raise UserError(f"retriever {self.url}: unexpected reply ({e}); expected {_EXPECTED}") from None
+        return hits
 
     def close(self) -> None:
         """Nothing held between requests."""
