@@ -212,7 +212,7 @@ class RetrieverServer(ThreadingMixIn, HTTPServer):
         try:
             self.watchdog.set(request, time.monotonic() + self.limits.timeout_s)
             super().process_request(request, client_address)
-        except BaseException:  # no thread could be started: refuse this connection, keep serving
+        except (RuntimeError, OSError, MemoryError):  # no thread could be started: refuse this one, keep serving
             self.watchdog.set(request, None)
             self._slots.release()
             self._busy(request)
