@@ -245,7 +245,7 @@ def test_client_bad_reply_is_one_line(body, needle):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
     try:
         client = HTTPRetriever(url, timeout_s=10, retries=2, backoff_s=0.01, max_reply_bytes=200_000)
@@ -265,7 +265,7 @@ def test_server_survives_a_hostile_body_in_process(index):
     from emapg_cli.retrieval.server import make_server
 
     server = make_server(BM25Retriever.load(index), port=0, rows=5)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     port = server.server_address[1]
     try:
         def ask(raw: bytes) -> bytes:
@@ -298,3 +298,34 @@ def test_client_splits_large_batches(monkeypatch):
     queries = [f"q{i}" for i in range(2500)]
     hits = http.HTTPRetriever("http://127.0.0.1:1/retrieve").search(queries, 1)
     assert sent == [1024, 1024, 452] and [h[0].id for h in hits] == queries
+
+
+def test_server_over_max_connections_is_503_then_serves(index):
+    """max_connections 1: while one client holds its connection, the next gets a 503 with a JSON error at once;
+    once the first is closed (or times out: timeout 1 s), the next is served."""
+    import socket
+    import threading
+
+    from emapg_cli.retrieval.server import Limits, make_server
+
+    server = make_server(BM25Retriever.load(index), port=0, rows=5, limits=Limits(max_connections=1, timeout_s=1.0))
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    port = server.server_address[1]
+
+    def health() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            return b"".join(iter(lambda: s.recv(65536), b""))
+
+    try:
+        holder = socket.create_connection(("127.0.0.1", port), timeout=10)
+        time.sleep(0.2)  # the server has accepted it
+        busy = health()
+        assert busy.startswith(b"HTTP/1.1 503") and b'"error": "busy: 1 connections' in busy
+        assert holder.recv(1) == b""  # the idle holder is closed after timeout_s = 1 s
+        holder.close()
+        time.sleep(0.2)
+        assert health().startswith(b"HTTP/1.1 200")
+    finally:
+        server.shutdown()
+        server.server_close()
