@@ -179,7 +179,7 @@ def _npz_stream(path: Path, arrays: dict[str, tuple]) -> Path:
     return path
 
 
-@probe("klcheck_npz_bombs_refused_before_loading")
+@probe("klcheck_npz_bombs_refused_before_loading", slow=True)
 def klcheck_npz_bombs_refused_before_loading(ws: Path) -> None:
     """Small .npz files inflating to 96 MiB arrays: both arrays with --samples too many for memory, a policy
     [2, 8] next to an anchor of another shape, an int8 anchor: each refused with one line from the .npy
