@@ -233,6 +233,8 @@ def config_cases() -> list[Case]:
         cases.append(case("config", f"yaml-{name}", "config", "show", "--config", "bad.yaml", files={"bad.yaml": text}))
         cases.append(case("config", f"preset-yaml-{name}", "config", "show", "--preset", "badpreset.yaml",
                           files={"badpreset.yaml": text}))
+    # issue 20 (readers): lora.r bounded at config time
+    cases.append(case("config", "set-lora-r-million", "config", "show", "--set", "lora.r=1000000"))
     return cases
 
 
@@ -408,6 +410,17 @@ def eval_cases() -> list[Case]:
         case("eval", "responses-duplicate-ids", "eval", "--bench", "bench.jsonl", "--responses", "dup.jsonl", "--out", "new",
              files={"dup.jsonl": jsonl([RESPONSE_ROWS[0], RESPONSE_ROWS[0]])}),
     ]
+    # issue 20 (readers): ragged --responses, integers past Python's 4300-digit limit, a non-UTF-8 --prompt-template
+    cases += [
+        case("eval", "responses-ragged", "eval", "--bench", "bench.jsonl", "--responses", "ragged.jsonl", "--out", "new",
+             files={"ragged.jsonl": jsonl([RESPONSE_ROWS[0], {"id": "1", "responses": ["\\boxed{2}"]}])}),
+        case("eval", "bench-id-5000-digits", "eval", "--bench", "big.jsonl", "--responses", "resp.jsonl", "--out", "new",
+             files={"big.jsonl": '{"id": ' + "9" * 5000 + ', "question": "q", "answers": ["1"]}\n'}),
+        case("eval", "responses-id-5000-digits", "eval", "--bench", "bench.jsonl", "--responses", "big.jsonl", "--out", "new",
+             files={"big.jsonl": '{"id": ' + "9" * 5000 + ', "responses": ["1"]}\n'}),
+        case("eval", "prompt-template-non-utf8", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--retriever",
+             "bm25:missing-index", "--prompt-template", "t.txt", "--out", "new", files={"t.txt": b"{question} caf\xe9"}),
+    ]
     return cases
 
 
@@ -457,6 +470,13 @@ def prepare_cases() -> list[Case]:
         cases.append(case("prepare", f"jsonl-{name}", "prepare", "x", "--from", "t.jsonl", files={"t.jsonl": text}))
     for i, s in enumerate(ODD_STRINGS):
         cases.append(case("prepare", f"odd-from-{i}", "prepare", "x", "--from", s))
+    # issue 20 (readers): an id past Python's 4300-digit int <-> str limit
+    cases += [
+        case("prepare", "jsonl-id-5000-digits", "prepare", "x", "--from", "t.jsonl",
+             files={"t.jsonl": '{"id": ' + "9" * 5000 + ', "question": "q", "answer": "1"}\n'}),
+        case("prepare", "json-id-5000-digits", "prepare", "x", "--from", "t.json",
+             files={"t.json": '[{"id": ' + "9" * 5000 + ', "question": "q", "answer": "1"}]'}),
+    ]
     return cases
 
 
@@ -559,6 +579,15 @@ def kl_check_cases() -> list[Case]:
                          ("one-dim", {"policy": [0.0, 1.0], "anchor": [0.0, 1.0]}),
                          ("nan", {"policy": [[float("nan"), 1.0]], "anchor": [[0.0, 1.0]]})):
         cases.append(case("kl-check", f"npz-{name}", *small, "--from-logits", "a.npz", files={"a.npz": _npz_arrays(arrays)}))
+    # issue 20 (readers): .npz members checked from their .npy headers before loading
+    cases += [
+        case("kl-check", "npz-header-lies", *small, "--from-logits", "a.npz", files={"a.npz": _npz_members(
+            {"policy.npy": _npy_header((8192, 65536)) + bytes(16), "anchor.npy": _npy_header((8192, 65536)) + bytes(16)})}),
+        case("kl-check", "npz-object-array", *small, "--from-logits", "a.npz", files={"a.npz": _npz_members(
+            {"policy.npy": _npy_header((1, 2), "|O") + b"\x80\x02N.", "anchor.npy": _npy_header((1, 2)) + bytes(16)})}),
+        case("kl-check", "npz-truncated", *small, "--from-logits", "a.npz",
+             files={"a.npz": _npz_arrays({"policy": [[0.0, 1.0]], "anchor": [[0.0, 1.0]]})[:120]}),
+    ]
     return cases
 
 
@@ -569,6 +598,28 @@ def _npz_arrays(arrays: dict) -> bytes:
 
     buf = io.BytesIO()
     np.savez(buf, **{k: np.asarray(v) for k, v in arrays.items()})
+    return buf.getvalue()
+
+
+def _npy_header(shape: tuple, descr: str = "<f8") -> bytes:
+    import io
+
+    from numpy.lib import format as npy
+
+    buf = io.BytesIO()
+    npy.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def _npz_members(members: dict[str, bytes]) -> bytes:
+    """A zip of raw members (an .npz whose .npy headers may say anything)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
     return buf.getvalue()
 
 

@@ -75,6 +75,13 @@ def eval_(
         raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
     if not searching and prompt_template is not None:
         raise UserError("--prompt-template applies only with --retriever")
+    if prompt_template is not None:  # read now (one line on a bad file), not after the model is loaded
+        from emapg_cli.agents.protocol import load_template
+
+        try:
+            load_template(str(prompt_template))
+        except UserError as e:
+            raise UserError(str(e).replace("search.prompt_template: ", "--prompt-template ", 1)) from None
     n = n if n is not None else (1 if searching else 32)
     temperature = temperature if temperature is not None else (0.0 if searching else 0.8)
     max_tokens = max_tokens if max_tokens is not None else (500 if searching or user_env else 28000)

@@ -231,7 +231,7 @@ class GradingConfig(Section):
 
 
 class LoRAConfig(Section):
-    r: int = Field(0, ge=0, description="LoRA rank (peft, the `lora` extra); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
+    r: int = Field(0, ge=0, le=4096, description="LoRA rank (peft, the `lora` extra), at most 4096 and at most the smallest dimension of a targeted layer (checked when the model is known); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                       description="Names of the linear layers that get adapters (peft `target_modules`).")
