@@ -273,13 +273,6 @@ def reward_hang_refused(ws: Path) -> None:
     one_line_error(_eval_plugin(ws, "    import time\n    time.sleep(60)", "--grader-timeout", "0.5"), "timed out")
 
 
-@probe("reward-numpy-and-bool-accepted")
-def reward_numpy_and_bool_accepted(ws: Path) -> None:
-    """Real numbers are accepted: numpy.float32(1) and True (1.0) score as numbers."""
-    r = ok(_eval_plugin(ws, "    import numpy\n    return numpy.float32(1) if example['id'] != '0' else True"))
-    assert "warning" not in r.err, r.show()
-
-
 # -------------------------------------------------------------------------- training (a tiny model, 1 step)
 
 def _tiny_train(ws: Path, body: str, *extra: str):
