@@ -178,3 +178,31 @@ def test_ablate_runs_the_plugin_in_each_run(plugin, tiny_qwen2, tmp_path, monkey
     for mode in ("zero", "grade"):
         row = metrics(out / "runs" / f"reward.truncated={mode}" / "seed0")[1]
         assert row["reward/errors"] == 4.0 and 0.0 <= row["reward/mean"] <= 0.75
+
+
+def test_step_failure_rate_stops_above_max_failure_rate_and_warns_below(capsys):
+    """reward_failures counts the step's calls since start_count(): 6 of 10 failed (60% > 0.5) stops the run naming
+    the first failure; 5 of 10 (50%, not above 0.5) warns once on stderr and logs reward/failure_rate 0.5."""
+    from types import SimpleNamespace
+
+    from emapg_cli.rewards.registry import SafeReward
+    from emapg_cli.train.rollout import reward_failures
+
+    def fn(responses, examples):  # raises for every response "bad": SafeReward scores it 0 and counts it
+        if any(r == "bad" for r in responses):
+            raise ValueError(f"bad response {len(responses)}")
+        return [1.0] * len(responses)
+
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(reward="p.py:score"), reward=SimpleNamespace(max_failure_rate=0.5))
+    reward = SafeReward("p.py:score", fn)
+    counted = reward.start_count()
+    reward(["ok"] * 4 + ["bad"] * 6, [{}] * 10)
+    with pytest.raises(UserError, match=r"failed on 6 of 10 calls.*first failure: ValueError: bad response 1"):
+        reward_failures(reward, counted, cfg, 3)
+    counted = reward.start_count()
+    reward(["ok"] * 5 + ["bad"] * 5, [{}] * 10)
+    assert reward_failures(reward, counted, cfg, 4) == {"reward/failure_rate": 0.5}
+    assert "warning: step 4: reward plugin p.py:score failed on 5 of 10 calls (50%" in capsys.readouterr().err
+    cfg.rollout.reward = "math"  # a registered reward: not a plugin, not counted here
+    assert reward_failures(reward, reward.start_count(), cfg, 5) == {}

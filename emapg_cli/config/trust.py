@@ -53,16 +53,17 @@ def named_refs(overrides: Iterable[str] = (), **options: str | None) -> dict[str
     """{config key: plugin reference} named on this command line: by `--set KEY=REF` items (the last one of a key
     wins, as in the config) and by options given as keyword arguments (`reward=` for rollout.reward, `env=` for
     rollout.env: `emapg eval --reward/--env`)."""
-    from emapg_cli.config.loading import split_key_value
+    from emapg_cli.config.loading import parse_override
 
     named: dict[str, str] = {}
     for item in overrides:
         try:
-            key, raw = split_key_value(item, "override", "KEY=VALUE")
+            parts, value = parse_override(item)  # the value as the config reads it (YAML: quotes removed)
         except UserError:
             continue  # the config's own parsing reports it
+        key = ".".join(parts)
         if key in CODE_KEYS:
-            ref = plugin_ref(key, raw.strip())
+            ref = plugin_ref(key, value)
             if ref is not None:
                 named[key] = ref
             else:

@@ -231,7 +231,7 @@ class Trainer:
         with self.phases("update_total"):
             batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
-            extra.update(reward_failures(self.reward_fn, counted, self.cfg, step))  # before the update: a failing plugin stops the run here
+            extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
             extra.update(roll.pop("filtering", {}))
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
