@@ -262,7 +262,7 @@ def env_cases(command: str, *base: str) -> list[Case]:
     broken = {name: ("envfile.py:Env", text) for name, text in BAD_ENVS.items()}
     cases = {**{name: (value, good) for name, value in refs.items()}, **broken}
     opt = ("--set", "rollout.env={}") if command == "train" else ("--env", "{}")
-    tail = ("--out", "new") if command == "eval" else ()
+    tail = ("--out", "new")  # train: not --dry-run, which imports nothing (a class is loaded when the run starts)
     return [case(command, f"env-{name}" if not name.startswith("env-") else name, *base, opt[0], opt[1].format(value), *tail,
                  files={"envfile.py": text}) for name, (value, text) in cases.items()]
 
@@ -280,7 +280,7 @@ def train_cases() -> list[Case]:
         cases.append(case("train", f"file-{key}", "train", "--config", "bad.yaml", "--dry-run", files={"bad.yaml": text}))
     for name, text in BAD_YAML.items():
         cases.append(case("train", f"yaml-{name}", "train", "--config", "bad.yaml", files={"bad.yaml": text}))
-    cases += env_cases("train", "train", "--config", "good.yaml", "--dry-run")
+    cases += env_cases("train", "train", "--config", "good.yaml")
     cases += [
         case("train", "moved-max-turns", "train", "--config", "good.yaml", "--set", "rollout.max_turns=4", "--dry-run"),
         case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
@@ -329,6 +329,21 @@ def train_cases() -> list[Case]:
     # issue 20, the retriever client: search.url must be http(s) with a host (a file:// URL is never read)
     cases += [case("train", f"search-url-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
               for name, url in (("not-a-url", "notaurl"), ("file", "file:///etc/passwd"), ("no-host", "http://"))]
+    # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
+    # plugin needs --trust-code; a plugin that exits at import is one line
+    for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):
+        cases.append(case("train", f"reward-stdlib-{ref}", "train", "--config", "good.yaml", "--set", f"rollout.reward={ref}",
+                          "--dry-run"))
+    cases += [
+        case("train", "env-stdlib-class", "train", "--config", "good.yaml", "--set", "rollout.env=subprocess:Popen", "--dry-run"),
+        case("train", "reward-is-a-class", "train", "--config", "good.yaml", "--set", "rollout.reward=plug.py:score",
+             "--dry-run", files={"plug.py": "class score:\n    pass\n"}),
+        case("train", "reward-in-config-untrusted", "train", "--config", "plugcfg.yaml", "--out", "new",
+             files={"plug.py": "def score(response, example):\n    return 1.0\n",
+                    "plugcfg.yaml": "rollout:\n  reward: plug.py:score\n"}),
+        case("train", "reward-sys-exit-at-import", "train", "--config", "good.yaml", "--set", "rollout.reward=plug.py:score",
+             "--out", "new", files={"plug.py": "import sys\nsys.exit(7)\n"}),
+    ]
     return cases
 
 

@@ -70,10 +70,16 @@ class Worker:
 
 
 def _number(value: Any, where: str) -> float:
-    """`value` as a finite float (bool, int, float), else a UserError naming `where`."""
-    if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
-        return float(value)
-    raise UserError(f"{where} returned {type(value).__name__} {value!r:.60}; expected a finite number")
+    """`value` as a float (bool, int, float) finite in float32 (|value| <= 3.4028235e38: rewards become float32
+    advantages), else a UserError naming `where`."""
+    if isinstance(value, (bool, int, float)):
+        try:
+            v = float(value)
+        except OverflowError:  # an int past float64
+            v = math.inf
+        if math.isfinite(v) and abs(v) <= 3.4028234663852886e38:
+            return v
+    raise UserError(f"{where} returned {type(value).__name__} {str(value)[:60]!r}; expected a number finite in float32")
 
 
 class EnvRunner:

@@ -40,6 +40,7 @@ def eval_(
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
     truncated: Annotated[Literal["zero", "grade"], typer.Option("--truncated", help="A response cut at the token cap: `zero` scores it 0 and it casts no maj@n vote (the paper's rule), `grade` grades it.")] = "zero",
     think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that a config file names; one named by --reward / --env on this command line always runs (docs/reliability.md).")] = False,
 ) -> None:
     """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md."""
     from rich.markup import escape
@@ -93,6 +94,16 @@ def eval_(
         reward = check_reward(reward if reward is not None else ("em" if searching else "math"))
     except UserError as e:
         raise UserError(f"--reward: {e}") from None
+    from emapg_cli.config.trust import code_refs_of, load_code, named_refs, require_trust
+
+    refs = code_refs_of(reward=reward, env=env)  # the code this evaluation will import
+    require_trust(refs, named_refs(reward=reward, env=env), trust_code)  # named here: trusted
+    try:  # imported now (the evaluation starts), before anything is written
+        load_code(refs)
+    except UserError as e:
+        msg = str(e)
+        raise UserError(f"--reward: {msg.removeprefix('rollout.reward: ')}" if msg.startswith("rollout.reward")
+                        else f"--env: {msg.removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
     if searching and reward in ("math", "toy"):
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
     if searching or user_env:

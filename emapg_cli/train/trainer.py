@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +26,7 @@ from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
+from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
 from emapg_cli.train.loggers import open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
@@ -225,11 +225,13 @@ class Trainer:
         passes did not hide), update, ema, and the totals rollout (generation + batch) and update_total (the rest)."""
         self.phases.reset()
         seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
+        counted = self.reward_fn.start_count() if hasattr(self.reward_fn, "start_count") else None
         with self.phases("rollout"):
             batch, pending, roll = self.rollouts(step)
         with self.phases("update_total"):
             batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
+            extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
             extra.update(roll.pop("filtering", {}))
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
