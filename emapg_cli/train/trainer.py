@@ -28,7 +28,7 @@ from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
-from emapg_cli.train.loggers import open_run
+from emapg_cli.train.loggers import METRICS_FILE, open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, check_layouts, reference_passes
@@ -91,6 +91,7 @@ class Trainer:
         self.phases = PhaseTimer()  # wall seconds of the current step's phases (`step`)
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
         self.inputs = preflight(cfg)
+        self.step_done = 0  # the last step whose metrics were logged (status.json)
         self.reward_fn = self.inputs.reward_fn
 
     # ------------------------------------------------------------------ setup
@@ -258,6 +259,7 @@ class Trainer:
         start_time = time.time()
         last = self._setup()  # nothing is written before the data, models and checkpoint loaded
         logger = self._start(last)
+        self.step_done = last
         elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
         with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress:
             for step in range(last + 1, self.cfg.train.steps + 1):
@@ -269,7 +271,8 @@ class Trainer:
                 metrics.update(self._evaluate(step))
                 # ---------------------------------------------- log; stop when the run no longer trains
                 logger.log(metrics, step)
-                check_skips(self.state, self.cfg, step, result.skipped)
+                self.step_done = step
+                check_skips(self.state, self.cfg, step, result.skipped, metrics_file=self.run_dir / METRICS_FILE)
                 # ---------------------------------------------- checkpoint
                 self.state["elapsed_s"] = elapsed0 + time.time() - start_time
                 self._checkpoint(step)
