@@ -81,7 +81,7 @@ def test_build_keeps_a_users_tmp_folder_and_hashes_every_file(tmp_path):
     assert manifest["files"]["docs.jsonl"]["sha256"] == sha256_file(tmp_path / "X" / "docs.jsonl")
     assert set(manifest["files"]) == {f"bm25/{p.name}" for p in (tmp_path / "X" / "bm25").iterdir()} | {"docs.jsonl"}
     assert len(BM25Retriever.load(tmp_path / "X").docs) == 4
-    with pytest.raises(UserError, match="already holds an `emapg retriever index` output"):
+    with pytest.raises(UserError, match="already holds an index; choose a new --out folder"):
         build_index(tmp_path / "c.jsonl", tmp_path / "X")
 
 

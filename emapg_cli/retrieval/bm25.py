@@ -72,10 +72,12 @@ def build_index(corpus: Path, out: Path, progress: Optional[Callable[[int], Call
     import shutil
     import tempfile
 
-    from emapg_cli.outputs import claim_folder
+    from emapg_cli.outputs import claim_folder, marker_kind
 
     bm25s = _bm25s()
     out, corpus = Path(out), Path(corpus)
+    if (out / MANIFEST).is_file() and marker_kind(out) == KIND:
+        raise UserError(f"{out} already holds an index; choose a new --out folder")
     with claim_folder(out, KIND, fresh=True):
         t0 = time.perf_counter()
         docs = read_corpus(corpus)
