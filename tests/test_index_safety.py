@@ -149,6 +149,21 @@ def test_ablate_removes_only_an_emapg_train_folder(tmp_path):
     assert launch_args(sweep, spec, tmp_path)[0] == "train" and not rdir.exists()
 
 
+def test_failed_claim_removes_a_created_parent_only_when_empty(tmp_path):
+    """`--out runs/a` creates runs/ and runs/a; meanwhile another command put runs/b there: a failure removes
+    runs/a but not runs/ (it used to rmtree the outermost folder it created, runs/, with runs/b in it)."""
+    from emapg_cli.outputs import claim_folder
+
+    with pytest.raises(UserError), claim_folder(tmp_path / "runs" / "a", "eval"):
+        (tmp_path / "runs" / "b").mkdir()
+        (tmp_path / "runs" / "b" / "metrics.jsonl").write_text("{}\n")
+        raise UserError("bad input")
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["b"]
+    with pytest.raises(UserError), claim_folder(tmp_path / "new" / "deep", "eval"):
+        raise UserError("bad input")
+    assert not (tmp_path / "new").exists()  # empty parents it made go too
+
+
 # ------------------------------------------------------------------------------------------ status.json
 def test_status_running_done_failed_stopped(tmp_path):
     from emapg_cli.train.status import tracked
