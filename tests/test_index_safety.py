@@ -171,17 +171,24 @@ def test_status_running_done_failed_stopped(tmp_path):
     def status():
         return json.loads((tmp_path / "status.json").read_text())
 
+    with pytest.raises(UserError), tracked(tmp_path, lambda: 0):
+        raise UserError("no intact checkpoint")  # refused before the run started: nothing written
+    assert not (tmp_path / "status.json").exists()
     step = [0]
-    with tracked(tmp_path, lambda: step[0]):
+    with tracked(tmp_path, lambda: step[0]) as start:
+        start()
         assert status()["status"] == "running"
         step[0] = 3
     assert (status()["status"], status()["step"], status()["reason"]) == ("done", 3, "")
-    with pytest.raises(UserError), tracked(tmp_path, lambda: 2):
+    with pytest.raises(UserError), tracked(tmp_path, lambda: 2) as start:
+        start()
         raise UserError("step 2: the retriever is down")
     assert (status()["status"], status()["step"], status()["reason"]) == ("failed", 2, "step 2: the retriever is down")
-    with pytest.raises(KeyboardInterrupt), tracked(tmp_path, lambda: 1):
+    with pytest.raises(KeyboardInterrupt), tracked(tmp_path, lambda: 1) as start:
+        start()
         raise KeyboardInterrupt
     assert (status()["status"], status()["reason"]) == ("stopped", "stopped by SIGINT (Ctrl-C)")
-    with pytest.raises(RuntimeError), tracked(tmp_path, lambda: 1):
+    with pytest.raises(RuntimeError), tracked(tmp_path, lambda: 1) as start:
+        start()
         raise RuntimeError("boom\nsecond line")
     assert status()["reason"] == "RuntimeError: boom"

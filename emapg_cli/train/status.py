@@ -3,7 +3,7 @@
     {"status": "running" | "done" | "failed" | "stopped", "reason": "<one line>", "step": N, "updated": "<UTC time>"}
 
 `step` is the last step whose metrics were logged (0: none yet). Written atomically (temp file + rename) by the
-main process when the run starts, when it finishes, when it fails (the one-line error as `reason`) and when it
+main process when the run has started (data, models and checkpoint loaded), when it finishes, when it fails (the one-line error as `reason`) and when it
 is stopped (Ctrl-C, SIGTERM). SIGKILL cannot be caught: the file then still says "running" (a process that is
 gone no longer holds the folder's lock, `outputs.claim_folder`).
 """
@@ -37,32 +37,45 @@ def one_line(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def tracked(run_dir: Path, step: Callable[[], int], enabled: bool = True) -> Iterator[None]:
-    """status.json around a run: "running" now; "done", "failed" (the error) or "stopped" (a signal) when the block
-    ends. SIGTERM is recorded, then delivered again with its default action (the process ends as it would have);
-    Ctrl-C (KeyboardInterrupt) is recorded and re-raised. `enabled`: False on the processes that do not own the folder."""
+def tracked(run_dir: Path, step: Callable[[], int], enabled: bool = True) -> Iterator[Callable[[], None]]:
+    """status.json around a run. Yields `start()`, which the trainer calls once the run has started (data, models
+    and checkpoint loaded, metrics file open): "running" is written then. Until then nothing is written, so an
+    input refused before training (a missing model, no intact checkpoint to resume) leaves the folder as it was.
+    After it: "done", "failed" (the error's line) or "stopped" (a signal) when the block ends. SIGTERM is
+    recorded, then delivered again with its default action (the process ends as it would have); Ctrl-C
+    (KeyboardInterrupt) is recorded and re-raised. `enabled`: False on the processes that do not own the folder."""
+    started = [False]
+
+    def start() -> None:
+        if enabled:
+            write_status(run_dir, "running", "", step())
+            started[0] = True
+
     if not enabled:
-        yield
+        yield start
         return
-    write_status(run_dir, "running", "", step())
 
     def on_term(signum, frame):  # noqa: ARG001
-        with contextlib.suppress(Exception):
-            write_status(run_dir, "stopped", f"stopped by {signal.Signals(signum).name}", step())
+        if started[0]:
+            with contextlib.suppress(Exception):
+                write_status(run_dir, "stopped", f"stopped by {signal.Signals(signum).name}", step())
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
-        yield
+        yield start
     except KeyboardInterrupt:
-        write_status(run_dir, "stopped", "stopped by SIGINT (Ctrl-C)", step())
+        if started[0]:
+            write_status(run_dir, "stopped", "stopped by SIGINT (Ctrl-C)", step())
         raise
     except BaseException as e:
-        with contextlib.suppress(Exception):  # a full disk: the original error matters more
-            write_status(run_dir, "failed", one_line(e), step())
+        if started[0]:
+            with contextlib.suppress(Exception):  # a full disk: the original error matters more
+                write_status(run_dir, "failed", one_line(e), step())
         raise
     else:
-        write_status(run_dir, "done", "", step())
+        if started[0]:
+            write_status(run_dir, "done", "", step())
     finally:
         signal.signal(signal.SIGTERM, previous)

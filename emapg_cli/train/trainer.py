@@ -92,6 +92,7 @@ class Trainer:
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
         self.inputs = preflight(cfg)
         self.step_done = 0  # the last step whose metrics were logged (status.json)
+        self.on_started = lambda: None  # called once the run has loaded everything and opened its metrics
         self.reward_fn = self.inputs.reward_fn
 
     # ------------------------------------------------------------------ setup
@@ -259,7 +260,6 @@ class Trainer:
         start_time = time.time()
         last = self._setup()  # nothing is written before the data, models and checkpoint loaded
         logger = self._start(last)
-        self.step_done = last
         elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
         with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress:
             for step in range(last + 1, self.cfg.train.steps + 1):
@@ -283,6 +283,8 @@ class Trainer:
     def _start(self, last: int):
         """The run folder, its config and the metrics logger; at step 0 the data counts and the initial accuracy."""
         logger = open_run(self.cfg, self.run_dir, self.acc, last, self.resume)
+        self.step_done = last
+        self.on_started()  # status.json: running (the folder is kept from here on)
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
             if self.eval_prompts:
