@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config")
+COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config", "retriever")
 FileContent = Union[str, bytes]
 
 
@@ -642,10 +642,87 @@ def _npz(value: float) -> bytes:
     return _npz_arrays({"policy": [[value, -value, 0.0]], "anchor": [[-value, value, 0.0]]})
 
 
+# ------------------------------------------------------------------------------------ retriever (issue 20)
+
+def _index_files() -> dict[str, bytes]:
+    """The files of a real bm25 index of a 3-row corpus (relative path under the index folder -> bytes)."""
+    import tempfile
+
+    from emapg_cli.retrieval.bm25 import build_index
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "c.jsonl"
+        corpus.write_text(jsonl([{"id": f"d{i}", "contents": f"Title {i}\nriver{i} flows past stone{i}"} for i in range(3)]))
+        build_index(corpus, Path(tmp) / "idx")
+        root = Path(tmp) / "idx"
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def retriever_cases() -> list[Case]:
+    """A tampered index (`retriever query`): every file deleted, cut or garbled, wrong counts and types in the
+    manifest, a docs file shorter than the model; and `retriever index` into folders it may not write."""
+    import hashlib
+
+    good = _index_files()
+
+    def variant(name: str, change) -> Case:
+        files = dict(good)
+        change(files)
+        return case("retriever", f"index-{name}", "retriever", "query", "idx", "river1",
+                    files={f"idx/{k}": v for k, v in files.items()})
+
+    def manifest(fn):
+        def change(files):
+            files["manifest.json"] = fn(json.loads(files["manifest.json"])).encode()
+        return change
+
+    def dumps(fn):
+        return manifest(lambda m: json.dumps(fn(m)))
+
+    def short_docs(files):  # one row less, the manifest's rows and hash made to agree: the model has 3 documents
+        files["docs.jsonl"] = b"".join(files["docs.jsonl"].splitlines(keepends=True)[:2])
+        m = json.loads(files["manifest.json"])
+        m["rows"] = 2
+        m["files"]["docs.jsonl"] = {"bytes": len(files["docs.jsonl"]), "sha256": hashlib.sha256(files["docs.jsonl"]).hexdigest()}
+        files["manifest.json"] = json.dumps(m).encode()
+
+    def garble(name):
+        def change(files):
+            data = bytearray(files[name])
+            data[len(data) // 2] ^= 0x5A
+            files[name] = bytes(data)
+        return change
+
+    cases = [
+        variant("manifest-deleted", lambda f: f.pop("manifest.json")),
+        variant("manifest-truncated", lambda f: f.update({"manifest.json": f["manifest.json"][:40]})),
+        variant("manifest-list", dumps(lambda m: [m])),
+        variant("manifest-rows-text", dumps(lambda m: {**m, "rows": "3"})),
+        variant("manifest-rows-wrong", dumps(lambda m: {**m, "rows": 30})),
+        variant("manifest-missing-key", dumps(lambda m: {k: v for k, v in m.items() if k != "rows"})),
+        variant("manifest-extra-key", dumps(lambda m: {**m, "extra": True})),
+        variant("manifest-format", dumps(lambda m: {**m, "format": "emapg-bm25/0"})),
+        variant("docs-deleted", lambda f: f.pop("docs.jsonl")),
+        variant("docs-truncated", lambda f: f.update({"docs.jsonl": f["docs.jsonl"][:30]})),
+        variant("docs-shorter-than-model", short_docs),
+        variant("model-garbled", garble("bm25/data.csc.index.npy")),
+        variant("model-params-deleted", lambda f: f.pop("bm25/params.index.json")),
+        variant("planted-file", lambda f: f.update({"bm25/extra.npy": b"x"})),
+        case("retriever", "index-stop-words", "retriever", "index", "sw.jsonl", "--out", "newidx",
+             files={"sw.jsonl": jsonl([{"id": "1", "contents": "The\nthe of an"}])}),
+        case("retriever", "index-out-foreign", "retriever", "index", "c.jsonl", "--out", "foreign",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
+        case("retriever", "index-out-train-run", "retriever", "index", "c.jsonl", "--out", "trainrun",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
+    ]
+    return cases
+
+
 # ------------------------------------------------------------------------------------ all of them
 
 def all_cases() -> list[Case]:
     cases = prepare_cases() + train_cases() + eval_cases() + ablate_cases() + kl_check_cases() + config_cases()
+    cases += retriever_cases()
     seen: set[str] = set()
     for c in cases:
         assert c.id not in seen, f"duplicate case id {c.id}"

@@ -94,12 +94,17 @@ def has_checkpoint(out: Path, spec: RunSpec) -> bool:
 
 
 def launch_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
-    """What to run now: `train --resume DIR` when the run left a checkpoint, else the fresh run
-    (after removing whatever a previous attempt left without a checkpoint, so metrics start clean)."""
+    """What to run now: `train --resume DIR` when the run left a checkpoint, else the fresh run (after removing
+    the folder a previous attempt left without a checkpoint, so metrics start clean: only an `emapg train` folder,
+    recognised by its marker, or an empty one; anything else in its place is a UserError and stays)."""
+    from emapg_cli.outputs import marker_kind
+
     rdir = run_dir(out, spec)
     if has_checkpoint(out, spec):
         return ["train", "--resume", str(rdir)]
     if rdir.exists():
+        if not rdir.is_dir() or rdir.is_symlink() or (any(rdir.iterdir()) and marker_kind(rdir) != "train"):
+            raise UserError(f"{rdir} was not written by `emapg train`; move it away to run {spec.run_id} there")
         shutil.rmtree(rdir)
     return train_args(sweep, spec, out)
 

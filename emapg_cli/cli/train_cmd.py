@@ -143,14 +143,21 @@ def train(
     from emapg_cli.outputs import claim_folder, config_sha256
 
     # Only the main process owns the folder (the others of a multi-GPU launch write nothing but through it).
-    claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=("checkpoints",))
+    # A folder this command created is removed again only when the run fails before it started (bad input refused
+    # before training); once it started (status.json, metrics.jsonl) the folder stays, status.json saying why it ended.
+    from emapg_cli.train.status import tracked
+
+    kept = ("checkpoints", "metrics.jsonl", "status.json")
+    claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=kept)
              if _is_main_process() else contextlib.nullcontext(run_dir))
     with claim:
         trainer = Trainer(cfg, run_dir, resume=resume is not None)  # checks every input; loads no weights yet
         if trainer.acc.is_main_process:
             console.print(f"[bold]{'resuming' if resume is not None else 'run'}[/] {escape(str(run_dir))}", highlight=False)
             console.print(escape(config_line(cfg) + threads_note), highlight=False)
-        summary = trainer.run()
+        with tracked(run_dir, lambda: trainer.step_done, enabled=_is_main_process()) as started:
+            trainer.on_started = started  # status.json "running" once the run has loaded everything
+            summary = trainer.run()
     if trainer.acc.is_main_process:
         from rich.table import Table
 
