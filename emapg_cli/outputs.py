@@ -15,7 +15,7 @@
   (removing it would let a third process lock a new file while a second waits on the old one).
 - cleanup: a folder this call created is removed again when the command fails with a UserError or an
   OSError before it held anything worth keeping (`keep`), so a refused or failed command leaves no
-  half-made folder.
+  half-made folder; parent folders this call created go too, each only if it is empty by then.
 
 `current_folder()` names the claimed folder and `last_folder()` the most recent one, where the CLI
 writes the traceback of an unexpected error.
@@ -184,7 +184,14 @@ def claim_folder(path: Path, kind: str, config_hash: Optional[str] = None, *, fr
             _claimed.pop()
     except (UserError, OSError):
         if created and not any((path / name).exists() for name in keep):
-            shutil.rmtree(created[0], ignore_errors=True)
+            # the folder itself (locked by us: no one else wrote into it), then each parent this call made only
+            # while it is empty (another command may have put its own folder there meanwhile)
+            shutil.rmtree(created[-1], ignore_errors=True)
+            for parent in reversed(created[:-1]):
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
         raise
     finally:
         if fd is not None:

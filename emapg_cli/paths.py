@@ -56,12 +56,27 @@ def shipped_dir(name: str) -> Path:
 SHIPPED = {"presets": "presets", "data": "dataset_cards"}
 
 
+def _unique_tmp(path: Path) -> Path:
+    """A new empty file beside `path` with a name no one else has (`.NAME.XXXXXXXX.tmp`), for an atomic write:
+    a fixed name could be a user's file, or another process's temporary file."""
+    import secrets
+
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:  # O_EXCL: never an existing file; mode 0o666 less the umask, as a plain open() would give
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename: a reader (another rank, a crash)
     sees the old file or the new one, never a half-written one. A failed write (a full disk) leaves
     the old file and no temporary one."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _unique_tmp(path)
     try:
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
@@ -74,7 +89,7 @@ def save_figure_atomic(fig: Any, path: Path, dpi: int) -> Path:
     """Save a matplotlib figure to `path` through a temporary file and a rename (format from the suffix,
     PNG without one): a failed save leaves the old file, if any, and no partial one."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _unique_tmp(path)
     try:
         fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
         os.replace(tmp, path)

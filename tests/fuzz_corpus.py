@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config")
+COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config", "retriever")
 FileContent = Union[str, bytes]
 
 
@@ -233,6 +233,8 @@ def config_cases() -> list[Case]:
         cases.append(case("config", f"yaml-{name}", "config", "show", "--config", "bad.yaml", files={"bad.yaml": text}))
         cases.append(case("config", f"preset-yaml-{name}", "config", "show", "--preset", "badpreset.yaml",
                           files={"badpreset.yaml": text}))
+    # issue 20 (readers): lora.r bounded at config time
+    cases.append(case("config", "set-lora-r-million", "config", "show", "--set", "lora.r=1000000"))
     return cases
 
 
@@ -260,7 +262,7 @@ def env_cases(command: str, *base: str) -> list[Case]:
     broken = {name: ("envfile.py:Env", text) for name, text in BAD_ENVS.items()}
     cases = {**{name: (value, good) for name, value in refs.items()}, **broken}
     opt = ("--set", "rollout.env={}") if command == "train" else ("--env", "{}")
-    tail = ("--out", "new") if command == "eval" else ()
+    tail = ("--out", "new")  # train: not --dry-run, which imports nothing (a class is loaded when the run starts)
     return [case(command, f"env-{name}" if not name.startswith("env-") else name, *base, opt[0], opt[1].format(value), *tail,
                  files={"envfile.py": text}) for name, (value, text) in cases.items()]
 
@@ -278,7 +280,7 @@ def train_cases() -> list[Case]:
         cases.append(case("train", f"file-{key}", "train", "--config", "bad.yaml", "--dry-run", files={"bad.yaml": text}))
     for name, text in BAD_YAML.items():
         cases.append(case("train", f"yaml-{name}", "train", "--config", "bad.yaml", files={"bad.yaml": text}))
-    cases += env_cases("train", "train", "--config", "good.yaml", "--dry-run")
+    cases += env_cases("train", "train", "--config", "good.yaml")
     cases += [
         case("train", "moved-max-turns", "train", "--config", "good.yaml", "--set", "rollout.max_turns=4", "--dry-run"),
         case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
@@ -323,6 +325,24 @@ def train_cases() -> list[Case]:
         case("train", "unknown-option", "train", "--frobnicate"),
         case("train", "name-absolute", "train", "--config", "abs.yaml", "--set", "model.path=missing-model",
              files={"abs.yaml": "name: /tmp/elsewhere\n"}),
+    ]
+    # issue 20, the retriever client: search.url must be http(s) with a host (a file:// URL is never read)
+    cases += [case("train", f"search-url-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
+              for name, url in (("not-a-url", "notaurl"), ("file", "file:///etc/passwd"), ("no-host", "http://"))]
+    # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
+    # plugin needs --trust-code; a plugin that exits at import is one line
+    for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):
+        cases.append(case("train", f"reward-stdlib-{ref}", "train", "--config", "good.yaml", "--set", f"rollout.reward={ref}",
+                          "--dry-run"))
+    cases += [
+        case("train", "env-stdlib-class", "train", "--config", "good.yaml", "--set", "rollout.env=subprocess:Popen", "--dry-run"),
+        case("train", "reward-is-a-class", "train", "--config", "good.yaml", "--set", "rollout.reward=plug.py:score",
+             "--dry-run", files={"plug.py": "class score:\n    pass\n"}),
+        case("train", "reward-in-config-untrusted", "train", "--config", "plugcfg.yaml", "--out", "new",
+             files={"plug.py": "def score(response, example):\n    return 1.0\n",
+                    "plugcfg.yaml": "rollout:\n  reward: plug.py:score\n"}),
+        case("train", "reward-sys-exit-at-import", "train", "--config", "good.yaml", "--set", "rollout.reward=plug.py:score",
+             "--out", "new", files={"plug.py": "import sys\nsys.exit(7)\n"}),
     ]
     return cases
 
@@ -405,6 +425,17 @@ def eval_cases() -> list[Case]:
         case("eval", "responses-duplicate-ids", "eval", "--bench", "bench.jsonl", "--responses", "dup.jsonl", "--out", "new",
              files={"dup.jsonl": jsonl([RESPONSE_ROWS[0], RESPONSE_ROWS[0]])}),
     ]
+    # issue 20 (readers): ragged --responses, integers past Python's 4300-digit limit, a non-UTF-8 --prompt-template
+    cases += [
+        case("eval", "responses-ragged", "eval", "--bench", "bench.jsonl", "--responses", "ragged.jsonl", "--out", "new",
+             files={"ragged.jsonl": jsonl([RESPONSE_ROWS[0], {"id": "1", "responses": ["\\boxed{2}"]}])}),
+        case("eval", "bench-id-5000-digits", "eval", "--bench", "big.jsonl", "--responses", "resp.jsonl", "--out", "new",
+             files={"big.jsonl": '{"id": ' + "9" * 5000 + ', "question": "q", "answers": ["1"]}\n'}),
+        case("eval", "responses-id-5000-digits", "eval", "--bench", "bench.jsonl", "--responses", "big.jsonl", "--out", "new",
+             files={"big.jsonl": '{"id": ' + "9" * 5000 + ', "responses": ["1"]}\n'}),
+        case("eval", "prompt-template-non-utf8", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--retriever",
+             "bm25:missing-index", "--prompt-template", "t.txt", "--out", "new", files={"t.txt": b"{question} caf\xe9"}),
+    ]
     # issue 20, first hour: eval takes --preset/--config/--set as train does, and training's checks with them
     cases += [
         case("eval", "preset-unknown", *base, "--preset", "nosuchpreset", "--out", "new"),
@@ -468,6 +499,13 @@ def prepare_cases() -> list[Case]:
         cases.append(case("prepare", f"jsonl-{name}", "prepare", "x", "--from", "t.jsonl", files={"t.jsonl": text}))
     for i, s in enumerate(ODD_STRINGS):
         cases.append(case("prepare", f"odd-from-{i}", "prepare", "x", "--from", s))
+    # issue 20 (readers): an id past Python's 4300-digit int <-> str limit
+    cases += [
+        case("prepare", "jsonl-id-5000-digits", "prepare", "x", "--from", "t.jsonl",
+             files={"t.jsonl": '{"id": ' + "9" * 5000 + ', "question": "q", "answer": "1"}\n'}),
+        case("prepare", "json-id-5000-digits", "prepare", "x", "--from", "t.json",
+             files={"t.json": '[{"id": ' + "9" * 5000 + ', "question": "q", "answer": "1"}]'}),
+    ]
     return cases
 
 
@@ -570,6 +608,15 @@ def kl_check_cases() -> list[Case]:
                          ("one-dim", {"policy": [0.0, 1.0], "anchor": [0.0, 1.0]}),
                          ("nan", {"policy": [[float("nan"), 1.0]], "anchor": [[0.0, 1.0]]})):
         cases.append(case("kl-check", f"npz-{name}", *small, "--from-logits", "a.npz", files={"a.npz": _npz_arrays(arrays)}))
+    # issue 20 (readers): .npz members checked from their .npy headers before loading
+    cases += [
+        case("kl-check", "npz-header-lies", *small, "--from-logits", "a.npz", files={"a.npz": _npz_members(
+            {"policy.npy": _npy_header((8192, 65536)) + bytes(16), "anchor.npy": _npy_header((8192, 65536)) + bytes(16)})}),
+        case("kl-check", "npz-object-array", *small, "--from-logits", "a.npz", files={"a.npz": _npz_members(
+            {"policy.npy": _npy_header((1, 2), "|O") + b"\x80\x02N.", "anchor.npy": _npy_header((1, 2)) + bytes(16)})}),
+        case("kl-check", "npz-truncated", *small, "--from-logits", "a.npz",
+             files={"a.npz": _npz_arrays({"policy": [[0.0, 1.0]], "anchor": [[0.0, 1.0]]})[:120]}),
+    ]
     return cases
 
 
@@ -583,14 +630,113 @@ def _npz_arrays(arrays: dict) -> bytes:
     return buf.getvalue()
 
 
+def _npy_header(shape: tuple, descr: str = "<f8") -> bytes:
+    import io
+
+    from numpy.lib import format as npy
+
+    buf = io.BytesIO()
+    npy.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def _npz_members(members: dict[str, bytes]) -> bytes:
+    """A zip of raw members (an .npz whose .npy headers may say anything)."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
 def _npz(value: float) -> bytes:
     return _npz_arrays({"policy": [[value, -value, 0.0]], "anchor": [[-value, value, 0.0]]})
+
+
+# ------------------------------------------------------------------------------------ retriever (issue 20)
+
+def _index_files() -> dict[str, bytes]:
+    """The files of a real bm25 index of a 3-row corpus (relative path under the index folder -> bytes)."""
+    import tempfile
+
+    from emapg_cli.retrieval.bm25 import build_index
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "c.jsonl"
+        corpus.write_text(jsonl([{"id": f"d{i}", "contents": f"Title {i}\nriver{i} flows past stone{i}"} for i in range(3)]))
+        build_index(corpus, Path(tmp) / "idx")
+        root = Path(tmp) / "idx"
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def retriever_cases() -> list[Case]:
+    """A tampered index (`retriever query`): every file deleted, cut or garbled, wrong counts and types in the
+    manifest, a docs file shorter than the model; and `retriever index` into folders it may not write."""
+    import hashlib
+
+    good = _index_files()
+
+    def variant(name: str, change) -> Case:
+        files = dict(good)
+        change(files)
+        return case("retriever", f"index-{name}", "retriever", "query", "idx", "river1",
+                    files={f"idx/{k}": v for k, v in files.items()})
+
+    def manifest(fn):
+        def change(files):
+            files["manifest.json"] = fn(json.loads(files["manifest.json"])).encode()
+        return change
+
+    def dumps(fn):
+        return manifest(lambda m: json.dumps(fn(m)))
+
+    def short_docs(files):  # one row less, the manifest's rows and hash made to agree: the model has 3 documents
+        files["docs.jsonl"] = b"".join(files["docs.jsonl"].splitlines(keepends=True)[:2])
+        m = json.loads(files["manifest.json"])
+        m["rows"] = 2
+        m["files"]["docs.jsonl"] = {"bytes": len(files["docs.jsonl"]), "sha256": hashlib.sha256(files["docs.jsonl"]).hexdigest()}
+        files["manifest.json"] = json.dumps(m).encode()
+
+    def garble(name):
+        def change(files):
+            data = bytearray(files[name])
+            data[len(data) // 2] ^= 0x5A
+            files[name] = bytes(data)
+        return change
+
+    cases = [
+        variant("manifest-deleted", lambda f: f.pop("manifest.json")),
+        variant("manifest-truncated", lambda f: f.update({"manifest.json": f["manifest.json"][:40]})),
+        variant("manifest-list", dumps(lambda m: [m])),
+        variant("manifest-rows-text", dumps(lambda m: {**m, "rows": "3"})),
+        variant("manifest-rows-wrong", dumps(lambda m: {**m, "rows": 30})),
+        variant("manifest-missing-key", dumps(lambda m: {k: v for k, v in m.items() if k != "rows"})),
+        variant("manifest-extra-key", dumps(lambda m: {**m, "extra": True})),
+        variant("manifest-format", dumps(lambda m: {**m, "format": "emapg-bm25/0"})),
+        variant("docs-deleted", lambda f: f.pop("docs.jsonl")),
+        variant("docs-truncated", lambda f: f.update({"docs.jsonl": f["docs.jsonl"][:30]})),
+        variant("docs-shorter-than-model", short_docs),
+        variant("model-garbled", garble("bm25/data.csc.index.npy")),
+        variant("model-params-deleted", lambda f: f.pop("bm25/params.index.json")),
+        variant("planted-file", lambda f: f.update({"bm25/extra.npy": b"x"})),
+        case("retriever", "index-stop-words", "retriever", "index", "sw.jsonl", "--out", "newidx",
+             files={"sw.jsonl": jsonl([{"id": "1", "contents": "The\nthe of an"}])}),
+        case("retriever", "index-out-foreign", "retriever", "index", "c.jsonl", "--out", "foreign",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
+        case("retriever", "index-out-train-run", "retriever", "index", "c.jsonl", "--out", "trainrun",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
+    ]
+    return cases
 
 
 # ------------------------------------------------------------------------------------ all of them
 
 def all_cases() -> list[Case]:
     cases = prepare_cases() + train_cases() + eval_cases() + ablate_cases() + kl_check_cases() + config_cases()
+    cases += retriever_cases()
     seen: set[str] = set()
     for c in cases:
         assert c.id not in seen, f"duplicate case id {c.id}"

@@ -157,9 +157,11 @@ INIT = "    def __init__(self, ex): pass\n"
      "did not return within rollout.env_timeout_s = 0.3 s"),
     (INIT + "    def step(self, text): return 3\n", "step", "returned int 3; expected a str"),
     (INIT + "    def step(self, text): return None\n    def reward(self, text): return 'high'\n", "reward",
-     "returned str 'high'; expected a finite number"),
+     "returned str 'high'; expected a number finite in float32"),
+    (INIT + "    def step(self, text): return None\n    def reward(self, text): return 1e39\n", "reward",
+     "returned float '1e+39'; expected a number finite in float32"),  # finite in float64, inf in float32
     ("    def __init__(self, ex): raise KeyError('answers')\n    def step(self, text): return None\n", "__init__", "raised KeyError"),
-], ids=["raises", "hangs", "returns-int", "reward-str", "init-raises"])
+], ids=["raises", "hangs", "returns-int", "reward-str", "reward-1e39", "init-raises"])
 def test_user_errors_name_file_and_method(tmp_path, tok, body, method, words):
     path = write_env(tmp_path, "class Bad:\n" + body)
     env = make_environment(f"{path}:Bad", tok, timeout_s=0.3)

@@ -152,3 +152,180 @@ def test_hotpotqa_gold_recall(shared_data, tmp_path, cli, capsys):
               f"500 queries {t_query:.2f} s")
     # measured 0.660 / 0.916 with bm25s 0.3.16; a broken index (same hits for every query) gives ~0
     assert 0.62 <= recall[3] <= 0.70 and recall[10] > 0.88
+
+
+# ---------------------------------------------------------------- the server's bounds and the client's checks (issue 20)
+
+def test_server_request_checks_refuse_not_rewrite():
+    """topk 0 / true / "3" / 2.5 are refused (0 used to become the default 3, true to become 1); the limits on
+    queries, topk and hits (queries x topk) are 413/400 before any search."""
+    from emapg_cli.retrieval.server import Limits, Refused, _check_request
+
+    limits = Limits(max_queries=4, max_topk=5, max_hits=8)
+    assert _check_request({"queries": ["a"], "topk": None}, 3, limits) == (["a"], 3, False)  # null: the default
+    assert _check_request({"queries": ["a", "b"], "topk": 4, "return_scores": True}, 3, limits) == (["a", "b"], 4, True)
+    for topk in (0, True, "3", 2.5, -1, 6):
+        with pytest.raises(Refused, match="topk must be an integer from 1 to 5") as e:
+            _check_request({"queries": ["a"], "topk": topk}, 3, limits)
+        assert e.value.code == 400
+    with pytest.raises(Refused, match="5 queries: at most 4") as e:
+        _check_request({"queries": ["a"] * 5, "topk": 1}, 3, limits)
+    assert e.value.code == 413
+    with pytest.raises(Refused, match="3 queries x topk 3 = 9 hits: at most 8"):  # 3 * 3 = 9 > 8
+        _check_request({"queries": ["a"] * 3, "topk": 3}, 3, limits)
+
+
+def test_server_reply_size_cap():
+    """The reply is refused as soon as its JSON passes the cap; at the cap exactly it is sent."""
+    from emapg_cli.retrieval.base import Hit
+    from emapg_cli.retrieval.server import Refused, _encode_reply
+
+    hits = [[Hit("1", "T", "T\nx", 1.0)]] * 2
+    full = _encode_reply(hits, False, 10 ** 6)
+    assert json.loads(full) == {"result": [[{"id": "1", "title": "T", "contents": "T\nx"}]] * 2}
+    assert _encode_reply(hits, False, len(full)) == full  # the size counted is the size sent
+    with pytest.raises(Refused, match="reply would pass") as e:
+        _encode_reply(hits, False, len(full) - 1)
+    assert e.value.code == 413
+
+
+def test_serve_help_and_defaults_match_the_constants(cli):
+    """Every bound of `retriever serve` is an option whose default is the server's named constant."""
+    import inspect
+
+    from emapg_cli.cli.retriever_cmd import serve
+    from emapg_cli.retrieval.server import Limits
+
+    defaults = {k: p.default for k, p in inspect.signature(serve).parameters.items()}
+    assert {f: defaults[f] for f in Limits.__dataclass_fields__} == vars(Limits())
+    r = cli("retriever", "serve", "--help")
+    for option in ("--max-body-bytes", "--max-queries", "--max-topk", "--max-hits", "--max-reply-bytes", "--timeout",
+                   "--max-connections"):
+        assert option in r.stdout, option
+
+
+def test_search_url_must_be_http():
+    from pydantic import ValidationError
+
+    from emapg_cli.config.models import SearchConfig
+
+    assert SearchConfig(url="https://h:1/retrieve").url == "https://h:1/retrieve"
+    for url in ("notaurl", "file:///etc/passwd", "ftp://h/x", "http://"):
+        with pytest.raises(ValidationError, match="http:// or https://"):
+            SearchConfig(url=url)
+    with pytest.raises(UserError, match="search.url must be an http"):
+        HTTPRetriever("file:///etc/passwd")
+
+
+@pytest.mark.parametrize("body, needle", [
+    (b'{"result": [["\xff"]]}', r"not UTF-8 \(byte 14\)"),  # 14 bytes `{"result": [["` come first
+    (b"[" * 50_000 + b"]" * 50_000, "nested too deeply"),
+    (b"<html>", "not JSON"),
+    (b'{"result": [[{"document": {"contents": 7}}]]}', "document.contents string"),
+    (b'{"result": [[], []]}', "2 result lists for 1 queries"),
+    (b'{"result": [' + b" " * 300_000 + b"]}", "over 200000 bytes"),
+])
+def test_client_bad_reply_is_one_line(body, needle):
+    """A reply the client cannot use is one UserError line naming the URL and what was wrong (no retry)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            calls.append(1)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
+    try:
+        client = HTTPRetriever(url, timeout_s=10, retries=2, backoff_s=0.01, max_reply_bytes=200_000)
+        with pytest.raises(UserError, match=needle) as e:
+            client.search(["q"], 3)
+        assert "\n" not in str(e.value) and url in str(e.value) and calls == [1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_server_survives_a_hostile_body_in_process(index):
+    """In-process server: Content-Length -1 is 400 without reading, a nested body is 400, /health still answers."""
+    import socket
+    import threading
+
+    from emapg_cli.retrieval.server import make_server
+
+    server = make_server(BM25Retriever.load(index), port=0, rows=5)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    port = server.server_address[1]
+    try:
+        def ask(raw: bytes) -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(raw)
+                s.shutdown(socket.SHUT_WR)
+                return b"".join(iter(lambda: s.recv(65536), b""))
+
+        assert ask(b"POST /retrieve HTTP/1.1\r\nContent-Length: -1\r\n\r\n" + b"x" * 100_000).startswith(b"HTTP/1.1 400")
+        nested = b"[" * 100_000 + b"]" * 100_000
+        reply = ask(b"POST /retrieve HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % len(nested) + nested)
+        assert reply.startswith(b"HTTP/1.1 400") and b'"error"' in reply
+        assert b'"status": "ok"' in ask(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_client_splits_large_batches(monkeypatch):
+    """2,500 queries with BATCH_QUERIES 1,024 are three requests (1,024 + 1,024 + 452), hits in query order."""
+    import emapg_cli.retrieval.http as http
+
+    sent = []
+
+    def post(self, payload):
+        sent.append(len(payload["queries"]))
+        return {"result": [[{"document": {"id": q, "contents": q}, "score": 1.0}] for q in payload["queries"]]}
+
+    monkeypatch.setattr(http.HTTPRetriever, "_post", post)
+    queries = [f"q{i}" for i in range(2500)]
+    hits = http.HTTPRetriever("http://127.0.0.1:1/retrieve").search(queries, 1)
+    assert sent == [1024, 1024, 452] and [h[0].id for h in hits] == queries
+
+
+def test_server_over_max_connections_is_503_then_serves(index):
+    """max_connections 1: while one client holds its connection, the next gets a 503 with a JSON error at once;
+    once the first is closed (or times out: timeout 1 s), the next is served."""
+    import socket
+    import threading
+
+    from emapg_cli.retrieval.server import Limits, make_server
+
+    server = make_server(BM25Retriever.load(index), port=0, rows=5, limits=Limits(max_connections=1, timeout_s=1.0))
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    port = server.server_address[1]
+
+    def health() -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nConnection: close\r\n\r\n")
+            return b"".join(iter(lambda: s.recv(65536), b""))
+
+    try:
+        holder = socket.create_connection(("127.0.0.1", port), timeout=10)
+        time.sleep(0.2)  # the server has accepted it
+        busy = health()
+        assert busy.startswith(b"HTTP/1.1 503") and b'"error": "busy: 1 connections' in busy
+        assert holder.recv(1) == b""  # the idle holder is closed after timeout_s = 1 s
+        holder.close()
+        time.sleep(0.2)
+        assert health().startswith(b"HTTP/1.1 200")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -72,14 +72,81 @@ def test_plugin_references_are_checked_at_config_time(plugin, tmp_path):
     assert cfg.rollout.reward == f"{plugin.resolve()}:score"
     for ref, msg in ((f"{tmp_path}/none.py:score", "reward plugin file not found"),
                      (f"{plugin}:missing", "no function 'missing'"),
-                     ("json:dumps", "must accept \\(response: str, example: dict\\)|json:dumps"),
-                     ("no_such_module_xyz:fn", "failed to import")):
-        if ref == "json:dumps":
-            continue  # json.dumps accepts (obj, **kw): two positionals fail to bind only for some signatures
+                     ("json:dumps", "standard library"),
+                     ("builtins:exec", "standard library"),
+                     ("no_such_module_xyz:fn", "not found")):
         with pytest.raises(UserError, match=msg):
             load_config("toy", overrides=[f"rollout.reward={ref}"])
     r = emapg("train", "--preset", "toy", "--set", f"rollout.reward={plugin}:missing", "--dry-run")
     assert r.returncode == 2 and "no function 'missing'" in r.stderr
+
+
+def test_validation_reads_the_source_and_never_imports_it(tmp_path):
+    """check_ref parses the file: a top-level def/class/assignment counts, a class or a def with a signature that
+    cannot take (response, example) is refused, and the file's code never runs (it would raise)."""
+    from emapg_cli.rewards.plugin import check_ref, static_class_int
+
+    path = tmp_path / "p.py"
+    path.write_text("raise SystemExit(7)\n"
+                    "def two(response, example): pass\n"
+                    "def three(a, b, c): pass\n"  # 3 required positionals: fn(response, example) cannot bind
+                    "def star(*args): pass\n"
+                    "class K:\n    max_turns = 3\n"
+                    "alias = two\n")
+    assert check_ref(f"{path}:two") == f"{path.resolve()}:two"
+    assert check_ref(f"{path}:star") and check_ref(f"{path}:alias")  # an alias is checked when the run imports it
+    for name, msg in (("three", "must accept"), ("K", "is a class"), ("nope", "no function 'nope'")):
+        with pytest.raises(UserError, match=msg):
+            check_ref(f"{path}:{name}")
+    assert check_ref(f"{path}:K", "rollout.env", "class")
+    with pytest.raises(UserError, match="is a function"):
+        check_ref(f"{path}:two", "rollout.env", "class")
+    assert static_class_int(f"{path}:K", "max_turns") == 3 and static_class_int(f"{path}:two", "max_turns") is None
+
+
+@pytest.mark.parametrize("value, ok", [
+    (1, 1.0), (True, 1.0), (0.5, 0.5), (3.4028234663852886e38, 3.4028234663852886e38),
+    ("1.0", None), (None, None), (float("nan"), None), (float("inf"), None), (1e39, None), (-1e39, None), ([1.0], None),
+])
+def test_reward_values_are_real_numbers_finite_in_float32(value, ok):
+    import numpy as np
+
+    from emapg_cli.rewards.plugin import reward_value
+
+    if ok is None:
+        with pytest.raises((TypeError, ValueError)):
+            reward_value(value)
+    else:
+        assert reward_value(value) == ok
+    assert reward_value(np.float32(2)) == 2.0 and reward_value(np.int64(3)) == 3.0
+
+
+def test_load_plugin_refuses_what_is_not_a_python_function_of_ours(tmp_path):
+    from emapg_cli.rewards.plugin import load_plugin
+
+    path = tmp_path / "q.py"
+    path.write_text("import sys\nfrom subprocess import run\nexit_ = sys.exit\nlam = lambda response, example: 1.0\n")
+    assert load_plugin(f"{path.resolve()}:lam")("r", {}) == 1.0
+    for name, msg in (("run", "standard library"), ("exit_", "not a Python function")):
+        with pytest.raises(UserError, match=msg):
+            load_plugin(f"{path.resolve()}:{name}")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import sys\nsys.exit(7)\ndef score(response, example): return 1\n")
+    with pytest.raises(UserError, match=r"sys.exit\(7\)"):
+        load_plugin(f"{bad.resolve()}:score")
+
+
+def test_trust_rule():
+    from emapg_cli.config.trust import named_refs, require_trust
+
+    refs = {"rollout.reward": "/x/p.py:score"}
+    require_trust(refs, named_refs(["rollout.reward=/x/p.py:score"]), False)  # named on this command line
+    require_trust(refs, {}, True)  # --trust-code
+    require_trust({}, {}, False)  # no plugin
+    with pytest.raises(UserError, match=r"/x/p.py.*--trust-code"):
+        require_trust(refs, named_refs(["rollout.reward=/x/p.py:score", "rollout.reward=math"]), False)  # last wins
+    with pytest.raises(UserError, match="--trust-code"):
+        require_trust(refs, named_refs(["rollout.reward=/x/other.py:score"]), False)
 
 
 def test_train_cli_logs_the_plugin_reward_and_the_truncation_rules(plugin, tiny_qwen2, tmp_path):
@@ -111,3 +178,31 @@ def test_ablate_runs_the_plugin_in_each_run(plugin, tiny_qwen2, tmp_path, monkey
     for mode in ("zero", "grade"):
         row = metrics(out / "runs" / f"reward.truncated={mode}" / "seed0")[1]
         assert row["reward/errors"] == 4.0 and 0.0 <= row["reward/mean"] <= 0.75
+
+
+def test_step_failure_rate_stops_above_max_failure_rate_and_warns_below(capsys):
+    """reward_failures counts the step's calls since start_count(): 6 of 10 failed (60% > 0.5) stops the run naming
+    the first failure; 5 of 10 (50%, not above 0.5) warns once on stderr and logs reward/failure_rate 0.5."""
+    from types import SimpleNamespace
+
+    from emapg_cli.rewards.registry import SafeReward
+    from emapg_cli.train.rollout import reward_failures
+
+    def fn(responses, examples):  # raises for every response "bad": SafeReward scores it 0 and counts it
+        if any(r == "bad" for r in responses):
+            raise ValueError(f"bad response {len(responses)}")
+        return [1.0] * len(responses)
+
+    cfg = SimpleNamespace(
+        rollout=SimpleNamespace(reward="p.py:score"), reward=SimpleNamespace(max_failure_rate=0.5))
+    reward = SafeReward("p.py:score", fn)
+    counted = reward.start_count()
+    reward(["ok"] * 4 + ["bad"] * 6, [{}] * 10)
+    with pytest.raises(UserError, match=r"failed on 6 of 10 calls.*first failure: ValueError: bad response 1"):
+        reward_failures(reward, counted, cfg, 3)
+    counted = reward.start_count()
+    reward(["ok"] * 5 + ["bad"] * 5, [{}] * 10)
+    assert reward_failures(reward, counted, cfg, 4) == {"reward/failure_rate": 0.5}
+    assert "warning: step 4: reward plugin p.py:score failed on 5 of 10 calls (50%" in capsys.readouterr().err
+    cfg.rollout.reward = "math"  # a registered reward: not a plugin, not counted here
+    assert reward_failures(reward, reward.start_count(), cfg, 5) == {}

@@ -94,12 +94,17 @@ def has_checkpoint(out: Path, spec: RunSpec) -> bool:
 
 
 def launch_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
-    """What to run now: `train --resume DIR` when the run left a checkpoint, else the fresh run
-    (after removing whatever a previous attempt left without a checkpoint, so metrics start clean)."""
+    """What to run now: `train --resume DIR` when the run left a checkpoint, else the fresh run (after removing
+    the folder a previous attempt left without a checkpoint, so metrics start clean: only an `emapg train` folder,
+    recognised by its marker, or an empty one; anything else in its place is a UserError and stays)."""
+    from emapg_cli.outputs import marker_kind
+
     rdir = run_dir(out, spec)
     if has_checkpoint(out, spec):
         return ["train", "--resume", str(rdir)]
     if rdir.exists():
+        if not rdir.is_dir() or rdir.is_symlink() or (any(rdir.iterdir()) and marker_kind(rdir) != "train"):
+            raise UserError(f"{rdir} was not written by `emapg train`; move it away to run {spec.run_id} there")
         shutil.rmtree(rdir)
     return train_args(sweep, spec, out)
 
@@ -122,9 +127,10 @@ def launcher(processes: int = 1, template: Optional[str] = None) -> list[str]:
     return words
 
 
-def shell_command(sweep: Sweep, spec: RunSpec, out: Path, prefix: Sequence[str] = ("emapg",)) -> str:
-    """The run as one portable shell line (`emapg train ...`, or the launcher's line), what `--dry-run` prints."""
-    return shlex.join([*prefix, *train_args(sweep, spec, out)])
+def shell_command(sweep: Sweep, spec: RunSpec, out: Path, prefix: Sequence[str] = ("emapg",), train_flags: Sequence[str] = ()) -> str:
+    """The run as one portable shell line (`emapg train ...`, or the launcher's line), what `--dry-run` prints;
+    `train_flags` (`--trust-code`) end it."""
+    return shlex.join([*prefix, *train_args(sweep, spec, out), *train_flags])
 
 
 def config_differences(expected: Any, found: Any, prefix: str = "") -> list[str]:
@@ -195,15 +201,15 @@ def child_env(jobs: int) -> dict[str, str]:
 class _Pool:
     """Starts runs as subprocesses and can stop all of them (Ctrl-C)."""
 
-    def __init__(self, sweep: Sweep, out: Path, jobs: int, prefix: Sequence[str] = ("emapg",)):
+    def __init__(self, sweep: Sweep, out: Path, jobs: int, prefix: Sequence[str] = ("emapg",), train_flags: Sequence[str] = ()):
         self.sweep, self.out, self.env = sweep, out, child_env(jobs)
-        self.prefix = list(prefix)
+        self.prefix, self.train_flags = list(prefix), list(train_flags)
         self.procs: set[subprocess.Popen] = set()
         self.lock = threading.Lock()
         self.stopping = False
 
     def run(self, spec: RunSpec) -> RunResult:
-        args = launch_args(self.sweep, spec, self.out)
+        args = [*launch_args(self.sweep, spec, self.out), *self.train_flags]
         # `emapg` itself runs as this interpreter's module, so the sweep uses the emapg it was started with
         cmd = [sys.executable, "-m", "emapg_cli", *args] if self.prefix == ["emapg"] else [*self.prefix, *args]
         status, log = status_path(self.out, spec), log_path(self.out, spec)
@@ -247,8 +253,9 @@ class _Pool:
 
 
 def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_progress: bool = True,
-              prefix: Sequence[str] = ("emapg",)) -> list[RunResult]:
+              prefix: Sequence[str] = ("emapg",), train_flags: Sequence[str] = ()) -> list[RunResult]:
     """Run every unfinished run (at most `jobs` at once); failures are recorded and the sweep goes on.
+    `train_flags` end each `train` command line (`--trust-code`, once ablate checked the sweep's plugins).
 
     Returns one RunResult per run, in the order of `runs`. Ctrl-C stops the running trainers; the
     interrupted runs are simply started again by the next invocation.
@@ -263,7 +270,7 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
             results[spec.run_id] = RunResult(spec.run_id, "skipped")
         else:
             todo.append(spec)
-    pool = _Pool(sweep, out, jobs, prefix)
+    pool = _Pool(sweep, out, jobs, prefix, train_flags)
     failed = 0
     with Progress(
         TextColumn("[bold]ablate[/]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -36,29 +36,32 @@ def is_user_env(name: str) -> bool:
 
 
 def check_env(name: str) -> str:
-    """`name` as a run records it (a built-in name unchanged, a file path made absolute), after checking that its
-    class loads and keeps the contract; else a one-line UserError."""
-    from emapg_cli.rewards.plugin import resolve_ref
+    """`name` as a run records it (a built-in name unchanged, a file path made absolute), checked WITHOUT running
+    any of its code (`rewards.plugin.check_ref`: the file or module is there, outside the standard library, and
+    defines the class); the class itself is imported and its contract checked when a run starts
+    (`load_env_class`). Else a one-line UserError."""
+    from emapg_cli.rewards.plugin import check_ref
 
-    if name in NATIVE:
+    if name in NATIVE or name in BUILTINS:
         return name
-    if name not in BUILTINS and ":" not in name:
+    if ":" not in name:
         raise UserError(f"rollout.env: unknown environment '{name}' (known: {', '.join([*NATIVE, *BUILTINS])}; "
                         "or path/to/file.py:Class / module:Class)")
-    ref = name if name in BUILTINS else resolve_ref(name)
-    load_env_class(ref)
-    return ref
+    return check_ref(name, "rollout.env", "class")
 
 
 def load_env_class(name: str) -> type:
-    """The class `name` (a BUILTINS name, FILE.py:Class or module:Class) names, its contract attributes checked."""
-    from emapg_cli.rewards.plugin import load_object
+    """The class `name` (a BUILTINS name, FILE.py:Class or module:Class) names, its contract attributes checked.
+    This imports a user's file or module (runs its code): only when a run starts, after the trust check."""
+    from emapg_cli.rewards.plugin import in_stdlib, load_object
 
     ref = BUILTINS.get(name, name)
     cls = load_object(ref, "rollout.env", "class")
     where = f"rollout.env {ref}"
     if not isinstance(cls, type):
         raise UserError(f"{where}: expected a class, got {type(cls).__name__}")
+    if in_stdlib(module=cls.__module__):
+        raise UserError(f"{where}: {cls.__module__}.{cls.__qualname__} is a class of Python's standard library")
     if not callable(getattr(cls, "step", None)):
         raise UserError(f"{where}: the class has no step(self, text) -> str | None method")
     turns = getattr(cls, "max_turns", DEFAULT_MAX_TURNS)
@@ -80,12 +83,18 @@ def grades_itself(name: str) -> bool:
 
 def env_max_turns(name: str, search_max_turns: int) -> int:
     """The turn limit of environment `name`: 1 (single), search.max_turns (search: then one final turn without
-    search), a user class's `max_turns` (default DEFAULT_MAX_TURNS). What `emapg train --dry-run` counts T with."""
+    search), a user class's `max_turns` (default DEFAULT_MAX_TURNS). What `emapg train --dry-run` counts T with: a
+    user file's class is not imported (a dry run runs no plugin code); its `max_turns = N` is read from the source."""
+    from emapg_cli.rewards.plugin import static_class_int
+
     if name == "single":
         return 1
     if name == "search":
         return search_max_turns
-    return int(getattr(load_env_class(name), "max_turns", DEFAULT_MAX_TURNS))
+    if name in BUILTINS:
+        return int(getattr(load_env_class(name), "max_turns", DEFAULT_MAX_TURNS))
+    turns = static_class_int(name, "max_turns")
+    return turns if turns is not None and turns >= 1 else DEFAULT_MAX_TURNS
 
 
 class Environment:

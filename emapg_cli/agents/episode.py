@@ -66,6 +66,34 @@ def add_policy_turn(ep: Episode, ids: list[int], logprobs: Optional[list[float]]
     ep.finish_reason = "length" if finish_reason == "length" else "stop"  # this turn hit the per-turn cap
 
 
+#: Characters per token assumed when an observation is cut by characters before it is tokenised
+#: (`observation_ids`): generous (English averages about 4 characters per BPE token, a byte tokenizer 1).
+OBS_CHARS_PER_TOKEN = 8
+OBS_MIN_CHARS = 4096  # an observation this short is always tokenised whole
+
+
+def observation_ids(encode, text: str, limit: int) -> list[int]:
+    """The token ids `add_observation(ep, ids, limit)` needs of `text`, without tokenising a huge text whole.
+
+    An observation is cut to `limit` tokens, so only its first `limit + 1` tokens matter (one more than kept tells
+    `add_observation` it was cut). Text up to max(OBS_MIN_CHARS, (limit + 1) * OBS_CHARS_PER_TOKEN) characters
+    (every normal observation: Search-R1's 3 passages of ~100 words are ~2,000) is tokenised whole, exactly as
+    before. A longer one is cut by characters first: its prefix of that many characters is tokenised, and when it
+    gives at least 16 tokens more than needed its first `limit + 1` are taken (the same as the whole text's,
+    except when one unbroken run of characters crosses the cut); otherwise the prefix grows 4-fold (so never
+    more than about 4/3 of the whole text is tokenised). A 1 MB passage cut to 500 tokens is tokenised as
+    4 KB, not 1 MB.
+    """
+    want = limit + 1
+    chars = max(OBS_MIN_CHARS, want * OBS_CHARS_PER_TOKEN)
+    while chars < len(text):
+        ids = encode(text[:chars])
+        if len(ids) >= want + 16:
+            return ids[:want]
+        chars *= 4
+    return encode(text)
+
+
 def add_observation(ep: Episode, ids: list[int], limit: int) -> None:
     """Append an observation's first `limit` token ids (mask 0, log-prob 0); a cut one is counted in `obs_cut`."""
     keep = min(len(ids), limit)

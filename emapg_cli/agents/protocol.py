@@ -35,7 +35,12 @@ def load_template(path: Optional[str] = None) -> str:
     file = expand(path) if path else PACKAGED_TEMPLATE
     if not file.is_file():
         raise UserError(f"search.prompt_template: {file}: no such file")
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"search.prompt_template: {file}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise UserError(f"search.prompt_template: cannot read {file}: {e.strerror}") from None
     if "{question}" not in text:
         raise UserError(f"search.prompt_template: {file} has no {{question}} placeholder")
     return text

@@ -26,7 +26,7 @@ from concurrent.futures import Future, wait
 from queue import SimpleQueue
 from typing import Any, Callable, Optional, Sequence
 
-from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, add_policy_turn, new_episode,
+from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, observation_ids, add_policy_turn, new_episode,
                                       still_running, turn_params, turn_tokens)
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
@@ -70,10 +70,16 @@ class Worker:
 
 
 def _number(value: Any, where: str) -> float:
-    """`value` as a finite float (bool, int, float), else a UserError naming `where`."""
-    if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
-        return float(value)
-    raise UserError(f"{where} returned {type(value).__name__} {value!r:.60}; expected a finite number")
+    """`value` as a float (bool, int, float) finite in float32 (|value| <= 3.4028235e38: rewards become float32
+    advantages), else a UserError naming `where`."""
+    if isinstance(value, (bool, int, float)):
+        try:
+            v = float(value)
+        except OverflowError:  # an int past float64
+            v = math.inf
+        if math.isfinite(v) and abs(v) <= 3.4028234663852886e38:
+            return v
+    raise UserError(f"{where} returned {type(value).__name__} {str(value)[:60]!r}; expected a number finite in float32")
 
 
 class EnvRunner:
@@ -126,7 +132,7 @@ class EnvRunner:
         else:
             ep.calls += 1
             room = max(self.max_context_tokens - len(st.prompt) - len(ep.token_ids), 0)
-            add_observation(ep, self.tokenizer(obs, add_special_tokens=False)["input_ids"], room)
+            add_observation(ep, observation_ids(lambda t: self.tokenizer(t, add_special_tokens=False)["input_ids"], obs, room), room)
 
     def _finish(self, st: _State) -> None:
         """The episode's outcome, the environment's counters (`invalid`, `metrics()`) and its own reward."""

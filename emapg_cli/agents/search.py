@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from emapg_cli.agents import protocol
-from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, add_policy_turn, new_episode,
+from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, observation_ids, add_policy_turn, new_episode,
                                       still_running, turn_params, turn_tokens)
 from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.retrieval.base import Retriever
@@ -104,7 +104,8 @@ class SearchAgent:
         """Append an observation (mask 0, log-prob 0), cut to max_obs_tokens and to the room left."""
         ep, s = st.episode, self.s
         room = max(s.max_context_tokens - len(st.prompt) - len(ep.token_ids), 0)
-        add_observation(ep, self._encode(text), min(s.max_obs_tokens, room))
+        limit = min(s.max_obs_tokens, room)
+        add_observation(ep, observation_ids(self._encode, text, limit), limit)  # cut by characters, then tokens
 
 
 @dataclass

@@ -57,6 +57,17 @@ def _interleaved(work: Callable[[], object], floor: Callable[[], object], reset:
     return runs, floors
 
 
+def least_bytes(tokens: int, hidden: int, vocab: int, k: int, chunk: int, dtype: str, *, update: bool) -> int:
+    """Bytes `bench_update` (`update`) or `bench_passes` allocates at least, before any timing: the inputs
+    h [T, H] and W [V, H] (made in float32, then cast), for update their gradients and the floor's dH, dW,
+    one [min(chunk, T), V] logits buffer, q [T, k] (int64) and the anchor's log-probs at q [T, k] (float32).
+    A lower bound (the fused path's own buffers come on top): a shape past it cannot run here."""
+    s = DTYPES[dtype].itemsize
+    k = min(k, vocab)
+    weights = (tokens + vocab) * hidden * (4 + s + (3 * s if update else 0))  # h, W (+ h.grad, W.grad, dH, dW)
+    return weights + min(chunk, tokens) * vocab * s + tokens * k * (8 + 4)
+
+
 def _chunks(n: int, chunk: int):
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 

@@ -26,6 +26,7 @@ def ablate(
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="Command that starts one run, before `train ...`; {processes} is replaced by --processes (e.g. 'torchrun --nproc_per_node {processes} -m emapg_cli').")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate the sweep and print one shell line per run (`emapg train ...`, or the launcher's line with --processes), run nothing.")] = False,
     aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk.")] = False,
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that the study, preset or --config file names; those named by --set / --grid on this command line always run (docs/reliability.md).")] = False,
 ) -> None:
     """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots.
 
@@ -52,9 +53,10 @@ def ablate(
     # per preset, so a GPU sweep never lands in the folder (and resumes the runs) of a toy sweep
     out = out or Path("ablations") / (f"{sweep.name}-{Path(sweep.preset).stem}" if sweep.preset and Path(sweep.preset).stem != sweep.name else sweep.name)
     prefix = launch_prefix(processes, launcher)
+    flags = _trust_flags(sweep, runs, list(set_ or []), [parse_grid(g) for g in grid or []], trust_code)
     if dry_run:
         for spec in runs:
-            typer.echo(shell_command(sweep, spec, out, prefix))
+            typer.echo(shell_command(sweep, spec, out, prefix, flags))
         return
     import yaml
 
@@ -66,12 +68,33 @@ def ablate(
         configs = len({r.config_id for r in runs})
         console.print(f"ablate [bold]{escape(sweep.name)}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = "
                       f"{len(runs)} runs -> {escape(str(out))}")
-        results = run_sweep(sweep, runs, out, jobs=jobs, prefix=prefix)
+        results = run_sweep(sweep, runs, out, jobs=jobs, prefix=prefix, train_flags=flags)
         counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
         console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
         _report(out)
     if counts["failed"]:
         raise typer.Exit(1)
+
+
+def _trust_flags(sweep, runs, sets: list[str], grids, trust_code: bool) -> list[str]:
+    """The trust rule for a sweep (config/trust.py): a plugin of a run runs when this ablate command line named it
+    (--set, or a --grid value), else only with --trust-code. Then each run's `train` gets --trust-code (its runs,
+    resumed ones too, read their plugins from config files)."""
+    from emapg_cli.config.loading import load_config
+    from emapg_cli.config.trust import CODE_KEYS, code_refs, named_refs, require_trust
+
+    items = [*sets, *(f"{a.key}={v}" for a in grids if a.key in CODE_KEYS for v in a.values)]
+    named: dict[str, set[str]] = {}
+    for item in items:
+        for key, ref in named_refs([item]).items():
+            named.setdefault(key, set()).add(ref)
+    needed = False
+    for spec in runs:
+        refs = code_refs(load_config(sweep.preset, sweep.config, spec.overrides))
+        here = {k: v for k, v in refs.items() if v in named.get(k, ())}
+        require_trust(refs, here, trust_code, "the study, preset or --config file")
+        needed = needed or bool(refs)
+    return ["--trust-code"] if needed else []
 
 
 def _report(out: Path) -> None:

@@ -15,17 +15,17 @@ from emapg_cli.estimator_names import ESTIMATORS  # torch-free: `emapg --help` m
 app = typer.Typer(help="Benchmarks: the fused output layer against its GEMM floor, the no-grad passes, one RL step.",
                   no_args_is_help=True)
 
-TokensOpt = Annotated[int, typer.Option("--tokens", "-T", help="Response tokens T (rows of the hidden states).", min=1)]
-HiddenOpt = Annotated[int, typer.Option("--hidden", "-H", help="Hidden size H.", min=1)]
-VocabOpt = Annotated[int, typer.Option("--vocab", "-V", help="Vocabulary size V.", min=2)]
-KOpt = Annotated[int, typer.Option("--k", "-k", help="Top-k set size (capped at V).", min=1)]
-ChunkOpt = Annotated[Optional[int], typer.Option("--chunk", help="Tokens per chunk (default: from --budget-mib, as training does).", min=1)]
-BudgetOpt = Annotated[float, typer.Option("--budget-mib", help="Memory for the [chunk, V] float32 buffers when --chunk is not given (train.logit_memory_mib).", min=1)]
-RepeatsOpt = Annotated[int, typer.Option("--repeats", "-r", help="Timed runs, each after a floor run (interleaved); medians and every run are reported.", min=1)]
+TokensOpt = Annotated[int, typer.Option("--tokens", "-T", help="Response tokens T (rows of the hidden states), at most 2^20.", min=1, max=2**20)]
+HiddenOpt = Annotated[int, typer.Option("--hidden", "-H", help="Hidden size H, at most 2^16.", min=1, max=2**16)]
+VocabOpt = Annotated[int, typer.Option("--vocab", "-V", help="Vocabulary size V, at most 2^24.", min=2, max=2**24)]
+KOpt = Annotated[int, typer.Option("--k", "-k", help="Top-k set size (capped at V), at most 2^24.", min=1, max=2**24)]
+ChunkOpt = Annotated[Optional[int], typer.Option("--chunk", help="Tokens per chunk (default: from --budget-mib, as training does), at most 2^20.", min=1, max=2**20)]
+BudgetOpt = Annotated[float, typer.Option("--budget-mib", help="Memory for the [chunk, V] float32 buffers when --chunk is not given (train.logit_memory_mib), at most 2^20.", min=1, max=2**20)]
+RepeatsOpt = Annotated[int, typer.Option("--repeats", "-r", help="Timed runs, each after a floor run (interleaved); medians and every run are reported.", min=1, max=10_000)]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or cuda:N.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
-PeakOpt = Annotated[Optional[float], typer.Option("--peak-tflops", help="The device's dense peak for --dtype (TFLOP/s); adds pct_of_peak (e.g. 989 for an H100/H200 in bf16).", min=0)]
-ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's). On a shared machine 1 thread gives the steadiest CPU seconds: idle OpenMP threads spin and count as CPU time.", min=1)]
+PeakOpt = Annotated[Optional[float], typer.Option("--peak-tflops", help="The device's dense peak for --dtype (TFLOP/s); adds pct_of_peak (e.g. 989 for an H100/H200 in bf16).", min=0, max=1e9)]
+ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's). On a shared machine 1 thread gives the steadiest CPU seconds: idle OpenMP threads spin and count as CPU time.", min=1, max=4096)]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the result to this JSON file.")]
 
 
@@ -40,6 +40,28 @@ def _check(device: str, dtype: str, threads: Optional[int] = None) -> None:
         raise UserError(f"--device {device}: no CUDA device is available")
     if not (device == "cpu" or device.startswith("cuda")):
         raise UserError(f"--device must be cpu or cuda[:N], not '{device}'")
+
+
+def _check_memory(tokens: int, hidden: int, vocab: int, k: int, chunk: Optional[int], budget_mib: float, dtype: str,
+                  device: str, *, update: bool) -> None:
+    """UserError (one line) when the shape cannot fit in the device's free memory: said before allocating."""
+    import torch
+
+    from emapg_cli.bench.head import least_bytes
+    from emapg_cli.kl.fused import auto_chunk
+    from emapg_cli.klcheck.measure import available_memory
+
+    need = least_bytes(tokens, hidden, vocab, k, chunk or auto_chunk(vocab, budget_mib), dtype, update=update)
+    if device.startswith("cuda"):
+        try:
+            free = torch.cuda.mem_get_info(torch.device(device))[0]
+        except (RuntimeError, ValueError, AssertionError) as e:
+            raise UserError(f"--device {device}: {str(e).splitlines()[0] if str(e) else 'not usable'}") from None
+    else:
+        free = available_memory()
+    if free is not None and need > free:
+        raise UserError(f"T {tokens} x H {hidden} x V {vocab:,} in {dtype} needs at least {need / 2**30:.1f} GiB on {device}, "
+                        f"but {free / 2**30:.1f} GiB are free; lower --tokens, --hidden or --vocab")
 
 
 def _emit(result: dict[str, Any], json_path: Optional[Path], rows: list[tuple[str, str]]) -> None:
@@ -91,6 +113,7 @@ def update(
         check_estimator(estimator, direction)
     except ValueError as e:
         raise UserError(str(e)) from None
+    _check_memory(tokens, hidden, vocab, k, chunk, budget_mib, dtype, device, update=True)
     r = bench_update(tokens, hidden, vocab, k, chunk=chunk, budget_mib=budget_mib, estimator=estimator, direction=direction,
                      repeats=repeats, device=device, dtype=dtype, peak_tflops=peak_tflops)
     rows = [("shape", f"T {tokens}, H {hidden}, V {vocab:,}, k {r['k']}, chunk {r['chunk']}, {estimator}/{direction}, "
@@ -112,6 +135,7 @@ def passes(
     from emapg_cli.bench.head import bench_passes
 
     _check(device, dtype, threads)
+    _check_memory(tokens, hidden, vocab, k, chunk, budget_mib, dtype, device, update=False)
     r = bench_passes(tokens, hidden, vocab, k, chunk=chunk, budget_mib=budget_mib, repeats=repeats, device=device,
                      dtype=dtype, peak_tflops=peak_tflops)
     rows = [("shape", f"T {tokens}, H {hidden}, V {vocab:,}, k {r['k']}, chunk {r['chunk']}, {dtype} on {device}, {r['threads']} threads")]
@@ -121,8 +145,8 @@ def passes(
 
 def step(
     preset: PresetOpt = None, set_: SetOpt = None,
-    steps: Annotated[int, typer.Option("--steps", help="Timed RL steps (medians are reported).", min=1)] = 3,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed RL steps first.", min=0)] = 1,
+    steps: Annotated[int, typer.Option("--steps", help="Timed RL steps (medians are reported).", min=1, max=100_000)] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed RL steps first.", min=0, max=100_000)] = 1,
     json_path: JsonOpt = None,
 ) -> None:
     """Whole RL steps of a preset (e.g. --preset toy), broken into generation, reward, batch, passes, update, EMA; tokens/s.

@@ -62,8 +62,7 @@ def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str
 
     params, given = dict(ctx.params), _given(ctx)
     cfg = resolve_config(preset, config, [*(overrides or []), *_flag_overrides(params, given)])
-    # TODO(issue 20, trust): a reward or environment plugin named inside --preset/--config (not on this command line)
-    # runs only with --trust-code: call the trust check on `cfg` here, before anything below imports it.
+    # (a reward or environment plugin the files name runs only with --trust-code: eval_ checks it, as train does)
     if not isinstance(cfg.data.eval, str) and "bench" not in given:
         raise UserError("give --bench: the config's data.eval " + ("is not set" if cfg.data.eval is None else "lists several sets"))
     from emapg_cli.paths import expand
@@ -117,6 +116,7 @@ def eval_(
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
     truncated: Annotated[Literal["zero", "grade"], typer.Option("--truncated", help="A response cut at the token cap: `zero` scores it 0 and it casts no maj@n vote (the paper's rule), `grade` grades it.")] = "zero",
     think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that a config file names; one named by --reward / --env on this command line always runs (docs/reliability.md).")] = False,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -179,6 +179,13 @@ def eval_(
         raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
     if not searching and prompt_template is not None:
         raise UserError("--prompt-template applies only with --retriever")
+    if prompt_template is not None:  # read now (one line on a bad file), not after the model is loaded
+        from emapg_cli.agents.protocol import load_template
+
+        try:
+            load_template(str(prompt_template))
+        except UserError as e:
+            raise UserError(str(e).replace("search.prompt_template: ", "--prompt-template ", 1)) from None
     n = n if n is not None else (1 if searching else 32)
     temperature = temperature if temperature is not None else (0.0 if searching else 0.8)
     max_tokens = max_tokens if max_tokens is not None else (500 if searching or user_env else 28000)
@@ -190,6 +197,20 @@ def eval_(
         reward = check_reward(reward if reward is not None else ("em" if searching else "math"))
     except UserError as e:
         raise UserError(f"--reward: {e}") from None
+    from emapg_cli.config.trust import code_refs_of, load_code, named_refs, require_trust
+
+    refs = code_refs_of(reward=reward, env=env)  # the code this evaluation will import
+    typed = _given(ctx)  # with --preset/--config the reward and environment may come from a file: trusted only when typed
+    named = named_refs(set_ or [], reward=reward if cfg is None or "reward" in typed else None,
+                       env=env if cfg is None or "env" in typed else None)
+    source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
+    require_trust(refs, named, trust_code, *([source] if source else []))  # named on this command line: trusted
+    try:  # imported now (the evaluation starts), before anything is written
+        load_code(refs)
+    except UserError as e:
+        msg = str(e)
+        raise UserError(f"--reward: {msg.removeprefix('rollout.reward: ')}" if msg.startswith("rollout.reward")
+                        else f"--env: {msg.removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
     if searching and reward in ("math", "toy"):
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
     if searching or user_env:

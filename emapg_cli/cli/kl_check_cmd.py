@@ -102,6 +102,10 @@ def kl_check(
         raise UserError(str(e)) from None
     if from_logits is None and model is None:  # synthetic: the sizes are known before anything is built
         check_memory(positions, vocab, samples, "synthetic logits")
+    elif model is None:  # --from-logits: the sizes from the .npy headers in the zip, before decompressing anything
+        from emapg_cli.klcheck.distributions import npz_shape
+
+        check_memory(*npz_shape(from_logits), samples, from_logits.name)
     logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
     check_memory(logits.positions, logits.vocab, samples, logits.source)
     specs, _ = plan(settings, logits.vocab)

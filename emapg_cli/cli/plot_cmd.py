@@ -15,7 +15,10 @@ def plot(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNGs (default: DIR/plots for one folder, ./plots for several).")] = None,
 ) -> None:
     """Plot training curves (eval accuracy, reward, KL to the anchor, EMA distance, entropy, clip fraction,
-    throughput vs step; metrics a run did not log are skipped) or evaluations (pass@k, accuracy per subset / source)."""
+    throughput vs step; metrics a run did not log are skipped) or evaluations (pass@k, accuracy per subset / source).
+
+    Rows of metrics.jsonl that cannot be drawn (not JSON, not an object, no integer step >= 0) are skipped and
+    counted in a warning; a summary.json of another shape than `emapg eval` writes is an error (docs/reliability.md)."""
     from rich.markup import escape
 
     from emapg_cli.plots.folders import plot_folders

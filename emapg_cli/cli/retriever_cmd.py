@@ -63,14 +63,29 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on (0.0.0.0: every interface).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="TCP port (0: any free port, printed at start).")] = 8000,
     topk: Annotated[int, typer.Option("--topk", min=1, help="Hits per query when a request gives no topk.")] = 3,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body; a larger (or missing, or invalid) Content-Length is refused before reading (411/413).")] = 16 << 20,
+    max_queries: Annotated[int, typer.Option("--max-queries", min=1, help="Most queries per request (one per active episode of a training turn); more: 413.")] = 4096,
+    max_topk: Annotated[int, typer.Option("--max-topk", min=1, help="Largest topk a request may ask for; topk must be an integer from 1 to this (else 400).")] = 100,
+    max_hits: Annotated[int, typer.Option("--max-hits", min=1, help="Most hits per request (queries x topk), which bounds the search's time and memory; more: 413.")] = 65536,
+    max_reply_bytes: Annotated[int, typer.Option("--max-reply-bytes", min=1, help="Largest reply in bytes of JSON; a request whose reply would be larger gets 413.")] = 64 << 20,
+    timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds a connection has to send each request (from connect or the previous reply; idle connections are closed after it) and to take each reply.")] = 10.0,
+    max_connections: Annotated[int, typer.Option("--max-connections", min=1, help="Connections served at once; the next ones get 503 at once.")] = 64,
 ) -> None:
-    """Serve the index with Search-R1's API: POST /retrieve {"queries", "topk", "return_scores"}; Ctrl-C stops."""
-    from emapg_cli.retrieval.bm25 import BM25Retriever
-    from emapg_cli.retrieval.server import make_server
+    """Serve the index with Search-R1's API: POST /retrieve {"queries", "topk", "return_scores"}; Ctrl-C stops.
 
+    Every bound is an option (docs/reliability.md, "The retriever server's limits"); refusals are 4xx/503 with a
+    JSON body {"error": "..."}.
+    """
+    from emapg_cli.retrieval.bm25 import BM25Retriever
+    from emapg_cli.retrieval.server import Limits, make_server
+
+    if topk > max_topk:
+        raise UserError(f"--topk {topk} is over --max-topk {max_topk}")
+    limits = Limits(max_body_bytes=max_body_bytes, max_queries=max_queries, max_topk=max_topk, max_hits=max_hits,
+                    max_reply_bytes=max_reply_bytes, timeout_s=timeout_s, max_connections=max_connections)
     retriever = BM25Retriever.load(index_dir)
     try:
-        server = make_server(retriever, host, port, default_topk=topk, rows=len(retriever.docs))
+        server = make_server(retriever, host, port, default_topk=topk, rows=len(retriever.docs), limits=limits)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     h, p = server.server_address[:2]

@@ -21,6 +21,10 @@ ResumeOpt = Annotated[
     Optional[Path],
     typer.Option("--resume", help="Continue the run in DIR from its newest intact checkpoint (its config.yaml, plus any --set overrides, validated before anything is written). A finished run is left as it is."),
 ]
+TrustCodeOpt = Annotated[
+    bool,
+    typer.Option("--trust-code", help="Run the reward plugin / user environment (rollout.reward, rollout.env = FILE.py:NAME or module:NAME) that a --config file, a preset file or the run's saved config.yaml names; without it only those named by --set on this command line run (docs/reliability.md)."),
+]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and a GPU memory estimate without loading weights, then exit.")]
 ProcessesOpt = Annotated[
     Optional[int],
@@ -71,6 +75,7 @@ def train(
     resume: ResumeOpt = None,
     dry_run: DryRunOpt = False,
     processes: ProcessesOpt = None,
+    trust_code: TrustCodeOpt = False,
 ) -> None:
     """Train a policy with EMA-anchored GRPO; writes metrics, checkpoints, final weights and summary.json."""
     if resume is not None:
@@ -98,6 +103,14 @@ def train(
     from emapg_cli.train.checks import config_checks
 
     config_checks(cfg)  # optional packages and the reward name: before a plan or any work
+    if not dry_run:  # the run starts: its plugins run if this command line named them, or with --trust-code
+        from emapg_cli.config.trust import code_refs, load_code, named_refs, require_trust
+
+        refs = code_refs(cfg)
+        source = (f"the run's saved {resume / 'config.yaml'}" if resume is not None
+                  else " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])]))
+        require_trust(refs, named_refs(set_ or []), trust_code, source)
+        load_code(refs)  # imported now, before the run folder is claimed: a broken plugin is one line, nothing written
     if not dry_run and cfg.model.path:  # a hub id offline and not cached: one line naming it, before torch loads
         from emapg_cli.models.hub import check_model_source
 
@@ -123,14 +136,21 @@ def train(
     from emapg_cli.outputs import claim_folder, config_sha256
 
     # Only the main process owns the folder (the others of a multi-GPU launch write nothing but through it).
-    claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=("checkpoints",))
+    # A folder this command created is removed again only when the run fails before it started (bad input refused
+    # before training); once it started (status.json, metrics.jsonl) the folder stays, status.json saying why it ended.
+    from emapg_cli.train.status import tracked
+
+    kept = ("checkpoints", "metrics.jsonl", "status.json")
+    claim = (claim_folder(run_dir, "train", config_sha256(to_yaml(cfg)), fresh=resume is None, keep=kept)
              if _is_main_process() else contextlib.nullcontext(run_dir))
     with claim:
         trainer = Trainer(cfg, run_dir, resume=resume is not None)  # checks every input; loads no weights yet
         if trainer.acc.is_main_process:
             console.print(f"[bold]{'resuming' if resume is not None else 'run'}[/] {escape(str(run_dir))}", highlight=False)
             console.print(escape(config_line(cfg) + threads_note), highlight=False)
-        summary = trainer.run()
+        with tracked(run_dir, lambda: trainer.step_done, enabled=_is_main_process()) as started:
+            trainer.on_started = started  # status.json "running" once the run has loaded everything
+            summary = trainer.run()
     if trainer.acc.is_main_process:
         from rich.table import Table
 

@@ -71,7 +71,7 @@ class RolloutConfig(Section):
     def _env_loads(cls, v: str) -> str:
         from emapg_cli.agents.environments import check_env
 
-        try:
+        try:  # nothing is imported here: the class loads when a run starts (docs/reliability.md)
             return check_env(v)  # a file path made absolute: resumes and ablate runs find the same file
         except UserError as e:  # the key is named once, by the error's location
             raise ValueError(str(e).removeprefix("rollout.env: ").removeprefix("rollout.env ")) from None
@@ -79,14 +79,13 @@ class RolloutConfig(Section):
     @field_validator("reward")
     @classmethod
     def _plugin_loads(cls, v: str) -> str:
-        from emapg_cli.rewards.plugin import is_plugin_ref, resolve_ref, validate_ref
+        from emapg_cli.rewards.plugin import check_ref, is_plugin_ref
 
         if is_plugin_ref(v):
-            try:
-                validate_ref(v)
+            try:  # read, never run: the plugin is imported when a run starts (docs/reliability.md)
+                return check_ref(v)  # a file path made absolute: resumes and ablate runs find the same file
             except UserError as e:  # pydantic reports ValueErrors as the field's error
                 raise ValueError(str(e)) from None
-            return resolve_ref(v)  # a file path made absolute: resumes and ablate runs find the same file
         return v
 
 
@@ -108,6 +107,13 @@ class SearchConfig(Section):
     timeout_s: float = Field(30.0, gt=0, description="http only: seconds per request.")
     retries: int = Field(3, ge=0, description="http only: retries after a failed request (back-off doubles each time).")
     backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry, in seconds.")
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_http(cls, value: str) -> str:
+        from emapg_cli.retrieval.http import check_url  # http(s) with a host: `notaurl` and file:// are refused
+
+        return check_url(value)
 
 
 class OptimConfig(Section):
@@ -217,6 +223,7 @@ class RewardConfig(Section):
     truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`; search runs: its last turn cut at the per-turn cap): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
     overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
+    max_failure_rate: float = Field(0.5, ge=0, le=1, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the largest fraction of its calls in one step that may fail (raise, time out, return a non-number or a value not finite in float32; each scores 0). Above it the run stops with exit 2 naming the first failure; below it each step with failures is warned about on stderr and counted in reward/errors and reward/failure_rate.")
 
 
 class GradingConfig(Section):
@@ -224,7 +231,7 @@ class GradingConfig(Section):
 
 
 class LoRAConfig(Section):
-    r: int = Field(0, ge=0, description="LoRA rank (peft, the `lora` extra); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
+    r: int = Field(0, ge=0, le=4096, description="LoRA rank (peft, the `lora` extra), at most 4096 and at most the smallest dimension of a targeted layer (checked when the model is known); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                       description="Names of the linear layers that get adapters (peft `target_modules`).")

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from emapg_cli.errors import UserError
+from emapg_cli.errors import UserError, first_line
 from emapg_cli.paths import emapg_home, expand, prepare_hint
 
 
@@ -52,6 +53,9 @@ def parse_json_line(line: str, where: str, unicode_only: bool = True) -> dict[st
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise UserError(f"{where}: not valid JSON ({e.msg})") from None
+    except ValueError as e:  # an integer of more than 4300 digits (Python's int-from-text limit)
+        raise UserError(f"{where}: holds an integer of more than {sys.get_int_max_str_digits()} digits (write such ids as JSON strings)"
+                        if "digits" in str(e) else f"{where}: not valid JSON ({first_line(e)})") from None
     except RecursionError:
         raise UserError(f"{where}: JSON nested too deeply") from None
     if not isinstance(row, dict):

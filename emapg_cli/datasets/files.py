@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ def read_records(path: Path) -> list[Any]:
             raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
         except json.JSONDecodeError as e:
             raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except ValueError as e:  # an integer of more than 4300 digits (Python's int-from-text limit)
+            raise UserError(f"{path}: holds an integer of more than {sys.get_int_max_str_digits()} digits (write such ids as JSON strings)"
+                        if "digits" in str(e) else f"{path}: not valid JSON ({first_line(e)})") from None
         except RecursionError:
             raise UserError(f"{path}: JSON nested too deeply") from None
         if isinstance(data, dict):  # {"data": [...]} and similar wrappers

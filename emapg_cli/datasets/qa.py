@@ -42,7 +42,7 @@ def _as_list(value: Any, name: str) -> list[Any]:
     if isinstance(value, str) and name == "possible_answers":  # PopQA stores a JSON-encoded list
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, an integer past 4300 digits, nested too deeply
             raise RowError(f"'{name}' is not a JSON list") from None
     return list(value) if isinstance(value, (list, tuple)) else [value]
 

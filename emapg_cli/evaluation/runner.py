@@ -91,6 +91,9 @@ def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Exampl
         fr = row.get("finish_reasons")
         if fr is not None and (not isinstance(fr, list) or len(fr) != len(responses)):
             raise UserError(f"{path}:{i}: finish_reasons must be a list as long as responses")
+        if given and len(responses) != len(first := next(iter(given.values()))):  # pass@k, maj@n need one n for all items
+            raise UserError(f"{path}:{i}: {len(responses)} responses, but the first row has {len(first)} "
+                            "(every item needs the same number of responses)")
         given[rid] = responses
         reasons[rid] = fr if fr is not None else [None] * len(responses)
     known = {ex.id for ex in examples}

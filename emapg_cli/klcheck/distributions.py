@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from emapg_cli.errors import UserError
+from emapg_cli.errors import UserError, first_line
 
 #: The top-k size whose complement the synthetic `tail_mass` refers to.
 SYNTHETIC_HEAD = 32
@@ -65,23 +65,87 @@ def check_logits(policy: Tensor, anchor: Tensor, sampling: Optional[Tensor], whe
     return LogitSet(conv["policy"], conv["anchor"], conv.get("sampling"), source=where)
 
 
+#: The arrays kl-check reads from an .npz file (others are ignored, never decompressed).
+NPZ_ARRAYS = ("policy", "anchor", "sampling")
+
+
+def npz_shape(path: str | Path) -> tuple[int, int]:
+    """(P, V) of the logits in an .npz file, from the .npy headers inside the zip only (no array is
+    decompressed): every problem with the file is a UserError, one line, before any memory is used.
+
+    Checked per array: a float dtype (no object arrays: pickles are never loaded), 2-D [P, V] with P >= 1,
+    V >= 2, the same shape as `policy`, and a zip member exactly as large as its header declares
+    (header + P x V x itemsize bytes), so the memory estimate made from the shape is what loading takes.
+    """
+    import zipfile
+
+    import numpy as np
+    from numpy.lib import format as npy
+
+    path = Path(path)
+    where = path.name
+    try:
+        zf = zipfile.ZipFile(path)
+    except FileNotFoundError:
+        raise UserError(f"cannot read {path}: no such file") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    except (zipfile.BadZipFile, ValueError, EOFError) as e:
+        raise UserError(f"cannot read {path} as .npz: not a zip file ({first_line(e)})") from None
+    shapes: dict[str, tuple[int, ...]] = {}
+    with zf:
+        members = {info.filename[:-4]: info for info in zf.infolist() if info.filename.endswith(".npy")}
+        for name in ("policy", "anchor"):
+            if name not in members:
+                raise UserError(f"{path}: missing array '{name}' (found: {', '.join(sorted(members))[:200] or 'none'})")
+        for name in NPZ_ARRAYS:
+            if name not in members:
+                continue
+            info = members[name]
+            try:
+                with zf.open(info) as fp:
+                    version = npy.read_magic(fp)
+                    if version == (1, 0):
+                        shape, _, dtype = npy.read_array_header_1_0(fp)
+                    elif version == (2, 0):
+                        shape, _, dtype = npy.read_array_header_2_0(fp)
+                    else:
+                        raise ValueError(f"unsupported .npy format version {version}")
+                    header_bytes = fp.tell()
+            except Exception as e:  # zip (CRC, compression) and .npy header errors: "not readable"
+                raise UserError(f"cannot read array '{name}' of {path}: {type(e).__name__}: {first_line(e)}") from None
+            if dtype.hasobject or dtype.kind != "f":
+                raise UserError(f"{where}: array '{name}' must hold floats, got {dtype}")
+            if len(shape) != 2:
+                raise UserError(f"{where}: array '{name}' must be 2-D [positions, vocab], got shape {tuple(shape)}")
+            if shape[0] < 1 or shape[1] < 2:
+                raise UserError(f"{where}: array '{name}' needs at least 1 position and 2 vocabulary entries, got shape {tuple(shape)}")
+            if name != "policy" and tuple(shape) != shapes["policy"]:
+                raise UserError(f"{where}: array '{name}' has shape {tuple(shape)} but 'policy' has {shapes['policy']}")
+            declared = header_bytes + int(np.prod(shape, dtype=object)) * dtype.itemsize
+            if info.file_size != declared:
+                raise UserError(f"{where}: array '{name}' declares shape {tuple(shape)} of {dtype} ({declared:,} bytes with its header) "
+                                f"but its zip member holds {info.file_size:,} bytes")
+            shapes[name] = tuple(shape)
+    return shapes["policy"]
+
+
 def load_logits_npz(path: str | Path) -> LogitSet:
-    """Read `policy` [P, V], `anchor` [P, V] and optional `sampling` [P, V] from an .npz file."""
+    """Read `policy` [P, V], `anchor` [P, V] and optional `sampling` [P, V] from an .npz file
+    (their headers first checked by `npz_shape`, so the file holds what they declare)."""
     import numpy as np
 
     path = Path(path)
+    npz_shape(path)
     try:
         with np.load(path, allow_pickle=False) as f:
-            arrays = {name: f[name] for name in f.files}
+            arrays = {name: f[name] for name in NPZ_ARRAYS if name in f.files}
     except FileNotFoundError:
         raise UserError(f"cannot read {path}: no such file") from None
     except Exception as e:  # zip/pickle/format errors: all "not a readable .npz"
         raise UserError(f"cannot read {path} as .npz: {type(e).__name__}: {e}".splitlines()[0]) from None
-    for name in ("policy", "anchor"):
-        if name not in arrays:
-            raise UserError(f"{path}: missing array '{name}' (found: {', '.join(sorted(arrays)) or 'none'})")
     tensors = {}
-    for name in ("policy", "anchor", "sampling"):
+    for name in NPZ_ARRAYS:
         if name in arrays:
             a = arrays[name]
             if a.dtype.kind != "f":

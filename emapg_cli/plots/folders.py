@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -40,7 +40,7 @@ def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, 
 
     Returns (kind, output folder, PNG paths). Every folder is checked before anything is drawn.
     """
-    from emapg_cli.train.loggers import read_metrics
+    from emapg_cli.plots.rows import read_metric_rows, read_summary
 
     if not folders:
         raise UserError("give at least one run or eval folder")
@@ -53,17 +53,17 @@ def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, 
     if kinds[0] == "train":
         from emapg_cli.plots.train import plot_runs
 
-        runs = [(name, read_metrics(f / METRICS, partial=True)) for name, f in zip(names, folders)]
+        runs = []
+        for name, f in zip(names, folders):
+            read = read_metric_rows(f / METRICS)
+            if (note := read.note(f / METRICS)) is not None:
+                print(f"warning: {note}", file=sys.stderr)
+            runs.append((name, read.rows))
         paths = plot_runs(runs, out)
         if not paths:
             raise UserError(f"nothing to plot: no step logged yet in {', '.join(map(str, folders))}")
         return "train", out, paths
     from emapg_cli.plots.eval import plot_evals
 
-    evals = []
-    for name, f in zip(names, folders):
-        try:
-            evals.append((name, json.loads((f / EVAL_SUMMARY).read_text())))
-        except (OSError, json.JSONDecodeError) as err:
-            raise UserError(f"{f / EVAL_SUMMARY}: unreadable ({err})") from None
+    evals = [(name, read_summary(f / EVAL_SUMMARY)) for name, f in zip(names, folders)]
     return "eval", out, plot_evals(evals, out)

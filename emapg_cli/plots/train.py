@@ -31,7 +31,7 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
     out = []
     for row in rows:
         v, step = row.get(key), row.get("step")
-        if step is not None and isinstance(v, (int, float)) and math.isfinite(v):
+        if step is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             out.append((int(step), float(v)))
     return sorted(out)
 

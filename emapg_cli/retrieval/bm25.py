@@ -6,7 +6,11 @@ different queries get different hits. Tokenisation: bm25s's regex tokenizer, low
 stop words removed, no stemming (PyStemmer is an optional bm25s extra we do not require).
 
 An index folder holds bm25s's own files (`bm25/`), `docs.jsonl` (the corpus rows in index order)
-and `manifest.json` (corpus path, sha256, row count, bm25s version, build time).
+and `manifest.json` (corpus path and sha256, row count, bm25s version, build time, and the size and
+sha256 of every other file of the folder). It is an output folder like a run's (`outputs.claim_folder`,
+kind `retriever index`): claimed and locked while it is built, written through a temporary folder of a
+unique name beside it, the manifest last. `BM25Retriever.load` validates all of it (docs/search.md
+"Index validation"): any problem is one UserError naming the folder and the file.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from emapg_cli.retrieval.corpus import read_corpus
 
 MANIFEST = "manifest.json"
 DOCS = "docs.jsonl"
-FORMAT = "emapg-bm25/1"
+FORMAT = "emapg-bm25/2"
 
 
 def _bm25s():
@@ -41,52 +45,209 @@ def _tokens(texts: list[str]) -> list[list[str]]:
     return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
+KIND = "retriever index"  # the output-folder kind (outputs.claim_folder)
+#: The manifest's keys and their JSON types (format emapg-bm25/2; /1, written before file hashes, lacks "files").
+MANIFEST_KEYS: dict[str, type | tuple[type, ...]] = {
+    "format": str, "corpus": str, "corpus_sha256": str, "rows": int, "bm25s_version": str, "tokenizer": str,
+    "index_s": (int, float), "files": dict}
+LEGACY_FORMAT = "emapg-bm25/1"
+
+
+def _file_table(folder: Path) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file under `folder` but the manifest (sorted)."""
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
 def build_index(corpus: Path, out: Path, progress: Optional[Callable[[int], Callable[[int], None]]] = None,
                 chunk: int = 2000) -> dict:
-    """Index `corpus` into the new folder `out` (written next to it, then renamed); returns the manifest.
+    """Index `corpus` into the new (or empty) folder `out`; returns the manifest.
 
+    `out` is claimed and locked (`outputs.claim_folder`, kind `retriever index`; a second process on the
+    same folder gets "in use"); the index is written into a temporary folder of a unique name beside `out`
+    (this process's own, removed on every exit path) and its files are moved into `out`, the manifest last.
     progress(total) -> advance(k), called per chunk of tokenised rows.
     """
+    import os
+    import shutil
+    import tempfile
+
+    from emapg_cli.outputs import claim_folder, marker_kind
+
     bm25s = _bm25s()
-
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty; choose a new --out folder")
-    t0 = time.perf_counter()
-    docs = read_corpus(corpus)
-    advance = progress(len(docs)) if progress else (lambda k: None)
-    tokens: list[list[str]] = []
-    for s in range(0, len(docs), chunk):
-        part = docs[s:s + chunk]
-        tokens.extend(_tokens([d["contents"] for d in part]))
-        advance(len(part))
-    retriever = bm25s.BM25()
-    retriever.index(tokens, show_progress=False)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    retriever.save(str(tmp / "bm25"), show_progress=False)
-    with open(tmp / DOCS, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps(d, ensure_ascii=False) + "\n")
-    manifest = {
-        "format": FORMAT,
-        "corpus": str(corpus),
-        "corpus_sha256": sha256_file(Path(corpus)),
-        "rows": len(docs),
-        "bm25s_version": bm25s.__version__,
-        "tokenizer": "bm25s regex, lower-case, English stop words, no stemming",
-        "index_s": time.perf_counter() - t0,
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    if out.exists():
-        out.rmdir()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
+    out, corpus = Path(out), Path(corpus)
+    if (out / MANIFEST).is_file() and marker_kind(out) == KIND:
+        raise UserError(f"{out} already holds an index; choose a new --out folder")
+    with claim_folder(out, KIND, fresh=True):
+        t0 = time.perf_counter()
+        docs = read_corpus(corpus)
+        advance = progress(len(docs)) if progress else (lambda k: None)
+        tokens: list[list[str]] = []
+        for s in range(0, len(docs), chunk):
+            part = docs[s:s + chunk]
+            tokens.extend(_tokens([d["contents"] for d in part]))
+            advance(len(part))
+        if not any(tokens):
+            raise UserError(f"{corpus}: no row has a searchable word (every word is an English stop word or punctuation); "
+                            "nothing to index")
+        retriever = bm25s.BM25()
+        retriever.index(tokens, show_progress=False)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))  # ours alone: a unique new name
+        try:
+            retriever.save(str(tmp / "bm25"), show_progress=False)
+            with open(tmp / DOCS, "w", encoding="utf-8") as f:
+                for d in docs:
+                    f.write(json.dumps(d, ensure_ascii=False) + "\n")
+            manifest = {
+                "format": FORMAT,
+                "corpus": str(corpus),
+                "corpus_sha256": sha256_file(corpus),
+                "rows": len(docs),
+                "bm25s_version": bm25s.__version__,
+                "tokenizer": "bm25s regex, lower-case, English stop words, no stemming",
+                "index_s": time.perf_counter() - t0,
+                "files": _file_table(tmp),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+            for name in ("bm25", DOCS, MANIFEST):  # the manifest last: a folder without one is no index
+                os.replace(tmp / name, out / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # only the folder mkdtemp made for this call
     return manifest
+
+
+def remove_index(folder: Path) -> None:
+    """Delete the index folder `folder` to build it again (`emapg prepare toy-search`), only if it is one emapg wrote:
+    it carries the `retriever index` marker, or (built before markers) a manifest of this module's format and
+    nothing but an index's files. Anything else is a UserError and is left as it is."""
+    import shutil
+
+    from emapg_cli.outputs import LOCK, MARKER, marker_kind
+
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    ours = marker_kind(folder) == KIND
+    if not ours and folder.is_dir() and not folder.is_symlink():
+        try:
+            fmt = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format")
+        except (OSError, ValueError, AttributeError):
+            fmt = None
+        ours = fmt in (FORMAT, LEGACY_FORMAT) and {p.name for p in folder.iterdir()} <= {"bm25", DOCS, MANIFEST, MARKER, LOCK}
+    if not ours:
+        raise UserError(f"{folder} exists and is not an index emapg wrote; move it away to rebuild the index there")
+    shutil.rmtree(folder)
+
+
+def _bad(folder: Path, what: str) -> UserError:
+    return UserError(f"{folder}: broken bm25 index: {what} (rebuild it with `emapg retriever index CORPUS --out DIR`)")
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of index `folder`, its keys and types checked (UserError naming the folder otherwise)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{folder}: not a bm25 index (no {MANIFEST}; build one with `emapg retriever index CORPUS --out DIR`)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _bad(folder, f"{MANIFEST} is not readable JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(manifest, dict):
+        raise _bad(folder, f"{MANIFEST} is not a JSON object")
+    if manifest.get("format") not in (FORMAT, LEGACY_FORMAT):
+        raise UserError(f"{folder}: unknown index format {str(manifest.get('format'))[:80]!r} (expected {FORMAT})")
+    expected = {k: v for k, v in MANIFEST_KEYS.items() if manifest["format"] == FORMAT or k != "files"}
+    missing = sorted(set(expected) - set(manifest))
+    extra = sorted(set(manifest) - set(expected))
+    if missing or extra:
+        raise _bad(folder, f"{MANIFEST} " + "; ".join(
+            ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unknown keys {', '.join(extra)[:120]}"] if extra else [])))
+    for key, kind in expected.items():
+        value = manifest[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise _bad(folder, f"{MANIFEST}: {key} is {type(value).__name__}, not {getattr(kind, '__name__', 'a number')}")
+    if manifest["rows"] < 1:
+        raise _bad(folder, f"{MANIFEST}: rows is {manifest['rows']}")
+    for name, entry in manifest.get("files", {}).items():
+        if (not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not isinstance(entry["bytes"], int)
+                or isinstance(entry["bytes"], bool) or not isinstance(entry["sha256"], str)):
+            raise _bad(folder, f"{MANIFEST}: files[{name[:80]!r}] is not {{\"bytes\": int, \"sha256\": str}}")
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise _bad(folder, f"{MANIFEST}: files names {name[:80]!r}, outside the index")
+    if manifest["format"] == FORMAT and not {DOCS, "bm25/params.index.json"} <= set(manifest["files"]):
+        raise _bad(folder, f"{MANIFEST}: files does not list {DOCS} and the bm25 model")
+    return manifest
+
+
+def check_files(folder: Path, manifest: dict) -> None:
+    """Every file the manifest lists is there with its size and sha256, and no other file is (format /2).
+
+    Cost: one sha256 pass over the index's files (about 1-2 s per GB), small beside loading them, which
+    reads and parses the same bytes."""
+    files = manifest.get("files")
+    if files is None:  # emapg-bm25/1: built before file hashes; only the counts are checked
+        return
+    present = {k for k in _names(folder)}
+    for name in sorted(set(files) | present):
+        if name not in files:
+            raise _bad(folder, f"{name} is not listed in {MANIFEST}")
+        path = folder / name
+        if not path.is_file():
+            raise _bad(folder, f"{name} is missing")
+        size = path.stat().st_size
+        if size != files[name]["bytes"]:
+            raise _bad(folder, f"{name} has {size:,} bytes, the manifest says {files[name]['bytes']:,}")
+        if sha256_file(path) != files[name]["sha256"]:
+            raise _bad(folder, f"{name} was changed since the index was built (sha256 differs from the manifest)")
+
+
+def _names(folder: Path) -> set[str]:
+    """Relative names of the index's files (not the manifest, nor the output-folder marker and lock)."""
+    from emapg_cli.outputs import LOCK, MARKER
+
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+            if p.is_file() and p.name not in (MANIFEST, MARKER, LOCK)}
+
+
+def read_docs(folder: Path, rows: int) -> list[dict[str, str]]:
+    """docs.jsonl: `rows` JSON objects with string "id" and "contents"."""
+    docs = []
+    try:
+        with open(folder / DOCS, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                d = json.loads(line)
+                if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("contents"), str):
+                    raise _bad(folder, f"{DOCS} row {i} is not {{\"id\": str, \"contents\": str}}")
+                docs.append(d)
+    except FileNotFoundError:
+        raise _bad(folder, f"{DOCS} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _bad(folder, f"{DOCS} row {len(docs) + 1}: {str(e).splitlines()[0][:120]}") from None
+    if len(docs) != rows:
+        raise _bad(folder, f"{DOCS} has {len(docs)} rows, the manifest says {rows}")
+    return docs
+
+
+def load_model(folder: Path, rows: int):
+    """bm25s's model from `folder/bm25`, its document count checked against `rows` (a model of more documents than
+    docs.jsonl has rows would index past its end on every query)."""
+    bm25s = _bm25s()
+    try:
+        model = bm25s.BM25.load(str(folder / "bm25"), show_progress=False)
+        n_docs = int(model.scores["num_docs"])
+        indptr = model.scores["indptr"]
+        n_vocab = len(indptr) - 1
+        ok = len(model.scores["data"]) == len(model.scores["indices"]) == int(indptr[-1]) and n_vocab >= 1
+        ids = list(model.vocab_dict.values())  # bm25s adds "" as one id past the last column
+        ok = ok and all(isinstance(i, int) and 0 <= i <= n_vocab for i in ids) and len(set(ids)) == len(ids)
+        ok = ok and (len(model.scores["indices"]) == 0 or 0 <= int(model.scores["indices"].min()) <= int(model.scores["indices"].max()) < n_docs)
+    except Exception as e:  # noqa: BLE001  a file bm25s cannot parse, whatever its library raises
+        raise _bad(folder, f"the bm25 model does not load ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    if not ok:
+        raise _bad(folder, "the bm25 model's arrays are inconsistent")
+    if n_docs != rows:
+        raise _bad(folder, f"the bm25 model has {n_docs} documents, {DOCS} has {rows}")
+    return model
 
 
 class BM25Retriever:
@@ -98,20 +259,16 @@ class BM25Retriever:
 
     @classmethod
     def load(cls, folder: str | Path) -> "BM25Retriever":
-        bm25s = _bm25s()
-
+        """The index in `folder`, validated (manifest, file sizes and hashes, row counts; docs/search.md)."""
         from emapg_cli.paths import expand
 
         folder = expand(str(folder))  # ~ and $EMAPG_HOME (presets write search.index under it)
-        if not (folder / MANIFEST).is_file():
-            raise UserError(f"{folder}: not a bm25 index (no {MANIFEST}; build one with `emapg retriever index CORPUS --out DIR`)")
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        if manifest.get("format") != FORMAT:
-            raise UserError(f"{folder}: unknown index format {manifest.get('format')!r} (expected {FORMAT})")
-        model = bm25s.BM25.load(str(folder / "bm25"), show_progress=False)
-        docs = [json.loads(line) for line in open(folder / DOCS, encoding="utf-8")]
-        if len(docs) != manifest["rows"]:
-            raise UserError(f"{folder}: {DOCS} has {len(docs)} rows, the manifest says {manifest['rows']}")
+        if not folder.is_dir():
+            raise UserError(f"{folder}: no such index folder (build one with `emapg retriever index CORPUS --out DIR`)")
+        manifest = read_manifest(folder)
+        check_files(folder, manifest)
+        docs = read_docs(folder, manifest["rows"])
+        model = load_model(folder, len(docs))
         return cls(model, docs, manifest)
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:

@@ -3,30 +3,124 @@
 Request `{"queries": [str], "topk": int, "return_scores": true}`, response
 `{"result": [[{"document": {"contents", ...}, "score": float}, ...] per query]}` (Search-R1
 `search_r1/search/retrieval_server.py`). One request per agent turn carries every active episode's
-query. Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
+query (split into requests of `BATCH_QUERIES` when there are more). Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
 retried with exponential back-off; when every try fails the run stops with a one-line UserError
 (checkpoints are written atomically, so the last one stays intact). Standard library only.
+
+Replies are read defensively: at most `MAX_REPLY_BYTES`, UTF-8, JSON (not nested past Python's
+recursion limit), of Search-R1's shape (one list of hits per query, each with a `document` whose
+`contents` is a string and an optional numeric `score`); anything else is one UserError line naming
+the URL and what was wrong. Only http(s) URLs are opened, and redirects are not followed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
 
 
+#: Most queries sent in one request: a larger batch (a whole evaluation set in one turn) is split into
+#: requests of this many, in order, so it stays under a server's query limit (`retriever serve
+#: --max-queries`, 4,096 by default); each query's hits do not depend on the others in its request.
+BATCH_QUERIES = 1024
+#: Largest reply read (bytes); a longer one is an error, not a memory spike.
+MAX_REPLY_BYTES = 256 << 20
+_EXPECTED = '{"result": [[{"document": {"contents": ...}, "score": ...}, ...] per query]}'
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is reported as the HTTP error it is, never followed (it could point anywhere)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+def check_url(url: str) -> str:
+    """`url` when it is an http(s) URL with a host; ValueError (one line) otherwise."""
+    parsed = urllib.parse.urlsplit(url) if isinstance(url, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host (a Search-R1 /retrieve endpoint, e.g. "
+                         f"http://127.0.0.1:8000/retrieve)")
+    return url
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class _BadReply(Exception):
+    """The server answered, but not with what was asked for (retrying cannot help)."""
+
+
+def _read_capped(response, limit: int) -> bytes:
+    data = response.read(limit + 1)
+    if len(data) > limit:
+        raise _BadReply(f"the reply is over {limit} bytes")
+    return data
+
+
+def _decode(data: bytes):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _BadReply(f"the reply is not UTF-8 (byte {e.start})") from None
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise _BadReply("the reply's JSON is nested too deeply") from None
+    except ValueError as e:
+        raise _BadReply(f"the reply is not JSON ({_one_line(e, 80)})") from None
+
+
+def _hits(reply, n_queries: int, topk: int) -> list[list[Hit]]:
+    """Search-R1's reply as hits, each checked; `_BadReply` naming the first thing of another shape."""
+    if not isinstance(reply, dict) or not isinstance(reply.get("result"), list):
+        raise _BadReply("no \"result\" list")
+    result = reply["result"]
+    if len(result) != n_queries:
+        raise _BadReply(f"{len(result)} result lists for {n_queries} queries")
+    rows = []
+    for q, hits in enumerate(result):
+        if not isinstance(hits, list):
+            raise _BadReply(f"result {q} is not a list")
+        row = []
+        for h in hits[:topk]:
+            doc = h.get("document") if isinstance(h, dict) else None
+            if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
+                raise _BadReply(f"result {q}: a hit without a document.contents string")
+            score = h.get("score", 0.0)
+            if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+                raise _BadReply(f"result {q}: a score that is not a finite number")
+            if not isinstance(doc.get("id", ""), (str, int)) or isinstance(doc.get("id"), bool):
+                raise _BadReply(f"result {q}: a document id that is not a string")
+            row.append(hit_from_doc(doc, score))
+        rows.append(row)
+    return rows
+
+
 class HTTPRetriever:
     """`Retriever` speaking Search-R1's `/retrieve` JSON over HTTP."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0):
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
+                 max_reply_bytes: int = MAX_REPLY_BYTES):
         """`retries`: extra tries after the first; the wait before try i (1-based) is backoff_s * 2**(i - 1)."""
+        try:
+            check_url(url)
+        except ValueError as e:
+            raise UserError(f"search.url {e}, got {url!r:.100}") from None
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+        self.max_reply_bytes = max_reply_bytes
+        self._opener = urllib.request.build_opener(_NoRedirect)
 
-    def _post(self, payload: dict) -> dict:
+    def _post(self, payload: dict):
         data = json.dumps(payload).encode()
         last = ""
         for attempt in range(self.retries + 1):
@@ -34,32 +128,39 @@ class HTTPRetriever:
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             request = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"}, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return json.loads(response.read().decode("utf-8"))
+                with self._opener.open(request, timeout=self.timeout_s) as response:
+                    return _decode(_read_capped(response, self.max_reply_bytes))
             except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code} {e.reason}"
+                last = f"HTTP {e.code} {_one_line(e.reason, 60)}{self._server_says(e)}"
                 if e.code < 500:  # the server understood and refused: retrying cannot help
                     break
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last = str(getattr(e, "reason", e)) or type(e).__name__
-            except json.JSONDecodeError:
-                last = "the reply is not JSON"
-                break
+            except _BadReply as e:
+                raise UserError(f"retriever {self.url}: {e}; expected {_EXPECTED}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, ValueError) as e:
+                # ValueError: http.client's own, e.g. a status line it cannot parse
+                last = _one_line(getattr(e, "reason", e) or type(e).__name__)
         raise UserError(f"retriever {self.url} failed after {attempt + 1} tries: {last}")
 
-    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        """One POST for all queries; a reply that does not have Search-R1's shape is a UserError."""
-        if not queries:
-            return []
-        reply = self._post({"queries": list(queries), "topk": topk, "return_scores": True})
+    @staticmethod
+    def _server_says(e: urllib.error.HTTPError) -> str:
+        """`: <the {"error"} of the reply>` when it has one (read at most 4 KiB), else nothing."""
         try:
-            result = reply["result"]
-            if len(result) != len(queries):
-                raise ValueError(f"{len(result)} result lists for {len(queries)} queries")
-            return [[hit_from_doc(h["document"], h.get("score", 0.0)) for h in hits] for hits in result]
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"retriever {self.url}: unexpected reply ({e}); expected "
-                            "{\"result\": [[{\"document\": {\"contents\": ...}, \"score\": ...}]]}") from None
+            said = json.loads(e.read(4096).decode("utf-8"))["error"]
+            return f": {_one_line(said)}" if isinstance(said, str) else ""
+        except Exception:  # any other body: the status alone says enough
+            return ""
+
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        """One POST per BATCH_QUERIES queries; a reply that does not have Search-R1's shape is a UserError (one line)."""
+        hits: list[list[Hit]] = []
+        for start in range(0, len(queries), BATCH_QUERIES):  # one request per BATCH_QUERIES queries
+            batch = list(queries[start:start + BATCH_QUERIES])
+            reply = self._post({"queries": batch, "topk": topk, "return_scores": True})
+            try:
+                hits += _hits(reply, len(batch), topk)
+            except _BadReply as e:
+                raise UserError(f"retriever {self.url}: unexpected reply ({e}); expected {_EXPECTED}") from None
+        return hits
 
     def close(self) -> None:
         """Nothing held between requests."""

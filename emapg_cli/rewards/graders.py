@@ -77,13 +77,20 @@ class ScoreGrader:
         return [a == b for a, b in pairs]
 
     def grade(self, responses: Sequence[str], examples: Sequence[Any]) -> list[ScoreGrade]:
-        before = self.reward.errors
+        from emapg_cli.rewards.plugin import EVAL_MAX_FAILURE_RATE, is_plugin_ref
+
+        before = self.reward.start_count()[1]
         scores = self.reward(responses, examples) if responses else []
         failed = self.reward.errors - before
         if self._scored == 0 and responses and failed >= len(responses):
             last = first_line(Exception(self.reward.last_error)) if self.reward.last_error else "no finite score"
             raise UserError(f"reward '{self.reward.name}' failed on all {len(responses)} responses of the first batch "
                             f"(last error: {last}); nothing was written")
+        if responses and is_plugin_ref(self.reward.name) and failed / len(responses) > EVAL_MAX_FAILURE_RATE:
+            # training's reward.max_failure_rate, per graded batch (the batches graded before are kept: resumable)
+            first = first_line(Exception(self.reward.first_error)) if self.reward.first_error else "no finite score"
+            raise UserError(f"reward plugin {self.reward.name} failed on {failed} of {len(responses)} responses of a "
+                            f"batch (over {EVAL_MAX_FAILURE_RATE:.0%}); first failure: {first}")
         self._scored += len(responses) - failed
         return [ScoreGrade(None, s >= FULL_SCORE, s >= FULL_SCORE, s) for s in scores]
 

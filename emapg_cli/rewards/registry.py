@@ -76,6 +76,8 @@ class SafeReward:
         self.name, self.fn = name, fn
         self._errors = 0  # items that raised here, over this object's life
         self._last_error = ""  # the last of them, "Type: message"
+        self.calls = 0  # items scored, over this object's life
+        self.first_error = ""  # the first failure since `start_count()` ("Type: message"), "" when none
 
     @property
     def errors(self) -> int:
@@ -87,11 +89,19 @@ class SafeReward:
         """The last failure ("Type: message"; a plugin's pool keeps its own), "" when none."""
         return str(getattr(self.fn, "last_error", "") or self._last_error)
 
+    def start_count(self) -> tuple[int, int]:
+        """Forget `first_error` and return (calls, errors) so far: what a step's failure rate is counted from."""
+        self.first_error = ""
+        return self.calls, self.errors
+
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         if len(responses) != len(examples):
             raise ValueError(f"reward {self.name}: {len(responses)} responses but {len(examples)} examples")
+        self.calls += len(responses)
         try:
-            return [float(r) for r in self.fn(responses, examples)]
+            out = [float(r) for r in self.fn(responses, examples)]
+            self.first_error = self.first_error or str(getattr(self.fn, "batch_first_error", "") or "")
+            return out
         except Exception:
             log.warning("reward %s raised on a batch of %d; scoring item by item", self.name, len(responses), exc_info=True)
         out = []
@@ -101,6 +111,7 @@ class SafeReward:
             except Exception as e:
                 self._errors += 1
                 self._last_error = f"{type(e).__name__}: {e}"
+                self.first_error = self.first_error or self._last_error
                 out.append(0.0)
         return out
 
@@ -123,13 +134,13 @@ def _build(factory: Callable[..., RewardFn], **kwargs) -> RewardFn:
 
 
 def check_reward(name: str) -> str:
-    """`name` as a run records it: a registered name unchanged, a plugin checked (importable, callable with
-    (response, example)) and its file path made absolute; else a one-line UserError (as `get_reward`)."""
-    from emapg_cli.rewards.plugin import is_plugin_ref, resolve_ref, validate_ref
+    """`name` as a run records it: a registered name unchanged, a plugin checked without running it
+    (`rewards.plugin.check_ref`: the file or module is there and defines the function) and its file path made
+    absolute; else a one-line UserError (as `get_reward`)."""
+    from emapg_cli.rewards.plugin import check_ref, is_plugin_ref
 
     if is_plugin_ref(name):
-        validate_ref(name)
-        return resolve_ref(name)
+        return check_ref(name)
     if name not in REWARDS:
         raise UserError(f"unknown reward '{name}' (known: {', '.join(sorted(REWARDS))}; or module:function / path/to/file.py:function)")
     return name

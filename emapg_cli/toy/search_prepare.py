@@ -139,7 +139,7 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
 
     from emapg_cli.config import load_config
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
-    from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
+    from emapg_cli.retrieval.bm25 import BM25Retriever, build_index, remove_index
 
     start = time.perf_counter()
     out = Path(home) / PRESET
@@ -152,10 +152,7 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in test))
     write_jsonl(out / "corpus.jsonl", world.corpus())
     (out / "prompt.txt").write_text(TEMPLATE, encoding="utf-8")
-    if (out / "index").exists():
-        import shutil
-
-        shutil.rmtree(out / "index")
+    remove_index(out / "index")  # only an index emapg wrote (a stale one of an earlier prepare)
     build_index(out / "corpus.jsonl", out / "index")
     retriever = BM25Retriever.load(str(out / "index"))
 

@@ -9,10 +9,10 @@ import torch
 from emapg_cli.errors import UserError
 
 
-def check_skips(state: dict[str, Any], cfg, step: int, skipped: int) -> None:
+def check_skips(state: dict[str, Any], cfg, step: int, skipped: int, metrics_file: Any = "metrics.jsonl") -> None:
     """Record `skipped` (optimizer steps skipped at RL step `step`) in state["skip_window"]; stop (UserError) when
     more than train.max_skipped_fraction of the optimizer steps of the last train.skip_window RL steps were skipped
-    (judged once the window, or the whole run if shorter, is full)."""
+    (judged once the window, or the whole run if shorter, is full). `metrics_file`: named in the message (the run keeps it)."""
     t = cfg.train
     window = [*state.get("skip_window", []), skipped][-t.skip_window:]  # skipped optimizer steps per RL step
     state["skip_window"] = window
@@ -23,7 +23,7 @@ def check_skips(state: dict[str, Any], cfg, step: int, skipped: int) -> None:
     if sum(window) > t.max_skipped_fraction * total:
         raise UserError(f"step {step}: {sum(window)} of the last {total} optimizer steps ({len(window)} RL steps) were skipped "
                         f"for a non-finite loss or gradient, more than train.max_skipped_fraction={t.max_skipped_fraction}: "
-                        "stopping (the run is not training; see metrics.jsonl, lower optim.lr or check the data/reward)")
+                        f"stopping (the run is not training; see {metrics_file}, lower optim.lr or check the data/reward)")
 
 
 def run_summary(state: dict[str, Any], steps: int, wall_time_s: float, last_metrics: dict[str, Any], skipped_prompts: int,

@@ -28,6 +28,12 @@ def is_lora(model) -> bool:
 
 def add_adapters(model, lora_cfg):
     """`model` with LoRA adapters on `lora_cfg.target_modules`; only the adapters train (float32 by peft's default)."""
+    layers = [(min(mod.in_features, mod.out_features), name, mod) for name, mod in model.named_modules()
+              if name.rsplit(".", 1)[-1] in lora_cfg.target_modules and hasattr(mod, "in_features") and hasattr(mod, "out_features")]
+    if layers and lora_cfg.r > min(layers, key=lambda t: t[0])[0]:  # rank(A B) <= min(in, out): a larger r is only memory
+        smallest, name, mod = min(layers, key=lambda t: t[0])
+        raise UserError(f"lora.r = {lora_cfg.r} exceeds the smallest dimension of the targeted layers ({name}: "
+                        f"{mod.in_features} -> {mod.out_features}); use lora.r <= {smallest}")
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:

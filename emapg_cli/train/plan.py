@@ -233,6 +233,7 @@ def _lora_terms(m: ModelShapes, cfg: Config) -> list[MemoryTerm]:
     """LoRA: the frozen base in model.dtype; only the fp32 adapters train and are averaged (train/lora.py), so the
     AdamW moments, the anchor and the gradients are adapter-sized."""
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
+    check_lora_rank(m, cfg.lora.r, cfg.lora.target_modules)
     ap = lora_params(m, cfg.lora.r, cfg.lora.target_modules)
     terms = [
         MemoryTerm("policy weights", p * wb, f"P x {wb} B ({cfg.model.dtype}, frozen base)", "state"),
@@ -334,11 +335,27 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
     return terms
 
 
+def _lora_shapes(m: "ModelShapes") -> dict[str, tuple[int, int]]:
+    """(in, out) features of each linear layer of a decoder block, by its name."""
+    h, q, kv, i = m.hidden, m.q_dim, m.kv_dim, m.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def check_lora_rank(m: "ModelShapes", r: int, targets: list[str]) -> None:
+    """UserError when r exceeds min(in, out) of a targeted layer: the rank of A (in -> r) B (r -> out) cannot
+    exceed it, so a larger r only adds memory (train/lora.py checks the same on the loaded model)."""
+    shapes = _lora_shapes(m)
+    dims = [(min(shapes[n]), n) for n in targets if n in shapes]
+    if dims and r > min(dims)[0]:
+        smallest, name = min(dims)
+        raise UserError(f"lora.r = {r} exceeds the smallest dimension of the targeted layers ({name}: "
+                        f"{shapes[name][0]} -> {shapes[name][1]}); use lora.r <= {smallest}")
+
+
 def lora_params(m: "ModelShapes", r: int, targets: list[str]) -> int:
     """Adapter parameters: r x (in + out) per targeted linear layer (A: in -> r, B: r -> out), per decoder layer."""
-    h, q, kv, i = m.hidden, m.q_dim, m.kv_dim, m.intermediate
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    shapes = _lora_shapes(m)
     return m.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in targets if n in shapes)
 
 

@@ -87,6 +87,35 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
     return rewards, getattr(reward_fn, "errors", 0) - before
 
 
+def reward_failures(reward_fn, counted: Optional[tuple[int, int]], cfg, step: int, acc=None) -> dict[str, float]:
+    """A reward plugin's failed calls in step `step` since `counted` (`SafeReward.start_count()` at the step's start):
+    calls that raised, timed out, returned a non-number or a value not finite in float32 (each scored 0). Above
+    reward.max_failure_rate of its calls the run stops with one line naming the plugin and the first failure; any
+    fewer are warned about on stderr. The counts are summed over the ranks of `acc` (an Accelerator; None: this
+    process only), so every rank stops together. Returns {reward/failure_rate} for a plugin reward, {} otherwise."""
+    import sys
+
+    from emapg_cli.rewards.plugin import is_plugin_ref
+
+    if counted is None or not is_plugin_ref(cfg.rollout.reward):
+        return {}
+    calls, failures = reward_fn.calls - counted[0], reward_fn.errors - counted[1]
+    if acc is not None and acc.num_processes > 1:  # every rank takes the same decision
+        total = acc.reduce(torch.tensor([float(calls), float(failures)], device=acc.device), reduction="sum")
+        calls, failures = int(total[0]), int(total[1])
+    if calls <= 0:  # an environment's own reward(text) scored every response
+        return {}
+    rate, limit, ref = failures / calls, cfg.reward.max_failure_rate, cfg.rollout.reward
+    first = reward_fn.first_error or "no finite score"
+    if rate > limit:
+        raise UserError(f"step {step}: reward plugin {ref} failed on {failures} of {calls} calls ({rate:.0%} > "
+                        f"reward.max_failure_rate {limit:g}); first failure: {first}")
+    if failures:
+        print(f"warning: step {step}: reward plugin {ref} failed on {failures} of {calls} calls ({rate:.0%}, scored 0; "
+              f"first failure: {first})", file=sys.stderr, flush=True)
+    return {"reward/failure_rate": rate}
+
+
 @dataclass
 class RolloutBatch:
     """B = groups x n (prompt, response) rows: prompts left-padded to P, responses right-padded to R."""

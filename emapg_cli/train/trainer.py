@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,8 +26,9 @@ from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
+from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
-from emapg_cli.train.loggers import open_run
+from emapg_cli.train.loggers import METRICS_FILE, open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, check_layouts, reference_passes
@@ -91,6 +91,8 @@ class Trainer:
         self.phases = PhaseTimer()  # wall seconds of the current step's phases (`step`)
         self._grader = ThreadPoolExecutor(1, thread_name_prefix="emapg-grading")  # rewards beside the passes
         self.inputs = preflight(cfg)
+        self.step_done = 0  # the last step whose metrics were logged (status.json)
+        self.on_started = lambda: None  # called once the run has loaded everything and opened its metrics
         self.reward_fn = self.inputs.reward_fn
 
     # ------------------------------------------------------------------ setup
@@ -225,11 +227,13 @@ class Trainer:
         passes did not hide), update, ema, and the totals rollout (generation + batch) and update_total (the rest)."""
         self.phases.reset()
         seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
+        counted = self.reward_fn.start_count() if hasattr(self.reward_fn, "start_count") else None
         with self.phases("rollout"):
             batch, pending, roll = self.rollouts(step)
         with self.phases("update_total"):
             batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
+            extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
             extra.update(roll.pop("filtering", {}))
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
@@ -269,7 +273,8 @@ class Trainer:
                 metrics.update(self._evaluate(step))
                 # ---------------------------------------------- log; stop when the run no longer trains
                 logger.log(metrics, step)
-                check_skips(self.state, self.cfg, step, result.skipped)
+                self.step_done = step
+                check_skips(self.state, self.cfg, step, result.skipped, metrics_file=self.run_dir / METRICS_FILE)
                 # ---------------------------------------------- checkpoint
                 self.state["elapsed_s"] = elapsed0 + time.time() - start_time
                 self._checkpoint(step)
@@ -280,6 +285,8 @@ class Trainer:
     def _start(self, last: int):
         """The run folder, its config and the metrics logger; at step 0 the data counts and the initial accuracy."""
         logger = open_run(self.cfg, self.run_dir, self.acc, last, self.resume)
+        self.step_done = last
+        self.on_started()  # status.json: running (the folder is kept from here on)
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
             if self.eval_prompts:

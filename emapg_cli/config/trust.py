@@ -1,0 +1,105 @@
+"""Code runs only when the user says so (docs/reliability.md, "Code runs only when you say so").
+
+A run imports user code for two keys: `rollout.reward` (a plugin `FILE.py:fn` / `module:fn`) and `rollout.env`
+(a user environment `FILE.py:Class` / `module:Class`). Built-in names (`math`, `em`, `calc`, ...) are emapg's own
+code and need no trust. A plugin reference runs when it was named on THIS command line (`--set KEY=REF`, or
+`emapg eval --reward/--env REF`); one that came from anywhere else (a `--config` file, a preset file, a run's saved
+config.yaml on `train --resume`, an ablation study file) runs only with `--trust-code`.
+
+    refs = code_refs(cfg)                                 # {"rollout.reward": "/abs/score.py:fn", ...}
+    named = named_refs(set_)                              # the refs the --set options named
+    require_trust(refs, named, trust_code, "the config file")   # else one-line UserError naming the file
+
+Nothing here imports a plugin; `rewards.plugin.load_plugin` / `agents.environments.load_env_class` do, after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from emapg_cli.errors import UserError
+
+#: The config keys whose value can name user code.
+CODE_KEYS = ("rollout.reward", "rollout.env")
+
+
+def plugin_ref(key: str, value: Any) -> str | None:
+    """`value` of `key` as the absolute plugin reference a run would import, None for a built-in name."""
+    from emapg_cli.agents.environments import BUILTINS, NATIVE
+    from emapg_cli.rewards.plugin import resolve_ref
+
+    if not isinstance(value, str) or ":" not in value:
+        return None  # a registered reward, or a malformed value the config's own validation reports
+    if key == "rollout.env" and (value in NATIVE or value in BUILTINS):
+        return None
+    try:
+        return resolve_ref(value)
+    except UserError:
+        return None
+
+
+def code_refs(cfg: Any) -> dict[str, str]:
+    """{config key: plugin reference} of the user code `cfg` (a Config) would import when its run starts."""
+    return code_refs_of(reward=cfg.rollout.reward, env=cfg.rollout.env)
+
+
+def code_refs_of(reward: str | None = None, env: str | None = None) -> dict[str, str]:
+    """`code_refs` of a reward and an environment given as values (`emapg eval --reward/--env`)."""
+    refs = {"rollout.reward": plugin_ref("rollout.reward", reward), "rollout.env": plugin_ref("rollout.env", env)}
+    return {k: v for k, v in refs.items() if v is not None}
+
+
+def named_refs(overrides: Iterable[str] = (), **options: str | None) -> dict[str, str]:
+    """{config key: plugin reference} named on this command line: by `--set KEY=REF` items (the last one of a key
+    wins, as in the config) and by options given as keyword arguments (`reward=` for rollout.reward, `env=` for
+    rollout.env: `emapg eval --reward/--env`)."""
+    from emapg_cli.config.loading import parse_override
+
+    named: dict[str, str] = {}
+    for item in overrides:
+        try:
+            parts, value = parse_override(item)  # the value as the config reads it (YAML: quotes removed)
+        except UserError:
+            continue  # the config's own parsing reports it
+        key = ".".join(parts)
+        if key in CODE_KEYS:
+            ref = plugin_ref(key, value)
+            if ref is not None:
+                named[key] = ref
+            else:
+                named.pop(key, None)
+    for name, value in options.items():
+        key = f"rollout.{name}"
+        ref = plugin_ref(key, value) if key in CODE_KEYS and value is not None else None
+        if ref is not None:
+            named[key] = ref
+    return named
+
+
+def require_trust(refs: Mapping[str, str], named: Mapping[str, str], trust_code: bool, source: str = "a config file") -> None:
+    """Refuse (one-line UserError) a plugin reference of `refs` that `named` (this command line) does not hold,
+    unless `trust_code` (`--trust-code`). `source` says where the configuration came from, for the message."""
+    if trust_code:
+        return
+    for key, ref in refs.items():
+        if named.get(key) != ref:
+            file = ref.rpartition(":")[0]
+            raise UserError(f"{key} = {ref} comes from {source}, not from this command line: its code ({file}) runs "
+                            f"only with --trust-code (or name it with --set {key}=...)")
+
+
+def load_code(refs: Mapping[str, str]) -> None:
+    """Import the user code of `refs` (`code_refs`) and check it (a reward is a Python function of the user's own,
+    an environment class keeps its contract): where a trusted run starts, before its folder is claimed. A failure
+    (also an exception or `sys.exit` at import) is a one-line UserError."""
+    from emapg_cli.agents.environments import load_env_class
+    from emapg_cli.rewards.plugin import load_plugin
+
+    for key, ref in refs.items():
+        if key == "rollout.reward":
+            try:
+                load_plugin(ref)
+            except UserError as e:
+                raise UserError(f"rollout.reward: {e}") from None
+        elif key == "rollout.env":
+            load_env_class(ref)
