@@ -248,6 +248,7 @@ def test_failed_run_is_recorded_and_the_sweep_goes_on(tmp_path):
 # --- end to end: a real 2 x 2 sweep of `emapg train` --------------------------------------------
 
 
+@pytest.mark.slow  # a real 2 x 2 sweep of train, ~35 s; the fast tests cover the runner and aggregation (CI budget)
 def test_small_sweep_end_to_end(tmp_path, tiny_qwen2):
     """2 x 2 grid (estimator x anchor decay), 1 seed, 2 RL steps of a tiny random model, 2 runs at
     once: every run finishes with its own directory, the aggregate has one row per run, and running

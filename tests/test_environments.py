@@ -195,6 +195,7 @@ def test_config_contradiction_and_context(tmp_path):
     assert cfg.rollout.env == f"{path.resolve()}:Echo" and not cfg.search.enabled
 
 
+@pytest.mark.slow  # trains and evaluates, ~35 s; test_episode_tokens_* runs the doc's class fast (CI budget)
 def test_doc_example_trains_and_is_graded_by_eval(tiny_qwen2, tmp_path):
     """The doc's Retry trains through the CLI (2 steps, env/* metrics logged), then `emapg eval --env` grades
     it with its own reward, and a subclass without one by --reward, through the same factory."""

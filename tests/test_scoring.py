@@ -63,19 +63,20 @@ def test_eval_cli_truncation_and_equivalence_vote(tmp_path, cli):
     resp = tmp_path / "resp.jsonl"
     resp.write_text(
         json.dumps({"id": "1", "responses": ["\\boxed{0.5}", "\\boxed{\\frac12}", "\\boxed{1/2}", "\\boxed{3}", "\\boxed{3}"]}) + "\n"
-        + json.dumps({"id": "2", "responses": ["so \\boxed{2}. Wait, let", "\\boxed{5}"], "finish_reasons": ["length", "stop"]}) + "\n")
+        + json.dumps({"id": "2", "responses": ["so \\boxed{2}. Wait, let", "\\boxed{5}", "\\boxed{5}", "\\boxed{2}", "\\boxed{7}"],
+                      "finish_reasons": ["length", "stop", "stop", "stop", "stop"]}) + "\n")  # every item: 5 responses
     r = cli("eval", "--bench", str(bench), "--responses", str(resp), "--out", str(tmp_path / "zero"))
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "zero" / "summary.json").read_text())
     # item 1: 3 of 5 correct; the class {0.5, \frac12, 1/2} (3 votes) beats "3" (2 votes); by strings "3" wins.
-    # item 2: the truncated "2" scores 0 and casts no vote, so "5" (wrong) wins.
-    assert s["n"] == 2 and s["avg@n"] == pytest.approx((3 / 5 + 0) / 2)
+    # item 2: the truncated "2" scores 0 and casts no vote: 1 of 5 correct, and "5" (2 votes) beats "2" and "7" (1 each).
+    assert s["n"] == 5 and s["avg@n"] == pytest.approx((3 / 5 + 1 / 5) / 2)
     assert (s["maj@n"], s["maj@n_strict"], s["truncated"]) == (0.5, 0.0, "zero")
     r = cli("eval", "--bench", str(bench), "--responses", str(resp), "--out", str(tmp_path / "grade"), "--truncated", "grade")
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "grade" / "summary.json").read_text())
-    # item 2 graded: "2" is correct (1 of 2) and ties "5", first seen wins.
-    assert s["avg@n"] == pytest.approx((3 / 5 + 1 / 2) / 2) and (s["maj@n"], s["maj@n_strict"]) == (1.0, 0.5)
+    # item 2 graded: "2" is correct (2 of 5) and ties "5" (2 votes each), the first seen ("2") wins.
+    assert s["avg@n"] == pytest.approx((3 / 5 + 2 / 5) / 2) and (s["maj@n"], s["maj@n_strict"]) == (1.0, 0.5)
 
 
 def test_eval_cli_reads_the_raw_olympiadbench_file(shared_data, tmp_path, cli):

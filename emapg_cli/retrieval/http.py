@@ -46,8 +46,8 @@ def check_url(url: str) -> str:
     """`url` when it is an http(s) URL with a host; ValueError (one line) otherwise."""
     parsed = urllib.parse.urlsplit(url) if isinstance(url, str) else None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host (a Search-R1 /retrieve endpoint, e.g. "
-                         f"http://127.0.0.1:8000/retrieve)")
+        raise ValueError("must be an http:// or https:// URL with a host (a Search-R1 /retrieve endpoint, e.g. "
+                         "http://127.0.0.1:8000/retrieve)")
     return url
 
 
