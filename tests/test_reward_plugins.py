@@ -167,6 +167,7 @@ def test_train_cli_logs_the_plugin_reward_and_the_truncation_rules(plugin, tiny_
     assert (row["reward/mean"], row["rollout/truncated_frac"], row["loss/pg"], row["entropy"]) == (0.0, 1.0, 0.0, 0.0)
 
 
+@pytest.mark.slow  # a sweep of real trainings, ~25 s (CI budget)
 def test_ablate_runs_the_plugin_in_each_run(plugin, tiny_qwen2, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative plugin path, as a user would type it
     data = write_dataset(tmp_path / "train.jsonl", n=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from emapg_cli.kl import kl_per_token
@@ -26,6 +27,7 @@ def test_k3_clamps_by_hand():
     assert abs(float(free[1]) - 29.0) < 1e-5
 
 
+@pytest.mark.slow  # two trainings, ~30 s (CI budget)
 def test_stages_resume_across_the_boundary(tiny_qwen2, tmp_path):
     data = write_dataset(tmp_path / "train.jsonl")
     stages = "stages=[{steps: 1, max_new_tokens: 2}, {steps: 2, max_new_tokens: 5}]"
