@@ -40,6 +40,16 @@ def safe_load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
+def read_text_file(path: Path, what: str) -> str:
+    """The UTF-8 text of `path`; unreadable or not UTF-8 is a one-line UserError starting with `what`."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what}: {path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise UserError(f"{what}: cannot read {path}: {e.strerror}") from None
+
+
 def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
     """A YAML file holding a mapping ({} when empty); every problem (a duplicate key too) is a
     one-line UserError naming `what`."""

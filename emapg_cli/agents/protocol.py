@@ -30,17 +30,13 @@ _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 @lru_cache(maxsize=8)
 def load_template(path: Optional[str] = None) -> str:
     """The user-message template (the packaged Search-R1 prompt when `path` is None); needs `{question}`."""
+    from emapg_cli.fileio import read_text_file
     from emapg_cli.paths import expand
 
     file = expand(path) if path else PACKAGED_TEMPLATE
     if not file.is_file():
         raise UserError(f"search.prompt_template: {file}: no such file")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"search.prompt_template: {file}: not UTF-8 text (byte {e.start})") from None
-    except OSError as e:
-        raise UserError(f"search.prompt_template: cannot read {file}: {e.strerror}") from None
+    text = read_text_file(file, "search.prompt_template")
     if "{question}" not in text:
         raise UserError(f"search.prompt_template: {file} has no {{question}} placeholder")
     return text

@@ -149,12 +149,9 @@ def _load_source(from_logits, model, anchor_model, text, perturb, positions, voc
             raise UserError("--perturb must be >= 0 and --positions >= 1")
         text_value = None
         if text is not None:
-            try:
-                text_value = text.read_text(encoding="utf-8")
-            except OSError as e:
-                raise UserError(f"cannot read --text {text}: {e.strerror}") from None
-            except UnicodeDecodeError as e:
-                raise UserError(f"--text {text}: not UTF-8 text (byte {e.start})") from None
+            from emapg_cli.fileio import read_text_file
+
+            text_value = read_text_file(text, "--text")
         from emapg_cli.klcheck.model_source import logits_from_model
 
         return logits_from_model(model, anchor_model, text_value, positions, perturb, seed)
