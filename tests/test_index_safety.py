@@ -122,6 +122,11 @@ def test_remove_index_removes_only_an_index(tmp_path):
     with pytest.raises(UserError, match="not an index emapg wrote"):
         remove_index(tmp_path / "Y")
     assert (tmp_path / "Y" / "notes.txt").read_text() == "mine"
+    build_index(_corpus(tmp_path / "c.jsonl"), tmp_path / "Z")  # a link to a real index: refused, both kept
+    (tmp_path / "link").symlink_to(tmp_path / "Z")
+    with pytest.raises(UserError, match="symbolic link"):
+        remove_index(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "Z" / "manifest.json").is_file()
 
 
 # ------------------------------------------------------------------------------------------ deletions

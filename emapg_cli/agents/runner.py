@@ -20,7 +20,6 @@ file, the class and the method. Nothing is written by the loop, so such an error
 
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import Future, wait
 from queue import SimpleQueue
@@ -70,16 +69,14 @@ class Worker:
 
 
 def _number(value: Any, where: str) -> float:
-    """`value` as a float (bool, int, float) finite in float32 (|value| <= 3.4028235e38: rewards become float32
-    advantages), else a UserError naming `where`."""
-    if isinstance(value, (bool, int, float)):
-        try:
-            v = float(value)
-        except OverflowError:  # an int past float64
-            v = math.inf
-        if math.isfinite(v) and abs(v) <= 3.4028234663852886e38:
-            return v
-    raise UserError(f"{where} returned {type(value).__name__} {str(value)[:60]!r}; expected a number finite in float32")
+    """`value` as a float finite in float32 (rewards become float32 advantages): the plugin rule,
+    `rewards.plugin.reward_value`; else a UserError naming `where`."""
+    from emapg_cli.rewards.plugin import reward_value
+
+    try:
+        return reward_value(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{where} returned {type(value).__name__} {str(value)[:60]!r}; expected a number finite in float32") from None
 
 
 class EnvRunner:

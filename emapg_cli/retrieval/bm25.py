@@ -127,8 +127,10 @@ def remove_index(folder: Path) -> None:
     folder = Path(folder)
     if not folder.exists():
         return
+    if folder.is_symlink():  # a link to an index elsewhere: never delete through it
+        raise UserError(f"{folder} is a symbolic link; remove it yourself to rebuild the index there")
     ours = marker_kind(folder) == KIND
-    if not ours and folder.is_dir() and not folder.is_symlink():
+    if not ours and folder.is_dir():
         try:
             fmt = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format")
         except (OSError, ValueError, AttributeError):

@@ -288,19 +288,17 @@ def load_plugin(ref: str) -> Callable[[str, dict], Any]:
     return fn
 
 
-def validate_ref(ref: str) -> None:
-    """Config-time check of a plugin reference: `check_ref` (nothing is imported)."""
-    check_ref(ref)
-
-
 def reward_value(value: Any) -> float:
     """A plugin's return value as a float: a real number (int, float, bool as 0/1, a numpy number; not a string
     such as "1.0", not None) that stays finite in float32 (|value| <= 3.4028235e38); else ValueError/TypeError."""
     if not isinstance(value, numbers.Real):
         raise TypeError(f"returned {type(value).__name__} {str(value)[:60]!r}, not a number")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float64
+        v = math.inf
     if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
-        raise ValueError(f"returned {v!r}, not finite in float32")
+        raise ValueError(f"returned {str(value)[:60]!r}, not finite in float32")
     return v
 
 
