@@ -199,7 +199,7 @@ def test_serve_help_and_defaults_match_the_constants(cli):
     defaults = {k: p.default for k, p in inspect.signature(serve).parameters.items()}
     assert {f: defaults[f] for f in Limits.__dataclass_fields__} == vars(Limits())
     r = cli("retriever", "serve", "--help")
-    for option in ("--max-body-bytes", "--max-queries", "--max-topk", "--max-hits", "--max-reply-bytes", "--timeout",
+    for option in ("--max-body-bytes", "--max-queries", "--max-query-chars", "--max-request-chars", "--max-topk", "--max-hits", "--max-reply-bytes", "--timeout",
                    "--max-connections"):
         assert option in r.stdout, option
 
@@ -224,6 +224,7 @@ def test_search_url_must_be_http():
     (b'{"result": [[{"document": {"contents": 7}}]]}', "document.contents string"),
     (b'{"result": [[], []]}', "2 result lists for 1 queries"),
     (b'{"result": [' + b" " * 300_000 + b"]}", "over 200000 bytes"),
+    (b'{"result": [[{"document": {"contents": "x"}, "score": 1' + b"0" * 400 + b'}]]}', "not a finite number"),
 ])
 def test_client_bad_reply_is_one_line(body, needle):
     """A reply the client cannot use is one UserError line naming the URL and what was wrong (no retry)."""
@@ -326,6 +327,99 @@ def test_server_over_max_connections_is_503_then_serves(index):
         holder.close()
         time.sleep(0.2)
         assert health().startswith(b"HTTP/1.1 200")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_server_refuses_long_queries_before_searching():
+    """A query over max_query_chars, or queries over max_request_chars in all, are 413 before any search (one
+    16 MiB query used to hold the search lock for minutes); at the limits exactly they pass."""
+    from emapg_cli.retrieval.server import Limits, Refused, _check_request
+
+    limits = Limits(max_query_chars=4, max_request_chars=10)
+    assert _check_request({"queries": ["abcd", "abcd", "ab"], "topk": 1}, 3, limits)[0] == ["abcd", "abcd", "ab"]
+    with pytest.raises(Refused, match="a query of 5 characters: at most 4") as e:
+        _check_request({"queries": ["a", "abcde"], "topk": 1}, 3, limits)
+    assert e.value.code == 413
+    with pytest.raises(Refused, match="queries of 11 characters in all: at most 10") as e:  # 4 + 4 + 3 = 11
+        _check_request({"queries": ["abcd", "abcd", "abc"], "topk": 1}, 3, limits)
+    assert e.value.code == 413
+
+
+def test_client_cuts_long_queries_and_splits_by_characters(monkeypatch):
+    """The client never sends what a server with the default limits refuses: a 10,000-character query is cut to
+    MAX_QUERY_CHARS (4,096); 600 queries of 4,096 characters (2,457,600 in all) go as 256 + 256 + 88, since
+    256 x 4,096 = 1,048,576 = MAX_REQUEST_CHARS."""
+    import emapg_cli.retrieval.http as http
+    from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS, Limits, _check_request
+
+    sent = []
+
+    def post(self, payload):
+        _check_request(payload, 3, Limits())  # the server's own check, default limits
+        sent.append([len(q) for q in payload["queries"]])
+        return {"result": [[{"document": {"id": "1", "contents": q}, "score": 1.0}] for q in payload["queries"]]}
+
+    monkeypatch.setattr(http.HTTPRetriever, "_post", post)
+    client = http.HTTPRetriever("http://127.0.0.1:1/retrieve")
+    assert (MAX_QUERY_CHARS, MAX_REQUEST_CHARS) == (4096, 1 << 20)
+    assert client.search(["one " * 2500], 1)[0][0].contents == ("one " * 2500)[:4096] and sent == [[4096]]
+    sent.clear()
+    client.search(["x" * 4096] * 600, 1)
+    assert [len(b) for b in sent] == [256, 256, 88]
+
+
+def test_server_busy_drain_is_bounded():
+    """The accept loop's 503 drops at most _LINGER_BYTES of what a client sends (it used to read until the client
+    stopped: a client sending without end held the accept loop, so nobody else was even refused)."""
+    from emapg_cli.retrieval import server as srv
+
+    class Flood:  # a client that always has 64 KiB more to send
+        read = 0
+
+        def recv(self, n):
+            self.read += n
+            if self.read > 64 * srv._LINGER_BYTES:
+                raise OSError("stop: unbounded")
+            return b"x" * n
+
+        def settimeout(self, t): pass
+        def setblocking(self, b): pass
+        def sendall(self, data): pass
+        def shutdown(self, how): pass
+        def close(self): pass
+
+    server = srv.RetrieverServer.__new__(srv.RetrieverServer)
+    server.limits = srv.Limits()
+    flood = Flood()
+    server._busy(flood)
+    assert flood.read <= srv._LINGER_BYTES
+
+
+def test_server_parses_and_searches_one_request_at_a_time(index):
+    """While another request holds the server's work lock (parsing or searching), a POST waits for it: at most one
+    parsed body is in memory at once; once the lock is free it is answered."""
+    import socket
+    import threading
+
+    from emapg_cli.retrieval.server import make_server
+
+    server = make_server(BM25Retriever.load(index), port=0, rows=5)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    body = b'{"queries": ["fort"], "topk": 1}'
+    try:
+        with server.work, socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=10) as s:
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+            s.settimeout(0.5)
+            with pytest.raises(socket.timeout):
+                s.recv(1)  # no answer while the lock is held
+            server.work.release()
+            try:
+                s.settimeout(10)
+                assert b"".join(iter(lambda: s.recv(65536), b"")).startswith(b"HTTP/1.1 200")
+            finally:
+                server.work.acquire()
     finally:
         server.shutdown()
         server.server_close()

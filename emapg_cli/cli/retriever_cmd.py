@@ -65,8 +65,10 @@ def serve(
     topk: Annotated[int, typer.Option("--topk", min=1, help="Hits per query when a request gives no topk.")] = 3,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body; a larger (or missing, or invalid) Content-Length is refused before reading (411/413).")] = 16 << 20,
     max_queries: Annotated[int, typer.Option("--max-queries", min=1, help="Most queries per request (one per active episode of a training turn); more: 413.")] = 4096,
+    max_query_chars: Annotated[int, typer.Option("--max-query-chars", min=1, help="Longest query in characters; longer: 413 before any search (the search's time grows with a query's words and cannot be interrupted).")] = 4096,
+    max_request_chars: Annotated[int, typer.Option("--max-request-chars", min=1, help="Most characters of all the queries of one request together; more: 413 before any search.")] = 1 << 20,
     max_topk: Annotated[int, typer.Option("--max-topk", min=1, help="Largest topk a request may ask for; topk must be an integer from 1 to this (else 400).")] = 100,
-    max_hits: Annotated[int, typer.Option("--max-hits", min=1, help="Most hits per request (queries x topk), which bounds the search's time and memory; more: 413.")] = 65536,
+    max_hits: Annotated[int, typer.Option("--max-hits", min=1, help="Most hits per request (queries x topk), which bounds the reply's rows and the ranking's memory; more: 413.")] = 65536,
     max_reply_bytes: Annotated[int, typer.Option("--max-reply-bytes", min=1, help="Largest reply in bytes of JSON; a request whose reply would be larger gets 413.")] = 64 << 20,
     timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds a connection has to send each request (from connect or the previous reply; idle connections are closed after it) and to take each reply.")] = 10.0,
     max_connections: Annotated[int, typer.Option("--max-connections", min=1, help="Connections served at once; the next ones get 503 at once.")] = 64,
@@ -81,7 +83,8 @@ def serve(
 
     if topk > max_topk:
         raise UserError(f"--topk {topk} is over --max-topk {max_topk}")
-    limits = Limits(max_body_bytes=max_body_bytes, max_queries=max_queries, max_topk=max_topk, max_hits=max_hits,
+    limits = Limits(max_body_bytes=max_body_bytes, max_queries=max_queries, max_query_chars=max_query_chars,
+                    max_request_chars=max_request_chars, max_topk=max_topk, max_hits=max_hits,
                     max_reply_bytes=max_reply_bytes, timeout_s=timeout_s, max_connections=max_connections)
     retriever = BM25Retriever.load(index_dir)
     try:

@@ -3,13 +3,16 @@
 Request `{"queries": [str], "topk": int, "return_scores": true}`, response
 `{"result": [[{"document": {"contents", ...}, "score": float}, ...] per query]}` (Search-R1
 `search_r1/search/retrieval_server.py`). One request per agent turn carries every active episode's
-query (split into requests of `BATCH_QUERIES` when there are more). Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
+query (split into requests of at most `BATCH_QUERIES` queries and `MAX_REQUEST_CHARS` characters; a query
+longer than `MAX_QUERY_CHARS` (4,096) is cut to it, as a policy can write a long one and the server
+refuses longer ones: cutting keeps a training run going where refusing would stop it). Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
 retried with exponential back-off; when every try fails the run stops with a one-line UserError
 (checkpoints are written atomically, so the last one stays intact). Standard library only.
 
 Replies are read defensively: at most `MAX_REPLY_BYTES`, UTF-8, JSON (not nested past Python's
 recursion limit), of Search-R1's shape (one list of hits per query, each with a `document` whose
-`contents` is a string and an optional numeric `score`); anything else is one UserError line naming
+`contents` is a string and an optional finite numeric `score`), whole within `REPLY_DEADLINE_FACTOR`
+times the timeout; anything else is one UserError line naming
 the URL and what was wrong. Only http(s) URLs are opened, and redirects are not followed.
 """
 
@@ -24,6 +27,7 @@ import urllib.request
 
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
+from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
 
 
 #: Most queries sent in one request: a larger batch (a whole evaluation set in one turn) is split into
@@ -32,6 +36,10 @@ from emapg_cli.retrieval.base import Hit, hit_from_doc
 BATCH_QUERIES = 1024
 #: Largest reply read (bytes); a longer one is an error, not a memory spike.
 MAX_REPLY_BYTES = 256 << 20
+#: A reply must arrive whole within this many times the request's timeout (`search.timeout_s`): the timeout
+#: bounds each read of the socket, this the whole reply, so a server sending one byte just under the timeout
+#: cannot hold a run for hours.
+REPLY_DEADLINE_FACTOR = 3
 _EXPECTED = '{"result": [[{"document": {"contents": ...}, "score": ...}, ...] per query]}'
 
 
@@ -60,11 +68,20 @@ class _BadReply(Exception):
     """The server answered, but not with what was asked for (retrying cannot help)."""
 
 
-def _read_capped(response, limit: int) -> bytes:
-    data = response.read(limit + 1)
-    if len(data) > limit:
-        raise _BadReply(f"the reply is over {limit} bytes")
-    return data
+def _read_capped(response, limit: int, deadline_s: float) -> bytes:
+    """The reply's body: at most `limit` bytes (else `_BadReply`), read in chunks within `deadline_s` seconds in all
+    (else TimeoutError: a server that is slow, retried like one that is down)."""
+    chunks, got, end = [], 0, time.monotonic() + deadline_s
+    while True:
+        chunk = response.read1(min(65536, limit + 1 - got))  # at most one read of the socket
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        got += len(chunk)
+        if got > limit:
+            raise _BadReply(f"the reply is over {limit} bytes")
+        if time.monotonic() > end:
+            raise TimeoutError(f"the reply took over {deadline_s:g} s ({got} bytes so far)")
 
 
 def _decode(data: bytes):
@@ -97,13 +114,31 @@ def _hits(reply, n_queries: int, topk: int) -> list[list[Hit]]:
             if not isinstance(doc, dict) or not isinstance(doc.get("contents"), str):
                 raise _BadReply(f"result {q}: a hit without a document.contents string")
             score = h.get("score", 0.0)
-            if isinstance(score, bool) or not isinstance(score, (int, float)) or not math.isfinite(score):
+            try:  # an integer of 400 digits is a JSON number too, but no float (OverflowError)
+                finite = not isinstance(score, bool) and isinstance(score, (int, float)) and math.isfinite(float(score))
+            except OverflowError:
+                finite = False
+            if not finite:
                 raise _BadReply(f"result {q}: a score that is not a finite number")
             if not isinstance(doc.get("id", ""), (str, int)) or isinstance(doc.get("id"), bool):
                 raise _BadReply(f"result {q}: a document id that is not a string")
             row.append(hit_from_doc(doc, score))
         rows.append(row)
     return rows
+
+
+def _batches(queries: list[str]) -> list[list[str]]:
+    """`queries` in order, in requests of at most BATCH_QUERIES queries and MAX_REQUEST_CHARS characters in all
+    (each query is at most MAX_QUERY_CHARS <= MAX_REQUEST_CHARS), so each fits a server's default limits."""
+    batches: list[list[str]] = []
+    chars = 0
+    for q in queries:
+        if not batches or len(batches[-1]) == BATCH_QUERIES or chars + len(q) > MAX_REQUEST_CHARS:
+            batches.append([])
+            chars = 0
+        batches[-1].append(q)
+        chars += len(q)
+    return batches
 
 
 class HTTPRetriever:
@@ -129,7 +164,8 @@ class HTTPRetriever:
             request = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"}, method="POST")
             try:
                 with self._opener.open(request, timeout=self.timeout_s) as response:
-                    return _decode(_read_capped(response, self.max_reply_bytes))
+                    return _decode(_read_capped(response, self.max_reply_bytes,
+                                                self.timeout_s * REPLY_DEADLINE_FACTOR))
             except urllib.error.HTTPError as e:
                 last = f"HTTP {e.code} {_one_line(e.reason, 60)}{self._server_says(e)}"
                 if e.code < 500:  # the server understood and refused: retrying cannot help
@@ -151,10 +187,10 @@ class HTTPRetriever:
             return ""
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        """One POST per BATCH_QUERIES queries; a reply that does not have Search-R1's shape is a UserError (one line)."""
+        """Hits per query, each query cut to MAX_QUERY_CHARS characters, sent in `_batches`; a reply that does not
+        have Search-R1's shape is a UserError (one line)."""
         hits: list[list[Hit]] = []
-        for start in range(0, len(queries), BATCH_QUERIES):  # one request per BATCH_QUERIES queries
-            batch = list(queries[start:start + BATCH_QUERIES])
+        for batch in _batches([q[:MAX_QUERY_CHARS] for q in queries]):
             reply = self._post({"queries": batch, "topk": topk, "return_scores": True})
             try:
                 hits += _hits(reply, len(batch), topk)

@@ -11,8 +11,9 @@ retriever serialises; no web framework is needed and nothing is added to emapg's
 
 Every resource a client can claim is bounded (`Limits`; docs/reliability.md "The retriever server's
 limits"): the body is read only up to its declared `Content-Length`, itself at most `max_body_bytes`;
-queries per request, `topk`, their product (the hits, which bound the search's work) and the reply's
-size are capped; each connection has `timeout_s` to
+queries per request, the characters of each query and of all of them (which bound the search's work:
+it cannot be interrupted), `topk`, their product (the hits) and the reply's size are capped; bodies are
+parsed and searched one at a time (at most one parsed body in memory); each connection has `timeout_s` to
 send each request (a watchdog shuts down sockets past it, so half-sent requests and idle keep-alive
 connections are dropped); at most `max_connections` are served at once and the next ones get a 503
 at once; the listen backlog is `BACKLOG`; running out of file descriptors pauses accepting instead
@@ -37,9 +38,15 @@ from emapg_cli.retrieval.base import Retriever
 MAX_BODY = 16 << 20
 #: Most queries in one request (a training turn sends one per active episode).
 MAX_QUERIES = 4096
+#: Longest query (characters); a longer one is refused (413) before any search. The search's time grows with
+#: the query's tokens (each walks its word's postings), and it cannot be interrupted: this bounds it per query.
+MAX_QUERY_CHARS = 4096
+#: Most characters of all the queries of one request together (413 above it): with MAX_QUERY_CHARS this bounds
+#: the tokens one request can make the search walk (at most about half of them: a word and a space each).
+MAX_REQUEST_CHARS = 1 << 20
 #: Largest `topk` a request may ask for.
 MAX_TOPK = 100
-#: Most hits in one reply (queries x topk): bounds the search's work and memory before it starts.
+#: Most hits in one reply (queries x topk): bounds the reply's rows and the ranking's memory before the search.
 MAX_HITS = 65536
 #: Largest reply (bytes of JSON); a request whose reply would be larger is refused (413).
 MAX_REPLY = 64 << 20
@@ -55,6 +62,9 @@ FD_BACKOFF_S = 0.1
 #: After refusing a request whose body was not read, read and drop at most this much of it (for at
 #: most one second) before closing, so the client sees the reply rather than a connection reset.
 _LINGER_BYTES = 1 << 20
+#: The accept loop's 503 (no thread): drop at most `_LINGER_BYTES` of what the client already sent, for at most
+#: this long, so a client that keeps sending cannot hold the accept loop.
+_BUSY_DRAIN_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,8 @@ class Limits:
 
     max_body_bytes: int = MAX_BODY
     max_queries: int = MAX_QUERIES
+    max_query_chars: int = MAX_QUERY_CHARS
+    max_request_chars: int = MAX_REQUEST_CHARS
     max_topk: int = MAX_TOPK
     max_hits: int = MAX_HITS
     max_reply_bytes: int = MAX_REPLY
@@ -86,6 +98,12 @@ def _check_request(request: Any, default_topk: int, limits: Limits) -> tuple[lis
     queries = request["queries"]
     if len(queries) > limits.max_queries:
         raise Refused(413, f"{len(queries)} queries: at most {limits.max_queries} per request")
+    longest = max(map(len, queries), default=0)
+    if longest > limits.max_query_chars:
+        raise Refused(413, f"a query of {longest} characters: at most {limits.max_query_chars}")
+    total = sum(map(len, queries))
+    if total > limits.max_request_chars:
+        raise Refused(413, f"queries of {total} characters in all: at most {limits.max_request_chars} per request")
     topk = request.get("topk")
     if topk is None:
         topk = default_topk
@@ -131,7 +149,7 @@ class _Watchdog:
 
     A per-socket timeout alone bounds each `recv`, not a request: a client sending one byte every few
     seconds would hold its thread forever. Deadlines are set while reading a request and writing its
-    reply, and cleared during the search (bounded by the query and topk limits instead).
+    reply, and cleared while waiting for and doing the search (bounded by the query limits instead).
     """
 
     def __init__(self, period_s: float):
@@ -185,8 +203,12 @@ class RetrieverServer(ThreadingMixIn, HTTPServer):
     request_queue_size = BACKLOG
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], handler: type, limits: Limits):
-        self.limits = limits
+    def __init__(self, address: tuple[str, int], handler: type, limits: Limits, retriever: Retriever,
+                 default_topk: int = 3, rows: int | None = None):
+        self.limits, self.retriever, self.default_topk, self.rows = limits, retriever, default_topk, rows
+        #: parsing a body and searching happen one request at a time: the parsed objects of at most one body
+        #: (bounded by max_body_bytes) are in memory at once, however many connections send bodies
+        self.work = threading.Lock()
         self._slots = threading.BoundedSemaphore(limits.max_connections)
         self.watchdog = _Watchdog(min(0.5, limits.timeout_s / 4))
         try:
@@ -225,9 +247,13 @@ class RetrieverServer(ThreadingMixIn, HTTPServer):
                                                           "being served; retry later"}, close=True))
             request.shutdown(socket.SHUT_WR)
             request.setblocking(False)
-            try:  # drop what the client has already sent, so that closing does not reset the connection
-                while request.recv(65536):
-                    pass
+            dropped, end = 0, time.monotonic() + _BUSY_DRAIN_S
+            try:  # drop what the client has already sent (bounded), so that closing does not reset the connection
+                while dropped < _LINGER_BYTES and time.monotonic() < end:
+                    chunk = request.recv(65536)
+                    if not chunk:
+                        break
+                    dropped += len(chunk)
             except OSError:
                 pass
         except OSError:
@@ -249,117 +275,138 @@ class RetrieverServer(ThreadingMixIn, HTTPServer):
         super().server_close()
 
 
+class _Handler(BaseHTTPRequestHandler):
+    """One connection of a `RetrieverServer`: `/retrieve` and `/health`, every refusal a JSON error."""
+
+    protocol_version = "HTTP/1.1"
+    server: RetrieverServer
+
+    def setup(self) -> None:
+        self.timeout = self.server.limits.timeout_s  # each recv/send; the watchdog bounds whole requests
+        super().setup()
+
+    def _deadline(self, seconds: Optional[float]) -> None:
+        self.server.watchdog.set(self.connection, None if seconds is None else time.monotonic() + seconds)
+
+    def _send(self, code: int, body: dict | bytes) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self._deadline(self.server.limits.timeout_s)
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+        self._deadline(self.server.limits.timeout_s)  # the next request on this connection, or an idle one is closed
+
+    def _refuse(self, code: int, message: str, unread: bool = False) -> None:
+        """A 4xx with `{"error"}`; `unread`: the body was not read, so the connection closes after it."""
+        if unread:
+            self.close_connection = True
+        self._send(code, {"error": message})
+        if unread:
+            self._linger()
+
+    def _linger(self) -> None:
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(1.0)
+            dropped, end = 0, time.monotonic() + 1.0
+            while dropped < _LINGER_BYTES and time.monotonic() < end:
+                chunk = self.connection.recv(65536)
+                if not chunk:
+                    break
+                dropped += len(chunk)
+        except OSError:
+            pass
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""
+        self.close_connection = True
+        try:
+            self._send(code, {"error": message or self.responses.get(code, ("error",))[0]})
+        except OSError:
+            pass
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self.path == "/health":
+            self._send(200, {"status": "ok", "rows": self.server.rows})
+        else:
+            self._send(404, {"error": f"no route {self.path[:200]} (POST /retrieve, GET /health)"})
+
+    def _content_length(self) -> Optional[int]:
+        """The declared body length, checked (one plain integer, at most max_body_bytes); None after a refusal."""
+        if self.headers.get("Transfer-Encoding"):
+            self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)", unread=True)
+            return None
+        declared = self.headers.get_all("Content-Length") or []
+        if len(declared) != 1:
+            self._refuse(411, "one Content-Length header is required", unread=True)
+            return None
+        text = declared[0].strip()
+        if not (text.isascii() and text.isdigit()) or len(text) > 12:
+            self._refuse(400, f"Content-Length must be a non-negative integer, got {text[:20]!r}", unread=True)
+            return None
+        length, cap = int(text), self.server.limits.max_body_bytes
+        if length > cap:
+            self._refuse(413, f"body of {length} bytes: at most {cap}", unread=True)
+            return None
+        return length
+
+    def _read_body(self) -> Optional[bytes]:
+        """The body, read up to its Content-Length (at most limits.max_body_bytes); None after a refusal."""
+        length = self._content_length()
+        if length is None:
+            return None
+        chunks, got = [], 0
+        while got < length:  # never more than the declared length, itself at most the cap
+            chunk = self.rfile.read(min(65536, length - got))
+            if not chunk:
+                self.close_connection = True  # the client stopped sending (or the watchdog shut it down)
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _answer(self, body: bytes) -> tuple[int, dict | bytes]:
+        """(status, reply) to a `/retrieve` body: parsed, checked and searched one request at a time."""
+        server = self.server
+        with server.work:
+            try:
+                request = json.loads(body or b"null")
+                queries, topk, return_scores = _check_request(request, server.default_topk, server.limits)
+            except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply
+                return 400, {"error": f"the body is not JSON: {str(e)[:200] or type(e).__name__}"}
+            except Refused as e:
+                return e.code, {"error": str(e)}
+            finally:
+                request = None  # the parsed body is freed before the next one is parsed
+            try:
+                hits = server.retriever.search(queries, topk)
+                return 200, _encode_reply(hits, return_scores, server.limits.max_reply_bytes)
+            except Refused as e:
+                return e.code, {"error": str(e)}
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path != "/retrieve":
+            self._refuse(404, f"no route {self.path[:200]} (POST /retrieve)", unread=True)
+            return
+        body = self._read_body()
+        if body is None:
+            return
+        # waiting for the work lock and the search are bounded by the query limits, not by the clock
+        self._deadline(None)
+        code, reply = self._answer(body)
+        del body
+        self._send(code, reply)
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
+        pass
+
+
 def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3,
                 rows: int | None = None, limits: Limits = Limits()) -> RetrieverServer:
     """A bound (not yet serving) server; call `serve_forever()` (port 0 picks a free port: `server.server_address`)."""
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = limits.timeout_s  # each recv/send; the watchdog bounds whole requests
-
-        def _deadline(self, seconds: Optional[float]) -> None:
-            self.server.watchdog.set(self.connection, None if seconds is None else time.monotonic() + seconds)
-
-        def _send(self, code: int, body: dict | bytes) -> None:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
-            self._deadline(limits.timeout_s)
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
-            self._deadline(limits.timeout_s)  # the next request on this connection, or an idle one is closed
-
-        def _refuse(self, code: int, message: str, unread: bool = False) -> None:
-            """A 4xx with `{"error"}`; `unread`: the body was not read, so the connection closes after it."""
-            if unread:
-                self.close_connection = True
-            self._send(code, {"error": message})
-            if unread:
-                self._linger()
-
-        def _linger(self) -> None:
-            try:
-                self.connection.shutdown(socket.SHUT_WR)
-                self.connection.settimeout(1.0)
-                dropped, end = 0, time.monotonic() + 1.0
-                while dropped < _LINGER_BYTES and time.monotonic() < end:
-                    chunk = self.connection.recv(65536)
-                    if not chunk:
-                        break
-                    dropped += len(chunk)
-            except OSError:
-                pass
-
-        def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-            """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""
-            self.close_connection = True
-            try:
-                self._send(code, {"error": message or self.responses.get(code, ("error",))[0]})
-            except OSError:
-                pass
-
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            if self.path == "/health":
-                self._send(200, {"status": "ok", "rows": rows})
-            else:
-                self._send(404, {"error": f"no route {self.path[:200]} (POST /retrieve, GET /health)"})
-
-        def _read_body(self) -> Optional[bytes]:
-            """The body, read up to its Content-Length (at most limits.max_body_bytes); None after a refusal."""
-            if self.headers.get("Transfer-Encoding"):
-                self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)", unread=True)
-                return None
-            declared = self.headers.get_all("Content-Length") or []
-            if len(declared) != 1:
-                self._refuse(411, "one Content-Length header is required", unread=True)
-                return None
-            text = declared[0].strip()
-            if not (text.isascii() and text.isdigit()) or len(text) > 12:
-                self._refuse(400, f"Content-Length must be a non-negative integer, got {text[:20]!r}", unread=True)
-                return None
-            length = int(text)
-            if length > limits.max_body_bytes:
-                self._refuse(413, f"body of {length} bytes: at most {limits.max_body_bytes}", unread=True)
-                return None
-            chunks, got = [], 0
-            while got < length:  # never more than the declared length, itself at most the cap
-                chunk = self.rfile.read(min(65536, length - got))
-                if not chunk:
-                    self.close_connection = True  # the client stopped sending (or the watchdog shut it down)
-                    return None
-                chunks.append(chunk)
-                got += len(chunk)
-            return b"".join(chunks)
-
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/retrieve":
-                self._refuse(404, f"no route {self.path[:200]} (POST /retrieve)", unread=True)
-                return
-            body = self._read_body()
-            if body is None:
-                return
-            try:
-                request = json.loads(body or b"null")
-                queries, topk, return_scores = _check_request(request, default_topk, limits)
-            except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deeply
-                self._refuse(400, f"the body is not JSON: {str(e)[:200] or type(e).__name__}")
-                return
-            except Refused as e:
-                self._refuse(e.code, str(e))
-                return
-            self._deadline(None)  # the search is bounded by max_queries and max_topk, not by the clock
-            try:
-                reply = _encode_reply(retriever.search(queries, topk), return_scores, limits.max_reply_bytes)
-            except Refused as e:
-                self._refuse(e.code, str(e))
-                return
-            self._send(200, reply)
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
-            pass
-
-    return RetrieverServer((host, port), Handler, limits)
+    return RetrieverServer((host, port), _Handler, limits, retriever, default_topk=default_topk, rows=rows)

@@ -266,6 +266,19 @@ def reply_size_bounded(ws: Path) -> None:
         assert status == 200, f"a small request after the refusal: HTTP {status}"
 
 
+@probe("long_query_refused")
+def long_query_refused(ws: Path) -> None:
+    """One query of 200,000 characters ("one one one ...", over the default 4,096) and 300 queries of 4,000
+    characters (1.2 M in all, over the default 1,048,576) are refused with 413 and a JSON error before any search
+    (a 16 MiB query used to hold the search lock, untimed, for minutes); a 4,096-character query is answered."""
+    with _serve(ws) as server:
+        _refused(_retrieve(server.port, ["one " * 50_000], 1), 413, needle="characters")
+        _refused(_retrieve(server.port, ["fort " * 800] * 300, 1), 413, needle="in all")
+        status, body = _retrieve(server.port, [("fort " * 1000)[:4096]], 1)
+        assert status == 200 and len(body["result"]) == 1, f"a 4,096-character query: HTTP {status} {body!r:.200}"
+        _health(server)
+
+
 # ---------------------------------------------------------------------------------------------- server: connections
 
 @probe("concurrent_clients")
@@ -428,6 +441,8 @@ BAD_REPLIES = [
     ("passage a number", _raw(json.dumps({"result": [[_doc(contents=12)]]}).encode()), "contents"),
     ("score a string", _raw(json.dumps({"result": [[_doc(score="high")]]}).encode()), "score"),
     ("score NaN", _raw(b'{"result": [[{"document": {"contents": "x"}, "score": NaN}]]}'), "score"),
+    ("score of 400 digits (no float)", _raw(b'{"result": [[{"document": {"contents": "x"}, "score": 1'
+                                            + b"0" * 400 + b"}]]}"), "score"),
     ("a 2 MB reply over a 1 MB cap", _raw(b'{"result": [[' + b" " * (2 << 20) + b"]]}"), "bytes"),
     ("a redirect to file:///etc/passwd", _raw(b"{}", 307, {"Location": "file:///etc/passwd"}), "307"),
     ("HTTP 500 with a non-UTF-8 body", _raw(b"\xff" * 100, 500), "500"),
@@ -456,6 +471,43 @@ def client_bad_replies(ws: Path) -> None:
             except Exception as e:
                 raise AssertionError(f"{what}: {type(e).__name__} instead of one line: {str(e)[:200]}") from None
             raise AssertionError(f"{what}: accepted")
+
+
+def _drip(h: BaseHTTPRequestHandler) -> None:
+    """A reply of 200 bytes announced at once, then sent one byte every 0.2 s (40 s in all)."""
+    h.send_response(200)
+    h.send_header("Content-Length", "200")
+    h.end_headers()
+    try:
+        h.wfile.flush()
+        for _ in range(200):
+            h.wfile.write(b" ")
+            h.wfile.flush()
+            time.sleep(0.2)
+    except OSError:
+        pass  # the client gave up: what it should do
+
+
+@probe("client_reply_deadline")
+def client_reply_deadline(ws: Path) -> None:
+    """A server sends its reply one byte every 0.2 s, each byte well within the client's 0.5 s timeout: the client
+    gives up within a few seconds (the whole reply must come within 3 x the timeout) with one line naming the URL,
+    instead of reading for as long as the server drips (hours for a large reply)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from emapg_cli.errors import UserError
+    from emapg_cli.retrieval.http import HTTPRetriever
+
+    with _fake_server(_drip) as url:
+        client = HTTPRetriever(url, timeout_s=0.5, retries=0)
+        t0 = time.monotonic()
+        try:
+            client.search(["q"], 3)
+        except UserError as e:
+            took = time.monotonic() - t0
+            assert took < 8, f"the client read a dripping reply for {took:.0f} s (timeout 0.5 s)"
+            assert "\n" not in str(e) and url in str(e) and "took over" in str(e), f"{str(e)[:300]!r}"
+            return
+        raise AssertionError("a dripped reply of spaces was accepted")
 
 
 @probe("client_url_not_http")
