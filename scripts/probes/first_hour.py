@@ -102,7 +102,7 @@ def eval_preset_config_set(ws: Path) -> None:
     assert "reward em" in shown, f"the preset's settings not shown: {r.show()}"
     assert "max tokens 10" in shown, f"--config's eval.max_new_tokens not used: {shown!r}"
     assert "temperature 0.25" in shown, f"--set does not beat --config: {shown!r}"
-    assert "n 2," in shown, f"--n does not beat --set: {shown!r}"
+    assert "n 2 (command line)," in shown, f"--n does not beat --set: {shown!r}"
     # the typed option is checked as training checks the key it overrides
     one_line_error(emapg(ws, "eval", "--preset", "toy-search", "--set", "search.max_context_tokens=2",
                          "--max-context-tokens", "320", "--responses", "resp.jsonl", "--out", "ev5", "--max-tokens", "999"),
