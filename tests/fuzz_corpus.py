@@ -450,6 +450,15 @@ def eval_cases() -> list[Case]:
         case("eval", "config-without-eval-set", "eval", "--config", "good.yaml", "--responses", "resp.jsonl", "--out", "new"),
         case("eval", "bench-toy-search-unprepared", "eval", "--bench", "toy-search", "--responses", "resp.jsonl", "--out", "new"),
     ]
+    # issue 20 review: a typed --prompt-template path with ' #' is read as typed (not cut at a YAML comment); a
+    # config file's reward plugin needs --trust-code in eval too
+    cases += [
+        case("eval", "preset-prompt-template-hash-missing", *base, "--preset", "toy-search", "--prompt-template",
+             "no such #file.txt", "--out", "new"),
+        case("eval", "config-plugin-untrusted", *base, "--config", "plugcfg.yaml", "--out", "new",
+             files={"plug.py": "def score(response, example):\n    return 1.0\n",
+                    "plugcfg.yaml": "rollout:\n  reward: plug.py:score\n"}),
+    ]
     return cases
 
 

@@ -56,15 +56,19 @@ def test_eval_flags_become_config_overrides(tmp_path):
               "backend": "auto", "env": None, "n": 5}
     got = _flag_overrides(params, {"max_context_tokens", "max_tokens", "retriever", "max_turns", "backend"})
     assert sorted(got) == sorted(["eval.max_new_tokens=1", "search.max_context_tokens=2", "rollout.max_context_tokens=2",
-                   "search.enabled=true", "search.retriever=bm25", f"search.index={tmp_path}", "search.max_turns=0"])  # backend auto: the config's engine
+                   "search.enabled=true", 'search.retriever="bm25"', f'search.index="{tmp_path}"', "search.max_turns=0"])  # backend auto: the config's engine
 
 
-def test_prompts_must_leave_room_for_a_turn():
+def test_prompts_must_leave_room_for_a_turn(capsys):
     from emapg_cli.evaluation.runner import check_prompts_fit
 
-    check_prompts_fit([10, 20], 12, 32)  # 20 + 12 = 32 <= 32: the longest prompt's first turn fits
-    with pytest.raises(UserError, match=r"longest prompt \(21 tokens\).*\(1 of 2 prompts\)"):
-        check_prompts_fit([10, 21], 12, 32)  # 21 + 12 = 33 > 32
+    assert check_prompts_fit([10, 20], 12, 32) == 0  # 20 + 12 = 32 <= 32: every prompt's first turn fits
+    assert capsys.readouterr().err == ""
+    assert check_prompts_fit([10, 21], 12, 32) == 1  # 21 + 12 = 33 > 32, 10 + 12 = 22 fits: one warning, no refusal
+    assert capsys.readouterr().err.strip() == ("warning: 1 of 2 prompts do not fit --max-context-tokens (32) with "
+                                               "--max-tokens (12, per turn): they get no turn and score 0")
+    with pytest.raises(UserError, match=r"none of the 2 prompts fits \(the shortest has 21 tokens\)"):
+        check_prompts_fit([21, 25], 12, 32)  # 21 + 12 = 33 > 32: no prompt fits
 
 
 def test_offline_hub_id_fails_fast_in_one_line(monkeypatch, tmp_path):

@@ -148,6 +148,7 @@ def step(
     steps: Annotated[int, typer.Option("--steps", help="Timed RL steps (medians are reported).", min=1, max=100_000)] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed RL steps first.", min=0, max=100_000)] = 1,
     json_path: JsonOpt = None,
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run the reward plugin / user environment (rollout.reward, rollout.env = FILE.py:NAME or module:NAME) or the model's own code (model.trust_remote_code) that the preset file names; without it only those given by --set on this command line run (docs/reliability.md).")] = False,
 ) -> None:
     """Whole RL steps of a preset (e.g. --preset toy), broken into generation, reward, batch, passes, update, EMA; tokens/s.
 
@@ -159,6 +160,12 @@ def step(
     quiet_transformers()  # transformers' own "Loading weights" bar stays out of the table
     if preset is None:
         raise UserError("pass --preset (e.g. --preset toy)")
+    from emapg_cli.config.loading import load_config
+    from emapg_cli.config.trust import code_refs, load_code, named_refs, require_trust
+
+    refs = code_refs(load_config(preset, None, set_ or []))  # the steps run the preset's plugins: train's trust rule
+    require_trust(refs, named_refs(set_ or []), trust_code, f"--preset {preset}")
+    load_code(refs)
     r = bench_step(preset, set_ or [], steps=steps, warmup=warmup)
     rows = [(p, f"{r[p + '_s']:.3f} s ({100 * r[p + '_s'] / r['step_s']:.0f}%)") for p in (*PHASES, "other")]
     rows += [("step", f"{r['step_s']:.3f} s (median of {steps})"), ("tokens/s", f"{r['tokens_per_s']:.0f}")]

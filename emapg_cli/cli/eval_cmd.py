@@ -28,9 +28,17 @@ def _given(ctx: typer.Context) -> set[str]:
             if getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")}
 
 
+def _yaml_value(value) -> str:
+    """`value` as the YAML text of a `--set KEY=VALUE` item that reads back as the same value: a string (a path with
+    ` #`, a leading `*`, `!`, ...) is a JSON-quoted string, which YAML reads as written."""
+    import json
+
+    return json.dumps(str(value)) if isinstance(value, (str, Path)) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _flag_overrides(params: dict, given: set[str]) -> list[str]:
     """The typed eval options as `--set KEY=VALUE` overrides of the config (FLAG_KEYS; --retriever and --max-turns
-    set the search section; --backend rollout.engine)."""
+    set the search section; --backend rollout.engine); string values quoted (`_yaml_value`)."""
     from emapg_cli.evaluation.search import parse_retriever
 
     out: list[str] = []
@@ -41,49 +49,199 @@ def _flag_overrides(params: dict, given: set[str]) -> list[str]:
         if isinstance(value, Path):
             value = value.absolute()
         for key in FLAG_KEYS.get(name, ()):
-            out.append(f"{key}={value}")
+            out.append(f"{key}={_yaml_value(value)}")
         if name == "retriever":
-            out += ["search.enabled=true", *(f"search.{k}={v}" for k, v in parse_retriever(value).items())]
+            out += ["search.enabled=true", *(f"search.{k}={_yaml_value(v)}" for k, v in parse_retriever(value).items())]
         if name == "max_turns" and (params.get("retriever") is not None or params.get("env") in (None, "search")):
             out.append(f"search.max_turns={value}")
         if name == "backend" and value != "auto":
-            out.append(f"rollout.engine={value}")
+            out.append(f"rollout.engine={_yaml_value(value)}")
     return out
 
 
-def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]):
-    """(config, the eval options it implies): --preset/--config/--set as `train` resolves them, then the typed eval
-    options on top (they win), validated by the same checks as training; the options not typed take the run's
-    environment, prompt, retriever, reward and budgets: data.eval, rollout.engine/env/reward, the `eval` section's
-    sampling, eval.max_new_tokens per turn (capped as the final evaluation of the run is), search.*, reward.truncated,
-    grading.think, data.eval_limit, model.dtype."""
-    from emapg_cli.cli.common import resolve_config
-    from emapg_cli.train.evaluate import eval_max_new_tokens
+#: The config keys each implied eval option comes from (beyond FLAG_KEYS): with --set alone (no --preset/--config)
+#: an option takes the config's value only when a --set item touched one of its keys, else eval's own default.
+IMPLIED_KEYS = {**FLAG_KEYS, "bench": ("data.eval",), "backend": ("rollout.engine",), "max_turns": ("search.max_turns",),
+                "retriever": ("search.enabled", "search.retriever", "search.index", "search.url")}
 
-    params, given = dict(ctx.params), _given(ctx)
-    cfg = resolve_config(preset, config, [*(overrides or []), *_flag_overrides(params, given)])
-    # (a reward or environment plugin the files name runs only with --trust-code: eval_ checks it, as train does)
-    if not isinstance(cfg.data.eval, str) and "bench" not in given:
-        raise UserError("give --bench: the config's data.eval " + ("is not set" if cfg.data.eval is None else "lists several sets"))
+
+def _set_keys(overrides: list[str]) -> set[str]:
+    """The dotted config keys the --set items name."""
+    from emapg_cli.config.loading import parse_override
+
+    keys = set()
+    for item in overrides:
+        try:
+            keys.add(".".join(parse_override(item)[0]))
+        except UserError:
+            continue  # the config's own parsing reports it
+    return keys
+
+
+def _origin(name: str, given: set[str], set_keys: set[str], files: str) -> str:
+    """Where eval option `name` comes from: the command line, --set, the --preset/--config files, or eval's defaults."""
+    if name in given:
+        return "typed"
+    if any(k == t or k.startswith(t + ".") for k in IMPLIED_KEYS.get(name, ()) for t in set_keys):
+        return "--set"
+    return files or "eval's default"
+
+
+def _implied(cfg) -> dict:
+    """The eval options a resolved config implies (see `_from_config`)."""
     from emapg_cli.paths import expand
+    from emapg_cli.train.evaluate import eval_max_new_tokens
 
     search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search")
     retriever = None
     if search:
         retriever = f"bm25:{expand(cfg.search.index) if cfg.search.index else ''}" if cfg.search.retriever == "bm25" else cfg.search.url
-    implied = {
+    return {
         "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit,
         "backend": cfg.rollout.engine, "n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
         "max_tokens": eval_max_new_tokens(cfg, cfg.train.steps), "dtype": cfg.model.dtype, "reward": cfg.rollout.reward,
         "env": cfg.rollout.env, "truncated": cfg.reward.truncated, "think": cfg.grading.think, "retriever": retriever,
-        "max_turns": cfg.search.max_turns if search else params["max_turns"], "topk": cfg.search.topk,
+        "max_turns": cfg.search.max_turns if search else None, "topk": cfg.search.topk,
         "max_obs_tokens": cfg.search.max_obs_tokens,
         "max_context_tokens": cfg.rollout.max_context_tokens if user_env else cfg.search.max_context_tokens,
         "prompt_template": expand(cfg.search.prompt_template) if search and cfg.search.prompt_template else None,
     }
+
+
+def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]):
+    """(config, the eval options it implies, where each came from): --preset/--config/--set as `train` resolves them,
+    then the typed eval options on top (they win), validated by the same checks as training. With --preset/--config
+    the options not typed take the run's environment, prompt, retriever, reward and budgets: data.eval,
+    rollout.engine/env/reward, the `eval` section's sampling, eval.max_new_tokens per turn (capped as the final
+    evaluation of the run is), search.*, reward.truncated, grading.think, data.eval_limit, model.dtype. With --set
+    alone, an option takes the config's value only when a --set item touched its key; the others keep eval's own
+    defaults (Config's defaults, e.g. eval.n = 1, are not eval's)."""
+    from emapg_cli.cli.common import resolve_config
+
+    params, given = dict(ctx.params), _given(ctx)
+    cfg = resolve_config(preset, config, [*(overrides or []), *_flag_overrides(params, given)])
+    # (a reward or environment plugin the files name runs only with --trust-code: eval_ checks it, as train does)
+    if not isinstance(cfg.data.eval, str) and "bench" not in given and (preset or config):
+        raise UserError("give --bench: the config's data.eval " + ("is not set" if cfg.data.eval is None else "lists several sets"))
+    implied = _implied(cfg)
+    if implied["max_turns"] is None:
+        implied["max_turns"] = params["max_turns"]
     if params.get("responses") is not None:  # given responses are only graded: the config's environment does not run
         implied.update(retriever=None, env=None, prompt_template=None)
-    return cfg, {k: (params[k] if k in given else v) for k, v in implied.items()}
+    files = " and ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
+    set_keys = _set_keys(overrides or [])
+    origin = {k: _origin(k, given, set_keys, files) for k in implied}
+    return cfg, {k: (implied[k] if origin[k] not in ("typed", "eval's default") else params[k]) for k in implied}, origin
+
+
+def _check_env_options(o: dict) -> None:
+    """Cross-check --env/--retriever/--responses/--prompt-template (one line each), read the template, and fill the
+    defaults that depend on them (n, temperature, max tokens, turns: greedy and short with an environment)."""
+    from emapg_cli.agents.environments import check_env
+
+    env, retriever, responses = o["env"], o["retriever"], o["responses"]
+    try:  # the check training's rollout.env gets; a file path is made absolute
+        o["env"] = env = check_env(env) if env is not None else None
+    except UserError as e:
+        raise UserError(f"--env: {str(e).removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
+    if env == "search" and retriever is None:
+        raise UserError("--env search needs --retriever (bm25:DIR or http://HOST:PORT)")
+    if retriever is not None and env not in (None, "search"):
+        raise UserError(f"--retriever runs the search agent; it contradicts --env {env}")
+    if env is not None and env != "single" and responses is not None:
+        raise UserError("--env runs an environment on --model; given --responses are only graded")
+    user_env, searching = env not in (None, "single", "search"), retriever is not None
+    if searching and responses is not None:
+        raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
+    if not searching and o["prompt_template"] is not None:
+        raise UserError("--prompt-template applies only with --retriever")
+    if o["prompt_template"] is not None:  # read now (one line on a bad file), not after the model is loaded
+        from emapg_cli.agents.protocol import load_template
+
+        try:
+            load_template(str(o["prompt_template"]))
+        except UserError as e:
+            raise UserError(str(e).replace("search.prompt_template: ", "--prompt-template ", 1)) from None
+    defaults = {"n": 1 if searching else 32, "temperature": 0.0 if searching else 0.8,
+                "max_tokens": 500 if searching or user_env else 28000, "max_turns": None if user_env else 4}
+    o.update({k: v for k, v in defaults.items() if o[k] is None})
+
+
+def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code: bool) -> None:
+    """The reward's check, then the trust rule (config/trust.py): a plugin from --preset/--config runs only with
+    --trust-code; it is imported now, before anything is written."""
+    from emapg_cli.config.trust import code_refs_of, load_code, named_refs, require_trust
+    from emapg_cli.rewards.registry import check_reward
+
+    searching = o["retriever"] is not None
+    try:  # the check training's rollout.reward gets; a plugin file path is made absolute
+        o["reward"] = check_reward(o["reward"] if o["reward"] is not None else ("em" if searching else "math"))
+    except UserError as e:
+        raise UserError(f"--reward: {e}") from None
+    refs = code_refs_of(reward=o["reward"], env=o["env"])  # the code this evaluation will import
+    named = named_refs(set_ or [], reward=o["reward"] if cfg is None or "reward" in typed else None,
+                       env=o["env"] if cfg is None or "env" in typed else None)
+    source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
+    require_trust(refs, named, trust_code, *([source] if source else []))  # named on this command line: trusted
+    try:
+        load_code(refs)
+    except UserError as e:
+        msg = str(e)
+        raise UserError(f"--reward: {msg.removeprefix('rollout.reward: ')}" if msg.startswith("rollout.reward")
+                        else f"--env: {msg.removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
+    if searching and o["reward"] in ("math", "toy"):
+        raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
+
+
+def _settings_line(s, what: str, origin: dict, threads_note: str) -> str:
+    """The one line saying which settings the evaluation uses and where its sampling settings came from."""
+    turn = " per turn" if s.env not in (None, "single") or s.retriever else ""
+    src = lambda k: f" ({'command line' if origin[k] == 'typed' else origin[k]})"  # noqa: E731
+    search = (f", retriever {s.retriever}, max turns {s.max_turns}, topk {s.topk}, observations {s.max_obs_tokens} "
+              f"tokens, context {s.max_context_tokens} tokens" if s.retriever else "")
+    user_env = f", env {s.env}" if s.env not in (None, "single", "search") else ""
+    return (f"eval settings from {what}: bench {s.bench}, n {s.n}{src('n')}, temperature {s.temperature}"
+            f"{src('temperature')}, top_p {s.top_p}{src('top_p')}, max tokens {s.max_tokens}{turn}{src('max_tokens')}, "
+            f"reward {s.reward}{user_env}{search}{threads_note}")
+
+
+def _run(settings, label: str) -> None:
+    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots."""
+    import json
+
+    from rich.markup import escape
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.evaluation.report import markdown
+    from emapg_cli.evaluation.runner import run_eval
+    from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
+    from emapg_cli.outputs import claim_folder, config_sha256
+    from emapg_cli.plots.common import PLOTS_DIR
+    from emapg_cli.plots.eval import plot_evals
+    from emapg_cli.progress import Progress
+
+    bar = Progress(
+        TextColumn(escape(f"eval {label}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text
+        BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
+        TimeElapsedColumn(), console=console,
+    )
+    task = bar.add_task("eval", total=None, acc="-")
+
+    def progress(done: int, total: int, acc: float) -> None:
+        bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
+
+    out = settings.out
+    record = settings.record()
+    digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
+    with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
+        summary = run_eval(settings, progress)
+    console.print(markdown(summary), markup=False, highlight=False)
+    failed = {k: summary.get(f"grader_{k}") or 0 for k in ("errors", "timeouts", "crashes", "out_of_memory")}
+    if any(failed.values()):  # each counted response scored 0: say so, not only in summary.json
+        counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in failed.items() if v)
+        typer.echo(f"warning: some responses could not be graded and scored 0 ({counts}; see summary.json grader_*)", err=True)
+    plot_evals([(out.name, summary)], out / PLOTS_DIR)
+    console.print(f"results in {out} (plots in {out / PLOTS_DIR})", markup=False, highlight=False)
 
 
 def eval_(
@@ -127,121 +285,50 @@ def eval_(
     environment (rollout.env, the search section's retriever, turns, topk, observation and context limits, prompt
     template), the reward, data.eval as --bench and the `eval` section's sampling (n, temperature, top_p,
     max_new_tokens per turn), so `emapg eval --preset toy-search --model runs/RUN/final/policy` scores what the run's
-    final evaluation scored. Precedence: an eval option typed on the command line > --set > --config > --preset >
-    eval's own defaults; the result passes the checks `train` runs on its config (one line, exit 2).
+    final evaluation scored. Precedence: an eval option typed on the command line > --set > --config > --preset
+    (there the config's defaults fill what the files leave out, e.g. the `eval` section's n, temperature, top_p).
+    With --set alone (no --preset/--config) an option takes the config's value only when a --set item names its key;
+    the others keep eval's own defaults (n 32, temperature 0.8, top_p 0.9, max tokens 28000; with a retriever n 1,
+    temperature 0, 500 tokens per turn). The settings line says where n, temperature, top_p and max tokens came from.
+    The result passes the checks `train` runs on its config (one line, exit 2).
     """
-    from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-
     from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
-    from emapg_cli.evaluation.report import markdown
-    from emapg_cli.evaluation.runner import EvalSettings, run_eval
+    from emapg_cli.evaluation.runner import EvalSettings
     from emapg_cli.hf_quiet import quiet_transformers
-    from emapg_cli.progress import Progress
 
     quiet_transformers()
-    cfg = None
+    o, cfg, origin = dict(ctx.params), None, {}
     if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or env or retriever):
         preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
     label = bench  # names the default output folder
     if preset or config or set_:
-        cfg, implied = _from_config(ctx, preset, config, set_)
+        cfg, implied, origin = _from_config(ctx, preset, config, set_)
         label = bench or cfg.name  # runs/eval/<run name>-<model>: data.eval is often a file called test.jsonl
-        bench, limit, backend, n, temperature, top_p = (implied[k] for k in ("bench", "limit", "backend", "n", "temperature", "top_p"))
-        max_tokens, dtype, reward, env, truncated, think = (implied[k] for k in ("max_tokens", "dtype", "reward", "env", "truncated", "think"))
-        retriever, max_turns, topk, max_obs_tokens = (implied[k] for k in ("retriever", "max_turns", "topk", "max_obs_tokens"))
-        max_context_tokens, prompt_template = implied["max_context_tokens"], implied["prompt_template"]
-        if env == "single" or (env == "search" and retriever is not None):
-            env = None  # as without a config: the default, or the search agent the retriever implies
-    if bench is None:
+        o.update(implied)
+        if o["env"] == "single" or (o["env"] == "search" and o["retriever"] is not None):
+            o["env"] = None  # as without a config: the default, or the search agent the retriever implies
+    if o["bench"] is None:
         raise UserError("give --bench (or --preset/--config whose data.eval names the evaluation set)")
-    if top_p <= 0:
-        raise UserError(f"--top-p must be in (0, 1], got {top_p}")
+    if o["top_p"] <= 0:
+        raise UserError(f"--top-p must be in (0, 1], got {o['top_p']}")
     if model is None and responses is None:
         raise UserError("give --model (sample and grade) or --responses (grade given responses)")
     if responses is not None and not responses.is_file():
         raise UserError(f"{responses}: no such file")
-    from emapg_cli.agents.environments import check_env
-
-    try:  # the check training's rollout.env gets; a file path is made absolute
-        env = check_env(env) if env is not None else None
-    except UserError as e:
-        raise UserError(f"--env: {str(e).removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
-    if env == "search" and retriever is None:
-        raise UserError("--env search needs --retriever (bm25:DIR or http://HOST:PORT)")
-    if retriever is not None and env not in (None, "search"):
-        raise UserError(f"--retriever runs the search agent; it contradicts --env {env}")
-    if env is not None and env != "single" and responses is not None:
-        raise UserError("--env runs an environment on --model; given --responses are only graded")
-    user_env = env not in (None, "single", "search")
-    searching = retriever is not None
-    if searching and responses is not None:
-        raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
-    if not searching and prompt_template is not None:
-        raise UserError("--prompt-template applies only with --retriever")
-    if prompt_template is not None:  # read now (one line on a bad file), not after the model is loaded
-        from emapg_cli.agents.protocol import load_template
-
-        try:
-            load_template(str(prompt_template))
-        except UserError as e:
-            raise UserError(str(e).replace("search.prompt_template: ", "--prompt-template ", 1)) from None
-    n = n if n is not None else (1 if searching else 32)
-    temperature = temperature if temperature is not None else (0.0 if searching else 0.8)
-    max_tokens = max_tokens if max_tokens is not None else (500 if searching or user_env else 28000)
-    if max_turns is None:  # search: search.max_turns' default; a user environment: its class's (None)
-        max_turns = None if user_env else 4
-    from emapg_cli.rewards.registry import check_reward
-
-    try:  # the check training's rollout.reward gets; a plugin file path is made absolute
-        reward = check_reward(reward if reward is not None else ("em" if searching else "math"))
-    except UserError as e:
-        raise UserError(f"--reward: {e}") from None
-    from emapg_cli.config.trust import code_refs_of, load_code, named_refs, require_trust
-
-    refs = code_refs_of(reward=reward, env=env)  # the code this evaluation will import
-    typed = _given(ctx)  # with --preset/--config the reward and environment may come from a file: trusted only when typed
-    named = named_refs(set_ or [], reward=reward if cfg is None or "reward" in typed else None,
-                       env=env if cfg is None or "env" in typed else None)
-    source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
-    require_trust(refs, named, trust_code, *([source] if source else []))  # named on this command line: trusted
-    try:  # imported now (the evaluation starts), before anything is written
-        load_code(refs)
-    except UserError as e:
-        msg = str(e)
-        raise UserError(f"--reward: {msg.removeprefix('rollout.reward: ')}" if msg.startswith("rollout.reward")
-                        else f"--env: {msg.removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
-    if searching and reward in ("math", "toy"):
-        raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
-    if searching or user_env:
+    _check_env_options(o)
+    _check_code(o, _given(ctx), cfg, preset, config, set_, trust_code)
+    if o["retriever"] is not None or o["env"] not in (None, "single", "search"):
         from emapg_cli.evaluation.search import check_turn_budget
 
-        check_turn_budget(max_tokens, max_context_tokens)
-    out = out or default_out(label or bench, model, responses)
+        check_turn_budget(o["max_tokens"], o["max_context_tokens"])
+    keys = ("backend", "n", "temperature", "top_p", "max_tokens", "seed", "limit", "instruction", "chunk", "max_model_len",
+            "dtype", "gpu_memory_utilization", "grader_workers", "grader_timeout", "reward", "retriever", "env",
+            "max_turns", "topk", "max_obs_tokens", "max_context_tokens", "truncated", "think")
     settings = EvalSettings(
-        bench=bench_ref(bench), out=out, model=model, responses_file=responses, backend=backend, n=n,
-        temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed, limit=limit,
-        instruction=instruction, chunk=chunk, max_model_len=max_model_len, dtype=dtype,
-        gpu_memory_utilization=gpu_memory_utilization, grader_workers=grader_workers, grader_timeout=grader_timeout,
-        reward=reward, retriever=retriever, env=env, max_turns=max_turns, topk=topk, max_obs_tokens=max_obs_tokens,
-        max_context_tokens=max_context_tokens, prompt_template=str(prompt_template) if prompt_template else None,
-        truncated=truncated, think=think, **({"env_timeout_s": cfg.rollout.env_timeout_s} if cfg is not None else {}),
+        bench=bench_ref(o["bench"]), out=out or default_out(label or o["bench"], model, responses), model=model,
+        responses_file=responses, prompt_template=str(o["prompt_template"]) if o["prompt_template"] else None,
+        **{k: o[k] for k in keys}, **({"env_timeout_s": cfg.rollout.env_timeout_s} if cfg is not None else {}),
     )
-    bar = Progress(
-        TextColumn(escape(f"eval {bench}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text
-        BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
-        TimeElapsedColumn(), console=console,
-    )
-    task = bar.add_task("eval", total=None, acc="-")
-
-    def progress(done: int, total: int, acc: float) -> None:
-        bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
-
-    import json
-
-    from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
-    from emapg_cli.outputs import claim_folder, config_sha256
-
     threads_note = ""
     if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)
         from emapg_cli.train.threads import set_torch_threads
@@ -249,22 +336,5 @@ def eval_(
         threads_note = set_torch_threads(cfg.train.torch_threads if cfg is not None else None)
     if cfg is not None:  # what the config gave: one line, before the work
         what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
-        search_note = (f", retriever {retriever}, max turns {max_turns}, topk {topk}, observations {max_obs_tokens} "
-                       f"tokens, context {max_context_tokens} tokens" if retriever else "")
-        console.print(f"eval settings from {what}: bench {settings.bench}, n {n}, temperature {temperature}, top_p {top_p}, "
-                      f"max tokens {max_tokens}{' per turn' if searching or user_env else ''}, reward {reward}"
-                      f"{', env ' + env if user_env else ''}{search_note}{threads_note}", markup=False, highlight=False, soft_wrap=True)
-    record = settings.record()
-    digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
-    with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
-        summary = run_eval(settings, progress)
-    console.print(markdown(summary), markup=False, highlight=False)
-    failed = {k: summary.get(f"grader_{k}") or 0 for k in ("errors", "timeouts", "crashes", "out_of_memory")}
-    if any(failed.values()):  # each counted response scored 0: say so, not only in summary.json
-        counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in failed.items() if v)
-        typer.echo(f"warning: some responses could not be graded and scored 0 ({counts}; see summary.json grader_*)", err=True)
-    from emapg_cli.plots.common import PLOTS_DIR
-    from emapg_cli.plots.eval import plot_evals
-
-    plot_evals([(out.name, summary)], out / PLOTS_DIR)
-    console.print(f"results in {out} (plots in {out / PLOTS_DIR})", markup=False, highlight=False)
+        console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
+    _run(settings, o["bench"])

@@ -4,7 +4,9 @@ A run imports user code for two keys: `rollout.reward` (a plugin `FILE.py:fn` / 
 (a user environment `FILE.py:Class` / `module:Class`). Built-in names (`math`, `em`, `calc`, ...) are emapg's own
 code and need no trust. A plugin reference runs when it was named on THIS command line (`--set KEY=REF`, or
 `emapg eval --reward/--env REF`); one that came from anywhere else (a `--config` file, a preset file, a run's saved
-config.yaml on `train --resume`, an ablation study file) runs only with `--trust-code`.
+config.yaml on `train --resume`, an ablation study file) runs only with `--trust-code`. The boolean key
+`model.trust_remote_code: true` (the model's folder or hub repository runs its own Python code when loaded) follows
+the same rule: given on this command line (`--set model.trust_remote_code=true`) or with `--trust-code`.
 
     refs = code_refs(cfg)                                 # {"rollout.reward": "/abs/score.py:fn", ...}
     named = named_refs(set_)                              # the refs the --set options named
@@ -21,6 +23,8 @@ from emapg_cli.errors import UserError
 
 #: The config keys whose value can name user code.
 CODE_KEYS = ("rollout.reward", "rollout.env")
+#: The boolean key that lets the model's own repository run code; its "reference" is the text "true".
+REMOTE_CODE_KEY = "model.trust_remote_code"
 
 
 def plugin_ref(key: str, value: Any) -> str | None:
@@ -39,8 +43,12 @@ def plugin_ref(key: str, value: Any) -> str | None:
 
 
 def code_refs(cfg: Any) -> dict[str, str]:
-    """{config key: plugin reference} of the user code `cfg` (a Config) would import when its run starts."""
-    return code_refs_of(reward=cfg.rollout.reward, env=cfg.rollout.env)
+    """{config key: plugin reference} of the user code `cfg` (a Config) would import when its run starts, with
+    {"model.trust_remote_code": "true"} when the model's repository may run its own code."""
+    refs = code_refs_of(reward=cfg.rollout.reward, env=cfg.rollout.env)
+    if cfg.model.trust_remote_code is True:
+        refs[REMOTE_CODE_KEY] = "true"
+    return refs
 
 
 def code_refs_of(reward: str | None = None, env: str | None = None) -> dict[str, str]:
@@ -62,7 +70,12 @@ def named_refs(overrides: Iterable[str] = (), **options: str | None) -> dict[str
         except UserError:
             continue  # the config's own parsing reports it
         key = ".".join(parts)
-        if key in CODE_KEYS:
+        if key == REMOTE_CODE_KEY:
+            if value is True:
+                named[key] = "true"
+            else:
+                named.pop(key, None)
+        elif key in CODE_KEYS:
             ref = plugin_ref(key, value)
             if ref is not None:
                 named[key] = ref
@@ -82,6 +95,9 @@ def require_trust(refs: Mapping[str, str], named: Mapping[str, str], trust_code:
     if trust_code:
         return
     for key, ref in refs.items():
+        if named.get(key) != ref and key == REMOTE_CODE_KEY:
+            raise UserError(f"{key} = true comes from {source}, not from this command line: the model's folder or "
+                            f"repository may run its own Python code only with --trust-code (or give --set {key}=true)")
         if named.get(key) != ref:
             file = ref.rpartition(":")[0]
             raise UserError(f"{key} = {ref} comes from {source}, not from this command line: its code ({file}) runs "
@@ -103,3 +119,4 @@ def load_code(refs: Mapping[str, str]) -> None:
                 raise UserError(f"rollout.reward: {e}") from None
         elif key == "rollout.env":
             load_env_class(ref)
+        # (model.trust_remote_code imports nothing here: the model's loader runs that code, trusted now)

@@ -8,6 +8,7 @@ per-sample seeds (see the engines).
 
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
@@ -179,16 +180,23 @@ class _Grading:
             row["classes"] = equivalence_votes(row["votes"], cands, same[a:b])
 
 
-def check_prompts_fit(prompt_lengths: Sequence[int], max_tokens: int, max_context_tokens: int) -> None:
+def check_prompts_fit(prompt_lengths: Sequence[int], max_tokens: int, max_context_tokens: int) -> int:
     """A multi-turn episode starts a turn only when prompt + a full --max-tokens turn fit in --max-context-tokens
     (training's check of search.max_context_tokens / rollout.max_context_tokens against data.max_prompt_tokens, with
-    the longest real prompt in its place): a prompt that leaves no room would end its episode before its first turn
-    and score 0 silently."""
-    longest = max(prompt_lengths, default=0)
-    if longest + max_tokens > max_context_tokens:
-        over = sum(n + max_tokens > max_context_tokens for n in prompt_lengths)
-        raise UserError(f"--max-context-tokens ({max_context_tokens}) must hold the longest prompt ({longest} tokens) + "
-                        f"--max-tokens ({max_tokens}, per turn), or no turn could start ({over} of {len(prompt_lengths)} prompts)")
+    the real prompts in its place). When no prompt fits, a one-line UserError (the evaluation could only score 0).
+    When some do not, one warning on stderr with their count: those items end before their first turn and score 0
+    (an empty response, counted in the summary like any wrong answer), as training skips prompts over
+    data.max_prompt_tokens. Returns how many prompts do not fit."""
+    over = sum(n + max_tokens > max_context_tokens for n in prompt_lengths)
+    if prompt_lengths and over == len(prompt_lengths):
+        shortest = min(prompt_lengths)
+        raise UserError(f"--max-context-tokens ({max_context_tokens}) must hold a prompt + --max-tokens ({max_tokens}, "
+                        f"per turn), or no turn could start: none of the {len(prompt_lengths)} prompts fits (the "
+                        f"shortest has {shortest} tokens)")
+    if over:
+        print(f"warning: {over} of {len(prompt_lengths)} prompts do not fit --max-context-tokens ({max_context_tokens}) "
+              f"with --max-tokens ({max_tokens}, per turn): they get no turn and score 0", file=sys.stderr)
+    return over
 
 
 def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_of: dict[str, int], grade: _Grading) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def eval_prompt_over_context(ws: Path) -> None:
                                "    def step(self, text):\n        return None\n")
     one_line_error(emapg(ws, "eval", "--bench", "bench.jsonl", "--model", str(model), "--backend", "hf", "--env",
                          "env.py:Echo", "--max-tokens", "1", "--max-context-tokens", "2", "--out", "ev", timeout=180),
-                   "--max-context-tokens (2)", "longest prompt")
+                   "--max-context-tokens (2)", "none of the")
 
 
 @probe("eval-preset-config-set-accepted-and-shown")
@@ -102,7 +102,7 @@ def eval_preset_config_set(ws: Path) -> None:
     assert "reward em" in shown, f"the preset's settings not shown: {r.show()}"
     assert "max tokens 10" in shown, f"--config's eval.max_new_tokens not used: {shown!r}"
     assert "temperature 0.25" in shown, f"--set does not beat --config: {shown!r}"
-    assert "n 2," in shown, f"--n does not beat --set: {shown!r}"
+    assert "n 2 (command line)," in shown, f"--n does not beat --set: {shown!r}"
     # the typed option is checked as training checks the key it overrides
     one_line_error(emapg(ws, "eval", "--preset", "toy-search", "--set", "search.max_context_tokens=2",
                          "--max-context-tokens", "320", "--responses", "resp.jsonl", "--out", "ev5", "--max-tokens", "999"),
@@ -197,3 +197,37 @@ def toy_docs_threads(ws: Path) -> None:
     """docs/toy.md must not call two threads the default (train chooses the thread count automatically now)."""
     text = (ROOT / "docs" / "toy.md").read_text()
     assert "the default two threads" not in text, "docs/toy.md still speaks of 'the default two threads'"
+
+
+@probe("eval-some-prompts-over-context-warn", slow=True)
+def eval_some_prompts_over_context_warn(ws: Path) -> None:
+    """`emapg eval --env FILE.py:Class --max-tokens 1 --max-context-tokens 200` on a bench where one question is short
+    and one is ~2000 words: the evaluation runs (as training skips long prompts, it does not refuse the benchmark),
+    prints one warning naming the count (1 of 2), and the long item scores 0 (counted in the summary: 2 items)."""
+    model = _tiny_model(ws)
+    long_q = " ".join(["word"] * 2000)
+    (ws / "bench.jsonl").write_text('{"id": "a", "question": "1+1", "answer": "2"}\n'
+                                    + json.dumps({"id": "b", "question": long_q, "answer": "2"}) + "\n")
+    (ws / "env.py").write_text("class Echo:\n    max_turns = 1\n    def __init__(self, example):\n        pass\n"
+                               "    def step(self, text):\n        return None\n")
+    r = ok(emapg(ws, "eval", "--bench", "bench.jsonl", "--model", str(model), "--backend", "hf", "--env",
+                 "env.py:Echo", "--max-tokens", "1", "--max-context-tokens", "200", "--n", "1", "--out", "ev", timeout=180))
+    assert "warning: 1 of 2 prompts do not fit" in r.err, r.show()
+    rows = [json.loads(x) for x in (ws / "ev" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and not any(next(x for x in rows if x["id"] == "b")["correct"]), rows
+
+
+@probe("eval-set-alone-keeps-eval-defaults", slow=True)
+def eval_set_alone_keeps_eval_defaults(ws: Path) -> None:
+    """`emapg eval --bench b.jsonl --responses r.jsonl --set reward.truncated=grade`: a --set alone must not swap
+    eval's own sampling defaults (n 32, temperature 0.8, top_p 0.9, 28000 tokens) for Config's (1, 0, 1, 8192)
+    silently; the settings line says where each came from. With --preset toy the config's eval section applies."""
+    (ws / "b.jsonl").write_text('{"id": "a", "question": "1+1", "answer": "2"}\n')
+    (ws / "r.jsonl").write_text('{"id": "a", "responses": ["\\\\boxed{2}"]}\n')
+    r = ok(emapg(ws, "eval", "--bench", "b.jsonl", "--responses", "r.jsonl", "--set", "reward.truncated=grade",
+                 "--out", "ev"))
+    for part in ("temperature 0.8 (eval's default)", "top_p 0.9 (eval's default)", "max tokens 28000 (eval's default)"):
+        assert part in r.out, r.show()
+    r = ok(emapg(ws, "eval", "--bench", "b.jsonl", "--responses", "r.jsonl", "--preset", "toy", "--top-p", "0.5",
+                 "--out", "ev2"))
+    assert "temperature" in r.out and "(--preset toy)" in r.out and "top_p 0.5 (command line)" in r.out, r.show()

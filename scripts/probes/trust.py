@@ -295,3 +295,39 @@ def train_plugin_25pct_failing_warns(ws: Path) -> None:
     rows = [json.loads(x) for x in (ws / "run" / "metrics.jsonl").read_text().splitlines()]
     step = next(x for x in rows if x.get("step") == 1)
     assert step["reward/errors"] == 3.0 and step["reward/failure_rate"] == 0.25, step
+
+
+@probe("bench-step-preset-plugin-needs-trust")
+def bench_step_preset_plugin_needs_trust(ws: Path) -> None:
+    """`emapg bench step --preset ./x.yaml` where x.yaml names a reward plugin: the steps would import it, so it is
+    refused without --trust-code (one line naming the preset file and the flag); the plugin does not run."""
+    _files(ws, **{"plug.py": MARKER_PLUGIN, "x.yaml": "name: x\nrollout:\n  reward: plug.py:score\n"})
+    one_line_error(emapg(ws, "bench", "step", "--preset", "./x.yaml", "--steps", "1", "--warmup", "0"),
+                   "x.yaml", "--trust-code", "rollout.reward")
+    _marker_gone(ws)
+
+
+@probe("train-config-remote-code-needs-trust")
+def train_config_remote_code_needs_trust(ws: Path) -> None:
+    """`emapg train --config cfg.yaml` where cfg.yaml sets model.trust_remote_code: true (the model's repository
+    would run its own Python code): refused without --trust-code, one line naming the key and the file, nothing
+    written. Given on the command line (`--set model.trust_remote_code=true`) it is the user's own choice: the run
+    goes on (here to the missing model's error)."""
+    _files(ws, **{"cfg.yaml": "model:\n  trust_remote_code: true\n"})
+    r = emapg(ws, "train", "--preset", "toy", "--config", "cfg.yaml", "--set", "model.path=missing-model", "--out", "run")
+    one_line_error(r, "model.trust_remote_code", "cfg.yaml", "--trust-code")
+    assert not (ws / "run").exists(), "the run folder was created"
+    r = emapg(ws, "train", "--preset", "toy", "--set", "model.trust_remote_code=true", "--set", "model.path=missing-model",
+              "--out", "run")
+    assert "--trust-code" not in r.err and "missing-model" in r.err, r.show()
+    r = emapg(ws, "train", "--preset", "toy", "--config", "cfg.yaml", "--trust-code", "--set", "model.path=missing-model",
+              "--out", "run")
+    assert "--trust-code" not in r.err and "missing-model" in r.err, r.show()
+
+
+@probe("bench-step-preset-remote-code-needs-trust")
+def bench_step_preset_remote_code_needs_trust(ws: Path) -> None:
+    """`emapg bench step --preset ./x.yaml` where x.yaml sets model.trust_remote_code: true: one line, exit 2."""
+    _files(ws, **{"x.yaml": "name: x\nmodel:\n  trust_remote_code: true\n"})
+    one_line_error(emapg(ws, "bench", "step", "--preset", "./x.yaml", "--steps", "1", "--warmup", "0"),
+                   "model.trust_remote_code", "x.yaml")
