@@ -231,3 +231,14 @@ def eval_set_alone_keeps_eval_defaults(ws: Path) -> None:
     r = ok(emapg(ws, "eval", "--bench", "b.jsonl", "--responses", "r.jsonl", "--preset", "toy", "--top-p", "0.5",
                  "--out", "ev2"))
     assert "temperature" in r.out and "(--preset toy)" in r.out and "top_p 0.5 (command line)" in r.out, r.show()
+
+
+@probe("eval-picks-threads-as-train", slow=True)
+def eval_threads_as_train(ws: Path) -> None:
+    """`emapg eval --model M` on a CPU chose torch's default threads (one per core: 114 s under load vs 26 s with
+    one); it must choose them as `train` does (EMAPG_TORCH_THREADS, train.torch_threads, else from the load) and say so."""
+    model = _tiny_model(ws)
+    (ws / "bench.jsonl").write_text('{"id": "1", "question": "1+1?", "answers": ["2"]}\n')
+    r = ok(emapg(ws, "eval", "--bench", "bench.jsonl", "--model", str(model), "--n", "1", "--max-tokens", "2",
+                 "--set", "train.torch_threads=2", "--out", "ev", env={"EMAPG_TORCH_THREADS": ""}))
+    assert "2 torch threads (train.torch_threads)" in r.out, f"eval did not choose its threads as train does: {r.show()}"
