@@ -261,6 +261,7 @@ def test_unwritable_output_is_one_line(tmp_path, args):
     work = tmp_path / "work"
     work.mkdir()
     _bench(work, 3)
+    (work / "model").mkdir()  # train's model.path: a local folder (a missing one would be refused first, as not on the hub)
     ro = _unwritable(tmp_path)
     argv = [a.replace("{ro}", str(ro)) for a in args]
     before = tree(tmp_path)
