@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+from functools import lru_cache
 from urllib.parse import urlparse
 
 from emapg_cli.errors import UserError
@@ -43,8 +44,12 @@ def hub_reachable(timeout: float = CONNECT_TIMEOUT_S) -> bool:
         return True
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     host, port = url.hostname, url.port or (80 if url.scheme == "http" else 443)
-    if not host:
-        return True
+    return True if not host else _connects(host, port, timeout)
+
+
+@lru_cache(maxsize=8)
+def _connects(host: str, port: int, timeout: float) -> bool:
+    """One TCP connect per host and process: train asks for the model, its tokenizer and its config in turn."""
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True
