@@ -189,6 +189,8 @@ class KLConfig(Section):
     iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")
     log_ratio_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp the log-ratio log(pi_anchor / pi_theta) to [-c, c] before use (the paper's K3 and verl's low_var_kl use 20; null: only the +-80 overflow guard).")
     estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
+    target: Optional[float] = Field(None, gt=0, description="Adaptive beta: the KL to the anchor (kl/value) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the step's responses (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
+    horizon: int = Field(10000, ge=1, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
 
     @model_validator(mode="after")
     def _check(self) -> "KLConfig":
@@ -200,6 +202,8 @@ class KLConfig(Section):
             raise ValueError(f"estimator {self.estimator} estimates the reverse KL only; set kl.direction=reverse")
         if self.estimator in FORWARD_ONLY and self.direction != "forward":
             raise ValueError(f"estimator {self.estimator} estimates the forward KL only; set kl.direction=forward")
+        if self.target is not None and self.coef <= 0:
+            raise ValueError("kl.target (adaptive beta) needs kl.coef > 0, the initial beta (kl.coef=0 loads no anchor)")
         return self
 
 
@@ -333,6 +337,9 @@ class Config(Section):
         if t.share_prompts == "always" and self.model.gradient_checkpointing:
             raise ValueError("train.share_prompts=always needs the decoder's key/value cache in the training pass, which "
                              "model.gradient_checkpointing turns off; use auto or never")
+        if self.kl.target is not None and r.prompts_per_step * r.n >= 5 * self.kl.horizon:
+            raise ValueError(f"kl.horizon ({self.kl.horizon}) must exceed the responses per step / 5 ({r.prompts_per_step * r.n} / 5), "
+                             "or one step below the KL target could drive beta to 0 or below")
         mini = (r.prompts_per_step * r.n) // self.sequences_per_mini_batch
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,

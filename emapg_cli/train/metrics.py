@@ -52,6 +52,7 @@ def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int
     }
     if beta > 0:
         out["kl/value"] = kl
+        out["kl/coef"] = beta  # the beta this step's loss used (kl.coef, or the adaptive beta of kl.target)
     if ema_distance is not None:
         out["ema/distance"] = ema_distance
     out.update(rollout_correction_metrics(upd.correction))

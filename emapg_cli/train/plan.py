@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
+from emapg_cli.train.beta_control import kl_coef_text
 from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
 
 GIB = 2**30
@@ -165,6 +166,7 @@ class Plan:
     max_micro_batch_fit: Optional[int] = None  # largest micro_batch_size whose update peak fits the device
     notes: tuple[str, ...] = field(default_factory=tuple)
     evaluation: str = ""  # how and when the run evaluates (`evaluation_line`)
+    kl_coef: str = ""  # an adaptive beta's rule (`beta_control.kl_coef_text`); "" for a fixed beta
 
     @property
     def n_params(self) -> Optional[int]:
@@ -449,6 +451,7 @@ def make_plan(
         rollout_correction=t.rollout_correction if t.rollout_correction == "none" else f"{t.rollout_correction}, cap {t.rollout_correction_cap:g}",
         evaluation=evaluation_line(cfg),
         stages=stage_spans(cfg),
+        kl_coef=kl_coef_text(cfg) if cfg.kl.coef > 0 and cfg.kl.target is not None else "",
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -567,6 +570,8 @@ def render_plan(plan: Plan):
     run.add_row("mini-batch", f"{mini}; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
                 f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
+    if plan.kl_coef:
+        run.add_row("KL coefficient", plan.kl_coef)
     run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")
     if plan.evaluation:
         run.add_row("evaluation", escape(plan.evaluation))

@@ -24,7 +24,7 @@ from emapg_cli.errors import UserError
 from emapg_cli.grpo import ema_update_
 from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
-from emapg_cli.train import checkpoint as ckpt
+from emapg_cli.train import beta_control, checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
 from emapg_cli.train.rollout import reward_failures
@@ -228,6 +228,7 @@ class Trainer:
         passes did not hide), update, ema, and the totals rollout (generation + batch) and update_total (the rest)."""
         self.phases.reset()
         seed_everything(derive_seed(self.cfg.train.seed, step, self.acc.process_index))
+        beta, self.settings = beta_control.for_step(self.cfg, self.state, self.settings)  # kl.coef, or kl.target's adaptive beta
         counted = self.reward_fn.start_count() if hasattr(self.reward_fn, "start_count") else None
         with self.phases("rollout"):
             batch, pending, roll = self.rollouts(step)
@@ -242,9 +243,10 @@ class Trainer:
                 dist = self._ema(step, upd.skipped > 0)
                 self._push(self.policy)
         diff = torch.cat(upd.logprob_diffs) if upd.logprob_diffs else diff  # recorded by the update without an old pass
-        metrics = step_metrics(**roll, upd=upd, beta=self.cfg.kl.coef, lr=self.scheduler.get_last_lr()[0],
+        metrics = step_metrics(**roll, upd=upd, beta=beta, lr=self.scheduler.get_last_lr()[0],
                                t_rollout=self.phases.seconds["rollout"], t_update=self.phases.seconds["update_total"],
                                skipped_total=self.state["skipped"], ema_distance=dist)
+        beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/value"))  # the next step's beta
         metrics.update(rollout_mismatch(diff))  # this process's rollouts
         metrics.update(extra)
         return StepResult(metrics, upd.skipped, dict(self.phases.seconds), sum(roll["response_lens"]))

@@ -1,0 +1,63 @@
+"""The KL coefficient beta of each step: kl.coef throughout, or adapted after every step to track kl.target
+(`emapg_cli.grpo.kl_control.adaptive_kl_coef`). The trainer keeps the current beta in its checkpointed state
+(`STATE_KEY`, a JSON float, which round-trips exactly), so a resumed run continues with the beta it stopped at."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+#: Key of the current beta in the trainer's state (state.json of each checkpoint).
+STATE_KEY = "kl_coef"
+
+
+def adaptive(cfg) -> bool:
+    """Beta adapts (kl.target set, with a KL term at all)."""
+    return cfg.kl.target is not None and cfg.kl.coef > 0
+
+
+def current_beta(cfg, state: dict[str, Any]) -> float:
+    """The beta of the next step: kl.coef for a fixed beta (whatever a checkpoint holds), else the state's
+    (kl.coef before the first update)."""
+    if not adaptive(cfg):
+        return cfg.kl.coef
+    return float(state.get(STATE_KEY, cfg.kl.coef))
+
+
+def with_beta(settings, beta: float):
+    """The step settings whose loss uses `beta` (the same object when it already does)."""
+    if settings.loss.beta == beta:
+        return settings
+    return dataclasses.replace(settings, loss=dataclasses.replace(settings.loss, beta=beta))
+
+
+def for_step(cfg, state: dict[str, Any], settings) -> tuple[float, Any]:
+    """The beta of the step about to run (`current_beta`) and the step settings whose loss uses it (`with_beta`)."""
+    beta = current_beta(cfg, state)
+    return beta, with_beta(settings, beta)
+
+
+def next_beta(cfg, beta: float, kl: float) -> float:
+    """The beta after a step that used `beta` and measured `kl` (kl/value, the same on every rank): unchanged for
+    a fixed beta; else the adaptive rule with n = the step's responses over all ranks."""
+    from emapg_cli.grpo.kl_control import adaptive_kl_coef  # the grpo package imports torch; the settings line does not
+
+    if not adaptive(cfg):
+        return beta
+    return adaptive_kl_coef(beta, kl, cfg.kl.target, cfg.derived.responses_per_step, cfg.kl.horizon)
+
+
+def kl_coef_text(cfg) -> str:
+    """How beta is set, for the run's settings line and the dry-run plan: "β 0.001" or
+    "adaptive β (target KL 0.05, horizon 10000, from 0.001)"."""
+    k = cfg.kl
+    if k.target is None:
+        return f"β {k.coef:g}"
+    return f"adaptive β (target KL {k.target:g}, horizon {k.horizon}, from {k.coef:g})"
+
+
+def update_state(cfg, state: dict[str, Any], beta: float, kl) -> None:
+    """After a step that used `beta` and measured `kl` (its kl/value; None without a KL term): the next step's beta
+    into `state`. Only an adaptive beta is stored (a fixed beta's state.json is as before)."""
+    if adaptive(cfg):
+        state[STATE_KEY] = next_beta(cfg, beta, float("nan") if kl is None else float(kl))
