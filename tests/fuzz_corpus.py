@@ -235,6 +235,17 @@ def config_cases() -> list[Case]:
                           files={"badpreset.yaml": text}))
     # issue 20 (readers): lora.r bounded at config time
     cases.append(case("config", "set-lora-r-million", "config", "show", "--set", "lora.r=1000000"))
+    # issue 21 (adaptive beta): kl.target > 0 and finite, with kl.coef > 0; kl.horizon >= 1 and > responses per step / 5
+    cases += [
+        case("config", "set-kl-target-zero", "config", "show", "--set", "kl.target=0"),
+        case("config", "set-kl-target-negative", "config", "show", "--set", "kl.target=-0.1"),
+        case("config", "set-kl-target-inf", "config", "show", "--set", "kl.target=.inf"),
+        case("config", "set-kl-target-text", "config", "show", "--set", "kl.target=high"),
+        case("config", "set-kl-target-no-coef", "config", "show", "--set", "kl.target=0.1", "--set", "kl.coef=0"),
+        case("config", "set-kl-horizon-zero", "config", "show", "--set", "kl.target=0.1", "--set", "kl.horizon=0"),
+        case("config", "set-kl-horizon-float", "config", "show", "--set", "kl.horizon=2.5"),
+        case("config", "set-kl-horizon-short", "config", "show", "--set", "kl.target=0.1", "--set", "kl.horizon=10"),
+    ]
     return cases
 
 
