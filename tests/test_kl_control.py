@@ -95,3 +95,54 @@ def test_settings_line_and_dry_run_plan_name_the_rule():
     assert make_plan(cfg).kl_coef == f"adaptive β (target KL 0.05, horizon 2560, from {cfg.kl.coef:g})"
     fixed = load_config(preset="toy")
     assert f"KL β {fixed.kl.coef:g} " in config_line(fixed) and make_plan(fixed).kl_coef == ""
+
+
+def test_adaptive_beta_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
+    """A 4-step run with an adaptive beta, killed (SIGKILL) once its first checkpoint is complete and resumed: final
+    weights and the logged kl/coef sequence equal an uninterrupted run's, and beta follows the rule every step."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import torch
+
+    from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, write_dataset
+
+    data = write_dataset(tmp_path / "train.jsonl")
+    # 4 prompts x 4 responses = 16 per step, horizon 16: n / horizon = 1, so each step multiplies beta by 1 + e, e in
+    # [-0.2, 0.2]; the tiny run's KL (~0.005-0.04) sits around target 0.01, so beta moves (both ways) every step
+    opts = tiny_overrides(tiny_qwen2, data, steps=4, **{"kl.target": 0.01, "kl.horizon": 16, "data.eval": "null",
+                                                         "eval.anchor_every": 0})
+    victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "b" / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    _, ref_err = reference.communicate(timeout=180)
+    assert reference.returncode == 0, ref_err[-2000:]
+    assert not (tmp_path / "b" / "final").exists(), "the run finished before it could be killed"
+    resumed = run(train_cmd("--resume", str(tmp_path / "b")))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for part in ("policy", "anchor"):
+        a, b = load_weights(tmp_path / "a" / "final" / part), load_weights(tmp_path / "b" / "final" / part)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"final {part} differs"
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
+            for name in ("a", "b")}
+    betas = [r["kl/coef"] for r in rows["a"]]
+    assert [r["step"] for r in rows["b"]] == [1, 2, 3, 4] and [r["kl/coef"] for r in rows["b"]] == betas
+    assert [r["kl/value"] for r in rows["b"]] == [r["kl/value"] for r in rows["a"]]
+    # the rule, from the logged numbers: beta_1 = kl.coef = 0.1, beta_t+1 = beta_t * (1 + clip(KL_t / 0.01 - 1, +-0.2) * 16/16)
+    assert betas[0] == 0.1
+    for t in range(3):
+        e = min(max(rows["a"][t]["kl/value"] / 0.01 - 1, -0.2), 0.2)
+        assert e != 0 and betas[t + 1] == pytest.approx(betas[t] * (1 + e), rel=1e-12), (t, betas)
+    # the newest checkpoint holds the beta a fifth step would use (a JSON float: exact)
+    state = json.loads((tmp_path / "a" / "checkpoints" / "step_4" / "state.json").read_text())
+    e = min(max(rows["a"][3]["kl/value"] / 0.01 - 1, -0.2), 0.2)
+    assert state[beta_control.STATE_KEY] == pytest.approx(betas[3] * (1 + e), rel=1e-12)
