@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
 from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
+from emapg_cli.train.eta_control import describe as describe_decay
 
 GIB = 2**30
 
@@ -165,6 +166,7 @@ class Plan:
     max_micro_batch_fit: Optional[int] = None  # largest micro_batch_size whose update peak fits the device
     notes: tuple[str, ...] = field(default_factory=tuple)
     evaluation: str = ""  # how and when the run evaluates (`evaluation_line`)
+    ema_decay: str = ""  # adaptive or scheduled eta (train/eta_control.describe); "" for a fixed eta
 
     @property
     def n_params(self) -> Optional[int]:
@@ -449,6 +451,7 @@ def make_plan(
         rollout_correction=t.rollout_correction if t.rollout_correction == "none" else f"{t.rollout_correction}, cap {t.rollout_correction_cap:g}",
         evaluation=evaluation_line(cfg),
         stages=stage_spans(cfg),
+        ema_decay=describe_decay(cfg.ema) if cfg.ema.target_distance is not None or cfg.ema.decay_schedule else "",
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -551,6 +554,8 @@ def render_plan(plan: Plan):
         model += f"  ({plan.model_source})"
     run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
+    if plan.ema_decay:
+        run.add_row("EMA decay", escape(plan.ema_decay))
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
     run.add_row("rollout correction", f"{plan.rollout_correction} (pi_old / pi_engine on the policy-gradient term)")
     budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
