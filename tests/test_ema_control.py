@@ -93,6 +93,8 @@ def test_schedule_lookup():
     assert [e.decay_at(s) for s in (1, 100, 101, 300, 301, 10**6)] == [0.9, 0.9, 0.99, 0.99, 0.99, 0.99]
     assert EMAConfig(decay=0.97).decay_at(7) == 0.97  # no schedule: ema.decay
     assert describe(e) == "η schedule 0.9 (steps 1-100), 0.99 (from step 101)"
+    assert describe(EMAConfig(decay_schedule=[{"steps": 1, "decay": 0.3}, {"steps": 1, "decay": 0.6}])) == \
+        "η schedule 0.3 (step 1), 0.6 (from step 2)"
     assert decay_for_update(e, {}, 150, lambda: pytest.fail("a schedule measures nothing")) == 0.99
     assert decay_in_force(e, {}, 100) == 0.9
 

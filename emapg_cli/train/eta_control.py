@@ -45,7 +45,8 @@ def describe(ema) -> str:
         parts, first = [], 1
         for i, st in enumerate(ema.decay_schedule):
             last = first + st.steps - 1
-            span = f"from step {first}" if i == len(ema.decay_schedule) - 1 else f"steps {first}-{last}"
+            span = (f"from step {first}" if i == len(ema.decay_schedule) - 1 else
+                    f"step {first}" if first == last else f"steps {first}-{last}")
             parts.append(f"{st.decay:g} ({span})")
             first = last + 1
         return "η schedule " + ", ".join(parts)
