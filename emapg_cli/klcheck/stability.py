@@ -1,6 +1,6 @@
 """Stability of EMA-PG on a softmax bandit: an exact-gradient simulation over an (alpha, eta) grid
 and the linearised period-map theory it is compared with. Derivation and equation numbers
-(S1-S10): docs/stability.md.
+(S1-S13; the adaptive-eta rule S11-S13): docs/stability.md.
 
 Pure float64 tensor math, plus `run_stability`, which checks its inputs and assembles a
 `StabilityResult`. No I/O here: the rich table is in `stability_table.py`, the heat map in
