@@ -246,6 +246,20 @@ def config_cases() -> list[Case]:
         case("config", "set-kl-horizon-float", "config", "show", "--set", "kl.horizon=2.5"),
         case("config", "set-kl-horizon-short", "config", "show", "--set", "kl.target=0.1", "--set", "kl.horizon=10"),
     ]
+    # issue 21 (adaptive eta): ema.target_distance, ema.decay_min/max, ema.decay_schedule
+    cases += [
+        case("config", "set-target-distance-zero", "config", "show", "--set", "ema.target_distance=0"),
+        case("config", "set-target-distance-nan", "config", "show", "--set", "ema.target_distance=.nan"),
+        case("config", "set-decay-min-above-max", "config", "show", "--set", "ema.decay_min=0.9", "--set", "ema.decay_max=0.8"),
+        case("config", "set-decay-max-two", "config", "show", "--set", "ema.decay_max=2"),
+        case("config", "set-target-and-schedule", "config", "show", "--set", "ema.target_distance=0.01",
+             "--set", "ema.decay_schedule=[{steps: 10, decay: 0.9}]"),
+        case("config", "set-target-frozen-start", "config", "show", "--set", "ema.target_distance=0.01", "--set", "ema.decay=1.0"),
+        case("config", "set-target-max-one", "config", "show", "--set", "ema.target_distance=0.01", "--set", "ema.decay_max=1"),
+        case("config", "set-schedule-zero-steps", "config", "show", "--set", "ema.decay_schedule=[{steps: 0, decay: 0.9}]"),
+        case("config", "set-schedule-decay-two", "config", "show", "--set", "ema.decay_schedule=[{steps: 5, decay: 2}]"),
+        case("config", "set-schedule-no-decay", "config", "show", "--set", "ema.decay_schedule=[{steps: 5}]"),
+    ]
     return cases
 
 
@@ -636,6 +650,16 @@ def kl_check_cases() -> list[Case]:
             {"policy.npy": _npy_header((1, 2), "|O") + b"\x80\x02N.", "anchor.npy": _npy_header((1, 2)) + bytes(16)})}),
         case("kl-check", "npz-truncated", *small, "--from-logits", "a.npz",
              files={"a.npz": _npz_arrays({"policy": [[0.0, 1.0]], "anchor": [[0.0, 1.0]]})[:120]}),
+    ]
+    # issue 21 (adaptive eta): the adaptive rule's options of --stability
+    stab = ("kl-check", "--stability", "--steps", "80", "--alphas", "0.1", "--etas", "0.9", "--period", "1")
+    cases += [
+        case("kl-check", "stability-target-distance-zero", *stab, "--target-distance", "0"),
+        case("kl-check", "stability-target-distance-nan", *stab, "--target-distance", "nan"),
+        case("kl-check", "stability-target-distance-text", *stab, "--target-distance", "far"),
+        case("kl-check", "stability-decay-max-one", *stab, "--target-distance", "0.01", "--decay-max", "1"),
+        case("kl-check", "stability-decay-min-above-max", *stab, "--target-distance", "0.01", "--decay-min", "0.99",
+             "--decay-max", "0.9"),
     ]
     return cases
 

@@ -151,3 +151,34 @@ def test_table_and_heat_map(tmp_path):
     assert table.row_count == 2 and len(table.columns) == 3 + 2
     out = plot_stability([r, r], tmp_path / "s.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_adaptive_eta_beside_the_grid():
+    """The adaptive-eta rule (ema.target_distance) in the simulation, P = 2, A = 4, the default tau and beta:
+    alpha 0.1 is stable for every eta (alpha_c ~ 0.98): the policy settles, its distance to the anchor -> 0, and the rule
+    raises eta to decay_max; alpha 3.16 is unstable for every eta in [0.5, 0.999] (even P: alpha_c = 0.98 whatever eta),
+    the oscillation keeps the distance far above the target, and the rule lowers eta to decay_min. eta changes only
+    at anchor updates (every 2nd step)."""
+    from emapg_cli.klcheck.stability import AdaptiveEta
+    from emapg_cli.klcheck.stability_table import render_table
+
+    adaptive = AdaptiveEta(target=1e-3, decay_min=0.5, decay_max=0.999, start=0.95)
+    r = run_stability([0.1, 3.16], [0.95], period=2, beta=DEFAULT_BETA, tau=DEFAULT_TAU, actions=4, steps=400, seed=0,
+                      adaptive=adaptive)
+    a = r.adaptive
+    assert a["outcome"][0] == r.outcome[0][0] == "converges" and a["outcome"][1] != "converges"
+    assert a["final_eta"] == [0.999, 0.5]
+    assert a["critical_alpha_at_final_eta"] == pytest.approx([r.critical_alpha[0]] * 2)  # even P: eta-free alpha_c
+    assert a["agreement"] == 1.0
+    json.dumps(r.to_dict())
+    assert render_table(r).row_count == 1 + 3  # the grid's row, then outcome, eta_T and alpha_c(eta_T)
+    # the trace: constant between anchor updates (after steps 2, 4, ...), the first change at step 2
+    z_star = entropy_fixed_point(torch.linspace(0, 1, 4, dtype=F64), DEFAULT_TAU)
+    start = z_star + torch.tensor([1e-3, -1e-3, 0.0, 0.0], dtype=F64)  # (a shift z + c 1 would not move the policy at all)
+    traj = simulate(z_star, start, torch.tensor([0.1], dtype=F64), torch.tensor([0.95], dtype=F64), period=2,
+                    beta=DEFAULT_BETA, tau=DEFAULT_TAU, steps=8, adaptive=adaptive)
+    eta = traj.eta[:, 0].tolist()  # [T+1]: eta in force after step k
+    assert eta[0] == eta[1] == 0.95 and eta[2] == eta[3] != 0.95 and eta[4] == eta[5]
+    with pytest.raises(UserError, match="decay-max"):
+        run_stability([0.1], [0.9], period=2, beta=1.0, tau=0.5, actions=3, steps=100, seed=0,
+                      adaptive=AdaptiveEta(target=1e-3, decay_max=1.0))

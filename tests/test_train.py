@@ -289,6 +289,7 @@ def test_run_writes_metrics_checkpoints_final_and_summary(tiny_qwen2, tmp_path):
     # the hf engine's sampling log-probs (KV-cached generate) vs the trainer's old-policy pass: float32 round-off
     assert 0 <= rows[1]["rollout/logprob_max_abs_diff"] < 1e-3 and rows[1]["rollout/ratio_mean"] == pytest.approx(1, abs=1e-3)
     assert rows[2]["ema/distance"] > 0 and rows[2]["steps/skipped"] == 0
+    assert [r.get("ema/decay") for r in rows] == [None, 0.5, 0.5]  # a fixed eta is logged too (ema.decay)
     summary = json.loads((out / "summary.json").read_text())
     assert {"eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_time_s"} <= summary.keys()
     # a CPU run records what makes its floating-point results reproducible (the tests' env: OMP_NUM_THREADS=1)

@@ -80,6 +80,9 @@ def kl_check(
     tau: Annotated[Optional[float], typer.Option("--tau", help="--stability: entropy weight tau (default: the simulation's).")] = None,
     actions: Annotated[Optional[int], typer.Option("--actions", help="--stability: number of bandit arms (default: the simulation's).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="--stability: simulated policy-gradient steps (default: the simulation's).")] = None,
+    target_distance: Annotated[Optional[float], typer.Option("--target-distance", help="--stability: also run the adaptive-eta rule of ema.target_distance with this target policy-anchor distance ||centred(z - z_bar)|| / ||centred z||, one run per alpha from eta 0.95 (docs/stability.md, \"Adaptive eta\").")] = None,
+    decay_min: Annotated[float, typer.Option("--decay-min", help="--stability with --target-distance: the smallest eta the rule may choose.")] = 0.5,
+    decay_max: Annotated[float, typer.Option("--decay-max", help="--stability with --target-distance: the largest eta the rule may choose (< 1).")] = 0.999,
 ) -> None:
     """Measure each KL estimator's value bias, gradient bias (w.r.t. the policy logits) and variance
     by Monte Carlo against the exact KL, next to its closed-form expectation (docs/estimators.md)."""
@@ -87,7 +90,13 @@ def kl_check(
         if path is not None:
             writable_file(path, option)
     if stability:
-        _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot)
+        adaptive = None
+        if target_distance is not None:
+            from emapg_cli.klcheck.stability import AdaptiveEta
+
+            adaptive = AdaptiveEta(target=target_distance, decay_min=decay_min, decay_max=decay_max,
+                                   start=min(max(0.95, decay_min), decay_max))
+        _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot, adaptive)
         return
     from emapg_cli.klcheck.measure import CheckSettings, check_memory, check_settings, plan, run_check
 
@@ -160,7 +169,7 @@ def _load_source(from_logits, model, anchor_model, text, perturb, positions, voc
     return synthetic(positions, vocab, sharpness=sharpness, tail_mass=tail_mass, kl_size=kl_size, sampling_kl=sampling_kl, seed=seed)
 
 
-def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot) -> None:
+def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot, adaptive=None) -> None:
     """`kl-check --stability`: the bandit simulation of emapg_cli.klcheck.stability (docs/stability.md)."""
     from emapg_cli.klcheck import stability as st
     from emapg_cli.klcheck.stability_plot import plot_stability
@@ -175,7 +184,7 @@ def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, 
             alpha_grid, eta_grid,
             period=p, beta=st.DEFAULT_BETA if beta is None else beta, tau=st.DEFAULT_TAU if tau is None else tau,
             actions=st.DEFAULT_ACTIONS if actions is None else actions, steps=st.DEFAULT_STEPS if steps is None else steps,
-            seed=seed,
+            seed=seed, adaptive=adaptive,
         )
         console.print(render_table(result))
         results.append(result)

@@ -207,11 +207,45 @@ class KLConfig(Section):
         return self
 
 
+class DecayStage(Section):
+    steps: int = Field(ge=1, description="RL steps in this stage of ema.decay_schedule.")
+    decay: float = Field(ge=0, le=1, description="eta of the anchor updates in this stage (1.0: the anchor stays where it is).")
+
+
 class EMAConfig(Section):
-    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline).")
+    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max]; with ema.decay_schedule: unused.")
     update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the EMA anchor's weights are held and averaged in. float32 (default) keeps every EMA step; bfloat16 reproduces the official search run (its reference model is bf16 and updated with mul_().add_() in place, so small EMA steps round away).")
     anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
+    target_distance: Optional[float] = Field(None, gt=0, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay (or ema.decay_schedule). Logged as ema/decay; checkpointed.")
+    decay_min: float = Field(0.5, ge=0, le=1, description="With ema.target_distance: the smallest eta the adaptive rule may choose.")
+    decay_max: float = Field(0.999, ge=0, le=1, description="With ema.target_distance: the largest eta the adaptive rule may choose (below 1: a frozen anchor never moves, so its lag could not be read).")
+    decay_schedule: list[DecayStage] = Field(default_factory=list, description="A fixed plan for eta, e.g. [{steps: 100, decay: 0.9}, {steps: 200, decay: 0.99}]: stage i covers the next `steps` RL steps (an anchor update at step s uses the decay of the stage holding s); steps past the last stage keep its decay; [] (default): ema.decay throughout. A pure function of the step, so a run resumes across stage boundaries. Exclusive with ema.target_distance.")
+
+    @model_validator(mode="after")
+    def _one_decay_rule(self) -> "EMAConfig":
+        if self.decay_min > self.decay_max:
+            raise ValueError(f"ema.decay_min ({self.decay_min:g}) must not exceed ema.decay_max ({self.decay_max:g})")
+        if self.target_distance is not None:
+            if self.decay_schedule:
+                raise ValueError("ema.target_distance (adaptive eta) and ema.decay_schedule (a fixed plan) are exclusive: set one of them")
+            if self.decay_max >= 1:
+                raise ValueError("with ema.target_distance, ema.decay_max must be below 1 (a frozen anchor's lag grows without "
+                                 "bound, so the adaptive rule could never leave eta = 1)")
+            if not self.decay_min <= self.decay <= self.decay_max:
+                raise ValueError(f"with ema.target_distance, ema.decay ({self.decay:g}) is the starting eta and must lie in "
+                                 f"[ema.decay_min, ema.decay_max] = [{self.decay_min:g}, {self.decay_max:g}]")
+        return self
+
+    def decay_at(self, step: int) -> float:
+        """The scheduled eta of RL step `step` (1-based): the decay of the ema.decay_schedule stage holding it (past the
+        last stage, the last one's), or ema.decay without a schedule. Not the adaptive eta (train/eta_control.py)."""
+        end = 0
+        for st in self.decay_schedule:
+            end += st.steps
+            if step <= end:
+                return st.decay
+        return self.decay_schedule[-1].decay if self.decay_schedule else self.decay
 
 
 class EvalConfig(Section):

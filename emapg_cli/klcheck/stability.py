@@ -1,6 +1,6 @@
 """Stability of EMA-PG on a softmax bandit: an exact-gradient simulation over an (alpha, eta) grid
 and the linearised period-map theory it is compared with. Derivation and equation numbers
-(S1-S10): docs/stability.md.
+(S1-S13; the adaptive-eta rule S11-S13): docs/stability.md.
 
 Pure float64 tensor math, plus `run_stability`, which checks its inputs and assembles a
 `StabilityResult`. No I/O here: the rich table is in `stability_table.py`, the heat map in
@@ -170,15 +170,29 @@ def _log_softmax(z: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
+class AdaptiveEta:
+    """The adaptive-eta rule of ema.target_distance (emapg_cli/grpo/ema_control.py) in the simulation: before each
+    anchor update, d = ||centred(z - z_bar)|| / ||centred z||, then eta_k = adapt_decay(eta_{k-1}, S_k, d) within
+    [decay_min, decay_max], starting from `start` (docs/stability.md, "Adaptive eta")."""
+
+    target: float
+    decay_min: float = 0.5
+    decay_max: float = 0.999
+    start: float = 0.95
+
+
+@dataclass(frozen=True)
 class Trajectory:
     """Per-step error traces of B simulated runs (step 0 = the start)."""
 
     error: Tensor  # [T+1, B] ||centred(z_k - z_target)||_2
     logp_error: Tensor  # [T+1, B] max_a |log pi_k(a) - log pi_target(a)|
+    eta: Tensor | None = None  # [T+1, B] the eta in force after each step (adaptive runs; None otherwise)
 
 
 def simulate(
-    z_star: Tensor, z0: Tensor, alpha: Tensor, eta: Tensor, *, period: int, beta: float, tau: float, steps: int
+    z_star: Tensor, z0: Tensor, alpha: Tensor, eta: Tensor, *, period: int, beta: float, tau: float, steps: int,
+    adaptive: AdaptiveEta | None = None,
 ) -> Trajectory:
     """Exact expected-gradient EMA-PG (no sampling noise) for B runs at once, float64 (Eqs. S4, S5).
 
@@ -189,6 +203,8 @@ def simulate(
     and after every P-th step the anchor update  z_bar <- eta z_bar + (1 - eta) z  (Eq. S5).
     The error is measured against the fixed point the run should reach: z* for eta < 1, the
     anchored point (tau z* + beta z0) / (tau + beta) for eta = 1 (Eq. S6).
+    `adaptive`: eta [B] is each run's starting eta, and before each anchor update eta is re-chosen per run by the
+    rule of `AdaptiveEta` (its decay_max < 1, so the target is z*); the eta trace is returned.
     """
     batch = alpha.shape[0]
     z = z0.expand(batch, -1).clone()  # [B, A]
@@ -196,6 +212,8 @@ def simulate(
     a_col, e_col = alpha[:, None], eta[:, None]  # [B, 1]
     anchored = (tau * z_star + beta * z0) / (tau + beta)  # [A]
     target = torch.where(e_col >= 1.0, anchored, z_star)  # [B, A]
+    eta_now, unit_lag = eta.clone(), torch.ones_like(eta)  # [B] adaptive: eta_{k-1} and S_k
+    eta_trace = torch.empty(steps + 1, batch, dtype=torch.float64) if adaptive is not None else None  # [T+1, B]
     target_logp = _log_softmax(target)  # [B, A]
     error = torch.empty(steps + 1, batch, dtype=torch.float64)  # [T+1, B]
     logp_error = torch.empty(steps + 1, batch, dtype=torch.float64)  # [T+1, B]
@@ -204,6 +222,8 @@ def simulate(
         e = z - target  # [B, A]
         error[k] = (e - e.mean(-1, keepdim=True)).norm(dim=-1)
         logp_error[k] = (logp - target_logp).abs().amax(-1)
+        if eta_trace is not None:
+            eta_trace[k] = eta_now
         if k == steps:
             break
         pi = logp.exp()  # [B, A]
@@ -211,8 +231,20 @@ def simulate(
         f_g = pi * g - pi * (pi * g).sum(-1, keepdim=True)  # [B, A]  = F(z) g without forming F
         z = z - a_col * f_g
         if (k + 1) % period == 0:
+            if adaptive is not None:  # measured before the update, as the trainer measures ema/distance's lag
+                from emapg_cli.grpo.ema_control import adapt_decay_tensor
+
+                centred = z - z.mean(-1, keepdim=True)  # [B, A]
+                lag = z - z_bar  # [B, A]
+                d = (lag - lag.mean(-1, keepdim=True)).norm(dim=-1) / centred.norm(dim=-1)  # [B]
+                eta_now = adapt_decay_tensor(eta_now, unit_lag, d, target=adaptive.target,
+                                             decay_min=adaptive.decay_min, decay_max=adaptive.decay_max)
+                unit_lag = 1.0 + eta_now * unit_lag
+                e_col = eta_now[:, None]
             z_bar = e_col * z_bar + (1.0 - e_col) * z
-    return Trajectory(error=error, logp_error=logp_error)
+    if eta_trace is not None:
+        eta_trace[steps] = eta_now
+    return Trajectory(error=error, logp_error=logp_error, eta=eta_trace)
 
 
 def classify(traj: Trajectory, criteria: Criteria) -> Tensor:
@@ -270,6 +302,7 @@ class StabilityResult:
     agreement: float
     agreement_clear: float
     criteria: Criteria = field(default_factory=Criteria)
+    adaptive: dict | None = None  # the adaptive-eta row (`adaptive_row`), when run_stability was given an AdaptiveEta
 
     def agrees(self, i: int, j: int) -> bool:
         """Whether simulation and theory agree on cell (eta_i, alpha_j) (stable vs not)."""
@@ -305,6 +338,39 @@ def _check_inputs(alphas: Sequence[float], etas: Sequence[float], period: int, b
         raise UserError(f"stability: steps must be >= 8 x period (= {8 * period}) to classify the runs, got {steps}")
 
 
+def _check_adaptive(adaptive: AdaptiveEta) -> None:
+    """Raise UserError (one line) on settings the adaptive rule cannot run with (the config's checks of ema.*)."""
+    a = adaptive
+    if not (math.isfinite(a.target) and a.target > 0):
+        raise UserError(f"stability: --target-distance must be a finite number > 0, got {a.target}")
+    if not (0.0 <= a.decay_min <= a.decay_max < 1.0):
+        raise UserError(f"stability: need 0 <= --decay-min <= --decay-max < 1, got [{a.decay_min}, {a.decay_max}]")
+    if not a.decay_min <= a.start <= a.decay_max:
+        raise UserError(f"stability: the adaptive runs' starting eta {a.start} must lie in [--decay-min, --decay-max]")
+
+
+def adaptive_row(traj: Trajectory, alphas: Tensor, criteria: Criteria, lam: Tensor, adaptive: AdaptiveEta, *,
+                 period: int, beta: float, tau: float) -> dict:
+    """The adaptive runs (one per alpha) summarised, JSON-ready: their outcome, the eta they ended with and its mean
+    over the last quarter, and the linear theory evaluated at that final eta (alpha_c(eta_T), Eq. S9, and the
+    prediction r < 1, Eq. S10), since the rule's eta settles (or saturates) and the theory is for a fixed eta."""
+    assert traj.eta is not None
+    codes = classify(traj, criteria)  # [N]
+    final = traj.eta[-1]  # [N]
+    q = (traj.eta.shape[0] - 1) // 4
+    radius = theory_radius(alphas, final, lam, period=period, beta=beta, tau=tau).diagonal()  # [N] cell j at eta_T[j]
+    alpha_c = critical_alpha(final, float(lam.max()), period=period, beta=beta, tau=tau)  # [N]
+    outcome = [OUTCOMES[c] for c in codes.tolist()]
+    predicted = ["converges" if r < 1.0 else "unstable" for r in radius.tolist()]
+    return {
+        "target": adaptive.target, "decay_min": adaptive.decay_min, "decay_max": adaptive.decay_max, "start": adaptive.start,
+        "outcome": outcome, "final_eta": final.tolist(), "mean_eta_last_quarter": traj.eta[-q:].mean(0).tolist(),
+        "min_eta": traj.eta.amin(0).tolist(), "critical_alpha_at_final_eta": alpha_c.tolist(), "predicted": predicted,
+        "final_error": traj.error[-1].tolist(),
+        "agreement": sum((o == "converges") == (p == "converges") for o, p in zip(outcome, predicted)) / len(outcome),
+    }
+
+
 def run_stability(
     alphas: Sequence[float],
     etas: Sequence[float],
@@ -316,14 +382,18 @@ def run_stability(
     steps: int,
     seed: int,
     criteria: Criteria = Criteria(),
+    adaptive: AdaptiveEta | None = None,
 ) -> StabilityResult:
     """Simulate EMA-PG on every (eta, alpha) cell and compare with the linear theory.
 
     The A-armed bandit has rewards `bandit_rewards(A)`; every run starts at the same seeded point
     z0 = z* + d, d a random centred direction with ||d|| = criteria.init_scale, with the anchor
-    at z0. Raises UserError on bad input before any compute.
+    at z0. Raises UserError on bad input before any compute. `adaptive`: also one adaptive-eta run per alpha, from
+    the same start (`adaptive_row`).
     """
     _check_inputs(alphas, etas, period, beta, tau, actions, steps)
+    if adaptive is not None:
+        _check_adaptive(adaptive)
     rewards = bandit_rewards(actions)  # [A]
     z_star = entropy_fixed_point(rewards, tau)  # [A]
     lam = fisher_eigenvalues(torch.softmax(z_star, -1))  # [A-1]
@@ -342,6 +412,12 @@ def run_stability(
         period=period, beta=beta, tau=tau, steps=steps,
     )
     codes = classify(traj, criteria).reshape(n_eta, n_alpha)  # [E, N]
+    adaptive_out = None
+    if adaptive is not None:
+        start = torch.full((n_alpha,), adaptive.start, dtype=torch.float64)  # [N]
+        adapt_traj = simulate(z_star, z_star + d, alpha_t, start, period=period, beta=beta, tau=tau, steps=steps,
+                              adaptive=adaptive)
+        adaptive_out = adaptive_row(adapt_traj, alpha_t, criteria, lam, adaptive, period=period, beta=beta, tau=tau)
     radius = theory_radius(alpha_t, eta_t, lam, period=period, beta=beta, tau=tau)  # [E, N]
     alpha_c = critical_alpha(eta_t, float(lam.max()), period=period, beta=beta, tau=tau)  # [E]
 
@@ -365,4 +441,5 @@ def run_stability(
         agreement=float(agree.double().mean()),
         agreement_clear=float(agree[clear].double().mean()) if bool(clear.any()) else float("nan"),
         criteria=criteria,
+        adaptive=adaptive_out,
     )

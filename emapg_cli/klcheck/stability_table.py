@@ -14,7 +14,8 @@ def render_table(result: StabilityResult) -> Table:
 
     C/O/D = the simulation converges / oscillates / diverges; a trailing '!' marks a cell where it
     disagrees with the linear theory (stable iff spectral radius < 1); cells near the theoretical
-    boundary are dimmed. The last column is the theoretical critical step size alpha_c(eta).
+    boundary are dimmed. The last column is the theoretical critical step size alpha_c(eta). With adaptive eta, three
+    more rows: its outcome per alpha ('!' against the theory at its final eta), that final eta, and alpha_c there.
     """
     r = result
     table = Table(
@@ -38,4 +39,14 @@ def render_table(result: StabilityResult) -> Table:
             style = f"dim {color}" if r.near_boundary[i][j] else color
             cells.append(f"[{style}]{text}[/]")
         table.add_row(f"{eta:g}", *cells, f"{r.critical_alpha[i]:.3g}")
+    if r.adaptive is not None:  # the adaptive-eta runs: outcome, then the eta they ended with (alpha_c at that eta)
+        a = r.adaptive
+        table.add_section()
+        cells = []
+        for j, outcome in enumerate(a["outcome"]):
+            letter, color = _CELL[outcome]
+            cells.append(f"[{color}]{letter}{'' if (outcome == 'converges') == (a['predicted'][j] == 'converges') else '!'}[/]")
+        table.add_row(f"adaptive d*={a['target']:g}", *cells, "at η_T")
+        table.add_row("η_T", *[f"{e:.3g}" for e in a["final_eta"]], "")
+        table.add_row("α_c(η_T)", *[f"{c:.3g}" for c in a["critical_alpha_at_final_eta"]], "")
     return table

@@ -16,6 +16,7 @@ from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
 from emapg_cli.train.beta_control import kl_coef_text
 from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
+from emapg_cli.train.eta_control import describe as describe_decay
 
 GIB = 2**30
 
@@ -167,6 +168,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     evaluation: str = ""  # how and when the run evaluates (`evaluation_line`)
     kl_coef: str = ""  # an adaptive beta's rule (`beta_control.kl_coef_text`); "" for a fixed beta
+    ema_decay: str = ""  # adaptive or scheduled eta (train/eta_control.describe); "" for a fixed eta
 
     @property
     def n_params(self) -> Optional[int]:
@@ -452,6 +454,7 @@ def make_plan(
         evaluation=evaluation_line(cfg),
         stages=stage_spans(cfg),
         kl_coef=kl_coef_text(cfg) if cfg.kl.coef > 0 and cfg.kl.target is not None else "",
+        ema_decay=describe_decay(cfg.ema) if cfg.ema.target_distance is not None or cfg.ema.decay_schedule else "",
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -554,6 +557,9 @@ def render_plan(plan: Plan):
         model += f"  ({plan.model_source})"
     run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
+    for label, rule in (("EMA decay", plan.ema_decay), ("KL coefficient", plan.kl_coef)):  # adaptive / scheduled
+        if rule:
+            run.add_row(label, escape(rule))
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")
     run.add_row("rollout correction", f"{plan.rollout_correction} (pi_old / pi_engine on the policy-gradient term)")
     budget = plan.max_prompt_tokens + plan.max_turns * plan.max_new_tokens
@@ -570,8 +576,6 @@ def render_plan(plan: Plan):
     run.add_row("mini-batch", f"{mini}; {plan.mini_batches_per_step} per step x {plan.epochs} epoch(s)")
     run.add_row("micro-batch", f"[{plan.micro_batch_size}, {plan.seq_len:,}] tokens; {plan.micro_batches_per_mini_batch} per mini-batch"
                 f" ({'gradient checkpointing' if plan.gradient_checkpointing else 'no checkpointing'})")
-    if plan.kl_coef:
-        run.add_row("KL coefficient", plan.kl_coef)
     run.add_row("optimizer steps", f"{plan.optimizer_steps_per_rl_step} per RL step, {plan.optimizer_steps_total:,} in total")
     if plan.evaluation:
         run.add_row("evaluation", escape(plan.evaluation))

@@ -93,6 +93,10 @@ def config_line(cfg) -> str:
 
     kl = f"{kl_coef_text(cfg)} {k.estimator} {k.direction}" + (f" k {k.k}" if k.estimator.startswith(("topk", "truncated")) else "")
     anchor = "fixed anchor" if e.decay >= 1.0 else f"EMA anchor η {e.decay:g} every {e.update_period}"
+    if e.target_distance is not None or e.decay_schedule:
+        from emapg_cli.train.eta_control import describe
+
+        anchor = f"EMA anchor {describe(e)} every {e.update_period}"
     return (f"{cfg.name}: {expand(cfg.model.path)} ({cfg.model.dtype}), {cfg.train.steps} steps x {r.prompts_per_step} prompts"
             f" x {r.n} samples, lr {cfg.optim.lr:g}, KL {kl if k.coef > 0 else 'off'}, {anchor}, reward {r.reward}, engine {r.engine}")
 

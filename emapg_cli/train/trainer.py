@@ -27,6 +27,7 @@ from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
+from emapg_cli.train.eta_control import decay_for_update, decay_in_force
 from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
 from emapg_cli.train.loggers import METRICS_FILE, open_run
@@ -214,13 +215,21 @@ class Trainer:
         return stats
 
     def _ema(self, step: int, skipped_now: bool) -> Optional[float]:
-        """EMA anchor update every ema.update_period steps (not after a skipped update); returns ||theta - theta_ema|| / ||theta||."""
+        """EMA anchor update every ema.update_period steps (not after a skipped update: eta does not change then either);
+        returns ||theta - theta_ema|| / ||theta||."""
         if self.anchor is None:
             return None
         e = self.cfg.ema
-        if step % e.update_period == 0 and not skipped_now:
-            ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), e.decay)
+        if step % e.update_period == 0 and not skipped_now:  # eta: ema.decay, its schedule, or adaptive (train/eta_control.py)
+            decay = decay_for_update(e, self.state, step, lambda: self.strategy.ema_distance(self.policy, self.anchor))
+            ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), decay)
         return self.strategy.ema_distance(self.policy, self.anchor)
+
+    def _controllers(self, step: int, beta: float, metrics: dict[str, Any]) -> None:
+        """After step `step`: the next beta into the state (kl.target's adaptive beta), the eta in force into the metrics."""
+        beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/value"))
+        if self.anchor is not None:
+            metrics["ema/decay"] = decay_in_force(self.cfg.ema, self.state, step)
 
     def step(self, step: int) -> StepResult:
         """One RL step: rollout (grading in the background), passes, advantages, update, EMA and weight push. Returns
@@ -246,7 +255,7 @@ class Trainer:
         metrics = step_metrics(**roll, upd=upd, beta=beta, lr=self.scheduler.get_last_lr()[0],
                                t_rollout=self.phases.seconds["rollout"], t_update=self.phases.seconds["update_total"],
                                skipped_total=self.state["skipped"], ema_distance=dist)
-        beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/value"))  # the next step's beta
+        self._controllers(step, beta, metrics)
         metrics.update(rollout_mismatch(diff))  # this process's rollouts
         metrics.update(extra)
         return StepResult(metrics, upd.skipped, dict(self.phases.seconds), sum(roll["response_lens"]))

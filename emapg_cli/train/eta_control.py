@@ -1,0 +1,53 @@
+"""The EMA decay eta of each anchor update: ema.decay, the ema.decay_schedule stage of the step, or the adaptive rule
+of ema.target_distance (the rule itself, pure math, is emapg_cli/grpo/ema_control.py; docs/stability.md, "Adaptive eta").
+
+The adaptive rule's state lives in the trainer's `state` dict, so every checkpoint's state.json holds it and a resumed
+run continues with the same eta (JSON floats round-trip exactly): `ema_decay` (the eta of the last anchor update; before
+the first, ema.decay) and `ema_unit_lag` (S_k of the next update). Fixed and scheduled runs store nothing: their eta is
+a pure function of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+DECAY_KEY, LAG_KEY = "ema_decay", "ema_unit_lag"
+
+
+def decay_in_force(ema, state: dict[str, Any], step: int) -> float:
+    """The eta of RL step `step` (logged as ema/decay): the adaptive eta after the step's anchor update (if any), the
+    scheduled one, or ema.decay."""
+    if ema.target_distance is not None:
+        return float(state.get(DECAY_KEY, ema.decay))
+    return ema.decay_at(step)
+
+
+def decay_for_update(ema, state: dict[str, Any], step: int, distance_now: Callable[[], float]) -> float:
+    """The eta of the anchor update at RL step `step`. Adaptive: `distance_now()` is ||theta - theta_ema|| / ||theta||
+    measured before the update (the EMA lag D_k); eta_k from eta_{k-1} and S_k (`adapt_decay`), then S_{k+1} and eta_k
+    are written into `state`. Otherwise the scheduled eta of the step (no measurement)."""
+    if ema.target_distance is None:
+        return ema.decay_at(step)
+    from emapg_cli.grpo.ema_control import adapt_decay, next_unit_lag
+
+    eta, lag = float(state.get(DECAY_KEY, ema.decay)), float(state.get(LAG_KEY, 1.0))
+    eta = adapt_decay(eta, lag, distance_now(), target=ema.target_distance, decay_min=ema.decay_min, decay_max=ema.decay_max)
+    state[DECAY_KEY], state[LAG_KEY] = eta, next_unit_lag(lag, eta)
+    return eta
+
+
+def describe(ema) -> str:
+    """How eta is chosen, for the settings line and the --dry-run plan: `adaptive η (target distance 0.01, [0.5,
+    0.999])`, `η schedule 0.9 (steps 1-100), 0.99 (from step 101)`, or `η 0.95`."""
+    if ema.target_distance is not None:
+        return f"adaptive η (target distance {ema.target_distance:g}, [{ema.decay_min:g}, {ema.decay_max:g}], from {ema.decay:g})"
+    if ema.decay_schedule:
+        parts, first = [], 1
+        for i, st in enumerate(ema.decay_schedule):
+            last = first + st.steps - 1
+            span = (f"from step {first}" if i == len(ema.decay_schedule) - 1 else
+                    f"step {first}" if first == last else f"steps {first}-{last}")
+            parts.append(f"{st.decay:g} ({span})")
+            first = last + 1
+        return "η schedule " + ", ".join(parts)
+    return f"η {ema.decay:g}"
