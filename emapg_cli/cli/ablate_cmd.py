@@ -97,6 +97,37 @@ def _trust_flags(sweep, runs, sets: list[str], grids, trust_code: bool) -> list[
     return ["--trust-code"] if needed else []
 
 
+def _stability(out: Path, sweep, records) -> list[Path]:
+    """The stability analysis (study `analysis:`): write stability.md/.json and both heatmaps, print the short table."""
+    from rich.table import Table
+
+    from emapg_cli.ablate import stability
+    from emapg_cli.ablate.plots import plot_stability
+
+    report = stability.analyze(sweep, records)
+    paths = [*stability.write(out, report), *plot_stability(out, report)]
+    table = Table(title=f"stability: mean final accuracy · collapsed/runs per {escape(report.axis)}; "
+                        f"Δ = method − {escape(report.baseline)} (* 95% CI excludes 0)")
+    table.add_column("method")
+    for col in report.columns:
+        table.add_column(escape(stability.column_header(report, col)))
+    table.add_column(f"within {report.analysis['within_points']:g} pts [95% CI]")
+    table.add_column("collapses from")
+    for m, sens, bound in zip(report.methods, report.sensitivity, report.boundary):
+        cells = []
+        for col in report.columns:
+            c, d = report.cell(m, col["label"]), report.difference(m, col["label"])
+            text = "–" if c["final"]["mean"] is None else f"{c['final']['mean']:.3f} · {c['collapsed']}/{c['runs']}"
+            if d is not None and d["mean"] is not None:
+                text += f" Δ{d['mean']:+.3f}" + ("*" if d["excludes_zero"] else "")
+            cells.append(text)
+        frac = "–" if sens["fraction"] is None else f"{sens['fraction']:.2f}" + (
+            f" [{sens['lo']:.2f}, {sens['hi']:.2f}]" if sens["lo"] is not None else "")
+        table.add_row(escape(m), *cells, frac, escape(stability.boundary_text(report, bound)))
+    console.print(table)
+    return paths
+
+
 def _report(out: Path) -> None:
     """Aggregate the sweep in `out`, draw the plots and print the ranked table."""
     from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std
@@ -115,4 +146,6 @@ def _report(out: Path) -> None:
                       format_mean_std(iv), format_ci(iv))
     console.print(table)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
+    if sweep.analysis is not None:
+        written += _stability(out, sweep, records)
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
