@@ -14,10 +14,10 @@ from emapg_cli.outputs import claim_folder, config_sha256
 
 
 def ablate(
-    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators) or a path to a study YAML file.")] = None,
+    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability) or a path to a study YAML file.")] = None,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
-    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size). Repeatable: the sweep is the cartesian product.")] = None,
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size; `x2` = twice the key's value without this axis). Repeatable: the sweep is the cartesian product.")] = None,
     seeds: Annotated[Optional[int], typer.Option("--seeds", help="Seeds per configuration (train.seed = 0..N-1); default: the study's, or 1.", min=1)] = None,
     set_: SetOpt = None,
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Runs at once (each a subprocess; the CPU threads are split between them).", min=1)] = 1,
@@ -28,7 +28,8 @@ def ablate(
     aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk.")] = False,
     trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that the study, preset or --config file names; those named by --set / --grid on this command line always run (docs/reliability.md).")] = False,
 ) -> None:
-    """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots.
+    """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots (and, for a study
+    with `analysis:`, stability.md/.json and the stability heatmaps).
 
     Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep; a
     run folder made with another config than the run's now is refused (exit 2), never mixed in;
