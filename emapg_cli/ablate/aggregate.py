@@ -18,6 +18,7 @@ from emapg_cli.ablate.grid import RunSpec
 from emapg_cli.ablate.runner import SUMMARY, read_status, run_dir
 from emapg_cli.stats import Interval, mean_ci
 from emapg_cli.train.loggers import METRICS_FILE, read_metrics
+from emapg_cli.train.status import STATUS_FILE
 from emapg_cli.ablate.study import Sweep, read_sweep
 
 PLAN_FILE = "plan.jsonl"
@@ -43,6 +44,8 @@ class RunRecord:
     metrics: dict[str, Optional[float]] = field(default_factory=dict)
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     error: str = ""
+    returncode: Optional[int] = None  # the `train` process's exit code (failed runs)
+    reason: str = ""  # why the trainer says it ended: `reason` of the run's own status.json (failed runs)
 
 
 @dataclass
@@ -62,12 +65,13 @@ def save_plan(out: Path, runs: list[RunSpec]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / PLAN_FILE, "w") as f:
         for r in runs:
-            f.write(json.dumps({"config_id": r.config_id, "seed": r.seed, "values": r.values, "overrides": list(r.overrides)}) + "\n")
+            f.write(json.dumps({"config_id": r.config_id, "seed": r.seed, "values": r.values, "overrides": list(r.overrides),
+                                "grid": r.grid}) + "\n")
 
 
 def read_plan(out: Path) -> list[RunSpec]:
     rows = [json.loads(line) for line in (out / PLAN_FILE).read_text().splitlines() if line.strip()]
-    return [RunSpec(r["config_id"], r["seed"], r["values"], tuple(r["overrides"])) for r in rows]
+    return [RunSpec(r["config_id"], r["seed"], r["values"], tuple(r["overrides"]), r.get("grid", {})) for r in rows]
 
 
 def _finite(x: Any) -> Optional[float]:
@@ -144,10 +148,24 @@ def collect(out: Path, runs: list[RunSpec]) -> list[RunRecord]:
             curves["eval/accuracy"] = with_endpoints(curves["eval/accuracy"], metrics)
             records.append(RunRecord(spec, "done", metrics, curves))
         else:
-            state = status.get("status", "pending")
+            trainer = _trainer_status(rdir)
+            # a run launched elsewhere (a cluster, from --dry-run lines) has no record of ours, only the trainer's
+            state = status.get("status") or ("failed" if trainer.get("status") == "failed" else "pending")
+            failed = state == "failed"
             records.append(RunRecord(spec, state if state in ("failed", "running", "interrupted") else "pending", curves=curves,
-                                     error=status.get("error", "") if state == "failed" else ""))
+                                     error=(status.get("error") or trainer.get("reason") or "") if failed else "",
+                                     returncode=status.get("returncode") if failed else None,
+                                     reason=str(trainer.get("reason") or "") if failed else ""))
     return records
+
+
+def _trainer_status(rdir: Path) -> dict:
+    """The run's own `status.json` written by `emapg train` ({} when absent or unreadable)."""
+    try:
+        data = json.loads((rdir / STATUS_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def label_of(values: dict[str, Any], columns: list[str]) -> str:

@@ -4,13 +4,15 @@ A sweep is (named variants) x (cartesian product of grid axes) x seeds. Every ru
 `emapg train` run described by `--set` overrides on one base preset (+ optional config file).
 Grid values are written like `--set` values (parsed as YAML, then typed and checked by the config
 model); the special value `|V|` stands for the policy model's vocabulary size, read from the
-model's `config.json`.
+model's `config.json`, and `x<number>` (e.g. `x2`, `x0.5`) for that multiple of the key's value in the
+run's config resolved without this axis (`resolve_relative`).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -25,6 +27,8 @@ from emapg_cli.paths import expand
 #: Grid value meaning "the vocabulary size of the policy model" (e.g. `kl.k=|V|`: exact KL head).
 VOCAB = "|V|"
 SEED_KEY = "train.seed"
+#: A relative grid value: `x` followed by a number (`x2`, `x0.5`, `x1e3`); `x` then anything else is a plain string.
+RELATIVE = re.compile(r"^x(?=$|[0-9.+-])")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class RunSpec:
     seed: int
     values: dict[str, Any]
     overrides: tuple[str, ...]
+    grid: dict[str, str] = field(default_factory=dict)  # each grid value as written (`x2`, `|V|`, `0.0006`)
 
     @property
     def run_id(self) -> str:
@@ -112,8 +117,56 @@ def parse_grid(item: str) -> Axis:
     return axis
 
 
+def relative_factor(value: Any) -> Optional[float]:
+    """The multiple m of a relative grid value `x<m>` (`x2` -> 2.0), None for any other value; UserError (one line)
+    for `x` without a number or a multiple that is not a positive finite number."""
+    if not isinstance(value, str) or not RELATIVE.match(value):
+        return None
+    try:
+        factor = float(value[1:])
+    except ValueError:
+        raise UserError(f"grid value '{value}': write a multiple of the key's value as x<number>, e.g. x2 or x0.5") from None
+    if not (math.isfinite(factor) and factor > 0):
+        raise UserError(f"grid value '{value}': the multiple must be a positive number")
+    return factor
+
+
+def scaled(base: Any, factor: float) -> Any:
+    """base x factor, rounded to 12 significant digits (so x3 of 3e-4 is 0.0009, not 0.0009000000000000001, and
+    x2 of 3e-4 is exactly the 0.0006 that an absolute 6.0e-4 gives); an int base stays an int when the product is whole."""
+    value = float(f"{base * factor:.12g}")
+    return int(value) if isinstance(base, int) and value.is_integer() else value
+
+
+def resolve_relative(preset: Optional[str], config_file: Optional[str], sets: list[str], variant: dict[str, Any],
+                     raw: dict[str, Any], what: str) -> dict[str, Any]:
+    """Replace every relative grid value `x<m>` in one combination's `raw` values by m x the key's value in the
+    run's config resolved without that axis (preset < config file < sets < variant < the other, absolute grid
+    values), rounded by `scaled`. UserError naming the combination when the key is unknown or not a number."""
+    factors = {k: f for k, v in raw.items() if (f := relative_factor(v)) is not None}
+    if not factors:
+        return raw
+    base_raw = {**variant, **{k: v for k, v in raw.items() if k not in factors}}
+    base_raw = {k: v for k, v in base_raw.items() if v != VOCAB}
+    try:
+        cfg = load_config(preset, config_file, [*sets, *(f"{k}={format_value(v)}" for k, v in base_raw.items())])
+    except UserError as e:
+        raise UserError(f"configuration {what}: {e}") from None
+    out = dict(raw)
+    for key, factor in factors.items():
+        try:
+            base = lookup(cfg, key)
+        except (KeyError, TypeError):
+            raise UserError(f"configuration {what}: unknown config key '{key}'") from None
+        if isinstance(base, bool) or not isinstance(base, (int, float)):
+            raise UserError(f"configuration {what}: {key}={raw[key]} multiplies {key}'s value, which is {base!r} here, not a number")
+        out[key] = scaled(base, factor)
+    return out
+
+
 def check_axes(axes: list[Axis]) -> None:
-    """Each grid key at most once, never train.seed (seeds are `--seeds`), with at least one value and no value twice."""
+    """Each grid key at most once, never train.seed (seeds are `--seeds`), with at least one value and no value twice;
+    a relative value (`x<number>`) well formed."""
     seen: set[str] = set()
     for axis in axes:
         if axis.key == SEED_KEY:
@@ -124,6 +177,8 @@ def check_axes(axes: list[Axis]) -> None:
             raise UserError(f"grid key '{axis.key}' has no values (the sweep would have no runs)")
         if len({format_value(v) for v in axis.values}) != len(axis.values):
             raise UserError(f"grid key '{axis.key}' repeats a value")
+        for v in axis.values:
+            relative_factor(v)
         seen.add(axis.key)
 
 
@@ -195,8 +250,11 @@ def plan_runs(
     if any(s.split("=", 1)[0].strip() == SEED_KEY for s in sets) or any(SEED_KEY in v.overrides for v in variants):
         raise UserError("do not set train.seed; use --seeds N (runs take train.seed = 0..N-1)")
     configs = []
+    by_name = {v.name: v.overrides for v in variants}
     for variant, raw in combinations(variants, axes):
         what = ", ".join(([f"variant {variant}"] if variant else []) + [f"{k}={format_value(v)}" for k, v in raw.items()]) or "base"
+        written = {a.key: format_value(raw[a.key]) for a in axes}
+        raw = resolve_relative(preset, config_file, sets, by_name.get(variant, {}) if variant else {}, raw, what)
         fixed = [f"{k}={format_value(v)}" for k, v in raw.items() if v != VOCAB]
         if any(v == VOCAB for v in raw.values()):
             try:
@@ -211,12 +269,12 @@ def plan_runs(
             raise UserError(f"configuration {what}: {e}") from None
         values: dict[str, Any] = {"variant": variant} if variants else {}
         values.update({a.key: lookup(cfg, a.key) for a in axes})
-        configs.append((config_id(variant, values, axes), values, overrides))
+        configs.append((config_id(variant, values, axes), values, overrides, written))
     ids = [c[0] for c in configs]
     if len(set(ids)) != len(ids):
         raise UserError("two configurations of the sweep resolve to the same name; check the grid values")
     return [
-        RunSpec(cid, seed, values, tuple([*overrides, f"{SEED_KEY}={seed}"]))
+        RunSpec(cid, seed, values, tuple([*overrides, f"{SEED_KEY}={seed}"]), written)
         for seed in seeds
-        for cid, values, overrides in configs
+        for cid, values, overrides, written in configs
     ]

@@ -106,3 +106,102 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
 
     curves(("kl/value", "KL to the anchor, kl/value"), ("ema/distance", "policy–anchor distance, ema/distance"), KL_EMA_PNG)
     return paths
+
+
+# --- the stability study (ablate/stability.py) ---------------------------------------------------
+
+STABILITY_HEATMAP_PNG = "stability_heatmap.png"
+STABILITY_DIFFERENCE_PNG = "stability_difference.png"
+
+
+def _save_atomic(fig, path: Path) -> None:
+    """savefig to a temporary name beside `path`, then rename (a reader never sees half a PNG)."""
+    import os
+
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+
+
+def plot_stability(out: Path, report) -> list[Path]:
+    """stability_heatmap.png (rows: methods, columns: the grid values; left: mean final accuracy, right: collapse
+    rate, each cell annotated) and stability_difference.png (method - baseline per value, diverging colours centred
+    at 0, each cell annotated with the mean paired difference; a thick border and `*` where its 95% interval
+    excludes 0). `report`: a stability.Report. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    from emapg_cli.ablate.stability import column_header
+
+    methods, cols = report.methods, report.columns
+    heads = [column_header(report, c) for c in cols]
+    nan = float("nan")
+
+    def grid_of(rows, value):
+        return np.array([[value(m, c["label"]) for c in cols] for m in rows], dtype=float)
+
+    def val(x):
+        return nan if x is None else x
+
+    acc = grid_of(methods, lambda m, c: val(report.cell(m, c)["final"]["mean"]))
+    rate = grid_of(methods, lambda m, c: val(report.cell(m, c)["collapse_rate"]))
+    size = (max(6.0, 1.3 * len(cols) + 2.5), max(2.5, 0.6 * len(methods) + 1.5))
+    fig, axes = plt.subplots(1, 2, figsize=(2 * size[0], size[1]))
+    panels = [(acc, "mean final accuracy", "viridis", 0.0, 1.0),
+              (rate, "collapse rate (collapsed / runs)", "Reds", 0.0, 1.0)]
+    for ax, (data, title, cmap, vmin, vmax) in zip(axes, panels):
+        im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+        for i, m in enumerate(methods):
+            for j, c in enumerate(cols):
+                cell = report.cell(m, c["label"])
+                if data is acc:
+                    text = "–" if not np.isfinite(data[i, j]) else f"{data[i, j]:.3f}"
+                else:
+                    text = f"{cell['collapsed']}/{cell['runs']}" if cell["runs"] else "–"
+                dark = np.isfinite(data[i, j]) and (data[i, j] - vmin) / (vmax - vmin or 1) < 0.5
+                ax.text(j, i, text, ha="center", va="center", fontsize=9,
+                        color=("white" if dark else "black") if data is acc else ("black" if not np.isfinite(data[i, j]) or data[i, j] < 0.6 else "white"))
+        ax.set_xticks(range(len(cols)), heads, fontsize=8)
+        ax.set_yticks(range(len(methods)), methods)
+        ax.set_xlabel(report.axis)
+        ax.set_title(title)
+    fig.suptitle(f"{report.study}: per method and {report.axis}")
+    fig.tight_layout()
+    paths = [out / STABILITY_HEATMAP_PNG]
+    _save_atomic(fig, paths[-1])
+    plt.close(fig)
+
+    others = [m for m in methods if m != report.baseline]
+    if others:
+        diff = grid_of(others, lambda m, c: val((report.difference(m, c) or {}).get("mean")))
+        lim = float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 0.0
+        lim = max(lim, 0.01)
+        fig, ax = plt.subplots(figsize=size)
+        im = ax.imshow(np.ma.masked_invalid(diff), cmap="RdBu", norm=TwoSlopeNorm(0.0, -lim, lim), aspect="auto")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=f"final accuracy: method − {report.baseline}")
+        for i, m in enumerate(others):
+            for j, c in enumerate(cols):
+                d = report.difference(m, c["label"]) or {}
+                if d.get("mean") is None:
+                    ax.text(j, i, "–", ha="center", va="center", fontsize=9)
+                    continue
+                star = d.get("excludes_zero")
+                ax.text(j, i, f"{d['mean']:+.3f}" + ("*" if star else ""), ha="center", va="center", fontsize=9,
+                        fontweight="bold" if star else "normal", color="white" if abs(d["mean"]) > 0.6 * lim else "black")
+                if star:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=3))
+        ax.set_xticks(range(len(cols)), heads, fontsize=8)
+        ax.set_yticks(range(len(others)), others)
+        ax.set_xlabel(report.axis)
+        ax.set_title(f"{report.study}: method − {report.baseline}, paired over seeds (*, border: 95% CI excludes 0)", fontsize=10)
+        fig.tight_layout()
+        paths.append(out / STABILITY_DIFFERENCE_PNG)
+        _save_atomic(fig, paths[-1])
+        plt.close(fig)
+    return paths

@@ -9,6 +9,9 @@ A study file names a base preset, the seeds, study-wide overrides, and either na
     set: {kl.estimator: topk}
     grid:
       kl.k: [1, 8, 32, 128, "|V|"]
+
+An optional `analysis:` section (`StudyAnalysis`) turns on the stability analysis of aggregation
+(`ablate/stability.py`): methods (the variants) x the values of the one grid axis (e.g. the learning rate).
 """
 
 from __future__ import annotations
@@ -27,6 +30,18 @@ from emapg_cli.fileio import read_yaml_mapping
 STUDY_FILE = "study.yaml"
 
 
+class StudyAnalysis(BaseModel):
+    """The stability analysis of a study (docs/ablate.md "The stability study"): rows = variants (methods), columns =
+    the values of its one grid axis; collapse, steps to target, paired differences against `baseline`, tuning sensitivity."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    baseline: str = Field(description="The variant every other one is compared with (paired differences method - baseline per grid value); must be one of `variants`.")
+    collapse_points: float = Field(10.0, gt=0, le=100, description="X: a run collapses when its final eval accuracy is more than X points (X/100 in accuracy) below its own best evaluation, or when it diverged (non-finite weights, too many skipped steps).")
+    target_gain: float = Field(0.15, gt=0, le=1, description="Steps to target = the first evaluated step whose eval accuracy is >= the run's initial accuracy + target_gain (accuracy units: 0.15 = 15 points).")
+    within_points: float = Field(5.0, ge=0, le=100, description="Tuning sensitivity: the fraction of grid values where a method's mean final accuracy is within this many points of the best method's in that cell.")
+
+
 class StudyFile(BaseModel):
     """The schema of a study YAML file."""
 
@@ -38,7 +53,8 @@ class StudyFile(BaseModel):
     seeds: int = Field(1, ge=1, description="Seeds per configuration: train.seed = 0..seeds-1 (the command's --seeds wins).")
     set: dict[str, Any] = Field(default_factory=dict, description="Dotted overrides applied to every run.")
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Named configurations: name -> {dotted key: value}.")
-    grid: dict[str, list[Any]] = Field(default_factory=dict, description="Cartesian grid: dotted key -> list of values (`|V|`: vocabulary size).")
+    grid: dict[str, list[Any]] = Field(default_factory=dict, description="Cartesian grid: dotted key -> list of values (`|V|`: vocabulary size; `x2`: twice the key's value without this axis).")
+    analysis: Optional[StudyAnalysis] = Field(None, description="Stability analysis of the aggregated runs (variants x the one grid axis); none by default.")
 
 
 class Sweep(BaseModel):
@@ -52,6 +68,7 @@ class Sweep(BaseModel):
     set: list[str] = Field(default_factory=list)
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
+    analysis: Optional[StudyAnalysis] = None
 
     @property
     def axes(self) -> list[Axis]:
@@ -118,6 +135,12 @@ def build_sweep(
         raise UserError("give --study NAME or --preset NAME (the base preset of every run)")
     if seeds is not None and seeds < 1:
         raise UserError("--seeds must be at least 1")
+    if file.analysis is not None:
+        if file.analysis.baseline not in file.variants:
+            raise UserError(f"study {name}: analysis.baseline '{file.analysis.baseline}' is not one of its variants ({', '.join(file.variants) or 'none'})")
+        if len(grid) != 1:
+            raise UserError(f"study {name}: its analysis compares the variants along one grid axis, but the sweep has {len(grid)} "
+                            f"({', '.join(grid) or 'none'}); change the values of the study's axis with --grid {next(iter(file.grid), 'KEY')}=...")
     return Sweep(
         name=name or Path(base).stem,
         description=file.description,
@@ -127,6 +150,7 @@ def build_sweep(
         set=[f"{k}={format_value(v)}" for k, v in file.set.items()] + list(sets),
         variants=file.variants,
         grid=grid,
+        analysis=file.analysis,
     )
 
 

@@ -14,10 +14,10 @@ from emapg_cli.outputs import claim_folder, config_sha256
 
 
 def ablate(
-    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators) or a path to a study YAML file.")] = None,
+    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability) or a path to a study YAML file.")] = None,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
-    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size). Repeatable: the sweep is the cartesian product.")] = None,
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size; `x2` = twice the key's value without this axis). Repeatable: the sweep is the cartesian product.")] = None,
     seeds: Annotated[Optional[int], typer.Option("--seeds", help="Seeds per configuration (train.seed = 0..N-1); default: the study's, or 1.", min=1)] = None,
     set_: SetOpt = None,
     jobs: Annotated[int, typer.Option("--jobs", "-j", help="Runs at once (each a subprocess; the CPU threads are split between them).", min=1)] = 1,
@@ -28,7 +28,8 @@ def ablate(
     aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk.")] = False,
     trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that the study, preset or --config file names; those named by --set / --grid on this command line always run (docs/reliability.md).")] = False,
 ) -> None:
-    """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots.
+    """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots (and, for a study
+    with `analysis:`, stability.md/.json and the stability heatmaps).
 
     Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep; a
     run folder made with another config than the run's now is refused (exit 2), never mixed in;
@@ -97,6 +98,37 @@ def _trust_flags(sweep, runs, sets: list[str], grids, trust_code: bool) -> list[
     return ["--trust-code"] if needed else []
 
 
+def _stability(out: Path, sweep, records) -> list[Path]:
+    """The stability analysis (study `analysis:`): write stability.md/.json and both heatmaps, print the short table."""
+    from rich.table import Table
+
+    from emapg_cli.ablate import stability
+    from emapg_cli.ablate.plots import plot_stability
+
+    report = stability.analyze(sweep, records)
+    paths = [*stability.write(out, report), *plot_stability(out, report)]
+    table = Table(title=f"stability: mean final accuracy · collapsed/runs per {escape(report.axis)}; "
+                        f"Δ = method − {escape(report.baseline)} (* 95% CI excludes 0)")
+    table.add_column("method")
+    for col in report.columns:
+        table.add_column(escape(stability.column_header(report, col)))
+    table.add_column(f"within {report.analysis['within_points']:g} pts [95% CI]")
+    table.add_column("collapses from")
+    for m, sens, bound in zip(report.methods, report.sensitivity, report.boundary):
+        cells = []
+        for col in report.columns:
+            c, d = report.cell(m, col["label"]), report.difference(m, col["label"])
+            text = "–" if c["final"]["mean"] is None else f"{c['final']['mean']:.3f} · {c['collapsed']}/{c['runs']}"
+            if d is not None and d["mean"] is not None:
+                text += f" Δ{d['mean']:+.3f}" + ("*" if d["excludes_zero"] else "")
+            cells.append(text)
+        frac = "–" if sens["fraction"] is None else f"{sens['fraction']:.2f}" + (
+            f" [{sens['lo']:.2f}, {sens['hi']:.2f}]" if sens["lo"] is not None else "")
+        table.add_row(escape(m), *cells, frac, escape(stability.boundary_text(report, bound)))
+    console.print(table)
+    return paths
+
+
 def _report(out: Path) -> None:
     """Aggregate the sweep in `out`, draw the plots and print the ranked table."""
     from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std
@@ -115,4 +147,6 @@ def _report(out: Path) -> None:
                       format_mean_std(iv), format_ci(iv))
     console.print(table)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
+    if sweep.analysis is not None:
+        written += _stability(out, sweep, records)
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
