@@ -1,13 +1,10 @@
 """Adaptive and scheduled EMA decay: the rule by hand (grpo/ema_control.py), the schedule lookup, the config checks,
-the trainer-side state (train/eta_control.py), and a SIGKILL-and-resume run with adaptive eta (real CLI, tiny model)."""
+the trainer-side state (train/eta_control.py). The SIGKILL-and-resume run with adaptive eta (and beta) is in test_resume.py."""
 
 from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
@@ -15,8 +12,6 @@ import torch
 from emapg_cli.config.models import Config, EMAConfig
 from emapg_cli.grpo.ema_control import adapt_decay, adapt_decay_tensor, next_unit_lag
 from emapg_cli.train.eta_control import decay_for_update, decay_in_force, describe
-
-from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, write_dataset
 
 LIMITS = dict(decay_min=0.5, decay_max=0.999)
 
@@ -123,36 +118,3 @@ def test_adaptive_state_in_the_trainer_dict():
 def test_config_refuses(values, message):
     with pytest.raises(ValueError, match=message):
         Config(ema=values)
-
-
-def test_sigkill_and_resume_with_adaptive_eta_is_bit_identical(tiny_qwen2, tmp_path):
-    """4 steps, an anchor update every step, adaptive eta: killed after its first checkpoint and resumed, the run's
-    final policy and anchor, and its ema/decay sequence, equal an uninterrupted run's; eta moved at every update."""
-    data = write_dataset(tmp_path / "train.jsonl")
-    # the tiny run's distances are ~1e-3 (lr 0.01, eta 0.5): a target of 1 is far above, so eta rises by the step limit
-    opts = tiny_overrides(tiny_qwen2, data, steps=4, **{"data.eval": "null", "ema.target_distance": 1.0})
-    victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "b" / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    _, ref_err = reference.communicate(timeout=180)
-    assert reference.returncode == 0, ref_err[-2000:]
-    assert not (tmp_path / "b" / "final").exists(), "the run finished before it could be killed"
-    resumed = run(train_cmd("--resume", str(tmp_path / "b")))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    for part in ("policy", "anchor"):
-        a, b = load_weights(tmp_path / "a" / "final" / part), load_weights(tmp_path / "b" / "final" / part)
-        assert all(torch.equal(a[k], b[k]) for k in a), f"final {part} differs"
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in "ab"}
-    decays = [r["ema/decay"] for r in rows["a"][1:]]
-    assert decays == [r["ema/decay"] for r in rows["b"][1:]]
-    # H = 1/(1 - eta) grows by the step limit 1.2 per update: 2 -> 2.4 -> 2.88 -> 3.456 -> 4.1472
-    assert decays == pytest.approx([1 - 1 / (2 * 1.2**k) for k in (1, 2, 3, 4)], abs=1e-12)
-    state = json.loads((tmp_path / "b" / "checkpoints" / "step_4" / "state.json").read_text())
-    assert state["ema_decay"] == decays[-1]

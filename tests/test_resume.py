@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 
 from emapg_cli.train.checkpoint import write_manifest
@@ -44,6 +45,55 @@ def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
     res_rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "loss/pg", "kl/value", "ema/distance"):
         assert [r.get(key) for r in ref_rows] == [r.get(key) for r in res_rows], key
+
+
+def test_adaptive_beta_and_eta_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
+    """Both controllers on (kl.target, ema.target_distance), 4 steps, killed (SIGKILL) once the first checkpoint is
+    complete and resumed: final policy and anchor, and the logged kl/coef and ema/decay sequences, equal an
+    uninterrupted run's; beta and eta follow their rules at every step (so a controller state lost on resume shows)."""
+    data = write_dataset(tmp_path / "train.jsonl")
+    # beta: 4 prompts x 4 responses = 16 per step, horizon 16: each step multiplies beta by 1 + e, e in [-0.2, 0.2];
+    # the tiny run's KL (~0.005-0.04) sits around target 0.01, so beta moves every step.
+    # eta: the tiny run's distances are ~1e-3, far below target 1, so H = 1 / (1 - eta) grows by the step limit 1.2.
+    opts = tiny_overrides(tiny_qwen2, data, steps=4, **{"kl.target": 0.01, "kl.horizon": 16, "ema.target_distance": 1.0,
+                                                         "data.eval": "null", "eval.anchor_every": 0})
+    victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "b" / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    _, ref_err = reference.communicate(timeout=180)
+    assert reference.returncode == 0, ref_err[-2000:]
+    assert not (tmp_path / "b" / "final").exists(), "the run finished before it could be killed"
+    resumed = run(train_cmd("--resume", str(tmp_path / "b")))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for part in ("policy", "anchor"):
+        a, b = load_weights(tmp_path / "a" / "final" / part), load_weights(tmp_path / "b" / "final" / part)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"final {part} differs"
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
+            for name in "ab"}
+    assert [r["step"] for r in rows["b"]] == [1, 2, 3, 4]
+    for key in ("kl/coef", "kl/value", "ema/decay"):
+        assert [r[key] for r in rows["b"]] == [r[key] for r in rows["a"]], key
+    # beta, from the logged numbers: beta_1 = kl.coef = 0.1, beta_t+1 = beta_t * (1 + clip(KL_t / 0.01 - 1, +-0.2) * 16/16)
+    betas = [r["kl/coef"] for r in rows["a"]]
+    assert betas[0] == 0.1
+    for t in range(3):
+        e = min(max(rows["a"][t]["kl/value"] / 0.01 - 1, -0.2), 0.2)
+        assert e != 0 and betas[t + 1] == pytest.approx(betas[t] * (1 + e), rel=1e-12), (t, betas)
+    # eta: H grows by the step limit 1.2 per update from 1 / (1 - 0.5) = 2: 2.4 -> 2.88 -> 3.456 -> 4.1472
+    decays = [r["ema/decay"] for r in rows["a"]]
+    assert decays == pytest.approx([1 - 1 / (2 * 1.2**k) for k in (1, 2, 3, 4)], abs=1e-12)
+    # the newest checkpoint holds the beta a fifth step would use and the eta in force (JSON floats: exact)
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step_4" / "state.json").read_text())
+    e = min(max(rows["a"][3]["kl/value"] / 0.01 - 1, -0.2), 0.2)
+    assert state["kl_coef"] == pytest.approx(betas[3] * (1 + e), rel=1e-12)
+    assert state["ema_decay"] == decays[-1]
 
 
 def test_resume_finished_bad_set_damaged_and_no_intact_checkpoint(tiny_qwen2, tmp_path):
