@@ -233,14 +233,15 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
             })
     sens = bootstrap_within_best(finals, analysis.within_points / 100, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE)
     for m in methods:
-        point, lo, hi = sens[m]
+        point, lo, hi = sens[m] if any(finals[m][label] for label in labels) else (None, None, None)  # no finished run: no verdict
         report.sensitivity.append({"method": m, "fraction": _num(point), "lo": _num(lo), "hi": _num(hi),
                                    "columns": sum(1 for label in labels if any(finals[x][label] for x in methods))})
     for m in methods:
         first = next((c for c in (report.cell(m, label) for label in labels)
                       if c["collapse_rate"] is not None and c["collapse_rate"] >= 0.5 - _EPS), None)
+        judged = any(report.cell(m, label)["collapse_rate"] is not None for label in labels)
         report.boundary.append({"method": m, "column": first["column"] if first else None,
-                                "values": typed[first["column"]] if first else None})
+                                "values": typed[first["column"]] if first else None, "judged": judged})
     return report
 
 
@@ -267,7 +268,7 @@ def boundary_text(report: Report, b: dict[str, Any]) -> str:
     if b["column"] is not None:
         col = next(c for c in report.columns if c["label"] == b["column"])
         return column_header(report, col)
-    return f"none up to {report.columns[-1]['label']}" if report.columns else "–"
+    return f"none up to {report.columns[-1]['label']}" if report.columns and b.get("judged", True) else "–"
 
 
 def markdown(report: Report) -> str:
