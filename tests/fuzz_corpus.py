@@ -584,6 +584,18 @@ def ablate_cases() -> list[Case]:
         case("ablate", "study-grid-seed", "ablate", "--study", "s.yaml", "--out", "sweep",
              files={"s.yaml": "name: s\npreset: toy\ngrid:\n  train.seed: [1, 2]\n"}),
     ]
+    # issue 21: relative grid values (x<number>) and the study's analysis section
+    cases += [case("ablate", f"grid-relative-{name}", "ablate", "--preset", "toy", "--grid", grid, "--out", "sweep")
+              for name, grid in (("zero", "optim.lr=x0"), ("negative", "optim.lr=x-2"), ("bare", "optim.lr=x"),
+                                 ("text-key", "kl.estimator=x2"), ("inf", "optim.lr=x1e400"), ("nan", "optim.lr=x.nan"))]
+    study = "preset: toy\nvariants:\n  a: {}\n  b: {ema.decay: 1.0}\ngrid:\n  optim.lr: [x1, x2]\n"
+    for name, analysis in (("baseline-unknown", "analysis: {baseline: nope}"), ("negative-points", "analysis: {baseline: a, collapse_points: -1}"),
+                           ("unknown-key", "analysis: {baseline: a, frobnicate: 1}"), ("not-a-mapping", "analysis: [1, 2]"),
+                           ("gain-text", "analysis: {baseline: a, target_gain: lots}")):
+        cases.append(case("ablate", f"study-analysis-{name}", "ablate", "--study", "s.yaml", "--out", "sweep",
+                          files={"s.yaml": study + analysis + "\n"}))
+    cases.append(case("ablate", "study-analysis-two-axes", "ablate", "--study", "s.yaml", "--out", "sweep",
+                      files={"s.yaml": study + "  kl.k: [1, 2]\nanalysis: {baseline: a}\n"}))
     return cases
 
 
