@@ -75,12 +75,20 @@ def run_inprocess(argv, cwd: Path, env: dict[str, str]) -> tuple[int, str, str]:
     os.environ.update(env)
     os.chdir(cwd)
     code = None
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (an earlier test imported it): set its constant too, so
+    # a case that reaches a hub lookup fails at once, as in a fresh `emapg` process, not after ~23 s of retries
+    hub = sys.modules.get("huggingface_hub.constants")
+    old_offline = getattr(hub, "HF_HUB_OFFLINE", None)
+    if hub is not None and "HF_HUB_OFFLINE" in env:
+        hub.HF_HUB_OFFLINE = env["HF_HUB_OFFLINE"].upper() in ("1", "ON", "YES", "TRUE")
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
+        if hub is not None:
+            hub.HF_HUB_OFFLINE = old_offline
         sys.argv = old_argv
         os.chdir(old_cwd)
         for k, v in old_env.items():
