@@ -66,10 +66,27 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     )
 
 
+def run_cli_many(*calls: tuple[str, ...], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Independent `run_cli(*call)` runs, two at a time, one torch thread each, results in the order given. CI has
+    two cores and the test process sits idle while it waits on a subprocess; every run starts its own interpreter
+    (torch, transformers: seconds before it does anything), so two at a time nearly halves the wall time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    one_thread = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda call: run_cli(*call, env=one_thread, timeout=timeout), calls))
+
+
 @pytest.fixture
 def cli():
     """The `run_cli` helper as a fixture."""
     return run_cli
+
+
+@pytest.fixture
+def cli_many():
+    """The `run_cli_many` helper as a fixture: independent CLI runs two at a time."""
+    return run_cli_many
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -87,11 +87,13 @@ def test_eval_grades_given_responses_with_a_plugin(files, tmp_path, cli):
     assert summary["mean_score"] == pytest.approx(1.1875)
 
 
-def test_eval_generates_and_grades_with_a_plugin(files, tiny_qwen2, tmp_path, cli):
+def test_eval_generates_and_grades_with_a_plugin(files, tiny_qwen2, tmp_path, cli_many):
     bench, _, plugin = files
     out = tmp_path / "gen"
-    r = cli("eval", "--bench", str(bench), "--model", str(tiny_qwen2), "--backend", "hf", "--n", "3", "--max-tokens", "6",
-            "--reward", f"{plugin}:parity", "--grader-workers", "1", "--out", str(out))
+    common = ("eval", "--bench", str(bench), "--model", str(tiny_qwen2), "--backend", "hf", "--n", "3", "--max-tokens", "6",
+              "--reward", f"{plugin}:parity", "--grader-workers", "1")
+    # --truncated zero (the default) and --truncated grade: two independent runs, at once
+    r, r_grade = cli_many((*common, "--out", str(out)), (*common, "--truncated", "grade", "--out", str(tmp_path / "gen2")))
     assert r.returncode == 0, r.stderr
     summary, rows = _run(out)
     assert len(rows) == 2 and summary["generated_tokens"] > 0
@@ -103,9 +105,7 @@ def test_eval_generates_and_grades_with_a_plugin(files, tiny_qwen2, tmp_path, cl
     assert summary["maj@n"] is None
 
     # --truncated grade: every response graded, so the scores are exactly len % 2
-    r = cli("eval", "--bench", str(bench), "--model", str(tiny_qwen2), "--backend", "hf", "--n", "3", "--max-tokens", "6",
-            "--reward", f"{plugin}:parity", "--truncated", "grade", "--grader-workers", "1", "--out", str(tmp_path / "gen2"))
-    assert r.returncode == 0, r.stderr
+    assert r_grade.returncode == 0, r_grade.stderr
     _, rows = _run(tmp_path / "gen2")
     assert all(row["scores"] == [float(len(t) % 2) for t in row["responses"]] for row in rows)
 
@@ -118,17 +118,20 @@ def test_a_response_the_plugin_cannot_grade_scores_zero_and_is_reported(files, t
     assert "warning: some responses could not be graded and scored 0 (1 errors" in r.stderr
 
 
-def test_bad_plugin_refs_are_one_line_errors(files, tmp_path, cli):
+def test_bad_plugin_refs_are_one_line_errors(files, tmp_path, cli_many):
     bench, given, plugin = files
     base = ("eval", "--bench", str(bench), "--responses", str(given), "--grader-workers", "1")
-    _one_line_error(cli(*base, "--reward", f"{tmp_path}/none.py:fn", "--out", str(tmp_path / "a")),
-                    "--reward: reward plugin file not found")
-    _one_line_error(cli(*base, "--reward", f"{plugin}:missing", "--out", str(tmp_path / "b")), "--reward:", "no function 'missing'")
-    _one_line_error(cli(*base, "--reward", "nope", "--out", str(tmp_path / "c")), "--reward: unknown reward 'nope'", "math")
-    # a plugin that fails on every response of its first batch: broken, not harsh; nothing is written
     out = tmp_path / "d"
-    _one_line_error(cli(*base, "--reward", f"{plugin}:broken", "--out", str(out)),
-                    "failed on all 8 responses of the first batch", "KeyError: 'answer'")
+    missing_file, missing_fn, unknown, broken = cli_many(  # four independent runs, two at a time
+        (*base, "--reward", f"{tmp_path}/none.py:fn", "--out", str(tmp_path / "a")),
+        (*base, "--reward", f"{plugin}:missing", "--out", str(tmp_path / "b")),
+        (*base, "--reward", "nope", "--out", str(tmp_path / "c")),
+        (*base, "--reward", f"{plugin}:broken", "--out", str(out)))
+    _one_line_error(missing_file, "--reward: reward plugin file not found")
+    _one_line_error(missing_fn, "--reward:", "no function 'missing'")
+    _one_line_error(unknown, "--reward: unknown reward 'nope'", "math")
+    # a plugin that fails on every response of its first batch: broken, not harsh; nothing is written
+    _one_line_error(broken, "failed on all 8 responses of the first batch", "KeyError: 'answer'")
     assert not (out / "results.jsonl").exists() or (out / "results.jsonl").read_text() == ""
 
 

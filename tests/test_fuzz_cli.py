@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import typer.main
 
 import fuzz_corpus as corpus
 
@@ -65,8 +66,24 @@ def workspace(template: Path, dest: Path, case: corpus.Case) -> Path:
     return dest
 
 
+#: typer's own builder, and the click commands it built, per app (kept with the app, so the id stays its own)
+_BUILD = typer.main.get_command
+_COMMANDS: dict = {}
+
+
+def _built_once(typer_app):
+    """typer's `get_command`, remembered per app: a Typer app builds its click command on every call, which reads
+    the signature and evaluates every annotation of every command (~80% of an in-process case's time); the built
+    command is the same each time, and every subprocess case (and CLI test) still builds it afresh."""
+    key = id(typer_app)
+    if key not in _COMMANDS:
+        _COMMANDS[key] = (typer_app, _BUILD(typer_app))
+    return _COMMANDS[key][1]
+
+
 def run_inprocess(argv, cwd: Path, env: dict[str, str]) -> tuple[int, str, str]:
-    """`emapg ARGV` through the console-script entry point in this process: (exit code, stdout, stderr)."""
+    """`emapg ARGV` through the console-script entry point in this process: (exit code, stdout, stderr). The click
+    command typer builds from the app is built once (`_built_once`), not once per case."""
     from emapg_cli.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -75,12 +92,22 @@ def run_inprocess(argv, cwd: Path, env: dict[str, str]) -> tuple[int, str, str]:
     os.environ.update(env)
     os.chdir(cwd)
     code = None
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (an earlier test imported it): set its constant too, so
+    # a case that reaches a hub lookup fails at once, as in a fresh `emapg` process, not after ~23 s of retries
+    hub = sys.modules.get("huggingface_hub.constants")
+    old_offline = getattr(hub, "HF_HUB_OFFLINE", None)
+    if hub is not None and "HF_HUB_OFFLINE" in env:
+        hub.HF_HUB_OFFLINE = env["HF_HUB_OFFLINE"].upper() in ("1", "ON", "YES", "TRUE")
+    typer.main.get_command = _built_once
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
+        typer.main.get_command = _BUILD
+        if hub is not None:
+            hub.HF_HUB_OFFLINE = old_offline
         sys.argv = old_argv
         os.chdir(old_cwd)
         for k, v in old_env.items():

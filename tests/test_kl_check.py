@@ -245,6 +245,25 @@ def test_model_source(tmp_path):
     assert all(r["exact_kl"] > 0 and r["grad_consistent"] for r in out["rows"])
 
 
+def test_model_that_is_no_local_folder_is_refused_before_any_hub_lookup(tmp_path, monkeypatch):
+    # kl-check reads local folders only; the tokenizer used to be loaded first, so a hub-style name (or a typo)
+    # went to the hub: without network, 2 x 5 retries (1+2+4+8+8 s each) before the one-line error
+    import transformers
+
+    from emapg_cli.errors import UserError
+    from emapg_cli.klcheck.model_source import logits_from_model
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("AutoTokenizer.from_pretrained was called")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
+    with pytest.raises(UserError, match="missing-model: not a local model directory"):
+        logits_from_model("missing-model", None, None, 4, 0.05, 0)
+    # a folder for the policy, a hub id for the anchor: refused before the policy's tokenizer loads
+    with pytest.raises(UserError, match="org/anchor: not a local model directory"):
+        logits_from_model(str(tmp_path), "org/anchor", None, 4, 0.05, 0)
+
+
 @pytest.mark.slow
 def test_default_run_within_60_seconds(tmp_path):
     # the speed target: |V| = 32000, 64 positions, 4096 samples, k in {1, 8, 32} in <= 60 s on 2 cores

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import LAUNCHER, free_port, load_weights, run, tiny_overrides, train_cmd, write_dataset
+from train_helpers import LAUNCHER, free_port, load_weights, run, run_many, tiny_overrides, train_cmd, write_dataset
 
 # 20 RL steps x 1 optimizer step at lr 1e-5 (the acceptance criterion's run), final weights saved in float32
 ACCEPTANCE = {"optim.lr": "1e-5", "train.mini_batch_prompts": 4, "train.micro_batch_size": 16, "train.save_every": 0,
@@ -136,13 +136,12 @@ def single_runs(tiny_qwen2, tmp_path_factory) -> dict[str, Path]:
     """The same 20-step run (seed 0) in float32, in bf16 with master weights, and in bf16 in place."""
     tmp = tmp_path_factory.mktemp("master")
     data = write_dataset(tmp / "train.jsonl")
-    out = {}
-    for name, extra in (("fp32", {}), ("master", {"model.dtype": "bfloat16"}), ("lossy", LOSSY)):
-        proc = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=20, **{**ACCEPTANCE, **extra}), "--out", str(tmp / name)),
-                   timeout=400)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        out[name] = tmp / name
-    return out
+    runs = {"fp32": {}, "master": {"model.dtype": "bfloat16"}, "lossy": LOSSY}
+    procs = run_many([train_cmd(*tiny_overrides(tiny_qwen2, data, steps=20, **{**ACCEPTANCE, **extra}), "--out", str(tmp / name))
+                      for name, extra in runs.items()], timeout=400)  # independent runs, two at a time
+    for name, proc in zip(runs, procs):
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+    return {name: tmp / name for name in runs}
 
 
 def test_bf16_master_weights_move_the_weights_like_fp32(single_runs, tiny_qwen2):

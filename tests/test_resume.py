@@ -12,7 +12,7 @@ import torch
 
 from emapg_cli.train.checkpoint import write_manifest
 
-from train_helpers import env, load_weights, run, tiny_overrides, train_cmd, tree_hash, write_dataset
+from train_helpers import env, load_weights, run, run_many, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 
 def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
@@ -105,11 +105,12 @@ def test_resume_finished_bad_set_damaged_and_no_intact_checkpoint(tiny_qwen2, tm
     first = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=2, **{"data.eval": "null"}), "--out", str(run_dir)))
     assert first.returncode == 0, first.stderr[-2000:]
     finished = tree_hash(run_dir)
+    # both only read the run (neither claims the folder), so they run at once:
+    again, bad = run_many([train_cmd("--resume", str(run_dir)),
+                           train_cmd("--resume", str(run_dir), "--set", "optim.betas=[2,3]", "--set", "train.steps=3")])
     # resuming the finished run changes nothing (summary.json is not rewritten) and says so, exit 0
-    again = run(train_cmd("--resume", str(run_dir)))
     assert again.returncode == 0 and f"{run_dir} is finished (2 steps" in again.stdout
     # a bad --set on resume is refused before anything is written (config.yaml keeps the good value)
-    bad = run(train_cmd("--resume", str(run_dir), "--set", "optim.betas=[2,3]", "--set", "train.steps=3"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1] == "error: optim.betas: each beta must be in [0, 1) (got [2, 3])"
     assert tree_hash(run_dir) == finished

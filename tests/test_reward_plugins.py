@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -152,17 +153,19 @@ def test_trust_rule():
 def test_train_cli_logs_the_plugin_reward_and_the_truncation_rules(plugin, tiny_qwen2, tmp_path):
     data = write_dataset(tmp_path / "train.jsonl", n=4)  # 4 prompts per step: every step holds q1
     common = dict(**{"rollout.reward": f"{plugin}:score", "rollout.max_new_tokens": 1, "train.steps": 2, "data.eval": "null"})
+    grade = ["train", *tiny_overrides(tiny_qwen2, data, **common, **{"reward.truncated": "grade"}), "--out", str(tmp_path / "a")]
+    zero = ["train", *tiny_overrides(tiny_qwen2, data, **common, **{"reward.truncated": "zero", "train.mask_truncated": "true"}),
+            "--out", str(tmp_path / "b")]
+    with ThreadPoolExecutor(2) as pool:  # two independent runs at once (two cores)
+        r, r_zero = pool.map(lambda args: emapg(*args), (grade, zero))
     # reward.truncated=grade: 16 responses, the 4 of q1 raise -> reward/mean = 12 / 16, reward/errors = 4
-    r = emapg("train", *tiny_overrides(tiny_qwen2, data, **common, **{"reward.truncated": "grade"}), "--out", str(tmp_path / "a"))
     assert r.returncode == 0, r.stderr[-2000:]
     row = metrics(tmp_path / "a")[1]
     assert (row["reward/mean"], row["reward/errors"]) == (0.75, 4.0)
     # one token per response: every response hits the cap (no EOS drawn with this seed) ...
     assert row["rollout/truncated_frac"] == 1.0
     # ... so under reward.truncated=zero every reward is 0, and mask_truncated leaves no token in the loss
-    r = emapg("train", *tiny_overrides(tiny_qwen2, data, **common, **{"reward.truncated": "zero", "train.mask_truncated": "true"}),
-              "--out", str(tmp_path / "b"))
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r_zero.returncode == 0, r_zero.stderr[-2000:]
     row = metrics(tmp_path / "b")[1]
     assert (row["reward/mean"], row["rollout/truncated_frac"], row["loss/pg"], row["entropy"]) == (0.0, 1.0, 0.0, 0.0)
 

@@ -95,29 +95,33 @@ def test_eval_with_bm25_end_to_end_and_resume(search_bench, tiny_llama, tmp_path
     assert r.returncode == 2 and "other settings" in r.stderr
 
 
-def test_eval_search_errors(search_bench, tiny_llama, tmp_path, cli):
+def test_eval_search_errors(search_bench, tiny_llama, tmp_path, cli_many):
     bench, index = search_bench
     base = ["eval", "--bench", str(bench), "--model", str(tiny_llama), "--backend", "hf", "--out", str(tmp_path / "e")]
-    r = cli(*base, "--retriever", "faiss:/x")
-    assert r.returncode == 2 and "--retriever must be" in r.stderr
-    r = cli(*base, "--retriever", f"bm25:{index}", "--reward", "math")
-    assert r.returncode == 2 and "--reward em or f1" in r.stderr
-    r = cli(*base, "--retriever", f"bm25:{tmp_path / 'missing'}")
-    assert r.returncode == 2 and "error" in r.stderr
+    faiss, math, missing = cli_many((*base, "--retriever", "faiss:/x"),  # independent refusals, two at a time
+                                    (*base, "--retriever", f"bm25:{index}", "--reward", "math"),
+                                    (*base, "--retriever", f"bm25:{tmp_path / 'missing'}"))
+    assert faiss.returncode == 2 and "--retriever must be" in faiss.stderr
+    assert math.returncode == 2 and "--reward em or f1" in math.stderr
+    assert missing.returncode == 2 and "error" in missing.stderr
 
 
-def test_eval_shared_benches_with_a_hotpotqa_index(shared_data, tiny_llama, tmp_path, emapg_home, cli):
+def test_eval_shared_benches_with_a_hotpotqa_index(shared_data, tiny_llama, tmp_path, emapg_home, cli, cli_many):
     # the real files: Bamboogle and HotpotQA prepared from the shared copies, one BM25 index of HotpotQA's paragraphs
     src = shared_data / "search"
-    r = cli("prepare", "hotpotqa-corpus", "--from", str(src / "hotpotqa_dev_ircot500.jsonl"), "--out", str(tmp_path / "corpus"))
-    assert r.returncode == 0, r.stderr
+    benches = (("bamboogle", "bamboogle_test.jsonl"), ("hotpotqa", "hotpotqa_dev_ircot500.jsonl"))
+    corpus, *prepared = cli_many(  # independent preparations, two at a time
+        ("prepare", "hotpotqa-corpus", "--from", str(src / "hotpotqa_dev_ircot500.jsonl"), "--out", str(tmp_path / "corpus")),
+        *(("prepare", name, "--from", str(src / file)) for name, file in benches))
+    assert corpus.returncode == 0, corpus.stderr
+    assert all(r.returncode == 0 for r in prepared), [r.stderr for r in prepared]
     r = cli("retriever", "index", str(tmp_path / "corpus" / "corpus.jsonl"), "--out", str(tmp_path / "index"))
     assert r.returncode == 0, r.stderr
-    for name, file in (("bamboogle", "bamboogle_test.jsonl"), ("hotpotqa", "hotpotqa_dev_ircot500.jsonl")):
-        assert cli("prepare", name, "--from", str(src / file)).returncode == 0
+    evals = cli_many(*(("eval", "--bench", name, "--model", str(tiny_llama), "--backend", "hf", "--retriever",
+                        f"bm25:{tmp_path / 'index'}", "--max-turns", "1", "--max-tokens", "8", "--limit", "3",
+                        "--out", str(tmp_path / f"run-{name}")) for name, _ in benches))
+    for (name, _), r in zip(benches, evals):
         out = tmp_path / f"run-{name}"
-        r = cli("eval", "--bench", name, "--model", str(tiny_llama), "--backend", "hf", "--retriever", f"bm25:{tmp_path / 'index'}",
-                "--max-turns", "1", "--max-tokens", "8", "--limit", "3", "--out", str(out))
         assert r.returncode == 0, r.stderr
         rows = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
         assert [x["id"] for x in rows] == [e.id for e in load_examples(name)[:3]]

@@ -13,12 +13,13 @@ def test_search_qa_dry_run(cli, emapg_home):
     assert "512 prompts x 5 responses" in out and "Qwen/Qwen2.5-3B" in out and "GPU memory estimate" in out
 
 
-def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_home, cli):
+def test_search_qa_two_steps_on_cpu(shared_data, tiny_llama, tmp_path, emapg_home, cli, cli_many):
     # The preset as shipped, with only the model and the sizes overridden (--set): the shared HotpotQA sample
     # as training data, and a BM25 index of its 4,858 paragraphs in place of the wiki-18 server.
     src = shared_data / "search" / "hotpotqa_dev_ircot500.jsonl"
-    assert cli("prepare", "hotpotqa", "--from", str(src)).returncode == 0
-    r = cli("prepare", "hotpotqa-corpus", "--from", str(src), "--out", str(tmp_path / "corpus"))
+    prepared, r = cli_many(("prepare", "hotpotqa", "--from", str(src)),  # independent: at once
+                           ("prepare", "hotpotqa-corpus", "--from", str(src), "--out", str(tmp_path / "corpus")))
+    assert prepared.returncode == 0, prepared.stderr
     assert r.returncode == 0, r.stderr
     r = cli("retriever", "index", str(tmp_path / "corpus" / "corpus.jsonl"), "--out", str(tmp_path / "index"))
     assert r.returncode == 0, r.stderr

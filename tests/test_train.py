@@ -255,17 +255,15 @@ def test_cli_bad_input_exits_2_before_compute(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_dry_run_prints_plan_without_weights(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--preset", "olympiad", "--dry-run"],
-                          capture_output=True, text=True, timeout=120)
+def test_dry_run_prints_plan_without_weights(tmp_path, cli_many):
+    proc, sharded, misused = cli_many(  # three independent commands, two at a time
+        ("train", "--preset", "olympiad", "--dry-run"),
+        ("train", "--preset", "olympiad", "--dry-run", "--processes", "8", "--set", "train.parallel=fsdp"),
+        ("train", "--preset", "olympiad", "--processes", "8"), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "olympiad" in proc.stdout and "GiB" in proc.stdout
-    sharded = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--preset", "olympiad", "--dry-run", "--processes", "8",
-                              "--set", "train.parallel=fsdp"], capture_output=True, text=True, timeout=120)
     assert sharded.returncode == 0, sharded.stderr
     assert "8 (fsdp)" in sharded.stdout and "/ 8 ranks" in sharded.stdout
-    misused = subprocess.run([sys.executable, "-m", "emapg_cli", "train", "--preset", "olympiad", "--processes", "8"],
-                             capture_output=True, text=True, timeout=120)
     assert misused.returncode == 2 and misused.stderr.count("\n") == 1 and "--dry-run" in misused.stderr
 
 

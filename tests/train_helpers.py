@@ -53,6 +53,15 @@ def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
 
 
+def run_many(cmds: list[list[str]], timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Independent `run(cmd)`s, two at a time (results in the order given): CI has two cores and the test
+    process waits idle on each subprocess (`env()` gives every process one thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda cmd: run(cmd, timeout=timeout), cmds))
+
+
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -21,11 +21,17 @@ DEFAULT_TEXT = (
 )
 
 
+def _require_dir(path: str) -> None:
+    """kl-check reads local model folders only: a hub id or a missing path is refused here, before transformers
+    looks it up on the hub (without network, its retries take most of a minute per lookup)."""
+    if not Path(path).is_dir():
+        raise UserError(f"--model/--anchor-model {path}: not a local model directory")
+
+
 def _load(path: str):
     from transformers import AutoModelForCausalLM
 
-    if not Path(path).is_dir():
-        raise UserError(f"--model/--anchor-model {path}: not a local model directory")
+    _require_dir(path)
     try:
         return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, dtype=torch.float32).eval()
     except Exception as e:  # a directory transformers cannot load: report it in one line
@@ -51,6 +57,9 @@ def logits_from_model(
     policy with Gaussian weight noise `perturb`) and keep the last `positions` positions' logits."""
     from transformers import AutoTokenizer
 
+    for p in (path, anchor_path):
+        if p:
+            _require_dir(p)  # before the tokenizer: AutoTokenizer would try the hub for a name that is no folder
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:
