@@ -21,7 +21,7 @@ from emapg_cli.ablate.grid import Axis, Variant, parse_grid, plan_runs
 from emapg_cli.ablate.plots import plot_stability
 from emapg_cli.ablate.runner import run_dir, status_path
 from emapg_cli.ablate.stability import analyze, classify, divergence, steps_to_target, write
-from emapg_cli.ablate.study import StudyAnalysis, build_sweep, save_sweep
+from emapg_cli.ablate.study import StudyAnalysis, build_sweep, read_sweep, save_sweep
 from emapg_cli.config import load_config
 from emapg_cli.errors import UserError
 from emapg_cli.stats import bootstrap_within_best, median, paired_differences, percentile, seeds_for_power, within_best_fraction
@@ -86,6 +86,14 @@ def test_analysis_section_is_checked(tmp_path):
     # it is recorded in the sweep folder's study.yaml, where aggregation reads it
     save_sweep(sweep, tmp_path / "out")
     assert yaml.safe_load((tmp_path / "out" / "study.yaml").read_text())["analysis"]["baseline"] == "fixed"
+    assert read_sweep(tmp_path / "out").analysis == sweep.analysis
+    # ... and checked again when read back: an edited record is a one-line refusal, not a KeyError in the analysis
+    for edit in ({"analysis": {"baseline": "nope"}}, {"grid": {"optim.lr": ["x1"], "kl.k": [4, 8]}}):
+        record = {**yaml.safe_load((tmp_path / "out" / "study.yaml").read_text()), **edit}
+        (tmp_path / "edited").mkdir(exist_ok=True)
+        (tmp_path / "edited" / "study.yaml").write_text(yaml.safe_dump(record))
+        with pytest.raises(UserError, match="not a valid sweep record"):
+            read_sweep(tmp_path / "edited")
 
 
 # --- classification of one run -----------------------------------------------------------------

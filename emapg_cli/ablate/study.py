@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from emapg_cli.ablate.grid import Axis, RunSpec, Variant, check_axes, format_value, plan_runs
 from emapg_cli.config.loading import is_path_like, preset_dir
@@ -69,6 +69,17 @@ class Sweep(BaseModel):
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     analysis: Optional[StudyAnalysis] = None
+
+    @model_validator(mode="after")
+    def _analysis_fits(self) -> "Sweep":
+        """The checks `build_sweep` makes of `analysis:`, again for a record read back from a sweep folder (an edited
+        study.yaml would otherwise reach the stability analysis with a baseline it cannot find)."""
+        if self.analysis is not None:
+            if self.analysis.baseline not in self.variants:
+                raise ValueError(f"analysis.baseline '{self.analysis.baseline}' is not one of its variants")
+            if len(self.grid) != 1:
+                raise ValueError(f"its analysis needs exactly one grid axis, the record has {len(self.grid)}")
+        return self
 
     @property
     def axes(self) -> list[Axis]:
