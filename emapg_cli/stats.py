@@ -128,18 +128,21 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (pos - lo) * (xs[hi] - xs[lo])
 
 
-def within_best_fraction(means: Mapping[str, Mapping[Any, float]], within: float) -> dict[str, float]:
+def within_best_fraction(means: Mapping[str, Mapping[Any, float]], within: float, floor: float = -math.inf) -> dict[str, float]:
     """Tuning sensitivity: per row (method), the fraction of columns (grid values) where the row's mean is within
     `within` of the best row's mean in that column: mean >= max_rows(mean) - within (1e-12 slack for rounding).
 
     A column counts only where at least one row has a finite mean; a row without a finite mean there is not within.
+    A column whose best mean is not above `floor` (e.g. the runs' initial accuracy: no method improved there) works
+    for no row: it stays in the denominator and counts against every row, so a value where everything collapsed is
+    not credited to all methods alike.
     """
     cols = list(dict.fromkeys(c for row in means.values() for c in row))
     best = {c: max((row[c] for row in means.values() if c in row and math.isfinite(row[c])), default=math.nan) for c in cols}
     used = [c for c in cols if math.isfinite(best[c])]
     out = {}
     for name, row in means.items():
-        hits = sum(1 for c in used if c in row and math.isfinite(row[c]) and row[c] >= best[c] - within - 1e-12)
+        hits = sum(1 for c in used if best[c] > floor and c in row and math.isfinite(row[c]) and row[c] >= best[c] - within - 1e-12)
         out[name] = hits / len(used) if used else math.nan
     return out
 
@@ -149,23 +152,23 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def bootstrap_within_best(cells: Mapping[str, Mapping[Any, Mapping[int, float]]], within: float, resamples: int = 2000,
-                          seed: int = 0, confidence: float = 0.95) -> dict[str, tuple[float, float, float]]:
+                          seed: int = 0, confidence: float = 0.95, floor: float = -math.inf) -> dict[str, tuple[float, float, float]]:
     """Tuning sensitivity with a percentile bootstrap interval: {row: (fraction on the data, lo, hi)}.
 
     `cells[row][col]` maps each unit (seed) to its value. One replicate draws as many units as there are, with
     replacement, from all units; the SAME draw is used for every row and column (the design is paired: a seed is
     one run in every cell); each cell's mean is then over the drawn units it holds (with repeats), and
-    `within_best_fraction` is taken. The interval is the (1 - confidence)/2 and (1 + confidence)/2 percentiles
+    `within_best_fraction` is taken (with `floor`). The interval is the (1 - confidence)/2 and (1 + confidence)/2 percentiles
     (`percentile`) of the `resamples` replicates. Deterministic: `random.Random(seed)`.
     """
     units = sorted({u for row in cells.values() for cell in row.values() for u in cell})
-    point = within_best_fraction({r: {c: _mean(list(v.values())) for c, v in row.items()} for r, row in cells.items()}, within)
+    point = within_best_fraction({r: {c: _mean(list(v.values())) for c, v in row.items()} for r, row in cells.items()}, within, floor)
     rng = random.Random(seed)
     reps: dict[str, list[float]] = {r: [] for r in cells}
     for _ in range(resamples if units else 0):
         draw = rng.choices(units, k=len(units))
         means = {r: {c: _mean([v[u] for u in draw if u in v]) for c, v in row.items()} for r, row in cells.items()}
-        for r, f in within_best_fraction(means, within).items():
+        for r, f in within_best_fraction(means, within, floor).items():
             if math.isfinite(f):
                 reps[r].append(f)
     tail = (1.0 - confidence) / 2

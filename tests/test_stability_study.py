@@ -152,6 +152,12 @@ def test_within_best_fraction_by_hand():
     means = {"a": {"x1": 0.80, "x2": 0.50, "x4": math.nan}, "b": {"x1": 0.76, "x2": 0.60, "x4": 0.1}}
     # x1: best 0.80, a in, b 0.76 >= 0.75 in; x2: best 0.60, a 0.50 < 0.55 out; x4: only b (a has no mean): b in
     assert within_best_fraction(means, 0.05) == {"a": pytest.approx(1 / 3), "b": 1.0}
+    # floor 0.3 (the runs' start): at x4 the best (0.1) is not above it: nobody works there, it counts against both
+    assert within_best_fraction(means, 0.05, floor=0.3) == {"a": pytest.approx(1 / 3), "b": pytest.approx(2 / 3)}
+    # everything collapsed in both columns: no credit for anyone (without the floor both would get 1.0)
+    dead = {"a": {"x1": 0.0, "x2": 0.01}, "b": {"x1": 0.02, "x2": 0.0}}
+    assert within_best_fraction(dead, 0.05) == {"a": 1.0, "b": 1.0}
+    assert within_best_fraction(dead, 0.05, floor=0.3) == {"a": 0.0, "b": 0.0}
 
 
 def test_bootstrap_sensitivity_by_hand():

@@ -231,7 +231,11 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
                 "lo": _num(iv.lo), "hi": _num(iv.hi), "excludes_zero": iv.n >= 2 and (iv.lo > 0 or iv.hi < 0),
                 "d_z": _num(d_z), "seeds_for_power": seeds_for_power(d_z) if math.isfinite(d_z) else None,
             })
-    sens = bootstrap_within_best(finals, analysis.within_points / 100, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE)
+    # a value where no method ends above the runs' mean initial accuracy works for none (stats.within_best_fraction)
+    starts = [o.initial for o in outcomes if o.counted and o.initial is not None]
+    floor = sum(starts) / len(starts) if starts else -math.inf
+    report.analysis["sensitivity_floor"] = floor if starts else None
+    sens = bootstrap_within_best(finals, analysis.within_points / 100, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE, floor)
     for m in methods:
         point, lo, hi = sens[m] if any(finals[m][label] for label in labels) else (None, None, None)  # no finished run: no verdict
         report.sensitivity.append({"method": m, "fraction": _num(point), "lo": _num(lo), "hi": _num(hi),
@@ -315,7 +319,9 @@ def markdown(report: Report) -> str:
               f"The fraction of the {report.axis} values where the method's mean final accuracy is within {a['within_points']:g} points "
               f"of the best method's there, with a {report.confidence:.0%} percentile bootstrap interval ({report.bootstrap['resamples']} "
               "resamples of the seeds with replacement, the same resampled seeds for every method and value; generator seed "
-              f"{report.bootstrap['seed']}). Higher: the method works over more of the range without retuning.", "",
+              f"{report.bootstrap['seed']}). A value where no method's mean final accuracy is above the runs' mean initial accuracy "
+              f"({_f(a.get('sensitivity_floor'))}) works for none and counts against every method. Higher: the method works over "
+              "more of the range without retuning.", "",
               "| method | within range | 95% CI |", "|---|---|---|"]
     for s in report.sensitivity:
         k = "–" if s["fraction"] is None else f"{s['fraction']:.2f} ({round(s['fraction'] * s['columns'])}/{s['columns']})"
