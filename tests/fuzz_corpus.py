@@ -666,6 +666,8 @@ def kl_check_cases() -> list[Case]:
     # issue 21 (adaptive eta): the adaptive rule's options of --stability
     stab = ("kl-check", "--stability", "--steps", "80", "--alphas", "0.1", "--etas", "0.9", "--period", "1")
     cases += [
+        case("kl-check", "target-distance-without-stability", "kl-check", "--target-distance", "0.01"),
+        case("kl-check", "stability-decay-max-without-target", *stab, "--decay-max", "0.9"),
         case("kl-check", "stability-target-distance-zero", *stab, "--target-distance", "0"),
         case("kl-check", "stability-target-distance-nan", *stab, "--target-distance", "nan"),
         case("kl-check", "stability-target-distance-text", *stab, "--target-distance", "far"),

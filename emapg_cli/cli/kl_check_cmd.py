@@ -81,14 +81,19 @@ def kl_check(
     actions: Annotated[Optional[int], typer.Option("--actions", help="--stability: number of bandit arms (default: the simulation's).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="--stability: simulated policy-gradient steps (default: the simulation's).")] = None,
     target_distance: Annotated[Optional[float], typer.Option("--target-distance", help="--stability: also run the adaptive-eta rule of ema.target_distance with this target policy-anchor distance ||centred(z - z_bar)|| / ||centred z||, one run per alpha from eta 0.95 (docs/stability.md, \"Adaptive eta\").")] = None,
-    decay_min: Annotated[float, typer.Option("--decay-min", help="--stability with --target-distance: the smallest eta the rule may choose.")] = 0.5,
-    decay_max: Annotated[float, typer.Option("--decay-max", help="--stability with --target-distance: the largest eta the rule may choose (< 1).")] = 0.999,
+    decay_min: Annotated[Optional[float], typer.Option("--decay-min", help="--stability with --target-distance: the smallest eta the rule may choose (default 0.5).")] = None,
+    decay_max: Annotated[Optional[float], typer.Option("--decay-max", help="--stability with --target-distance: the largest eta the rule may choose, < 1 (default 0.999).")] = None,
 ) -> None:
     """Measure each KL estimator's value bias, gradient bias (w.r.t. the policy logits) and variance
     by Monte Carlo against the exact KL, next to its closed-form expectation (docs/estimators.md)."""
     for option, path in (("--json", json_out), ("--plot", plot)):  # before any work, not after it
         if path is not None:
             writable_file(path, option)
+    if target_distance is not None and not stability:
+        raise UserError("--target-distance runs the adaptive eta rule of the stability simulation: add --stability")
+    if (decay_min is not None or decay_max is not None) and target_distance is None:
+        raise UserError("--decay-min/--decay-max bound the adaptive eta rule: add --target-distance D (and --stability)")
+    decay_min, decay_max = 0.5 if decay_min is None else decay_min, 0.999 if decay_max is None else decay_max
     if stability:
         adaptive = None
         if target_distance is not None:
