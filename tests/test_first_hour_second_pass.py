@@ -111,3 +111,36 @@ def test_eval_sets_threads_as_train_does(monkeypatch):
         assert set_torch_threads(2) == ", 2 torch threads (train.torch_threads)"
     finally:
         torch.set_num_threads(before)
+
+
+def test_every_command_builds_its_bar_from_the_plain_line_progress():
+    """No module but emapg_cli/progress.py takes rich's Progress itself: each long command (train, eval, ablate,
+    kl-check, retriever index, prepare...) prints plain lines into a log. Parsed with ast, nothing imported."""
+    import ast
+    from pathlib import Path
+
+    import emapg_cli
+
+    root = Path(emapg_cli.__file__).parent
+    found = []
+    for path in root.rglob("*.py"):
+        if path == root / "progress.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module == "rich.progress" and any(a.name == "Progress" for a in node.names):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr == "Progress" and getattr(node.value, "attr", None) == "progress":
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"rich's Progress used directly (no plain lines in a log): {found}"
+
+
+def test_kl_check_prints_plain_progress_lines_into_a_log(monkeypatch):
+    from typer.testing import CliRunner
+
+    from emapg_cli.cli.app import app
+
+    monkeypatch.setenv("EMAPG_PROGRESS_SECONDS", "0")
+    result = CliRunner().invoke(app, ["kl-check", "--vocab", "50", "--positions", "2", "--samples", "64", "--batches", "4",
+                                      "--estimators", "k1,k3", "--directions", "reverse", "--k", "1"])
+    assert result.exit_code == 0, result.output
+    assert "measuring estimators  100%" in result.output

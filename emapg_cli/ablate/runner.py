@@ -261,7 +261,9 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
     interrupted runs are simply started again by the next invocation.
     """
     from rich.markup import escape
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+
+    from emapg_cli.progress import Progress  # plain lines when the output is a log, not a terminal
 
     results: dict[str, RunResult] = {}
     todo = []

@@ -124,9 +124,8 @@ def kl_check(
     check_memory(logits.positions, logits.vocab, samples, logits.source)
     specs, _ = plan(settings, logits.vocab)
 
-    from rich.progress import Progress
-
     from emapg_cli.klcheck.report import LEGEND, header, render_markdown, render_tables
+    from emapg_cli.progress import Progress  # plain lines when the output is a log
 
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("measuring estimators", total=len(specs))

@@ -21,8 +21,9 @@ def index(
     out: Annotated[Path, typer.Option("--out", "-o", help="New (or empty) folder for the index.")],
 ) -> None:
     """Build a BM25 index (bm25s) of CORPUS into --out, with a manifest (corpus sha256, row count)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
+    from emapg_cli.progress import Progress  # plain lines when the output is a log
     from emapg_cli.retrieval.bm25 import build_index
 
     bar = Progress(TextColumn("tokenising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
