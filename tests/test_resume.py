@@ -15,48 +15,10 @@ from emapg_cli.train.checkpoint import write_manifest
 from train_helpers import env, load_weights, run, run_many, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 
-def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
-    data = write_dataset(tmp_path / "train.jsonl")
-    opts = tiny_overrides(tiny_qwen2, data, steps=4)
-    # The interrupted run: killed with SIGKILL as soon as its first checkpoint is complete.
-    victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),  # meanwhile, on the other core
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "b" / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    _, ref_err = reference.communicate(timeout=180)
-    assert reference.returncode == 0, ref_err[-2000:]
-    assert not (tmp_path / "b" / "final").exists(), "the run finished before it could be killed"
-    resumed = run(train_cmd("--resume", str(tmp_path / "b")))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    for part in ("policy", "anchor"):
-        a, b = load_weights(tmp_path / "a" / "final" / part), load_weights(tmp_path / "b" / "final" / part)
-        assert a.keys() == b.keys()
-        assert all(torch.equal(a[k], b[k]) for k in a), f"final {part} differs"
-    # metrics.jsonl of the resumed run holds each step once, as the uninterrupted one does
-    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 3, 4]
-    ref_rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    res_rows = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    for key in ("reward/mean", "loss/pg", "kl/value", "ema/distance"):
-        assert [r.get(key) for r in ref_rows] == [r.get(key) for r in res_rows], key
-
-
-def test_adaptive_beta_and_eta_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
-    """Both controllers on (kl.target, ema.target_distance), 4 steps, killed (SIGKILL) once the first checkpoint is
-    complete and resumed: final policy and anchor, and the logged kl/coef and ema/decay sequences, equal an
-    uninterrupted run's; beta and eta follow their rules at every step (so a controller state lost on resume shows)."""
-    data = write_dataset(tmp_path / "train.jsonl")
-    # beta: 4 prompts x 4 responses = 16 per step, horizon 16: each step multiplies beta by 1 + e, e in [-0.2, 0.2];
-    # the tiny run's KL (~0.005-0.04) sits around target 0.01, so beta moves every step.
-    # eta: the tiny run's distances are ~1e-3, far below target 1, so H = 1 / (1 - eta) grows by the step limit 1.2.
-    opts = tiny_overrides(tiny_qwen2, data, steps=4, **{"kl.target": 0.01, "kl.horizon": 16, "ema.target_distance": 1.0,
-                                                         "data.eval": "null", "eval.anchor_every": 0})
+def _killed_resumed_and_uninterrupted(opts: list[str], tmp_path) -> None:
+    """Run `train *opts` twice at once: into b, killed with SIGKILL as soon as its first checkpoint is complete, then
+    resumed; into a, uninterrupted (on the other core). Then both finished and their final policy and anchor weights
+    are bit-identical."""
     victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),
@@ -74,9 +36,36 @@ def test_adaptive_beta_and_eta_sigkill_and_resume_is_bit_identical(tiny_qwen2, t
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     for part in ("policy", "anchor"):
         a, b = load_weights(tmp_path / "a" / "final" / part), load_weights(tmp_path / "b" / "final" / part)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"final {part} differs"
-    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()][1:]
-            for name in "ab"}
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), f"final {part} differs"
+
+
+def _rows(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
+    data = write_dataset(tmp_path / "train.jsonl")
+    _killed_resumed_and_uninterrupted(tiny_overrides(tiny_qwen2, data, steps=4), tmp_path)
+    # metrics.jsonl of the resumed run holds each step once, as the uninterrupted one does
+    ref_rows, res_rows = _rows(tmp_path / "a"), _rows(tmp_path / "b")
+    assert [r["step"] for r in res_rows] == [0, 1, 2, 3, 4]
+    for key in ("reward/mean", "loss/pg", "kl/value", "ema/distance"):
+        assert [r.get(key) for r in ref_rows] == [r.get(key) for r in res_rows], key
+
+
+def test_adaptive_beta_and_eta_sigkill_and_resume_is_bit_identical(tiny_qwen2, tmp_path):
+    """Both controllers on (kl.target, ema.target_distance), 4 steps, killed (SIGKILL) once the first checkpoint is
+    complete and resumed: final policy and anchor, and the logged kl/coef and ema/decay sequences, equal an
+    uninterrupted run's; beta and eta follow their rules at every step (so a controller state lost on resume shows)."""
+    data = write_dataset(tmp_path / "train.jsonl")
+    # beta: 4 prompts x 4 responses = 16 per step, horizon 16: each step multiplies beta by 1 + e, e in [-0.2, 0.2];
+    # the tiny run's KL (~0.005-0.04) sits around target 0.01, so beta moves every step.
+    # eta: the tiny run's distances are ~1e-3, far below target 1, so H = 1 / (1 - eta) grows by the step limit 1.2.
+    opts = tiny_overrides(tiny_qwen2, data, steps=4, **{"kl.target": 0.01, "kl.horizon": 16, "ema.target_distance": 1.0,
+                                                         "data.eval": "null", "eval.anchor_every": 0})
+    _killed_resumed_and_uninterrupted(opts, tmp_path)
+    rows = {name: _rows(tmp_path / name)[1:] for name in "ab"}
     assert [r["step"] for r in rows["b"]] == [1, 2, 3, 4]
     for key in ("kl/coef", "kl/value", "ema/decay"):
         assert [r[key] for r in rows["b"]] == [r[key] for r in rows["a"]], key
