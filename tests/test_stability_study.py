@@ -276,6 +276,7 @@ def test_shipped_stability_study_dry_run(tmp_path):
     assert not (tmp_path / "sw").exists()
 
 
+@pytest.mark.slow  # CI runs the shipped study reduced (below); this one adds the trainer's real divergence (exit 2) end to end
 def test_stability_study_end_to_end(tmp_path, tiny_qwen2):
     """A reduced stability study on the tiny model: 2 methods x 2 values x 2 seeds, 2 RL steps, 2 runs at once. The
     axis is the weight decay, so that one value breaks training for sure: x1e43 of 1.0 with lr 3e-4 makes AdamW's
@@ -316,4 +317,33 @@ def test_stability_study_end_to_end(tmp_path, tiny_qwen2):
     md = (out / "stability.md").read_text()
     assert "diverged — step 1: the optimizer step made the policy's weights non-finite" in md
     for name in ("stability_heatmap.png", "stability_difference.png", "summary.md", "results.csv"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 1000, name
+
+
+def test_the_shipped_stability_study_reduced(tmp_path, tiny_qwen2):
+    """The issue's acceptance: `emapg ablate --study stability` itself, reduced on the command line (`--seeds 2`, one
+    learning rate, `--set` 2 steps on the tiny model), runs and writes the table and both heatmaps. All five methods,
+    the adaptive ones included, train; the paired differences pair both seeds."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i % 7}+{i % 5}", "answers": [str(i % 7 + i % 5)]}) + "\n"
+                            for i in range(8)))
+    sets = {"model.path": str(tiny_qwen2), "data.train": str(data), "data.eval": str(data), "data.eval_limit": 4,
+            "rollout.prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 4, "eval.max_new_tokens": 4,
+            "train.steps": 2, "eval.every": 1, "train.mini_batch_prompts": 2, "train.micro_batch_size": 4, "kl.k": 4,
+            "ema.update_period": 1}
+    out = tmp_path / "sweep"
+    args = ["ablate", "--study", "stability", "--seeds", "2", "--grid", "optim.lr=x1", "--jobs", "2", "--out", str(out)]
+    r = cli(*args, *(w for k, v in sets.items() for w in ("--set", f"{k}={v}")), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "10 done, 0 finished before, 0 failed" in r.stdout and "collapses from" in r.stdout
+    report = json.loads((out / "stability.json").read_text())
+    assert report["methods"] == ["none", "fixed", "ema", "adaptive-beta", "adaptive-eta"] and report["baseline"] == "fixed"
+    assert [(c["label"], c["values"]) for c in report["columns"]] == [("x1", [0.0003])]
+    assert all(c["runs"] == 2 and 0.0 <= c["final"]["mean"] <= 1.0 for c in report["cells"])
+    assert [(d["method"], d["n"]) for d in report["differences"]] == [(m, 2) for m in ("none", "ema", "adaptive-beta", "adaptive-eta")]
+    # the adaptive variants ran their controllers: kl/coef and ema/decay moved in their runs
+    beta = [json.loads(line).get("kl/coef") for line in (out / "runs" / "adaptive-beta_optim.lr=0.0003" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    eta = [json.loads(line).get("ema/decay") for line in (out / "runs" / "adaptive-eta_optim.lr=0.0003" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert beta[1] == 0.01 and beta[2] != 0.01 and eta[1] != 0.9
+    for name in ("stability.md", "stability_heatmap.png", "stability_difference.png", "summary.md", "results.csv"):
         assert (out / name).is_file() and (out / name).stat().st_size > 1000, name
