@@ -104,11 +104,7 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
 
 def median(values: Sequence[float]) -> float:
     """The middle value (the mean of the two middle ones for an even count); NaN for no values."""
-    xs = sorted(values)
-    n = len(xs)
-    if n == 0:
-        return math.nan
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+    return statistics.median(values) if len(values) else math.nan
 
 
 def paired_differences(a: Mapping[int, float], b: Mapping[int, float]) -> dict[int, float]:

@@ -105,17 +105,22 @@ def run_metrics(summary: dict[str, Any], curves: dict[str, list[tuple[int, float
     init = _finite(summary.get("eval_accuracy_initial"))
     final = _finite(summary.get("eval_accuracy_final"))
     evals = [v for _, v in curves.get("eval/accuracy", [])] + [x for x in (init, final) if x is not None]
-    kl = [v for _, v in curves.get("kl/value", [])]
-    ema = curves.get("ema/distance", [])
     return {
         "eval_accuracy_initial": init,
         "eval_accuracy_final": final,
         "eval_accuracy_best": max(evals) if evals else None,
-        "kl_mean": sum(kl) / len(kl) if kl else None,
-        "ema_distance_final": ema[-1][1] if ema else None,
+        **anchor_numbers(curves),
         "steps": int(summary["steps"]) if _finite(summary.get("steps")) is not None else None,
         "wall_time_s": _finite(summary.get("wall_time_s")),
     }
+
+
+def anchor_numbers(curves: dict[str, list[tuple[int, float]]]) -> dict[str, Optional[float]]:
+    """`kl_mean` = the mean of `kl/value` over the logged steps, `ema_distance_final` = the last `ema/distance`
+    (None without them: no KL term, no anchor); also for a run that stopped early (ablate/stability.py)."""
+    kl = [v for _, v in curves.get("kl/value", [])]
+    ema = curves.get("ema/distance", [])
+    return {"kl_mean": sum(kl) / len(kl) if kl else None, "ema_distance_final": ema[-1][1] if ema else None}
 
 
 def with_endpoints(evals: list[tuple[int, float]], metrics: dict[str, Optional[float]]) -> list[tuple[int, float]]:

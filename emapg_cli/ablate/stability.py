@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.study import StudyAnalysis, Sweep
 from emapg_cli.paths import write_text_atomic
@@ -125,8 +125,6 @@ def classify(evals: list[tuple[int, float]], initial: Optional[float], final: Op
 def outcome(rec: RunRecord, method: str, column: str, analysis: StudyAnalysis) -> Outcome:
     """The Outcome of one aggregated run."""
     evals = rec.curves.get("eval/accuracy", [])
-    kl = [v for _, v in rec.curves.get("kl/value", [])]
-    ema = rec.curves.get("ema/distance", [])
     why = divergence(rec.status, rec.returncode, rec.reason, rec.error)
     if rec.status == "done":
         initial, final = rec.metrics.get("eval_accuracy_initial"), rec.metrics.get("eval_accuracy_final")
@@ -137,7 +135,7 @@ def outcome(rec: RunRecord, method: str, column: str, analysis: StudyAnalysis) -
         return Outcome(rec.spec.run_id, method, column, rec.spec.seed, rec.status, reason=rec.error.strip().splitlines()[-1] if rec.error.strip() else "")
     final, best, collapsed, stt = classify(evals, initial, final, why is not None, analysis)
     return Outcome(rec.spec.run_id, method, column, rec.spec.seed, "diverged" if why is not None else "done", initial, final, best,
-                   collapsed, stt, sum(kl) / len(kl) if kl else None, ema[-1][1] if ema else None, why or "")
+                   collapsed, stt, **anchor_numbers(rec.curves), reason=why or "")
 
 
 def _iv(values: list[Optional[float]]) -> dict[str, Any]:
