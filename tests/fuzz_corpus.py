@@ -260,6 +260,26 @@ def config_cases() -> list[Case]:
         case("config", "set-schedule-decay-two", "config", "show", "--set", "ema.decay_schedule=[{steps: 5, decay: 2}]"),
         case("config", "set-schedule-no-decay", "config", "show", "--set", "ema.decay_schedule=[{steps: 5}]"),
     ]
+    # issue 22 (a teacher as the anchor): anchor.source / path / dtype, kl.topk_from
+    cases += [
+        case("config", "set-anchor-source-unknown", "config", "show", "--set", "anchor.source=policy"),
+        case("config", "set-anchor-teacher-no-path", "config", "show", "--set", "anchor.source=teacher"),
+        case("config", "set-anchor-path-with-ema", "config", "show", "--set", "anchor.path=teacher"),
+        case("config", "set-anchor-dtype-with-ema", "config", "show", "--set", "anchor.dtype=bfloat16"),
+        case("config", "set-anchor-dtype-unknown", "config", "show", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=teacher", "--set", "anchor.dtype=int8"),
+        case("config", "set-anchor-teacher-no-coef", "config", "show", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=teacher", "--set", "kl.coef=0"),
+        case("config", "set-anchor-teacher-target-distance", "config", "show", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=teacher", "--set", "ema.target_distance=0.01"),
+        case("config", "set-anchor-teacher-schedule", "config", "show", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=teacher", "--set", "ema.decay_schedule=[{steps: 5, decay: 0.9}]"),
+        case("config", "set-anchor-teacher-lora", "config", "show", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=teacher", "--set", "lora.r=4"),
+        case("config", "set-anchor-section", "config", "show", "--set", "anchor=teacher"),
+        case("config", "set-topk-from-unknown", "config", "show", "--set", "kl.topk_from=policy"),
+        case("config", "set-topk-from-list", "config", "show", "--set", "kl.topk_from=[anchor]"),
+    ]
     return cases
 
 
@@ -311,6 +331,9 @@ def train_cases() -> list[Case]:
         case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
              "--set", "rollout.env=calc", "--dry-run"),
         case("train", "env-timeout-zero", "train", "--config", "good.yaml", "--set", "rollout.env_timeout_s=0", "--dry-run"),
+        case("train", "anchor-teacher-no-path", "train", "--config", "good.yaml", "--set", "anchor.source=teacher", "--dry-run"),
+        case("train", "anchor-teacher-lora", "train", "--config", "good.yaml", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=emptydir", "--set", "lora.r=2", "--dry-run"),
         case("train", "out-is-file", "train", "--config", "good.yaml", "--out", "afile"),
         case("train", "out-under-file", "train", "--config", "good.yaml", "--out", "afile/run"),
         case("train", "out-foreign", "train", "--config", "good.yaml", "--out", "foreign"),

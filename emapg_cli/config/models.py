@@ -191,6 +191,7 @@ class KLConfig(Section):
     estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
     target: Optional[float] = Field(None, gt=0, description="Adaptive beta: the KL to the anchor (kl/value) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the step's responses (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
     horizon: int = Field(10000, ge=1, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
+    topk_from: Optional[Literal["sampling", "anchor"]] = Field(None, description="Top-k estimators: whose top-k ids form the set q: `sampling` (the sampling policy's, recorded by the engine or from the old-policy pass) or `anchor` (the anchor's own top-k, gathered in the anchor's pass: a teacher's top-k for distillation). null (default): sampling for kl.direction=reverse, anchor for forward (the paper's Algorithms 1 and 2).")
 
     @model_validator(mode="after")
     def _check(self) -> "KLConfig":
@@ -204,6 +205,24 @@ class KLConfig(Section):
             raise ValueError(f"estimator {self.estimator} estimates the forward KL only; set kl.direction=forward")
         if self.target is not None and self.coef <= 0:
             raise ValueError("kl.target (adaptive beta) needs kl.coef > 0, the initial beta (kl.coef=0 loads no anchor)")
+        return self
+
+
+class AnchorConfig(Section):
+    """What the KL term pulls towards: the EMA of the policy (EMA-PG) or a fixed teacher model (on-policy distillation)."""
+
+    source: Literal["ema", "teacher"] = Field("ema", description="The anchor: `ema` (default), the EMA of the policy's own weights (the `ema` section); `teacher`, a fixed model loaded from anchor.path that is never updated, with the same tokenizer and vocabulary as the policy (checked before any weights load), not saved in checkpoints (they record its path and content hash, checked on resume). Needs kl.coef > 0; not with LoRA, ema.target_distance or ema.decay_schedule.")
+    path: Optional[str] = Field(None, description="anchor.source=teacher: the teacher's local checkpoint folder in save_pretrained format, with its tokenizer (~ and $EMAPG_HOME expanded, as model.path). Not used with anchor.source=ema.")
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="anchor.source=teacher: the dtype the teacher's weights are held and run in (it may be lower than the policy's); null: model.dtype. With anchor.source=ema the anchor's dtype is ema.dtype.")
+
+    @model_validator(mode="after")
+    def _teacher_has_path(self) -> "AnchorConfig":
+        if self.source == "teacher" and not self.path:
+            raise ValueError("anchor.source=teacher needs anchor.path (the teacher's checkpoint folder)")
+        if self.source == "ema" and self.path is not None:
+            raise ValueError("anchor.path is a teacher's folder: set anchor.source=teacher, or drop anchor.path for the EMA anchor")
+        if self.source == "ema" and self.dtype is not None:
+            raise ValueError("anchor.dtype is the teacher's dtype (anchor.source=teacher); the EMA anchor's is ema.dtype")
         return self
 
 
@@ -310,6 +329,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="RL loop and policy loss.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL regulariser towards the anchor.")
     ema: EMAConfig = Field(default_factory=EMAConfig, description="The EMA anchor.")
+    anchor: AnchorConfig = Field(default_factory=AnchorConfig, description="The anchor of the KL term: the EMA of the policy, or a fixed teacher.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses and the soft overlong penalty.")
     grading: GradingConfig = Field(default_factory=GradingConfig, description="How answers are found in responses.")
@@ -365,7 +385,8 @@ class Config(Section):
         if self.lora.r > 0:
             for bad, why in ((r.engine == "vllm", "rollout.engine=vllm (use hf)"), (t.parallel == "fsdp", "train.parallel=fsdp"),
                              (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
-                             (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0")):
+                             (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0"),
+                             (self.anchor.source == "teacher", "anchor.source=teacher")):
                 if bad:
                     raise ValueError(f"lora.r > 0 does not support {why} yet")
         if t.share_prompts == "always" and self.model.gradient_checkpointing:
@@ -374,15 +395,27 @@ class Config(Section):
         if self.kl.target is not None and r.prompts_per_step * r.n >= 5 * self.kl.horizon:
             raise ValueError(f"kl.horizon ({self.kl.horizon}) must exceed the responses per step / 5 ({r.prompts_per_step * r.n} / 5), "
                              "or one step below the KL target could drive beta to 0 or below")
+        self._check_teacher()
         mini = (r.prompts_per_step * r.n) // self.sequences_per_mini_batch
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,
             mini_batches_per_step=mini,
             optimizer_steps_per_rl_step=mini * t.epochs,
-            loads_anchor=self.kl.coef > 0,
+            loads_anchor=self.kl.coef > 0 or self.anchor.source == "teacher",
             ema_updates=t.steps // self.ema.update_period,
         )
         return self
+
+    def _check_teacher(self) -> None:
+        """anchor.source=teacher: the KL term must use it (kl.coef > 0), and the EMA's eta rules have nothing to act on."""
+        if self.anchor.source != "teacher":
+            return
+        # train.objective=distill / rl+distill (when present) uses the teacher without kl.coef: extend this test then
+        if self.kl.coef <= 0:
+            raise ValueError("anchor.source=teacher needs kl.coef > 0 (the KL term is what pulls the policy to the teacher)")
+        for key, given in (("ema.target_distance", self.ema.target_distance is not None), ("ema.decay_schedule", bool(self.ema.decay_schedule))):
+            if given:
+                raise ValueError(f"{key} sets the EMA anchor's eta, but anchor.source=teacher never updates the anchor: drop {key}")
 
     def _one_environment(self) -> None:
         """search.enabled=true and rollout.env=search are one choice: either sets the other; a contradiction is an

@@ -50,9 +50,9 @@ def check_estimator(name: str, direction: str) -> EstimatorInfo:
     return info
 
 
-def topk_source(direction: str) -> str:
-    """Whose top-k defines q: the sampling policy for reverse KL, the anchor for forward KL."""
-    return "sampling" if direction == "reverse" else "anchor"
+def topk_source(direction: str, topk_from: str | None = None) -> str:
+    """Whose top-k defines q: `topk_from` when given (kl.topk_from), else the sampling policy for reverse KL, the anchor for forward KL."""
+    return topk_from or ("sampling" if direction == "reverse" else "anchor")
 
 
 def kl_per_token(

@@ -29,7 +29,8 @@ def check_skips(state: dict[str, Any], cfg, step: int, skipped: int, metrics_fil
 def run_summary(state: dict[str, Any], steps: int, wall_time_s: float, last_metrics: dict[str, Any], skipped_prompts: int,
                 strategy, anchor, device: torch.device) -> dict[str, Any]:
     """summary.json: accuracies before and after, steps, wall time, skipped steps and prompts, the last reward, the
-    parallel strategy; on CPU what makes its floating-point results reproducible; each rank's anchor hash."""
+    parallel strategy; on CPU what makes its floating-point results reproducible; each rank's anchor hash; a teacher
+    anchor's path and fingerprint."""
     summary = {
         "eval_accuracy_initial": state.get("eval_accuracy_initial"),
         "eval_accuracy_final": state.get("eval_accuracy_final"),
@@ -43,6 +44,10 @@ def run_summary(state: dict[str, Any], steps: int, wall_time_s: float, last_metr
     if device.type == "cpu":  # what makes a CPU run's floating-point results (and so the run) reproducible
         summary["torch_threads"] = torch.get_num_threads()
         summary["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    from emapg_cli.train.teacher import teacher_record
+
+    if teacher_record(anchor) is not None:  # anchor.source=teacher: not saved in final/, named here
+        summary["teacher"] = teacher_record(anchor)
     hashes = strategy.replica_hashes(anchor) if anchor is not None else None
     if hashes is not None:  # each rank's copy of the anchor, which must stay identical
         summary["anchor_sha256_per_rank"] = hashes

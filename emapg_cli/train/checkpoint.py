@@ -1,7 +1,7 @@
 """Checkpoints: `checkpoints/step_N/` written under a temporary name and renamed, so resume never sees half of one.
 
-A checkpoint holds the policy and anchor state dicts, optimizer and scheduler state (`*.pt`, read
-back with `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary
+A checkpoint holds the policy and EMA anchor state dicts (a teacher anchor: only its path and fingerprint, in
+state.json), optimizer and scheduler state (`*.pt`, read back with `torch.load(weights_only=True)`: tensors and plain containers only, never arbitrary
 objects), each rank's RNG states (`rng_rank{R}.json`: plain JSON), `state.json` (step = the data
 cursor, counters, elapsed time, initial accuracy) and, written last, `manifest.json`: the size and
 sha256 of every other file. Resume verifies the manifest of each checkpoint, newest first, and
@@ -124,9 +124,13 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
     gathering them is collective, so every rank takes part and the main process writes. The
     manifest is written after every rank's files, then the folder is renamed into place.
     """
+    from emapg_cli.train.teacher import teacher_record
+
     accelerator = strategy.acc
     policy_state = strategy.model_state(policy)
-    anchor_state = strategy.model_state(anchor) if anchor is not None else None
+    teacher = teacher_record(anchor)  # a teacher is not saved: its path and fingerprint go into state.json
+    anchor_state = strategy.model_state(anchor) if anchor is not None and teacher is None else None
+    state = {**state, "teacher": teacher} if teacher is not None else state
     optimizer_state = strategy.optimizer_state(scorer, optimizer)
     root = Path(run_dir) / CHECKPOINTS
     final = root / f"step_{step}"
@@ -158,12 +162,15 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
 def save_final(strategy, run_dir: Path, models: dict[str, Any], tokenizer, dtype: torch.dtype, lora: bool) -> None:
     """final/<name> of each of `models` (policy, anchor; None: skipped) in save_pretrained format (whole weights;
     gathering is collective: every rank calls this), in `dtype` (model.save_dtype, default model.dtype, the
-    transformers convention; checkpoints keep the master weights). `lora`: merged weights plus the adapter."""
+    transformers convention; checkpoints keep the master weights). `lora`: merged weights plus the adapter. A teacher
+    anchor (anchor.source=teacher) is skipped: summary.json names its path and fingerprint."""
     from emapg_cli.models.loading import cast_state, set_config_dtype
 
     main = strategy.acc.is_main_process
+    from emapg_cli.train.teacher import teacher_record
+
     for name, model in models.items():
-        if model is None:
+        if model is None or teacher_record(model) is not None:  # a teacher anchor is not ours to save
             continue
         out = Path(run_dir) / "final" / name
         if lora:  # merged weights in save_pretrained format, plus the adapter
@@ -223,8 +230,11 @@ def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimize
     is a UserError. A checkpoint that does not fit this run's config (parallel strategy, no anchor,
     other shapes) is a UserError too: an older checkpoint would not fit either.
     """
+    from emapg_cli.train.teacher import check_same_teacher, teacher_record
+
     accelerator = strategy.acc
     rank = accelerator.process_index
+    ema_anchor = anchor if teacher_record(anchor) is None else None  # a teacher is re-loaded from its path, not restored
     found = checkpoint_dirs(run_dir)
     if not found:
         return None
@@ -232,7 +242,7 @@ def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimize
     for _, path in reversed(found):
         try:
             verify(path, ("state.json", "policy.pt", "optimizer.pt", "scheduler.pt", f"rng_rank{rank}.json"))
-            files = _read(path, rank, with_anchor=anchor is not None and (path / "anchor.pt").is_file())
+            files = _read(path, rank, with_anchor=ema_anchor is not None and (path / "anchor.pt").is_file())
         except DamagedCheckpoint as e:
             damaged.append(f"{path.name} ({e})")
             continue
@@ -240,13 +250,15 @@ def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimize
         if written_by != strategy.name:
             raise UserError(f"{path} was written by a {written_by} run and this one is {strategy.name}: resume with "
                             "the train.parallel that wrote it, on several processes for fsdp (optimizer states differ in format)")
-        if anchor is not None and "anchor" not in files:
+        if anchor is not None:
+            check_same_teacher(files["state"].get("teacher"), anchor, path)
+        if ema_anchor is not None and "anchor" not in files:
             raise UserError(f"{path} holds no EMA anchor (the run was trained with kl.coef=0): resume with "
                             "kl.coef=0, or start a new run to train with a KL term")
         try:
             strategy.load_model_state(policy, files["policy"])
-            if anchor is not None:
-                strategy.load_model_state(anchor, files["anchor"])
+            if ema_anchor is not None:
+                strategy.load_model_state(ema_anchor, files["anchor"])
             strategy.load_optimizer_state(scorer, optimizer, files["optimizer"])
             scheduler.load_state_dict(files["scheduler"])
             set_rng_state(files["rng"])

@@ -183,6 +183,8 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
     if fsdp and t.share_prompts == "always":
         out.append("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
                    "on several processes does not support; use auto or never")
+    if fsdp and cfg.anchor.source == "teacher":
+        out.append("anchor.source=teacher is not supported with train.parallel=fsdp on several processes yet; use ddp")
     if accelerate_fsdp:
         out.append("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                    "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
@@ -229,6 +231,10 @@ def preflight(cfg: Config) -> Inputs:
     info = INFO[cfg.kl.estimator]
     if cfg.kl.coef > 0 and info.uses_topk and vocab is not None and cfg.kl.k > vocab:
         raise UserError(f"kl.k ({cfg.kl.k}) exceeds the model's vocabulary size ({vocab}); lower kl.k")
+    if cfg.anchor.source == "teacher":  # same vocabulary and tokenizer: config.json and tokenizer files, no weights
+        from emapg_cli.train.teacher import check_teacher
+
+        check_teacher(cfg.anchor, cfg.model, vocab)
     if not cfg.data.train:
         raise UserError("data.train is not set (a prepared dataset name or a JSONL file)")
     train = load_examples(cfg.data.train)

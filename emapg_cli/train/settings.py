@@ -50,7 +50,7 @@ class StepSettings:
       "engine"  the rollout engine's records while sampling (reverse direction, old log-probs from the engine; under
                 train.old_logprobs=auto a batch without records falls back to the old-policy pass),
       "policy"  the old-policy pass (reverse direction: q is the sampling policy's top-k),
-      "anchor"  the anchor pass (forward direction: q is the anchor's own top-k).
+      "anchor"  the anchor pass (forward direction, or kl.topk_from=anchor: q is the anchor's own top-k).
     """
 
     k: int  # kl.k capped to the vocabulary (`capped_k`)
@@ -119,7 +119,7 @@ def step_settings(cfg, vocab: int) -> StepSettings:
     kl_on = cfg.kl.coef > 0
     topk = loss.topk  # the one test of "the KL term needs q"
     from_engine = old_from_engine(cfg)
-    sampling_q = topk and topk_source(cfg.kl.direction) == "sampling"  # q: the sampling policy's top-k
+    sampling_q = topk and topk_source(cfg.kl.direction, cfg.kl.topk_from) == "sampling"  # q: the sampling policy's top-k
     q_from = None if not topk else ("anchor" if not sampling_q else "engine" if from_engine else "policy")
     single = cfg.train.epochs == 1 and cfg.derived.mini_batches_per_step == 1
     correction_old = sequence_level(cfg.train.rollout_correction)

@@ -50,7 +50,8 @@ def run_prompts(tokenizer, inputs, max_prompt_tokens: int, message, with_eval: b
 
 
 def build_models(cfg, strategy):
-    """The policy (loaded after seeding with train.seed) and, when the run needs one, its anchor, wrapped by the
+    """The policy (loaded after seeding with train.seed) and, when the run needs one, its anchor (the EMA copy, or
+    anchor.source=teacher's model), wrapped by the
     parallel `strategy` together with the optimizer; the scheduler. Returns (scorer, anchor scorer or None,
     optimizer, scheduler, the step settings: `train.settings.step_settings`, decided once with the vocabulary)."""
     from emapg_cli.train.settings import step_settings
@@ -59,7 +60,11 @@ def build_models(cfg, strategy):
     policy = load_policy(cfg.model, cfg.lora)
     vocab = policy.get_output_embeddings().weight.shape[0]
     settings = step_settings(cfg, vocab)
-    anchor = make_anchor(policy, DTYPES[cfg.ema.dtype]) if cfg.derived.loads_anchor else None
+    anchor = make_anchor(policy, DTYPES[cfg.ema.dtype]) if cfg.derived.loads_anchor and cfg.anchor.source == "ema" else None
+    if cfg.derived.loads_anchor and cfg.anchor.source == "teacher":  # a fixed model of its own (train/teacher.py)
+        from emapg_cli.train.teacher import load_teacher
+
+        anchor = load_teacher(cfg.anchor, cfg.model)
     # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
     # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
     scorer, anchor_scorer, optimizer = strategy.wrap(policy, anchor, make_optimizer_fn(cfg.optim), compute_dtype(cfg.model, cfg.lora))

@@ -217,7 +217,7 @@ class Trainer:
     def _ema(self, step: int, skipped_now: bool) -> Optional[float]:
         """EMA anchor update every ema.update_period steps (not after a skipped update: eta does not change then either);
         returns ||theta - theta_ema|| / ||theta||."""
-        if self.anchor is None:
+        if self.anchor is None or self.cfg.anchor.source == "teacher":  # a teacher never moves: no EMA step, no distance
             return None
         e = self.cfg.ema
         if step % e.update_period == 0 and not skipped_now:  # eta: ema.decay, its schedule, or adaptive (train/eta_control.py)
@@ -228,7 +228,7 @@ class Trainer:
     def _controllers(self, step: int, beta: float, metrics: dict[str, Any]) -> None:
         """After step `step`: the next beta into the state (kl.target's adaptive beta), the eta in force into the metrics."""
         beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/value"))
-        if self.anchor is not None:
+        if self.anchor is not None and self.cfg.anchor.source == "ema":
             metrics["ema/decay"] = decay_in_force(self.cfg.ema, self.state, step)
 
     def step(self, step: int) -> StepResult:
