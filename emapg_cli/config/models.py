@@ -402,7 +402,7 @@ class Config(Section):
             mini_batches_per_step=mini,
             optimizer_steps_per_rl_step=mini * t.epochs,
             loads_anchor=self.kl.coef > 0 or self.anchor.source == "teacher",
-            ema_updates=t.steps // self.ema.update_period,
+            ema_updates=0 if self.anchor.source == "teacher" else t.steps // self.ema.update_period,
         )
         return self
 

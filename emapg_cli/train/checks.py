@@ -212,6 +212,8 @@ def missing_inputs(cfg: Config) -> list[str]:
     if cfg.model.path and _looks_local(cfg.model.path) and load_model_config(cfg.model.path) is None:
         path = expand(cfg.model.path)
         notes.append(f"model.path {path}: no such model folder{prepare_hint(path)}")
+    if cfg.anchor.source == "teacher" and not (expand(cfg.anchor.path) / "config.json").is_file():
+        notes.append(f"anchor.path {expand(cfg.anchor.path)}: no teacher checkpoint there{prepare_hint(expand(cfg.anchor.path))}")
     for key, ref in (("data.train", cfg.data.train), *(("data.eval", r) for r in eval_refs(cfg.data.eval))):
         if ref:
             try:

@@ -268,7 +268,9 @@ def _state_terms(m: ModelShapes, cfg: Config, master_weights: bool, processes: i
     from emapg_cli.kl.registry import INFO
 
     p, wb = m.n_params, DTYPE_BYTES[cfg.model.dtype]
-    ab = DTYPE_BYTES[cfg.ema.dtype]  # the anchor's bytes per parameter
+    teacher = cfg.anchor.source == "teacher"  # counted as large as the policy (its own size is not read here)
+    adt = (cfg.anchor.dtype or cfg.model.dtype) if teacher else cfg.ema.dtype
+    ab = DTYPE_BYTES[adt]  # the anchor's bytes per parameter
     master = master_weights and cfg.model.dtype != "float32"
     pb = FP32 if master else wb  # the policy's parameters (and gradients)
     shards = processes if cfg.train.parallel == "fsdp" else 1
@@ -284,7 +286,8 @@ def _state_terms(m: ModelShapes, cfg: Config, master_weights: bool, processes: i
         MemoryTerm("AdamW moments", sharded(2 * p * FP32), f"2 x P x 4 B (fp32 exp_avg, exp_avg_sq){per}", "state"),
     ]
     if cfg.derived.loads_anchor:
-        terms.append(MemoryTerm("EMA anchor", sharded(p * ab), f"P x {ab} B ({cfg.ema.dtype}, kl.coef > 0){per}", "state"))
+        terms.append(MemoryTerm("teacher anchor" if teacher else "EMA anchor", sharded(p * ab),
+                                f"P x {ab} B ({adt}, {'anchor.source=teacher, policy-sized' if teacher else 'kl.coef > 0'}){per}", "state"))
     terms.append(MemoryTerm("gradients", sharded(p * pb), f"P x {pb} B{' (fp32)' if master else ''}{per}", "update"))
     if master and shards == 1:
         terms.append(MemoryTerm("working copy", p * wb, f"P x {wb} B ({cfg.model.dtype} autocast copies of the weights)", "update"))

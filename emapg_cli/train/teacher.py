@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from emapg_cli.errors import UserError
-from emapg_cli.paths import expand
+from emapg_cli.paths import expand, prepare_hint
 
 #: The attribute of a loaded teacher module holding {"path", "sha256"} (`is_teacher`, `teacher_record`).
 TEACHER_ATTR = "emapg_teacher"
@@ -48,7 +48,8 @@ def teacher_folder(path: str) -> Path:
     """anchor.path expanded (~, $EMAPG_HOME), a local folder with a config.json (one-line UserError otherwise)."""
     folder = expand(path)
     if not (folder / "config.json").is_file():
-        raise UserError(f"anchor.path {folder}: no teacher checkpoint there (a save_pretrained folder with config.json)")
+        raise UserError(f"anchor.path {folder}: no teacher checkpoint there (a save_pretrained folder with "
+                        f"config.json){prepare_hint(folder)}")
     return folder
 
 
