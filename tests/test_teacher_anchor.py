@@ -43,6 +43,7 @@ def teacher_opts(model: Path, teacher: Path, data: Path, steps: int, **extra) ->
     (["anchor.source=teacher", "anchor.path=/x", "ema.target_distance=0.01"], "ema.target_distance sets the EMA"),
     (["anchor.source=teacher", "anchor.path=/x", "ema.decay_schedule=[{steps: 2, decay: 0.9}]"], "ema.decay_schedule sets"),
     (["anchor.source=teacher", "anchor.path=/x", "lora.r=2"], "lora.r > 0 does not support anchor.source=teacher"),
+    (["anchor.source=teacher", "anchor.path=/x", "rollout.engine=vllm", "eval.anchor_every=2"], "eval.anchor_every with"),
     (["kl.topk_from=policy"], "kl.topk_from"),
 ])
 def test_config_refuses(overrides, message):
@@ -230,3 +231,11 @@ def test_teacher_run_sigkill_and_resume_is_bit_identical(teacher_runs):
     assert [r["step"] for r in rows["b"]] == [0, 1, 2, 3]
     for key in ("reward/mean", "loss/pg", "loss/kl", "kl/value", "grad/norm"):
         assert [r.get(key) for r in rows["a"]] == [r.get(key) for r in rows["b"]], key
+
+
+def test_fsdp_on_several_processes_is_refused_at_launch():
+    from emapg_cli.train.checks import launch_problems
+
+    cfg = load_config(overrides=["anchor.source=teacher", "anchor.path=/x", "train.parallel=fsdp"])
+    assert [p for p in launch_problems(cfg, 2) if "anchor.source=teacher" in p]
+    assert launch_problems(cfg, 1) == []  # one process: plain single-device training

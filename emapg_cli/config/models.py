@@ -416,6 +416,9 @@ class Config(Section):
         for key, given in (("ema.target_distance", self.ema.target_distance is not None), ("ema.decay_schedule", bool(self.ema.decay_schedule))):
             if given:
                 raise ValueError(f"{key} sets the EMA anchor's eta, but anchor.source=teacher never updates the anchor: drop {key}")
+        if self.rollout.engine == "vllm" and self.eval.anchor_every > 0:
+            raise ValueError("eval.anchor_every with anchor.source=teacher and rollout.engine=vllm would push the teacher's "
+                             "weights into the engine, which holds the policy's architecture: set eval.anchor_every=0 or use hf")
 
     def _one_environment(self) -> None:
         """search.enabled=true and rollout.env=search are one choice: either sets the other; a contradiction is an
