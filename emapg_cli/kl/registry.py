@@ -51,7 +51,7 @@ def check_estimator(name: str, direction: str) -> EstimatorInfo:
 
 
 def topk_source(direction: str, topk_from: str | None = None) -> str:
-    """Whose top-k defines q: `topk_from` when given (kl.topk_from), else the sampling policy for reverse KL, the anchor for forward KL."""
+    """Whose top-k defines q: the sampling policy for reverse KL, the anchor for forward KL."""
     return topk_from or ("sampling" if direction == "reverse" else "anchor")
 
 
