@@ -62,7 +62,8 @@ def kl_check(
     tail_mass: Annotated[float, typer.Option("--tail-mass", help="Synthetic: policy mass outside its top 32 tokens, in (0, 1).")] = 0.3,
     kl_size: Annotated[float, typer.Option("--kl-size", help="Synthetic: reverse KL(policy || anchor) per position, > 0.")] = 0.1,
     sampling_kl: Annotated[float, typer.Option("--sampling-kl", help="Synthetic: reverse KL(policy || sampling); > 0 draws tokens off-policy with importance weights (0: on-policy).")] = 0.0,
-    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for topk / topk_paper / topk_mass / truncated; each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
+    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for the Top-k family (topk, topk_paper, topk_mass, truncated, topk_tail, topk_tail_sc, topk_resid, teacher_support, teacher_support_raw); each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
+    topk_from: Annotated[Optional[str], typer.Option("--topk-from", help="Whose top-k is the set q of the Top-k family: sampling (the sampling policy) or anchor (default: sampling for the reverse KL, anchor for the forward KL; kl.topk_from in training).")] = None,
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples N per position.")] = 4096,
     batches: Annotated[int, typer.Option("--batches", help="Batches M the samples are split into for the t-tests.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic distributions, the anchor noise and the sampling.")] = 0,
@@ -109,6 +110,7 @@ def kl_check(
         ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
         estimators=tuple(parse_list(estimators, str, "--estimators")),
         directions=tuple(parse_list(directions, str, "--directions")), confidence=confidence, seed=seed,
+        topk_from=topk_from,
     )
     try:
         check_settings(settings)

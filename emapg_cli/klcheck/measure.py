@@ -47,6 +47,7 @@ class CheckSettings:
     directions: tuple[str, ...] = ("reverse", "forward")
     confidence: float = 0.999
     seed: int = 0
+    topk_from: Optional[str] = None  # whose top-k is q: "sampling" | "anchor" (None: sampling for reverse, anchor for forward)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class CheckResult:
         return {
             "source": self.source, "positions": self.positions, "vocab": self.vocab, "off_policy": self.off_policy,
             "settings": {"ks": list(s.ks), "samples": s.samples, "batches": s.batches, "estimators": list(s.estimators),
-                         "directions": list(s.directions), "confidence": s.confidence, "seed": s.seed},
+                         "directions": list(s.directions), "confidence": s.confidence, "seed": s.seed,
+                         "topk_from": s.topk_from},
             "notes": self.notes,
             "rows": [r.to_dict() for r in self.rows],
         }
@@ -154,6 +156,8 @@ def plan(settings: CheckSettings, vocab: int) -> tuple[list[Spec], list[str]]:
         dirs = [d for d in settings.directions if d in INFO[name].directions]
         if not dirs:
             notes.append(f"{name} estimates only the {'/'.join(INFO[name].directions)} KL; not in --directions, skipped")
+        if name.startswith("teacher_support") and "reverse" in dirs and settings.topk_from != "anchor":
+            notes.append(f"{name}: q is the sampling policy's top-k, not the teacher's; add --topk-from anchor for the teacher's top-K support")
         for d in dirs:
             specs.extend([Spec(name, d, k) for k in ks] if INFO[name].uses_topk else [Spec(name, d)])
     return specs, notes
@@ -229,7 +233,7 @@ def run_check(logits: LogitSet, settings: CheckSettings, progress: Optional[Call
         "s_logp": None if logits.sampling is None else torch.log_softmax(logits.sampling, -1),
     }
     references = {d: exact_reference(d, logits.policy, logits.anchor) for d in {s.direction for s in specs}}
-    q_sets = {(s.direction, s.k): topk_set(s.direction, s.k, logits.policy, logits.anchor, logits.sampling)
+    q_sets = {(s.direction, s.k): topk_set(s.direction, s.k, logits.policy, logits.anchor, logits.sampling, settings.topk_from)
               for s in specs if s.k}  # [P, k] each, shared by every estimator with that (direction, k)
     for spec in specs:
         q = q_sets[(spec.direction, spec.k)] if spec.k else None
@@ -254,6 +258,8 @@ def check_settings(settings: CheckSettings) -> None:
     unknown = [e for e in settings.estimators if e not in INFO]
     if unknown:
         raise ValueError(f"unknown estimator(s) {', '.join(unknown)} (known: {', '.join(ESTIMATORS)})")
+    if settings.topk_from not in (None, "sampling", "anchor"):
+        raise ValueError(f"--topk-from must be sampling or anchor, got '{settings.topk_from}'")
     bad = [d for d in settings.directions if d not in ("reverse", "forward")]
     if bad or not settings.directions:
         raise ValueError(f"--directions must be reverse and/or forward, got {', '.join(settings.directions) or 'nothing'}")
