@@ -152,12 +152,14 @@ def plan(settings: CheckSettings, vocab: int) -> tuple[list[Spec], list[str]]:
         if min(k, vocab) not in ks:
             ks.append(min(k, vocab))
     specs: list[Spec] = []
+    support = [n for n in settings.estimators if n.startswith("teacher_support")]
+    if support and "reverse" in settings.directions and settings.topk_from != "anchor":
+        notes.append(f"{', '.join(support)}: q is the sampling policy's top-k, not the teacher's; "
+                     "add --topk-from anchor for the teacher's top-K support")
     for name in settings.estimators:
         dirs = [d for d in settings.directions if d in INFO[name].directions]
         if not dirs:
             notes.append(f"{name} estimates only the {'/'.join(INFO[name].directions)} KL; not in --directions, skipped")
-        if name.startswith("teacher_support") and "reverse" in dirs and settings.topk_from != "anchor":
-            notes.append(f"{name}: q is the sampling policy's top-k, not the teacher's; add --topk-from anchor for the teacher's top-K support")
         for d in dirs:
             specs.extend([Spec(name, d, k) for k in ks] if INFO[name].uses_topk else [Spec(name, d)])
     return specs, notes
