@@ -51,6 +51,12 @@ INFO: dict[str, EstimatorInfo] = {info.name: info for info in (
 
 ESTIMATORS = tuple(INFO)
 
+#: The on-policy-distillation estimators of kl/tail.py (docs/distill.md): measured by `kl-check` when named
+#: in --estimators; its default list (KL_CHECK_DEFAULT) stays the one before them, so its default run and
+#: its time are unchanged.
+DISTILL = ("topk_tail", "topk_tail_sc", "topk_resid", "teacher_support", "teacher_support_raw")
+KL_CHECK_DEFAULT = tuple(name for name in ESTIMATORS if name not in DISTILL)
+
 #: Estimators that only estimate one direction of the KL (derived from INFO).
 REVERSE_ONLY = tuple(name for name, info in INFO.items() if info.directions == ("reverse",))
 FORWARD_ONLY = tuple(name for name, info in INFO.items() if info.directions == ("forward",))

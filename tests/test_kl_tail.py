@@ -237,3 +237,91 @@ def test_topk_set_follows_topk_from():
     assert sorted(topk_set("reverse", 2, z, z_ref, None, "anchor")[0].tolist()) == Q_ANCHOR
     assert sorted(topk_set("forward", 2, z, z_ref, None)[0].tolist()) == Q_ANCHOR
     assert sorted(topk_set("forward", 2, z, z_ref, None, "sampling")[0].tolist()) == Q_POLICY
+
+
+# ---- kl-check: the new rows with q from the anchor ----
+
+def assert_verdicts_agree(result):
+    for r in result.rows:  # every test (99.9% confidence, fixed seed) agrees with the closed form
+        assert r.value_biased == r.value_expected_biased and r.grad_biased == r.grad_expected_biased, r
+        assert r.value_consistent and r.grad_consistent, r
+
+
+def test_kl_check_rows_with_q_from_the_anchor():
+    """In-process run_check on random logits: every new row's verdicts agree with its closed form, the tail
+    token's value is below the exact KL (TA-OPD's sign) and topk_tail_sc / topk_resid are unbiased."""
+    from emapg_cli.klcheck.distributions import LogitSet
+    from emapg_cli.klcheck.measure import CheckSettings, run_check
+
+    g = torch.Generator().manual_seed(1)
+    policy = 2 * torch.randn(6, 40, generator=g, dtype=torch.float64)
+    logits = LogitSet(policy, policy + 0.7 * torch.randn(6, 40, generator=g, dtype=torch.float64))
+    settings = CheckSettings(ks=(1, 4), samples=1024, estimators=("k1", "k4", "topk_mass", *TAIL_ESTIMATORS),
+                             directions=("reverse",), topk_from="anchor")
+    result = run_check(logits, settings)
+    assert result.notes == [] and result.to_dict()["settings"]["topk_from"] == "anchor"
+    assert_verdicts_agree(result)
+    rows = {(r.spec.name, r.spec.k): r for r in result.rows}
+    for k in (1, 4):
+        assert rows[("topk_tail", k)].value_bias_expected < 0 and rows[("topk_tail", k)].value_bias.mean < 0
+        for name in UNBIASED:
+            assert not rows[(name, k)].value_biased and not rows[(name, k)].grad_biased
+        assert rows[("topk_resid", k)].grad_variance < rows[("k4", None)].grad_variance
+    # q from the anchor differs from the default (the policy's top-k for the reverse KL)
+    default = run_check(logits, CheckSettings(ks=(4,), samples=64, batches=4, estimators=("teacher_support",),
+                                              directions=("reverse",)))
+    assert default.notes and default.notes[0].startswith("teacher_support: q is the sampling policy's top-k")
+    assert default.rows[0].exact_kl == rows[("teacher_support", 4)].exact_kl
+    assert default.rows[0].mean_estimate != rows[("teacher_support", 4)].mean_estimate
+
+
+@pytest.mark.parametrize("case", ["off_policy", "k_equals_vocab", "support_in_topk"])
+def test_kl_check_new_rows_off_policy_and_without_tail(case):
+    from emapg_cli.klcheck.distributions import LogitSet
+    from emapg_cli.klcheck.measure import CheckSettings, run_check
+
+    g = torch.Generator().manual_seed(2)
+    vocab = 40 if case == "off_policy" else 12
+    policy = 2 * torch.randn(6, vocab, generator=g, dtype=torch.float64)
+    anchor = policy + 0.7 * torch.randn(6, vocab, generator=g, dtype=torch.float64)
+    sampling = policy + 0.5 * torch.randn(6, vocab, generator=g, dtype=torch.float64) if case == "off_policy" else None
+    if case == "support_in_topk":  # the policy's mass on 5 tokens (exp(-1000) = 0 in float64), q = its top-8
+        policy = torch.full_like(policy, -1000.0).scatter_(-1, torch.arange(5).expand(6, 5), policy[:, :5])
+    ks = {"off_policy": (1, 8), "k_equals_vocab": (12,), "support_in_topk": (8,)}[case]
+    result = run_check(LogitSet(policy, anchor, sampling),
+                       CheckSettings(ks=ks, samples=1024, estimators=TAIL_ESTIMATORS, directions=("reverse", "forward")))
+    assert_verdicts_agree(result)
+    for r in result.rows:
+        if case == "off_policy" and r.spec.name in UNBIASED:
+            assert not r.value_biased and not r.grad_biased
+        if case == "k_equals_vocab":  # q = V: every estimator is the exact KL, nothing sampled
+            assert r.grad_bias.deterministic and abs(r.value_bias.mean) < 1e-12 and r.grad_bias_rel < 1e-9, r
+        if case == "support_in_topk" and r.spec.direction == "reverse" and r.spec.name != "teacher_support":
+            # no policy mass outside q: the tail token is 0 and nothing is sampled there, so all are exact;
+            # not teacher_support, which renormalises the anchor over q: P = 1, value KL_rev + ln A < KL_rev
+            assert not (r.value_biased or r.grad_biased) and r.grad_variance == 0.0, r
+
+
+def test_kl_check_cli_topk_from_anchor_from_logits(tmp_path):
+    """The issue's acceptance command on a --from-logits file: prints each new row, says where q comes from."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    rng = np.random.default_rng(2)
+    policy = 2 * rng.standard_normal((4, 30))
+    np.savez(tmp_path / "d.npz", policy=policy, anchor=policy + 0.7 * rng.standard_normal((4, 30)))
+    res = subprocess.run(
+        [sys.executable, "-m", "emapg_cli", "kl-check", "--from-logits", str(tmp_path / "d.npz"), "--estimators",
+         "topk_tail,topk_tail_sc,topk_resid,teacher_support", "--topk-from", "anchor", "--k", "4", "--samples", "256",
+         "--batches", "8", "--json", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0, res.stderr
+    assert "q = the top-k of the anchor (--topk-from)" in res.stdout
+    for name in ("topk_tail ", "topk_tail_sc", "topk_resid", "teacher_support"):
+        assert name in res.stdout
+    out = json.loads((tmp_path / "r.json").read_text())
+    assert out["settings"]["topk_from"] == "anchor" and len(out["rows"]) == 5  # topk_tail in both directions

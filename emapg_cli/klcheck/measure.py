@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from emapg_cli.errors import UserError
+from emapg_cli.estimator_names import KL_CHECK_DEFAULT
 from emapg_cli.kl import ESTIMATORS, INFO
 from emapg_cli.klcheck.distributions import LogitSet
 from emapg_cli.klcheck.evaluate import Spec, topk_set
@@ -43,7 +44,7 @@ class CheckSettings:
     ks: tuple[int, ...] = (1, 8, 32)
     samples: int = 4096  # N, tokens drawn per position
     batches: int = 16  # M, batches for the t-tests
-    estimators: tuple[str, ...] = ESTIMATORS
+    estimators: tuple[str, ...] = KL_CHECK_DEFAULT
     directions: tuple[str, ...] = ("reverse", "forward")
     confidence: float = 0.999
     seed: int = 0
