@@ -66,6 +66,8 @@ def brute_force_gradients(spec, z, z_ref, z_s, tokens, q):
 @pytest.mark.parametrize("spec,off_policy", [
     (Spec("k3", "reverse"), False), (Spec("k5", "forward"), True),
     (Spec("topk", "reverse", 2), True), (Spec("topk_paper", "forward", 2), False), (Spec("truncated", "reverse", 2), False),
+    (Spec("topk_tail", "forward", 2), False), (Spec("topk_tail_sc", "reverse", 2), True), (Spec("topk_resid", "reverse", 2), True),
+    (Spec("teacher_support", "reverse", 2), False),
 ])
 def test_montecarlo_gradients_match_brute_force(spec, off_policy):
     g = torch.Generator().manual_seed(3)

@@ -235,7 +235,10 @@ def test_one_list_of_estimators():
 
     assert ESTIMATORS is estimator_names.ESTIMATORS and INFO is estimator_names.INFO
     assert IMPLEMENTED == {(n, d) for n, info in INFO.items() for d in info.directions}
-    # the paper's Table 1: K1-K4, K3++ reverse only, K5 forward only
-    assert estimator_names.REVERSE_ONLY == ("k1", "k2", "k3", "k3pp", "k4") and estimator_names.FORWARD_ONLY == ("k5",)
+    # the paper's Table 1: K1-K4, K3++ reverse only, K5 forward only; the distillation estimators of
+    # kl/tail.py other than topk_tail reverse only (docs/distill.md)
+    assert estimator_names.REVERSE_ONLY == ("k1", "k2", "k3", "k3pp", "k4", "topk_tail_sc", "topk_resid",
+                                            "teacher_support", "teacher_support_raw")
+    assert estimator_names.FORWARD_ONLY == ("k5",)
     code = "import sys, emapg_cli.estimator_names; assert 'torch' not in sys.modules, 'torch imported'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0

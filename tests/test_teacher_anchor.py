@@ -45,6 +45,8 @@ def teacher_opts(model: Path, teacher: Path, data: Path, steps: int, **extra) ->
     (["anchor.source=teacher", "anchor.path=/x", "lora.r=2"], "lora.r > 0 does not support anchor.source=teacher"),
     (["anchor.source=teacher", "anchor.path=/x", "rollout.engine=vllm", "eval.anchor_every=2"], "eval.anchor_every with"),
     (["kl.topk_from=policy"], "kl.topk_from"),
+    (["kl.estimator=teacher_support"], "set kl.topk_from=anchor"),
+    (["kl.estimator=teacher_support_raw", "kl.topk_from=sampling"], "set kl.topk_from=anchor"),
 ])
 def test_config_refuses(overrides, message):
     with pytest.raises(UserError) as e:

@@ -13,7 +13,7 @@ from rich.markup import escape
 
 from emapg_cli.cli.common import console
 from emapg_cli.errors import UserError
-from emapg_cli.estimator_names import ESTIMATORS
+from emapg_cli.estimator_names import ESTIMATORS, KL_CHECK_DEFAULT
 from emapg_cli.outputs import writable_file
 from emapg_cli.paths import write_text_atomic
 
@@ -62,11 +62,12 @@ def kl_check(
     tail_mass: Annotated[float, typer.Option("--tail-mass", help="Synthetic: policy mass outside its top 32 tokens, in (0, 1).")] = 0.3,
     kl_size: Annotated[float, typer.Option("--kl-size", help="Synthetic: reverse KL(policy || anchor) per position, > 0.")] = 0.1,
     sampling_kl: Annotated[float, typer.Option("--sampling-kl", help="Synthetic: reverse KL(policy || sampling); > 0 draws tokens off-policy with importance weights (0: on-policy).")] = 0.0,
-    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for topk / topk_paper / topk_mass / truncated; each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
+    k: Annotated[str, typer.Option("--k", help="Comma-separated top-k sizes for the Top-k family (topk, topk_paper, topk_mass, truncated, topk_tail, topk_tail_sc, topk_resid, teacher_support, teacher_support_raw); each is reported separately (k > |V| is measured as |V|).")] = "1,8,32",
+    topk_from: Annotated[Optional[str], typer.Option("--topk-from", help="Whose top-k is the set q of the Top-k family: sampling (the sampling policy) or anchor (default: sampling for the reverse KL, anchor for the forward KL; kl.topk_from in training).")] = None,
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples N per position.")] = 4096,
     batches: Annotated[int, typer.Option("--batches", help="Batches M the samples are split into for the t-tests.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic distributions, the anchor noise and the sampling.")] = 0,
-    estimators: Annotated[str, typer.Option("--estimators", help=f"Comma-separated estimators to measure (from {ESTIMATOR_NAMES}); each in the directions it supports.")] = ESTIMATOR_NAMES,
+    estimators: Annotated[str, typer.Option("--estimators", help=f"Comma-separated estimators to measure (from {ESTIMATOR_NAMES}); each in the directions it supports. The default leaves out the distillation estimators (docs/distill.md).")] = ",".join(KL_CHECK_DEFAULT),
     directions: Annotated[str, typer.Option("--directions", help="Comma-separated KL directions: reverse = KL(policy || anchor), forward = KL(anchor || policy).")] = "reverse,forward",
     confidence: Annotated[float, typer.Option("--confidence", help="Confidence level of every bias test, in (0.5, 1).")] = 0.999,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every number (and the settings) to this JSON file.")] = None,
@@ -109,6 +110,7 @@ def kl_check(
         ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
         estimators=tuple(parse_list(estimators, str, "--estimators")),
         directions=tuple(parse_list(directions, str, "--directions")), confidence=confidence, seed=seed,
+        topk_from=topk_from,
     )
     try:
         check_settings(settings)

@@ -181,9 +181,9 @@ class TrainConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only).")
+    estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only); for distillation (reverse only unless noted, docs/distill.md): topk_tail (top-k plus one tail token carrying the leftover mass, both directions; value <= exact KL), topk_tail_sc (its sample-corrected, unbiased form), topk_resid (topk_mass with ResOPD's tail control variate), teacher_support / teacher_support_raw (KL on the anchor's top-k set, renormalised or not; need kl.topk_from=anchor).")
     direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
-    k: int = Field(32, ge=1, description="Size of the exact head for topk / topk_paper / truncated (at most the model's vocabulary size).")
+    k: int = Field(32, ge=1, description="Size of the exact head (the set q) for the Top-k family: topk / topk_paper / topk_mass / truncated / topk_tail / topk_tail_sc / topk_resid / teacher_support(_raw) (at most the model's vocabulary size).")
     coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
     iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
     iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")
@@ -205,6 +205,8 @@ class KLConfig(Section):
             raise ValueError(f"estimator {self.estimator} estimates the forward KL only; set kl.direction=forward")
         if self.target is not None and self.coef <= 0:
             raise ValueError("kl.target (adaptive beta) needs kl.coef > 0, the initial beta (kl.coef=0 loads no anchor)")
+        if self.estimator.startswith("teacher_support") and self.topk_from != "anchor":
+            raise ValueError(f"kl.estimator={self.estimator} is the KL on the teacher's (anchor's) top-k support: set kl.topk_from=anchor")
         return self
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from emapg_cli.kl.common import upcast
 from emapg_cli.estimator_names import ESTIMATORS, INFO, EstimatorInfo  # the one list of names (torch-free)
-from emapg_cli.kl import exact, sampled, topk
+from emapg_cli.kl import exact, sampled, tail, topk
 
 
 _SAMPLED: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
@@ -29,6 +29,12 @@ _TOPK = {
     ("topk_paper", "forward"): topk.topk_paper_forward,
     ("topk_mass", "reverse"): topk.topk_mass_reverse,
     ("topk_mass", "forward"): topk.topk_mass_forward,
+    ("topk_tail", "reverse"): tail.topk_tail_reverse,
+    ("topk_tail", "forward"): tail.topk_tail_forward,
+    ("topk_tail_sc", "reverse"): tail.topk_tail_sc_reverse,
+    ("topk_resid", "reverse"): tail.topk_resid_reverse,
+    ("teacher_support", "reverse"): tail.teacher_support_reverse,
+    ("teacher_support_raw", "reverse"): tail.teacher_support_raw_reverse,
 }
 _TRUNCATED = {"reverse": topk.truncated_reverse, "forward": topk.truncated_forward}
 _EXACT = {"reverse": exact.exact_reverse, "forward": exact.exact_forward}
@@ -50,9 +56,24 @@ def check_estimator(name: str, direction: str) -> EstimatorInfo:
     return info
 
 
+#: Where the top-k set q may come from (`kl.topk_from`, `kl-check --topk-from`).
+TOPK_FROM = ("sampling", "anchor")
+
+
 def topk_source(direction: str, topk_from: str | None = None) -> str:
-    """Whose top-k defines q: the sampling policy for reverse KL, the anchor for forward KL."""
-    return topk_from or ("sampling" if direction == "reverse" else "anchor")
+    """Whose top-k defines q: `topk_from` when given ("sampling" or "anchor"); otherwise today's rule,
+    the sampling policy for the reverse KL and the anchor for the forward KL (paper Algorithms 1 and 2).
+
+    Every Top-k estimator is unbiased (or has its stated bias) for any fixed q that does not move
+    with the policy's gradient, so the choice changes variance and, for the deterministic ones
+    (truncated, topk_tail, teacher_support), the value; teacher_support means the teacher's top-K
+    only with "anchor".
+    """
+    if topk_from is not None:
+        if topk_from not in TOPK_FROM:
+            raise ValueError(f"top-k source must be one of {', '.join(TOPK_FROM)}, got '{topk_from}'")
+        return topk_from
+    return "sampling" if direction == "reverse" else "anchor"
 
 
 def kl_per_token(

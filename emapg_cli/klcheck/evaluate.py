@@ -29,10 +29,12 @@ class Spec:
         return self.name if self.k is None else f"{self.name}@k={self.k}"
 
 
-def topk_set(direction: str, k: int, policy: Tensor, anchor: Tensor, sampling: Optional[Tensor]) -> Tensor:
+def topk_set(direction: str, k: int, policy: Tensor, anchor: Tensor, sampling: Optional[Tensor],
+             topk_from: Optional[str] = None) -> Tensor:
     """Indices of q [P, k]: the top-k of the sampling policy (reverse KL) or of the anchor
-    (forward KL), paper Algorithms 1 and 2 (`emapg_cli.kl.topk_source`)."""
-    source = anchor if topk_source(direction) == "anchor" else (policy if sampling is None else sampling)
+    (forward KL), paper Algorithms 1 and 2, unless `topk_from` ("sampling" | "anchor", kl-check's
+    --topk-from) says whose (`emapg_cli.kl.topk_source`, the trainer's rule)."""
+    source = anchor if topk_source(direction, topk_from) == "anchor" else (policy if sampling is None else sampling)
     return torch.topk(source, k, dim=-1).indices  # [P, k]
 
 

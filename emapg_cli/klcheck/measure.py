@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from emapg_cli.errors import UserError
+from emapg_cli.estimator_names import KL_CHECK_DEFAULT
 from emapg_cli.kl import ESTIMATORS, INFO
 from emapg_cli.klcheck.distributions import LogitSet
 from emapg_cli.klcheck.evaluate import Spec, topk_set
@@ -43,10 +44,11 @@ class CheckSettings:
     ks: tuple[int, ...] = (1, 8, 32)
     samples: int = 4096  # N, tokens drawn per position
     batches: int = 16  # M, batches for the t-tests
-    estimators: tuple[str, ...] = ESTIMATORS
+    estimators: tuple[str, ...] = KL_CHECK_DEFAULT
     directions: tuple[str, ...] = ("reverse", "forward")
     confidence: float = 0.999
     seed: int = 0
+    topk_from: Optional[str] = None  # whose top-k is q: "sampling" | "anchor" (None: sampling for reverse, anchor for forward)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,8 @@ class CheckResult:
         return {
             "source": self.source, "positions": self.positions, "vocab": self.vocab, "off_policy": self.off_policy,
             "settings": {"ks": list(s.ks), "samples": s.samples, "batches": s.batches, "estimators": list(s.estimators),
-                         "directions": list(s.directions), "confidence": s.confidence, "seed": s.seed},
+                         "directions": list(s.directions), "confidence": s.confidence, "seed": s.seed,
+                         "topk_from": s.topk_from},
             "notes": self.notes,
             "rows": [r.to_dict() for r in self.rows],
         }
@@ -150,6 +153,10 @@ def plan(settings: CheckSettings, vocab: int) -> tuple[list[Spec], list[str]]:
         if min(k, vocab) not in ks:
             ks.append(min(k, vocab))
     specs: list[Spec] = []
+    support = [n for n in settings.estimators if n.startswith("teacher_support")]
+    if support and "reverse" in settings.directions and settings.topk_from != "anchor":
+        notes.append(f"{', '.join(support)}: q is the sampling policy's top-k, not the teacher's; "
+                     "add --topk-from anchor for the teacher's top-K support")
     for name in settings.estimators:
         dirs = [d for d in settings.directions if d in INFO[name].directions]
         if not dirs:
@@ -229,7 +236,7 @@ def run_check(logits: LogitSet, settings: CheckSettings, progress: Optional[Call
         "s_logp": None if logits.sampling is None else torch.log_softmax(logits.sampling, -1),
     }
     references = {d: exact_reference(d, logits.policy, logits.anchor) for d in {s.direction for s in specs}}
-    q_sets = {(s.direction, s.k): topk_set(s.direction, s.k, logits.policy, logits.anchor, logits.sampling)
+    q_sets = {(s.direction, s.k): topk_set(s.direction, s.k, logits.policy, logits.anchor, logits.sampling, settings.topk_from)
               for s in specs if s.k}  # [P, k] each, shared by every estimator with that (direction, k)
     for spec in specs:
         q = q_sets[(spec.direction, spec.k)] if spec.k else None
@@ -254,6 +261,8 @@ def check_settings(settings: CheckSettings) -> None:
     unknown = [e for e in settings.estimators if e not in INFO]
     if unknown:
         raise ValueError(f"unknown estimator(s) {', '.join(unknown)} (known: {', '.join(ESTIMATORS)})")
+    if settings.topk_from not in (None, "sampling", "anchor"):
+        raise ValueError(f"--topk-from must be sampling or anchor, got '{settings.topk_from}'")
     bad = [d for d in settings.directions if d not in ("reverse", "forward")]
     if bad or not settings.directions:
         raise ValueError(f"--directions must be reverse and/or forward, got {', '.join(settings.directions) or 'nothing'}")

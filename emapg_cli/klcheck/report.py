@@ -62,7 +62,8 @@ def header(result: CheckResult) -> str:
     s = result.settings
     return (f"{result.source}: P={result.positions}, |V|={result.vocab}, N={s.samples} samples/position, "
             f"M={s.batches} batches{', off-policy (importance-weighted)' if result.off_policy else ', on-policy'}; "
-            f"tests at {s.confidence * 100:.4g}% confidence")
+            + (f"q = the top-k of the {'anchor' if s.topk_from == 'anchor' else 'sampling policy'} (--topk-from); " if s.topk_from else "")
+            + f"tests at {s.confidence * 100:.4g}% confidence")
 
 
 def render_tables(result: CheckResult) -> list[Table]:

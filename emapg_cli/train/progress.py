@@ -91,7 +91,7 @@ def config_line(cfg) -> str:
     r, k, e = cfg.rollout, cfg.kl, cfg.ema
     from emapg_cli.train.beta_control import kl_coef_text
 
-    kl = f"{kl_coef_text(cfg)} {k.estimator} {k.direction}" + (f" k {k.k}" if k.estimator.startswith(("topk", "truncated")) else "")
+    kl = f"{kl_coef_text(cfg)} {k.estimator} {k.direction}" + (f" k {k.k}" if k.estimator.startswith(("topk", "truncated", "teacher_support")) else "")
     anchor = "fixed anchor" if e.decay >= 1.0 else f"EMA anchor η {e.decay:g} every {e.update_period}"
     if e.target_distance is not None or e.decay_schedule:
         from emapg_cli.train.eta_control import describe
