@@ -246,6 +246,15 @@ def config_cases() -> list[Case]:
         case("config", "set-kl-horizon-float", "config", "show", "--set", "kl.horizon=2.5"),
         case("config", "set-kl-horizon-short", "config", "show", "--set", "kl.target=0.1", "--set", "kl.horizon=10"),
     ]
+    # issue 22 (distillation as a run): train.objective, which needs kl.coef > 0 (and no filter_groups for distill)
+    cases += [
+        case("config", "set-objective-unknown", "config", "show", "--set", "train.objective=sft"),
+        case("config", "set-objective-list", "config", "show", "--set", "train.objective=[distill]"),
+        case("config", "set-objective-distill-no-coef", "config", "show", "--set", "train.objective=distill", "--set", "kl.coef=0"),
+        case("config", "set-objective-both-no-coef", "config", "show", "--set", "train.objective=rl+distill", "--set", "kl.coef=0"),
+        case("config", "set-objective-distill-filter", "config", "show", "--set", "train.objective=distill",
+             "--set", "train.filter_groups=true"),
+    ]
     # issue 21 (adaptive eta): ema.target_distance, ema.decay_min/max, ema.decay_schedule
     cases += [
         case("config", "set-target-distance-zero", "config", "show", "--set", "ema.target_distance=0"),
@@ -328,6 +337,8 @@ def train_cases() -> list[Case]:
     cases += env_cases("train", "train", "--config", "good.yaml")
     cases += [
         case("train", "moved-max-turns", "train", "--config", "good.yaml", "--set", "rollout.max_turns=4", "--dry-run"),
+        case("train", "objective-distill-no-coef", "train", "--config", "good.yaml", "--set", "train.objective=distill",
+             "--set", "kl.coef=0", "--dry-run"),
         case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
              "--set", "rollout.env=calc", "--dry-run"),
         case("train", "env-timeout-zero", "train", "--config", "good.yaml", "--set", "rollout.env_timeout_s=0", "--dry-run"),

@@ -88,6 +88,26 @@ def _prepare_toy_tools(seed: int) -> None:
     console.print(f"next: emapg train --preset {PRESET}")
 
 
+def _prepare_toy_distill(seed: int) -> None:
+    from emapg_cli.paths import emapg_home
+    from emapg_cli.toy.distill_prepare import PRESET, prepare_toy_distill
+
+    from emapg_cli.hf_quiet import quiet_transformers
+
+    quiet_transformers()
+    home = emapg_home()
+    with claim_folder(home / PRESET, "prepare"):
+        m = prepare_toy_distill(home, seed, say=lambda line: console.print(line, markup=False, highlight=False))
+    table = Table(title="prepared the toy distillation task", show_header=False)
+    table.add_row("folder", escape(str(home / PRESET)))
+    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
+    table.add_row("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({PRESET}/student, {PRESET}/teacher)")
+    table.add_row("greedy test accuracy", f"student {m['student_test_accuracy']:.1%} (step {m['student_steps']}), "
+                  f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")
+    console.print(table)
+    console.print(f"next: emapg train --preset {PRESET}")
+
+
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
     """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
     import json
@@ -163,8 +183,8 @@ def prepare(
     names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from; `hotpotqa-corpus --from FILE` turns HotpotQA context paragraphs into a retrieval corpus); with --decontaminate: TRAIN EVAL...")] = None,
     from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model; `toy-tools`: the multiplication task with a calculator and its warm-started model).")] = None,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search | toy-tools).")] = 0,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model; `toy-tools`: the multiplication task with a calculator and its warm-started model; `toy-distill`: the addition task with a teacher and a weaker student).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search | toy-tools | toy-distill).")] = 0,
     decontaminate: Annotated[bool, typer.Option("--decontaminate", help="Report training items (first NAME) that overlap the evaluation sets (the other NAMEs).")] = False,
     remove: Annotated[bool, typer.Option("--remove", help="With --decontaminate: also drop the overlapping items from the prepared training set.")] = False,
     ngram: Annotated[int, typer.Option("--ngram", min=1, help="With --decontaminate: word n-gram length of a partial match.")] = 13,
@@ -185,9 +205,10 @@ def prepare(
         console.print(table)
         return
     if preset is not None:
-        toys = {"toy": _prepare_toy, "toy-search": _prepare_toy_search, "toy-tools": _prepare_toy_tools}
+        toys = {"toy": _prepare_toy, "toy-search": _prepare_toy_search, "toy-tools": _prepare_toy_tools,
+                "toy-distill": _prepare_toy_distill}
         if preset not in toys:
-            raise UserError(f"--preset supports 'toy', 'toy-search' and 'toy-tools' (got '{preset}')")
+            raise UserError(f"--preset supports 'toy', 'toy-search', 'toy-tools' and 'toy-distill' (got '{preset}')")
         if names or from_file:
             raise UserError(f"--preset {preset} takes no NAME or --from")
         toys[preset](seed)

@@ -161,6 +161,7 @@ class TrainConfig(Section):
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
     skip_window: int = Field(20, ge=1, description="RL steps over which skipped optimizer steps (non-finite loss or gradient) are counted; the run stops with an error when more than `max_skipped_fraction` of the window's optimizer steps were skipped.")
     max_skipped_fraction: float = Field(0.5, ge=0, le=1, description="Stop the run when more than this fraction of the optimizer steps of the last `skip_window` RL steps were skipped (1: never stop).")
+    objective: Literal["rl", "distill", "rl+distill"] = Field("rl", description="What the update minimises (docs/distill.md): rl = GRPO's PPO-clip + kl.coef * the KL to the anchor; distill = on-policy distillation: no verifier is called (every reward 0, so the PPO-clip term is 0) and the loss is kl.coef * the per-token reverse KL to the anchor (the teacher), kl.estimator=k1 trained in its score-function form (K4; k1's own gradient is 0 in expectation); rl+distill = rl's loss with that same distillation term. distill and rl+distill need kl.coef > 0.")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
 
     @model_validator(mode="before")
@@ -391,6 +392,12 @@ class Config(Section):
                              (self.anchor.source == "teacher", "anchor.source=teacher")):
                 if bad:
                     raise ValueError(f"lora.r > 0 does not support {why} yet")
+        if t.objective != "rl" and self.kl.coef <= 0:
+            raise ValueError(f"train.objective={t.objective} needs kl.coef > 0: the distillation term is kl.coef times the KL "
+                             "to the anchor (the teacher), and kl.coef=0 loads no anchor")
+        if t.objective == "distill" and t.filter_groups:
+            raise ValueError("train.filter_groups keeps groups whose rewards differ, and train.objective=distill grades "
+                             "nothing (every reward 0): set train.filter_groups=false")
         if t.share_prompts == "always" and self.model.gradient_checkpointing:
             raise ValueError("train.share_prompts=always needs the decoder's key/value cache in the training pass, which "
                              "model.gradient_checkpointing turns off; use auto or never")

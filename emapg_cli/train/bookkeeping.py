@@ -40,6 +40,8 @@ def run_summary(state: dict[str, Any], steps: int, wall_time_s: float, last_metr
         "reward_mean_last": last_metrics.get("reward/mean"),
         "prompts_skipped_too_long": skipped_prompts,
     }
+    if state.get("teacher_accuracy") is not None:  # train.objective distill / rl+distill: the teacher's, at step 0
+        summary["teacher_accuracy"] = state["teacher_accuracy"]
     summary["parallel"] = strategy.name
     if device.type == "cpu":  # what makes a CPU run's floating-point results (and so the run) reproducible
         summary["torch_threads"] = torch.get_num_threads()

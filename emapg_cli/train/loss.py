@@ -11,6 +11,7 @@ from torch import Tensor
 
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import ppo_clip_loss, rollout_correction, sequence_level, token_weights
+from emapg_cli.grpo.distill import tail_mass
 from emapg_cli.kl import INFO, importance_weight, kl_per_token, topk_membership
 from emapg_cli.kl.fused import LossFn
 from emapg_cli.train.rollout import RolloutBatch
@@ -20,6 +21,15 @@ def no_sampling_logprobs(mode: str) -> str:
     """The one-line error for a rollout correction without the engine's sampling log-probs."""
     return (f"train.rollout_correction={mode} needs the log-probs the rollout engine recorded while sampling, and "
             "this batch has none (search.retokenize, or a batch built without them); set train.rollout_correction=none")
+
+
+def distill_extras(kl_tok: Tensor, logp_q: Optional[Tensor]) -> dict[str, Tensor]:
+    """The distillation metrics' per-token inputs [c]: the KL estimate (`dkl`) and, with a top-k set q, the student's
+    tail mass 1 - P_theta(q) (`tail`, `grpo.distill.tail_mass`)."""
+    out = {"dkl": kl_tok.detach()}
+    if logp_q is not None:
+        out["tail"] = tail_mass(logp_q)
+    return out
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,7 @@ class PolicyLoss:
     agg: str = "token-mean"
     correction: str = "none"
     correction_cap: float = 2.0
+    distill: bool = False  # train.objective distill / rl+distill: also record the per-token KL and tail mass (extras)
 
     @property
     def topk(self) -> bool:
@@ -98,6 +109,8 @@ class PolicyLoss:
             )  # [c]
             kl_w = w[s:e] * kl_tok
             extras["kl"] = kl_w.detach()
+            if self.distill:  # unweighted per-token estimate, and 1 - P_theta(q) when the estimator read a top-k set q
+                extras.update(distill_extras(kl_tok, logp_q))
             return pg_w + beta * kl_w, extras
 
         return loss_fn

@@ -56,6 +56,11 @@ def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int
     if ema_distance is not None:
         out["ema/distance"] = ema_distance
     out.update(rollout_correction_metrics(upd.correction))
+    if "dkl" in upd.distill:  # train.objective distill / rl+distill: per-token means over this process's tokens
+        out["distill/kl"] = upd.distill["dkl"] / max(upd.tokens, 1.0)
+        out["distill/entropy"] = out["entropy"]
+        if "tail" in upd.distill:
+            out["distill/tail_mass"] = upd.distill["tail"] / max(upd.tokens, 1.0)
     return out
 
 

@@ -97,6 +97,10 @@ def config_line(cfg) -> str:
         from emapg_cli.train.eta_control import describe
 
         anchor = f"EMA anchor {describe(e)} every {e.update_period}"
+    if cfg.anchor.source == "teacher":
+        anchor = f"teacher anchor {expand(cfg.anchor.path)} ({cfg.anchor.dtype or cfg.model.dtype})"
+    if cfg.train.objective != "rl":
+        anchor += f", objective {cfg.train.objective}"
     return (f"{cfg.name}: {expand(cfg.model.path)} ({cfg.model.dtype}), {cfg.train.steps} steps x {r.prompts_per_step} prompts"
             f" x {r.n} samples, lr {cfg.optim.lr:g}, KL {kl if k.coef > 0 else 'off'}, {anchor}, reward {r.reward}, engine {r.engine}")
 

@@ -77,7 +77,11 @@ class Rollouts:
         else:
             prompts, completions, examples = self.generate(mine, step, stage, 0)
             # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
-            grading = self.grader.submit(score, self.reward_fn, completions, examples, self.shaping(stage))
+            if t.objective == "distill":  # no verifier: every reward 0, so every GRPO advantage is 0 (docs/distill.md)
+                grading = Future()
+                grading.set_result(([0.0] * len(completions), 0))
+            else:
+                grading = self.grader.submit(score, self.reward_fn, completions, examples, self.shaping(stage))
         with self.timed("batch"):  # overlong filtering (stage.mask_truncated): truncated rows leave the update
             batch, truncated = padded_batch(prompts, completions, r.n, stage.mask_truncated, self.pad_id, acc.device)
         roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=truncated, max_new_tokens=stage.max_new_tokens)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from emapg_cli.errors import UserError
 from emapg_cli.grpo import sequence_level
+from emapg_cli.grpo.distill import distill_estimator
 from emapg_cli.kl import INFO, topk_source
 from emapg_cli.train.loss import PolicyLoss
 
@@ -97,9 +98,11 @@ def check_rollout_correction(cfg) -> None:
 
 
 def policy_loss(cfg) -> PolicyLoss:
-    """The loss of the update (PPO-clip + beta * KL, rollout correction) from the `train` and `kl` sections."""
+    """The loss of the update (PPO-clip + beta * KL, rollout correction) from the `train` and `kl` sections; with
+    train.objective distill / rl+distill the KL term is the distillation term (`grpo.distill.distill_estimator`)."""
     t, kl = cfg.train, cfg.kl
-    return PolicyLoss(beta=kl.coef, estimator=kl.estimator, direction=kl.direction, iw=kl.iw, iw_clip=kl.iw_clip,
+    distils = t.objective != "rl"  # K1 is trained in its score-function form (grpo/distill.py)
+    return PolicyLoss(beta=kl.coef, estimator=distill_estimator(kl.estimator) if distils else kl.estimator, distill=distils, direction=kl.direction, iw=kl.iw, iw_clip=kl.iw_clip,
                       log_ratio_clamp=kl.log_ratio_clamp, estimate_clamp=kl.estimate_clamp, clip_low=t.clip_low,
                       clip_high=t.clip_high, dual_clip=t.dual_clip, agg=t.loss_agg, correction=t.rollout_correction,
                       correction_cap=t.rollout_correction_cap)

@@ -27,6 +27,7 @@ from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
+from emapg_cli.train.distill import initial_evaluations
 from emapg_cli.train.eta_control import decay_for_update, decay_in_force
 from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
@@ -302,7 +303,7 @@ class Trainer:
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
             if self.eval_prompts:
-                row.update(self._eval(self.policy, 0))
+                row.update(initial_evaluations(self))  # the policy's accuracy, and the teacher's when the run distils
                 self.state["eval_accuracy_initial"] = row["eval/accuracy"]
             logger.log(row, 0)
         self.scorer.eval()

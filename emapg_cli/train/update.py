@@ -28,6 +28,7 @@ class LossParts:
     entropy_sum: float
     tokens: float
     logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (no old-policy pass)
+    distill: dict = field(default_factory=dict)  # sums over the tokens of the distillation extras (`loss.distill_extras`)
 
 
 def correction_weights(batch: RolloutBatch, loss: PolicyLoss) -> tuple[RolloutBatch, Optional[CorrectionStats]]:
@@ -80,7 +81,7 @@ def micro_batch_loss(scorer, mb: RolloutBatch, settings: StepSettings, num_token
     return LossParts(
         loss=stats.loss, pg=total("pg"), kl=total("kl"),
         clipped_tokens=total("clipped"), entropy_sum=float((stats.entropy * m).sum()),
-        tokens=float(m.sum()), logprob_diff=diff,
+        tokens=float(m.sum()), logprob_diff=diff, distill={k: total(k) for k in ("dkl", "tail") if k in stats.aux},
     )
 
 
@@ -140,6 +141,7 @@ class UpdateStats:
     skipped: int = 0
     logprob_diffs: list[Tensor] = field(default_factory=list)  # see LossParts.logprob_diff
     correction: Optional[CorrectionStats] = None  # rho's statistics (train.rollout_correction), this rank's rows
+    distill: dict = field(default_factory=dict)  # sums of LossParts.distill over the step's micro-batches
 
     def add(self, parts: "LossParts") -> None:
         """Count one micro-batch's clipped tokens, entropy, tokens and engine/trainer log-prob differences."""
@@ -148,6 +150,8 @@ class UpdateStats:
         self.tokens += parts.tokens
         if parts.logprob_diff is not None:
             self.logprob_diffs.append(parts.logprob_diff)
+        for k, v in parts.distill.items():
+            self.distill[k] = self.distill.get(k, 0.0) + v
 
 
 def global_token_share(accelerator, local_tokens: float) -> float:
