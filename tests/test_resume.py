@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
 from emapg_cli.train.checkpoint import write_manifest
 
-from train_helpers import env, load_weights, run, run_many, tiny_overrides, train_cmd, tree_hash, write_dataset
+from train_helpers import killed_and_resumed, load_weights, run, run_many, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 
 def _killed_resumed_and_uninterrupted(opts: list[str], tmp_path) -> None:
-    """Run `train *opts` twice at once: into b, killed with SIGKILL as soon as its first checkpoint is complete, then
-    resumed; into a, uninterrupted (on the other core). Then both finished and their final policy and anchor weights
-    are bit-identical."""
-    victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "b" / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    _, ref_err = reference.communicate(timeout=180)
-    assert reference.returncode == 0, ref_err[-2000:]
-    assert not (tmp_path / "b" / "final").exists(), "the run finished before it could be killed"
-    resumed = run(train_cmd("--resume", str(tmp_path / "b")))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    """`train_helpers.killed_and_resumed`, then both runs' final policy and anchor weights are bit-identical."""
+    killed_and_resumed(opts, tmp_path)
     for part in ("policy", "anchor"):
         a, b = load_weights(tmp_path / "a" / "final" / part), load_weights(tmp_path / "b" / "final" / part)
         assert a.keys() == b.keys()

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import torch
 from emapg_cli.config.loading import load_config
 from emapg_cli.errors import UserError
 
-from train_helpers import env, load_weights, run, settings_of, tiny_overrides, train_cmd, tree_hash, write_dataset
+from train_helpers import killed_and_resumed, load_weights, run, settings_of, tiny_overrides, train_cmd, tree_hash, write_dataset
 
 TWO_MINI = ["rollout.prompts_per_step=2", "train.mini_batch_prompts=1"]
 
@@ -183,22 +181,8 @@ def teacher_runs(tiny_qwen2, tiny_teacher, tmp_path_factory) -> dict:
     before = tree_hash(tiny_teacher)
     data = write_dataset(tmp_path / "train.jsonl")
     opts = teacher_opts(tiny_qwen2, tiny_teacher, data, 3, **{"kl.topk_from": "anchor", "anchor.dtype": "bfloat16"})
-    victim = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "b")), env=env(),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reference = subprocess.Popen(train_cmd(*opts, "--out", str(tmp_path / "a")), env=env(),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (tmp_path / "b" / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    _, ref_err = reference.communicate(timeout=180)
-    assert reference.returncode == 0, ref_err[-2000:]
-    assert not (tmp_path / "b" / "final").exists(), "the run finished before it could be killed"
-    resumed = run(train_cmd("--resume", str(tmp_path / "b")))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    return {"a": tmp_path / "a", "b": tmp_path / "b", "teacher_before": before}
+    a, b = killed_and_resumed(opts, tmp_path)
+    return {"a": a, "b": b, "teacher_before": before}
 
 
 def test_teacher_never_changes(teacher_runs, tiny_teacher):

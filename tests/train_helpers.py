@@ -62,6 +62,31 @@ def run_many(cmds: list[list[str]], timeout: float = 180) -> list[subprocess.Com
         return list(pool.map(lambda cmd: run(cmd, timeout=timeout), cmds))
 
 
+def killed_and_resumed(opts: list[str], tmp_path: Path) -> tuple[Path, Path]:
+    """Run `train *opts` twice at once: into tmp_path/b, killed with SIGKILL as soon as its first checkpoint is
+    complete, then resumed; into tmp_path/a, uninterrupted (on the other core). Returns (a, b), both finished."""
+    import signal
+    import time
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    victim = subprocess.Popen(train_cmd(*opts, "--out", str(b)), env=env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    reference = subprocess.Popen(train_cmd(*opts, "--out", str(a)), env=env(), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (b / "checkpoints" / "step_1" / "state.json").exists() and victim.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    _, ref_err = reference.communicate(timeout=180)
+    assert reference.returncode == 0, ref_err[-2000:]
+    assert not (b / "final").exists(), "the run finished before it could be killed"
+    resumed = run(train_cmd("--resume", str(b)))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return a, b
+
+
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
