@@ -14,7 +14,7 @@ from emapg_cli.outputs import claim_folder, config_sha256
 
 
 def ablate(
-    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability) or a path to a study YAML file.")] = None,
+    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability, distill) or a path to a study YAML file.")] = None,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size; `x2` = twice the key's value without this axis). Repeatable: the sweep is the cartesian product.")] = None,
