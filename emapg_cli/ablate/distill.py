@@ -215,7 +215,8 @@ def _f(x: Optional[float], digits: int = 3, signed: bool = False) -> str:
     return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
 
 
-def _g(x: Optional[float]) -> str:
+def sig3(x: Optional[float]) -> str:
+    """3 significant digits; '–' for None."""
     return "–" if x is None else f"{x:.3g}"
 
 
@@ -259,9 +260,9 @@ def markdown(report: Report) -> str:
         extra = "".join(f" (+{r[k]} {k})" for k in ("failed", "unfinished") if r[k])
         reached = f"{r['reached']}/{r['reached'] + r['not_reached']}" if r["reached"] + r["not_reached"] else "–"
         lines.append(f"| {v} | {r['runs']}{extra} | {with_ci(r['final'])} | {mean_range(r['teacher'])} | {mean_range(r['gap_closed'], 2)} | "
-                     f"{reached} | {mean_range(r['steps_to_target'], fmt=_g)} | {mean_range(r['wall_to_target_s'], fmt=_g)} | "
-                     f"{mean_range(r['entropy'], fmt=_g)} | {mean_range(r['tail_mass'], fmt=_g)} | {mean_range(r['kl'], fmt=_g)} | "
-                     f"{mean_range(r['grad_norm'], fmt=_g)} | {_f(r['wall_time_s']['mean'], 0)} |")
+                     f"{reached} | {mean_range(r['steps_to_target'], fmt=sig3)} | {mean_range(r['wall_to_target_s'], fmt=sig3)} | "
+                     f"{mean_range(r['entropy'], fmt=sig3)} | {mean_range(r['tail_mass'], fmt=sig3)} | {mean_range(r['kl'], fmt=sig3)} | "
+                     f"{mean_range(r['grad_norm'], fmt=sig3)} | {_f(r['wall_time_s']['mean'], 0)} |")
     lines += ["", f"## (b) Paired differences: variant − {report.baseline}", "",
               f"Seed by seed (the same seeds in every variant): final accuracy on the seeds both finished; steps and wall "
               f"time to {pct} on the seeds where both reached it. Mean [{report.confidence:.0%} Student-t interval] (pairs); "

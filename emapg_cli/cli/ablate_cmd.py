@@ -151,9 +151,9 @@ def _distill(out: Path, sweep, records) -> list[Path]:
             final += f" Δ{d['final']['mean']:+.3f}" + ("*" if d["final"]["excludes_zero"] else "")
         judged = r["reached"] + r["not_reached"]
         table.add_row(escape(v), str(r["runs"]), final, distill.mean_range(r["teacher"]), distill.mean_range(r["gap_closed"], 2),
-                      f"{r['reached']}/{judged}" if judged else "–", distill.mean_range(r["steps_to_target"], fmt=distill._g),
-                      distill.mean_range(r["wall_to_target_s"], fmt=distill._g), distill.mean_range(r["entropy"], fmt=distill._g),
-                      distill.mean_range(r["tail_mass"], fmt=distill._g))
+                      f"{r['reached']}/{judged}" if judged else "–", distill.mean_range(r["steps_to_target"], fmt=distill.sig3),
+                      distill.mean_range(r["wall_to_target_s"], fmt=distill.sig3), distill.mean_range(r["entropy"], fmt=distill.sig3),
+                      distill.mean_range(r["tail_mass"], fmt=distill.sig3))
     console.print(table)
     return paths
 
