@@ -630,6 +630,15 @@ def ablate_cases() -> list[Case]:
                           files={"s.yaml": study + analysis + "\n"}))
     cases.append(case("ablate", "study-analysis-two-axes", "ablate", "--study", "s.yaml", "--out", "sweep",
                       files={"s.yaml": study + "  kl.k: [1, 2]\nanalysis: {baseline: a}\n"}))
+    # issue 22: the distill kind of the analysis section (no grid; its own settings only)
+    plain = "preset: toy\nvariants:\n  a: {}\n  b: {kl.estimator: k1}\n"
+    for name, text in (("distill-grid", study + "analysis: {kind: distill, baseline: a}"),
+                       ("distill-stability-key", plain + "analysis: {kind: distill, baseline: a, collapse_points: 5}"),
+                       ("distill-fraction-zero", plain + "analysis: {kind: distill, baseline: a, teacher_fraction: 0}"),
+                       ("distill-tail-text", plain + "analysis: {kind: distill, baseline: a, tail_fraction: most}"),
+                       ("kind-unknown", plain + "analysis: {kind: distil, baseline: a}")):
+        cases.append(case("ablate", f"study-analysis-{name}", "ablate", "--study", "s.yaml", "--out", "sweep",
+                          files={"s.yaml": text + "\n"}))
     return cases
 
 

@@ -26,8 +26,9 @@ RESULTS_FILE = "results.csv"
 SUMMARY_FILE = "summary.md"
 CONFIDENCE = 0.95
 
-#: Per-step metrics kept as curves for the plots.
-CURVES = ("eval/accuracy", "reward/mean", "kl/value", "ema/distance")
+#: Per-step metrics kept as curves for the plots (and the distillation analysis, ablate/distill.py).
+CURVES = ("eval/accuracy", "reward/mean", "kl/value", "ema/distance", "eval/teacher_accuracy", "distill/kl",
+          "distill/entropy", "distill/tail_mass", "grad/norm", "time/rollout", "time/update")
 #: results.csv columns after the grid keys.
 METRIC_COLUMNS = (
     "eval_accuracy_initial", "eval_accuracy_final", "eval_accuracy_best",
@@ -112,6 +113,7 @@ def run_metrics(summary: dict[str, Any], curves: dict[str, list[tuple[int, float
         **anchor_numbers(curves),
         "steps": int(summary["steps"]) if _finite(summary.get("steps")) is not None else None,
         "wall_time_s": _finite(summary.get("wall_time_s")),
+        "teacher_accuracy": _finite(summary.get("teacher_accuracy")),  # a distillation run's (not in results.csv)
     }
 
 

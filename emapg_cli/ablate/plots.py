@@ -205,3 +205,56 @@ def plot_stability(out: Path, report) -> list[Path]:
         _save_atomic(fig, paths[-1])
         plt.close(fig)
     return paths
+
+
+# --- the distillation study (ablate/distill.py) --------------------------------------------------
+
+DISTILL_ACCURACY_PNG = "distill_accuracy.png"
+DISTILL_ENTROPY_PNG = "distill_entropy.png"
+DISTILL_TAIL_PNG = "distill_tail_mass.png"
+
+
+def plot_distill(out: Path, report) -> list[Path]:
+    """distill_accuracy.png (eval accuracy vs step per variant, mean over seeds with a ± std band; the teachers' mean
+    accuracy and teacher_fraction of it as horizontal lines), distill_entropy.png (the student's distill/entropy vs
+    step) and distill_tail_mass.png (distill/tail_mass vs step; only when some run logged it). `report`: a
+    distill.Report. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [v for v in report.variants if report.curves.get(v)]
+    if not variants:
+        return []
+    colors = _colors(len(variants))
+    teachers = [r["teacher"] for r in report.runs if r["status"] == "done" and r["teacher"] is not None]
+    frac = report.analysis["teacher_fraction"]
+    paths = []
+    for key, name, ylabel in (("accuracy", DISTILL_ACCURACY_PNG, "eval accuracy"), ("entropy", DISTILL_ENTROPY_PNG, "student entropy (nats/token)"),
+                              ("tail_mass", DISTILL_TAIL_PNG, "student tail mass 1 − P(top-k)")):
+        if not any(key in report.curves[v] for v in variants):
+            continue
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for i, v in enumerate(variants):
+            c = report.curves[v].get(key)
+            if not c:
+                continue
+            color = colors(i % colors.N)
+            ax.plot(c["steps"], c["mean"], label=v, color=color, lw=1.5, marker="o" if len(c["steps"]) < 25 else None, ms=3)
+            ax.fill_between(c["steps"], [m - s for m, s in zip(c["mean"], c["std"])], [m + s for m, s in zip(c["mean"], c["std"])],
+                            color=color, alpha=0.12, lw=0)
+        if key == "accuracy" and teachers:
+            t = sum(teachers) / len(teachers)
+            ax.axhline(t, color="black", ls="-", lw=1.2, label=f"teacher ({t:.3f})")
+            ax.axhline(frac * t, color="black", ls="--", lw=1, label=f"{frac:g} x teacher ({frac * t:.3f})")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{report.study}: {ylabel} (mean ± std over seeds)", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=2)
+        fig.tight_layout()
+        paths.append(out / name)
+        _save_atomic(fig, paths[-1])
+        plt.close(fig)
+    return paths

@@ -190,7 +190,7 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
         if rec.spec.values.get(axis) not in typed[label]:
             typed[label].append(rec.spec.values.get(axis))
         outcomes.append(outcome(rec, method, label, analysis))
-    report = Report(sweep.name, axis, analysis.baseline, analysis.model_dump(), CONFIDENCE, methods,
+    report = Report(sweep.name, axis, analysis.baseline, analysis.settings(), CONFIDENCE, methods,
                     [{"label": label, "values": typed[label]} for label in labels],
                     runs=[asdict(o) for o in outcomes],
                     bootstrap={"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED, "unit": "seed"},

@@ -10,17 +10,18 @@ A study file names a base preset, the seeds, study-wide overrides, and either na
     grid:
       kl.k: [1, 8, 32, 128, "|V|"]
 
-An optional `analysis:` section (`StudyAnalysis`) turns on the stability analysis of aggregation
-(`ablate/stability.py`): methods (the variants) x the values of the one grid axis (e.g. the learning rate).
+An optional `analysis:` section (`StudyAnalysis`) adds an analysis to aggregation. `kind: stability` (the default,
+`ablate/stability.py`): methods (the variants) x the values of the one grid axis (e.g. the learning rate).
+`kind: distill` (`ablate/distill.py`): the variants (distillation estimators) against the teacher, without a grid.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from emapg_cli.ablate.grid import Axis, RunSpec, Variant, check_axes, format_value, plan_runs
 from emapg_cli.config.loading import is_path_like, preset_dir
@@ -30,16 +31,46 @@ from emapg_cli.fileio import read_yaml_mapping
 STUDY_FILE = "study.yaml"
 
 
+#: The settings of each analysis kind (others may not be set; `baseline` and `kind` belong to both).
+ANALYSIS_FIELDS = {
+    "stability": ("baseline", "collapse_points", "target_gain", "within_points"),
+    "distill": ("baseline", "teacher_fraction", "tail_fraction"),
+}
+
+
 class StudyAnalysis(BaseModel):
-    """The stability analysis of a study (docs/ablate.md "The stability study"): rows = variants (methods), columns =
-    the values of its one grid axis; collapse, steps to target, paired differences against `baseline`, tuning sensitivity."""
+    """The analysis of a study's aggregated runs. `kind: stability` (docs/ablate.md "The stability study"): rows =
+    variants (methods), columns = the values of its one grid axis; collapse, steps to target, paired differences
+    against `baseline`, tuning sensitivity. `kind: distill` (docs/ablate.md "The distillation study"): rows = variants
+    (estimators), no grid; accuracy against the teacher, steps and wall time to a fraction of the teacher's accuracy,
+    the student's entropy and tail mass, paired differences against `baseline`."""
 
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal["stability", "distill"] = Field("stability", description="Which analysis: `stability` (variants x one grid axis: collapse, steps to +target_gain, tuning sensitivity; stability.md/.json) or `distill` (variants against the teacher of a distillation run: gap closed, steps and wall time to teacher_fraction of the teacher's accuracy, entropy and tail mass; distill.md/.json).")
     baseline: str = Field(description="The variant every other one is compared with (paired differences method - baseline per grid value); must be one of `variants`.")
     collapse_points: float = Field(10.0, gt=0, le=100, description="X: a run collapses when its final eval accuracy is more than X points (X/100 in accuracy) below its own best evaluation, or when it diverged (non-finite weights, too many skipped steps).")
     target_gain: float = Field(0.15, gt=0, le=1, description="Steps to target = the first evaluated step whose eval accuracy is >= the run's initial accuracy + target_gain (accuracy units: 0.15 = 15 points).")
     within_points: float = Field(5.0, ge=0, le=100, description="Tuning sensitivity: the fraction of grid values where a method's mean final accuracy is within this many points of the best method's in that cell.")
+    teacher_fraction: float = Field(0.9, gt=0, le=1, description="kind distill: steps to target = the first evaluated step (> 0) whose eval accuracy is >= teacher_fraction x the run's teacher_accuracy (summary.json).")
+    tail_fraction: float = Field(0.2, gt=0, le=1, description="kind distill: the student's distill/entropy, distill/tail_mass, distill/kl and grad/norm are averaged over this last fraction of the run's logged steps (0.2: the last 20%).")
+
+    @model_validator(mode="after")
+    def _fields_of_kind(self) -> "StudyAnalysis":
+        """A setting of the other kind is a mistake (it would be silently ignored)."""
+        other = sorted(self.model_fields_set - set(ANALYSIS_FIELDS[self.kind]) - {"kind"})
+        if other:
+            raise ValueError(f"{', '.join(other)}: not a setting of kind {self.kind} (its settings: {', '.join(ANALYSIS_FIELDS[self.kind])})")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_its_kind(self, handler) -> dict[str, Any]:
+        """Dumped (study.yaml of a sweep folder) with its kind's settings only, so it validates when read back."""
+        return {k: v for k, v in handler(self).items() if k == "kind" or k in ANALYSIS_FIELDS[self.kind]}
+
+    def settings(self) -> dict[str, Any]:
+        """The settings of its kind (what its report records)."""
+        return {k: v for k, v in self.model_dump().items() if k != "kind"}
 
 
 class StudyFile(BaseModel):
@@ -54,7 +85,7 @@ class StudyFile(BaseModel):
     set: dict[str, Any] = Field(default_factory=dict, description="Dotted overrides applied to every run.")
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Named configurations: name -> {dotted key: value}.")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="Cartesian grid: dotted key -> list of values (`|V|`: vocabulary size; `x2`: twice the key's value without this axis).")
-    analysis: Optional[StudyAnalysis] = Field(None, description="Stability analysis of the aggregated runs (variants x the one grid axis); none by default.")
+    analysis: Optional[StudyAnalysis] = Field(None, description="Analysis of the aggregated runs: kind stability (variants x the one grid axis) or distill (variants against the teacher, no grid); none by default.")
 
 
 class Sweep(BaseModel):
@@ -77,8 +108,10 @@ class Sweep(BaseModel):
         if self.analysis is not None:
             if self.analysis.baseline not in self.variants:
                 raise ValueError(f"analysis.baseline '{self.analysis.baseline}' is not one of its variants")
-            if len(self.grid) != 1:
+            if self.analysis.kind == "stability" and len(self.grid) != 1:
                 raise ValueError(f"its analysis needs exactly one grid axis, the record has {len(self.grid)}")
+            if self.analysis.kind == "distill" and self.grid:
+                raise ValueError(f"its distill analysis compares the variants without a grid, the record has {len(self.grid)} axes")
         return self
 
     @property
@@ -149,7 +182,10 @@ def build_sweep(
     if file.analysis is not None:
         if file.analysis.baseline not in file.variants:
             raise UserError(f"study {name}: analysis.baseline '{file.analysis.baseline}' is not one of its variants ({', '.join(file.variants) or 'none'})")
-        if len(grid) != 1:
+        if file.analysis.kind == "distill" and grid:
+            raise UserError(f"study {name}: its distill analysis compares the variants without a grid, but the sweep has "
+                            f"{', '.join(grid)}; drop --grid (or give each value its own variant)")
+        if file.analysis.kind == "stability" and len(grid) != 1:
             raise UserError(f"study {name}: its analysis compares the variants along one grid axis, but the sweep has {len(grid)} "
                             f"({', '.join(grid) or 'none'}); change the values of the study's axis with --grid {next(iter(file.grid), 'KEY')}=...")
     return Sweep(

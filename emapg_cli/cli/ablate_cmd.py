@@ -14,7 +14,7 @@ from emapg_cli.outputs import claim_folder, config_sha256
 
 
 def ablate(
-    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability) or a path to a study YAML file.")] = None,
+    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability, distill) or a path to a study YAML file.")] = None,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size; `x2` = twice the key's value without this axis). Repeatable: the sweep is the cartesian product.")] = None,
@@ -25,11 +25,11 @@ def ablate(
     processes: Annotated[int, typer.Option("--processes", min=1, help="Processes (GPUs) per run: above 1, each run starts with the launcher (default `accelerate launch --multi_gpu --num_processes N -m emapg_cli train ...`).")] = 1,
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="Command that starts one run, before `train ...`; {processes} is replaced by --processes (e.g. 'torchrun --nproc_per_node {processes} -m emapg_cli').")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate the sweep and print one shell line per run (`emapg train ...`, or the launcher's line with --processes), run nothing.")] = False,
-    aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk.")] = False,
+    aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk (with --study: the study file's `analysis:` replaces the one recorded in the folder).")] = False,
     trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that the study, preset or --config file names; those named by --set / --grid on this command line always run (docs/reliability.md).")] = False,
 ) -> None:
     """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots (and, for a study
-    with `analysis:`, stability.md/.json and the stability heatmaps).
+    with `analysis:`, stability.md/.json and the stability heatmaps, or distill.md/.json and the distillation plots).
 
     Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep; a
     run folder made with another config than the run's now is refused (exit 2), never mixed in;
@@ -47,7 +47,7 @@ def ablate(
         if not out.is_dir():
             raise UserError(f"--aggregate-only: {out} is not a sweep folder")
         with claim_folder(out, "ablate"):
-            _report(out)
+            _report(out, study)
         return
     sweep = build_sweep(study, preset, config, [parse_grid(g) for g in grid or []], seeds, list(set_ or []))
     runs = sweep.runs()  # every combination validated before anything is written or started
@@ -129,12 +129,60 @@ def _stability(out: Path, sweep, records) -> list[Path]:
     return paths
 
 
-def _report(out: Path) -> None:
-    """Aggregate the sweep in `out`, draw the plots and print the ranked table."""
+def _distill(out: Path, sweep, records) -> list[Path]:
+    """The distillation analysis (study `analysis: {kind: distill}`): write distill.md/.json and the plots, print the
+    short table."""
+    from rich.table import Table
+
+    from emapg_cli.ablate import distill
+    from emapg_cli.ablate.plots import plot_distill
+
+    report = distill.analyze(sweep, records)
+    paths = [*distill.write(out, report), *plot_distill(out, report)]
+    pct = f"{report.analysis['teacher_fraction']:.0%}"
+    table = Table(title=f"distill: per variant over seeds; Δ = variant − {escape(report.baseline)} (* 95% CI excludes 0)")
+    for col in ("variant", "seeds", "final accuracy", "teacher", "gap closed", f"reached {pct}", f"steps to {pct}",
+                f"wall s to {pct}", "entropy", "tail mass"):
+        table.add_column(col)
+    for v in report.variants:
+        r, d = report.row(v), report.difference(v)
+        final = distill.with_ci(r["final"])
+        if d is not None and d["final"]["mean"] is not None:
+            final += f" Δ{d['final']['mean']:+.3f}" + ("*" if d["final"]["excludes_zero"] else "")
+        judged = r["reached"] + r["not_reached"]
+        table.add_row(escape(v), str(r["runs"]), final, distill.mean_range(r["teacher"]), distill.mean_range(r["gap_closed"], 2),
+                      f"{r['reached']}/{judged}" if judged else "–", distill.mean_range(r["steps_to_target"], fmt=distill.sig3),
+                      distill.mean_range(r["wall_to_target_s"], fmt=distill.sig3), distill.mean_range(r["entropy"], fmt=distill.sig3),
+                      distill.mean_range(r["tail_mass"], fmt=distill.sig3))
+    console.print(table)
+    return paths
+
+
+def _with_study_analysis(sweep, study: Optional[str]):
+    """The recorded sweep with the named study's `analysis:` (--aggregate-only --study), checked against the record's
+    variants and grid; unchanged without --study or when the study has none. The folder's study.yaml is not rewritten."""
+    if not study:
+        return sweep
+    from pydantic import ValidationError
+
+    from emapg_cli.ablate.study import Sweep, load_study
+
+    name, file = load_study(study)
+    if file.analysis is None:
+        return sweep
+    try:
+        return Sweep.model_validate({**sweep.model_dump(), "analysis": file.analysis.model_dump()})
+    except ValidationError as err:
+        raise UserError(f"study {name}: its analysis does not fit the sweep in the folder ({err.errors()[0]['msg']})") from None
+
+
+def _report(out: Path, study: Optional[str] = None) -> None:
+    """Aggregate the sweep in `out`, draw the plots and print the ranked table (`study`: see _with_study_analysis)."""
     from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std
     from emapg_cli.ablate.plots import plot_all
 
     sweep, records, summaries = aggregate(out)
+    sweep = _with_study_analysis(sweep, study)
     plots = plot_all(out, summaries, records, sweep.name)
     from rich.table import Table
 
@@ -148,5 +196,5 @@ def _report(out: Path) -> None:
     console.print(table)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
     if sweep.analysis is not None:
-        written += _stability(out, sweep, records)
+        written += (_distill if sweep.analysis.kind == "distill" else _stability)(out, sweep, records)
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
