@@ -57,14 +57,10 @@ def _prepare_toy_search(seed: int) -> None:
 
     home = emapg_home()
     m = prepare_toy_search(home, seed, progress=True)
-    table = Table(title="prepared the toy search task", show_header=False)
-    table.add_row("folder", str(home / PRESET))
-    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
-    table.add_row("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)")
-    table.add_row("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
-                  f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")
-    console.print(table)
-    console.print(f"next: emapg train --preset {PRESET}")
+    _print_prepared("prepared the toy search task", home / PRESET, PRESET, m, [
+        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
+        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
+                       f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")])
 
 
 def _prepare_toy_tools(seed: int) -> None:
@@ -77,15 +73,11 @@ def _prepare_toy_tools(seed: int) -> None:
     home = emapg_home()
     with claim_folder(home / PRESET, "prepare"):
         m = prepare_toy_tools(home, seed, progress=True)
-    table = Table(title="prepared the toy tools task", show_header=False)
-    table.add_row("folder", escape(str(home / PRESET)))
-    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
-    table.add_row("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)")
-    table.add_row("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test accuracy "
-                  f"{m['sft_test_accuracy']:.1%} with {m['sft_test_calls']:.2f} calculator calls per episode "
-                  f"(sampled: calls with probability {m['sft_call_probability']:.2f})")
-    console.print(table)
-    console.print(f"next: emapg train --preset {PRESET}")
+    _print_prepared("prepared the toy tools task", home / PRESET, PRESET, m, [
+        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
+        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test accuracy "
+                       f"{m['sft_test_accuracy']:.1%} with {m['sft_test_calls']:.2f} calculator calls per episode "
+                       f"(sampled: calls with probability {m['sft_call_probability']:.2f})")])
 
 
 def _prepare_toy_distill(seed: int) -> None:
@@ -98,14 +90,10 @@ def _prepare_toy_distill(seed: int) -> None:
     home = emapg_home()
     with claim_folder(home / PRESET, "prepare"):
         m = prepare_toy_distill(home, seed, say=lambda line: console.print(line, markup=False, highlight=False))
-    table = Table(title="prepared the toy distillation task", show_header=False)
-    table.add_row("folder", escape(str(home / PRESET)))
-    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
-    table.add_row("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({PRESET}/student, {PRESET}/teacher)")
-    table.add_row("greedy test accuracy", f"student {m['student_test_accuracy']:.1%} (step {m['student_steps']}), "
-                  f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")
-    console.print(table)
-    console.print(f"next: emapg train --preset {PRESET}")
+    _print_prepared("prepared the toy distillation task", home / PRESET, PRESET, m, [
+        ("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({PRESET}/student, {PRESET}/teacher)"),
+        ("greedy test accuracy", f"student {m['student_test_accuracy']:.1%} (step {m['student_steps']}), "
+                                 f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")])
 
 
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
@@ -229,3 +217,14 @@ def prepare(
     with claim_folder(dataset_dir(names[0], out), "prepare"), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)
+
+
+def _print_prepared(title: str, folder, preset: str, m: dict, rows: list[tuple[str, str]]) -> None:
+    """The closing table of a toy's prepare: its folder, row counts, then `rows`; and the next command."""
+    table = Table(title=title, show_header=False)
+    table.add_row("folder", escape(str(folder)))
+    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
+    for label, value in rows:
+        table.add_row(label, value)
+    console.print(table)
+    console.print(f"next: emapg train --preset {preset}")
