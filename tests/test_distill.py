@@ -9,18 +9,18 @@ import math
 import pytest
 import torch
 
-from emapg_cli.grpo.distill import distill_estimator, opd_reinforce, tail_mass
+from emapg_cli.grpo.distill import distill_estimator, tail_mass
 from emapg_cli.kl import kl_per_token
 from emapg_cli.kl.sampled import k1, k4
 
 LN2 = math.log(2.0)
 
 
-def test_opd_reinforce_value_and_gradient_by_hand():
+def test_the_opd_loss_k4_value_and_gradient_by_hand():
     # student pi(y_t) = 0.5, 0.2, 0.1 at three sampled tokens; teacher pi_T(y_t) = 0.25, 0.4, 0.1
     l = torch.log(torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64)).requires_grad_()
     l_t = torch.log(torch.tensor([0.25, 0.4, 0.1], dtype=torch.float64))
-    loss = opd_reinforce(l, l_t)
+    loss = k4(l, l_t)  # the sampled-token OPD loss: K1 trained in its score-function form
     # value: K1 = l - l_T = ln 2, ln 0.5 = -ln 2, 0
     assert loss.tolist() == pytest.approx([LN2, -LN2, 0.0], abs=1e-12)
     # gradient of the sum w.r.t. l_t: sg(l_t - l_T,t) * d r_t / d l_t = (l - l_T) * 1 = ln 2, -ln 2, 0
@@ -29,9 +29,6 @@ def test_opd_reinforce_value_and_gradient_by_hand():
     # K1's own autograd gradient is d(l - l_T)/dl = 1 at every token whatever the teacher says: zero in expectation
     (g1,) = torch.autograd.grad(k1(l, l_t).sum(), l)
     assert g1.tolist() == [1.0, 1.0, 1.0]
-    # opd_reinforce is Table 1's K4, value and gradient (the registry row `distill_estimator` trains k1 with)
-    (g4,) = torch.autograd.grad(k4(l, l_t).sum(), l)
-    assert torch.equal(k4(l, l_t), loss) and torch.equal(g4, g)
 
 
 def test_the_expected_opd_gradient_is_the_reverse_kl_gradient():
@@ -41,7 +38,7 @@ def test_the_expected_opd_gradient_is_the_reverse_kl_gradient():
     teacher = torch.log(torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64))
     logp = torch.log_softmax(theta, -1)
     pi = logp.exp().detach()
-    expected = sum(pi[y] * opd_reinforce(logp[y], teacher[y]) for y in range(3))
+    expected = sum(pi[y] * k4(logp[y], teacher[y]) for y in range(3))
     (g,) = torch.autograd.grad(expected, theta)
     # KL = 0.5 ln 2.5 + 0.3 ln 1 + 0.2 ln 0.4 = 0.3 ln 2.5 = 0.274887; dKL/dtheta_j = pi_j (ln(pi_j / t_j) - KL):
     # 0.5 (0.916291 - 0.274887) = 0.320702, 0.3 (0 - 0.274887) = -0.082466, 0.2 (-0.916291 - 0.274887) = -0.238236
@@ -60,7 +57,7 @@ def test_the_distill_rule_swaps_only_k1_and_the_registry_agrees():
     l = torch.tensor([-0.7, -1.6], requires_grad=True)
     l_t = torch.tensor([-1.4, -0.9])
     via_registry = kl_per_token(distill_estimator("k1"), "reverse", logp=l, ref_logp=l_t)
-    assert torch.equal(via_registry, opd_reinforce(l, l_t))
+    assert torch.equal(via_registry, k4(l, l_t))
 
 
 def test_tail_mass_by_hand():

@@ -11,9 +11,9 @@ Distillation" (2025) per-token advantage A_t = -(log pi_theta - log pi_teacher),
 
 The single-sample estimator K1 = l_t - l_T,t has the right value but its autograd gradient grad l_t has
 expectation 0 (the paper's Table 1, row K1): used as a loss it trains nothing in expectation. So every
-objective that distils swaps K1 for its score-function form (`opd_reinforce`, equal to Table 1's K4 in value and
-gradient); the other estimators are already surrogates whose autograd gradient is (for the unbiased ones) the
-per-position gradient, and `kl-check` measures each (`distill_estimator` names the row that applies).
+objective that distils swaps K1 for its score-function form, Table 1's K4 (`kl.sampled.k4`: value K1, gradient
+sg(l_t - l_T,t) grad l_t); the other estimators are already surrogates whose autograd gradient is (for the unbiased
+ones) the per-position gradient, and `kl-check` measures each (`distill_estimator` names the row that applies).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from emapg_cli.kl.common import LOG_RATIO_CLAMP, straight_through_ratio, upcast
+from emapg_cli.kl.common import upcast
 
 #: Estimators whose autograd gradient is zero in expectation, and the registry name of their score-function form
-#: (value unchanged, gradient sg(K1) grad l): K1 -> K4 (Table 1; `opd_reinforce` is the same function).
+#: (value unchanged, gradient sg(K1) grad l): K1 -> K4 (Table 1, `kl.sampled.k4`).
 SCORE_FUNCTION_FORM = {"k1": "k4"}
 
 
@@ -32,19 +32,6 @@ def distill_estimator(name: str) -> str:
     """The estimator an objective that distils trains with, for kl.estimator `name`: K1's score-function form
     (K4) for K1, `name` itself for every other (their autograd gradients are what `kl-check` measures)."""
     return SCORE_FUNCTION_FORM.get(name, name)
-
-
-def opd_reinforce(logp: Tensor, teacher_logp: Tensor) -> Tensor:
-    """The sampled-token OPD loss per position: r_t * sg(l_t - l_T,t), r_t = exp(l_t - sg l_t) (value 1).
-
-    Value: K1 = l_t - l_T,t (an unbiased estimate of D_t). Gradient: sg(l_t - l_T,t) grad l_t, i.e. minus the
-    per-token reward -(l_t - l_T,t) times the score grad l_t (REINFORCE; Thinking Machines' OPD advantage),
-    unbiased for grad D_t. The log-ratio is clamped to +-LOG_RATIO_CLAMP as the KL estimators clamp it.
-    logp [...] (with grad), teacher_logp [...] -> [...] in at least float32. Equal to `kl.sampled.k4`.
-    """
-    l = upcast(logp)
-    log_ratio = (l - upcast(teacher_logp)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [...]
-    return straight_through_ratio(l) * log_ratio.detach()
 
 
 def tail_mass(logp_q: Tensor) -> Tensor:
