@@ -288,6 +288,8 @@ def config_cases() -> list[Case]:
         case("config", "set-anchor-section", "config", "show", "--set", "anchor=teacher"),
         case("config", "set-topk-from-unknown", "config", "show", "--set", "kl.topk_from=policy"),
         case("config", "set-topk-from-list", "config", "show", "--set", "kl.topk_from=[anchor]"),
+        case("config", "set-support-renorm-not-bool", "config", "show", "--set", "kl.support_renorm=maybe"),
+        case("config", "set-support-renorm-wrong-estimator", "config", "show", "--set", "kl.support_renorm=false"),
     ]
     return cases
 

@@ -45,6 +45,7 @@ def teacher_opts(model: Path, teacher: Path, data: Path, steps: int, **extra) ->
     (["kl.topk_from=policy"], "kl.topk_from"),
     (["kl.estimator=teacher_support"], "set kl.topk_from=anchor"),
     (["kl.estimator=teacher_support_raw", "kl.topk_from=sampling"], "set kl.topk_from=anchor"),
+    (["kl.estimator=topk", "kl.support_renorm=false"], "kl.support_renorm=false applies to kl.estimator=teacher_support only"),
 ])
 def test_config_refuses(overrides, message):
     with pytest.raises(UserError) as e:
@@ -225,3 +226,13 @@ def test_fsdp_on_several_processes_is_refused_at_launch():
     cfg = load_config(overrides=["anchor.source=teacher", "anchor.path=/x", "train.parallel=fsdp"])
     assert [p for p in launch_problems(cfg, 2) if "anchor.source=teacher" in p]
     assert launch_problems(cfg, 1) == []  # one process: plain single-device training
+
+
+def test_support_renorm_false_trains_the_raw_support_estimator():
+    """kl.support_renorm is the renormalisation flag of teacher_support: false trains teacher_support_raw's function."""
+    from emapg_cli.train.settings import policy_loss
+
+    base = ["kl.estimator=teacher_support", "kl.topk_from=anchor"]
+    assert policy_loss(load_config(overrides=base)).estimator == "teacher_support"
+    assert policy_loss(load_config(overrides=base + ["kl.support_renorm=false"])).estimator == "teacher_support_raw"
+

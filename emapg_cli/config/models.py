@@ -192,6 +192,7 @@ class KLConfig(Section):
     estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
     target: Optional[float] = Field(None, gt=0, description="Adaptive beta: the KL to the anchor (kl/value) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the step's responses (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
     horizon: int = Field(10000, ge=1, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
+    support_renorm: bool = Field(True, description="kl.estimator=teacher_support: renormalise the student and the teacher over the teacher's top-k set q before the KL (true: Revisiting OPD's top-K support matching) or take their raw probabilities on q (false: the same as kl.estimator=teacher_support_raw). Only with teacher_support.")
     topk_from: Optional[Literal["sampling", "anchor"]] = Field(None, description="Top-k estimators: whose top-k ids form the set q: `sampling` (the sampling policy's, recorded by the engine or from the old-policy pass) or `anchor` (the anchor's own top-k, gathered in the anchor's pass: a teacher's top-k for distillation). null (default): sampling for kl.direction=reverse, anchor for forward (the paper's Algorithms 1 and 2).")
 
     @model_validator(mode="after")
@@ -206,6 +207,8 @@ class KLConfig(Section):
             raise ValueError(f"estimator {self.estimator} estimates the forward KL only; set kl.direction=forward")
         if self.target is not None and self.coef <= 0:
             raise ValueError("kl.target (adaptive beta) needs kl.coef > 0, the initial beta (kl.coef=0 loads no anchor)")
+        if not self.support_renorm and self.estimator != "teacher_support":
+            raise ValueError(f"kl.support_renorm=false applies to kl.estimator=teacher_support only, not {self.estimator}")
         if self.estimator.startswith("teacher_support") and self.topk_from != "anchor":
             raise ValueError(f"kl.estimator={self.estimator} is the KL on the teacher's (anchor's) top-k support: set kl.topk_from=anchor")
         return self
