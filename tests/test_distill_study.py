@@ -58,7 +58,7 @@ def test_shipped_studies_keep_their_analysis():
     stability kind (no `kind:` key) with the settings it always recorded."""
     distill = build_sweep("distill", None, None, [], None, [])
     assert (distill.analysis.kind, distill.analysis.baseline, distill.analysis.teacher_fraction) == ("distill", "topk_mass", 0.9)
-    assert len(distill.runs()) == 8 * 3 and distill.set == ["train.save_every=0"]
+    assert len(distill.runs()) == 8 * 3 and distill.set == ["train.steps=150", "train.save_every=0"]  # half the preset's run
     stability = build_sweep("stability", None, None, [], None, [])
     assert stability.analysis.kind == "stability"
     assert stability.analysis.settings() == {"baseline": "fixed", "collapse_points": 10, "target_gain": 0.15, "within_points": 5}
