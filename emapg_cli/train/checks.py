@@ -236,7 +236,7 @@ def preflight(cfg: Config) -> Inputs:
     if cfg.anchor.source == "teacher":  # same vocabulary and tokenizer: config.json and tokenizer files, no weights
         from emapg_cli.train.teacher import check_teacher
 
-        check_teacher(cfg.anchor, cfg.model, vocab)
+        check_teacher(cfg.anchor, cfg.model, vocab, vocab_size(load_model_config(cfg.anchor.path) or {}))
     if not cfg.data.train:
         raise UserError("data.train is not set (a prepared dataset name or a JSONL file)")
     train = load_examples(cfg.data.train)

@@ -9,7 +9,6 @@ than the policy (anchor.dtype).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any, Optional
 
@@ -53,14 +52,6 @@ def teacher_folder(path: str) -> Path:
     return folder
 
 
-def _vocab(folder: Path) -> Optional[int]:
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {folder / 'config.json'}: {e}") from None
-    return config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-
-
 def _tokenizer_view(tok) -> tuple[Any, ...]:
     """What must agree between two tokenizers for the teacher's log-probs to score the policy's tokens: the id of
     every token string, and the special tokens (BOS/EOS/PAD/..., by string and id)."""
@@ -68,12 +59,12 @@ def _tokenizer_view(tok) -> tuple[Any, ...]:
     return tok.get_vocab(), specials, tok.all_special_ids
 
 
-def check_teacher(anchor_cfg, model_cfg, policy_vocab: Optional[int]) -> None:
+def check_teacher(anchor_cfg, model_cfg, policy_vocab: Optional[int], vocab: Optional[int] = None) -> None:
     """The teacher shares the policy's vocabulary and tokenizer: config.json's vocab_size (the output layer's size)
     and the tokenizers' token -> id maps and special tokens. Reads config.json and the tokenizer files only (no
-    weights), so a mismatch is one line at once (exit 2). `policy_vocab`: the policy's config.json vocab_size."""
+    weights), so a mismatch is one line at once (exit 2). `policy_vocab`, `vocab`: the policy's and the teacher's
+    config.json vocab_size (`checks.vocab_size`; None: not compared)."""
     folder = teacher_folder(anchor_cfg.path)
-    vocab = _vocab(folder)
     if policy_vocab is not None and vocab is not None and vocab != policy_vocab:
         raise UserError(f"anchor.path {folder}: the teacher's vocabulary has {vocab} ids and the policy's (model.path) "
                         f"{policy_vocab}: a teacher must share the policy's tokenizer and vocabulary")
