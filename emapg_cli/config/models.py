@@ -299,6 +299,7 @@ class LoRAConfig(Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                       description="Names of the linear layers that get adapters (peft `target_modules`).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the update passes.")
+    sync: Literal["adapter", "merged"] = Field("adapter", description="How a LoRA policy reaches rollout.engine=vllm after every optimizer update (and at the start): `adapter`: the adapter alone is saved (PEFT format, a temporary folder of each process) and loaded into vLLM's LoRA support under a new name (lora.r <= 512, vLLM's largest max_lora_rank); `merged`: the adapter is merged into a copy of the base weights (W + alpha/r B A) and every tensor is pushed, as for full fine-tuning. The hf engine samples from the live adapters either way (docs/vllm.md#lora).")
 
 
 class LoggingConfig(Section):
@@ -389,12 +390,17 @@ class Config(Section):
         if self.reward.overlong_buffer >= shortest:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
         if self.lora.r > 0:
-            for bad, why in ((r.engine == "vllm", "rollout.engine=vllm (use hf)"), (t.parallel == "fsdp", "train.parallel=fsdp"),
+            for bad, why in ((t.parallel == "fsdp", "train.parallel=fsdp"),
                              (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
                              (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0"),
                              (self.anchor.source == "teacher", "anchor.source=teacher")):
                 if bad:
                     raise ValueError(f"lora.r > 0 does not support {why} yet")
+            from emapg_cli.engines.vllm import VLLM_LORA_RANKS  # vLLM's max_lora_rank values (vLLM is not imported)
+
+            if r.engine == "vllm" and self.lora.sync == "adapter" and self.lora.r > VLLM_LORA_RANKS[-1]:
+                raise ValueError(f"lora.sync=adapter with rollout.engine=vllm needs lora.r <= {VLLM_LORA_RANKS[-1]} (vLLM's largest "
+                                 f"max_lora_rank), got {self.lora.r}: use lora.sync=merged")
         if t.objective != "rl" and self.kl.coef <= 0:
             raise ValueError(f"train.objective={t.objective} needs kl.coef > 0: the distillation term is kl.coef times the KL "
                              "to the anchor (the teacher), and kl.coef=0 loads no anchor")

@@ -37,6 +37,8 @@ def make_engine(
     temperature: float = 1.0,
     top_p: float = 1.0,
     end_token_ids: Optional[Sequence[int]] = None,
+    lora_rank: int = 0,
+    lora_sync: str = "adapter",
 ):
     """The one factory of `Engine`s: for evaluation (a saved model) and for training (the live policy).
 
@@ -48,7 +50,9 @@ def make_engine(
     take its memory back. `dtype` None: bfloat16 on a GPU, float32 on CPU. vLLM only: `temperature`, `top_p` are
     the sampling settings whose log-probs must be exact (the rollouts'); `gpu_memory_utilization` applies on a GPU
     (on CPU the engine sizes the KV cache in bytes, see `VLLMEngine`). `end_token_ids`: the tokens a response ends
-    on (None: each engine's default, the tokenizer's EOS plus the generation config's).
+    on (None: each engine's default, the tokenizer's EOS plus the generation config's). vLLM only: `lora_rank` > 0 with
+    `lora_sync` "adapter" starts vLLM with LoRA support, into which a peft policy's adapter is loaded at each push;
+    "merged" (or rank 0) pushes a peft policy's weights merged (engines/lora_sync.py).
     """
     import torch
 
@@ -61,6 +65,7 @@ def make_engine(
             model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             max_model_len=max_model_len, enable_sleep_mode=model is not None, trust_remote_code=trust_remote_code,
             temperature=temperature, top_p=top_p, end_token_ids=end_token_ids,
+            lora_rank=lora_rank if lora_sync == "adapter" else 0,
         )
     if backend == "hf":
         from emapg_cli.engines.hf import HFEngine

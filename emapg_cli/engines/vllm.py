@@ -28,6 +28,7 @@ import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, end_token_ids
+from emapg_cli.engines.lora_sync import AdapterFolders, is_peft, merged_named_weights
 from emapg_cli.errors import UserError
 
 MISSING_VLLM = (
@@ -67,6 +68,18 @@ _INPROCESS_MODEL_PATHS = (
 )
 
 _SLEEP_TAGS = ("weights", "kv_cache")
+
+#: The values vLLM accepts for `max_lora_rank` (vLLM 0.32's `config/lora.py`, `MaxLoRARanks`): an adapter of rank r
+#: needs an engine started with one of them >= r (`vllm_lora_rank`).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `r` (UserError above vLLM's largest)."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise UserError(f"vLLM loads LoRA adapters of rank <= {VLLM_LORA_RANKS[-1]}, got lora.r={r}: use lora.sync=merged")
 
 
 def logprobs_mode_for(temperature: float, top_p: float) -> str:
@@ -444,8 +457,13 @@ class VLLMEngine(EngineBase):
         temperature: float = 1.0,
         top_p: float = 1.0,
         end_token_ids: Optional[Sequence[int]] = None,
+        lora_rank: int = 0,
     ):
         """Start vLLM on `model_path` (a local folder or a hub id).
+
+        `lora_rank` > 0: vLLM's LoRA support is turned on for adapters up to that rank (`lora.sync: adapter`), and
+        `load_weights` of a peft model loads its adapter under a new name instead of pushing tensors; 0: a peft
+        model's weights are pushed merged (`lora.sync: merged`, see `load_weights`).
 
         `temperature`, `top_p`: the sampling settings whose log-probs must be exact (the rollouts'),
         which choose vLLM's `logprobs_mode` (`logprobs_mode_for`); `full_vocab_logprobs(params)` then
@@ -511,6 +529,12 @@ class VLLMEngine(EngineBase):
             kwargs["enable_chunked_prefill"] = False
         elif kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        self.lora_rank = lora_rank
+        self._adapters: Optional[AdapterFolders] = None  # the adapter folders of lora.sync=adapter (made at the first push)
+        self._lora_request: Any = None  # the LoRARequest of the adapter loaded last; every generate call passes it
+        if lora_rank > 0:
+            # max_loras=1: one adapter at a time (the policy's), the previous one is removed before the next is added
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
         self._no_sleep_reason: Optional[str] = None
         if not enable_sleep_mode:
             self._no_sleep_reason = "vLLM sleep mode is off"
@@ -558,11 +582,16 @@ class VLLMEngine(EngineBase):
         self.resume_memory()
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         sampling = [self._vllm.SamplingParams(**sampling_kwargs(params, i, self.end_ids)) for i in range(len(prompts))]
-        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        lora = {"lora_request": self._lora_request} if self._lora_request is not None else {}
+        outputs = self._llm.generate(requests, sampling, use_tqdm=False, **lora)
         return [to_completions(o, params) for o in outputs]
 
     def load_weights(self, model) -> None:
         """Copy `model`'s current parameters into the engine and drop its prefix cache.
+
+        A peft (LoRA) model: on an engine started with `lora_rank` > 0 its adapter is loaded under a new name
+        (`_load_adapter`); otherwise its adapters are merged into copies of the base weights, W + (alpha / r) B A
+        (`lora_sync.merged_named_weights`), which are pushed like a full model's.
 
         Works asleep or awake: asleep, only the weights are woken (the KV cache stays released
         until the next `resume_memory`/`generate`). The prefix cache is reset because cached
@@ -570,14 +599,43 @@ class VLLMEngine(EngineBase):
         it (requests still running), which would leave stale KV in use, so that is an error.
         """
         self._wake(("weights",))
-        if self._loader is None:
-            self._loader = weight_loader(self._llm, self.device)
-        import torch
+        if is_peft(model) and self.lora_rank > 0:
+            self._load_adapter(model)
+        else:
+            if self._loader is None:
+                self._loader = weight_loader(self._llm, self.device)
+            import torch
 
-        self._loader(named_weights(model, getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype))
+            dtype = getattr(torch, self.dtype) if isinstance(self.dtype, str) else self.dtype
+            self._loader((merged_named_weights if is_peft(model) else named_weights)(model, dtype))
         reset = getattr(self._llm, "reset_prefix_cache", None)
         if callable(reset) and reset() is False:
             raise RuntimeError("vLLM could not reset its prefix cache after a weight push (requests still running?)")
+
+    def _load_adapter(self, model) -> None:
+        """lora.sync=adapter: save the peft `model`'s adapter into a new folder (`AdapterFolders`, atomic) and load it
+        as LoRARequest(`emapg-<k>`, k, folder), k = 1, 2, ... one per push: vLLM caches adapters by id, so a new id is
+        what makes it read the new weights. The previous adapter is removed from vLLM first (at most one is held,
+        `max_loras=1`) and its folder deleted; generation passes the new request from now on."""
+        from vllm.lora.request import LoRARequest
+
+        if self._adapters is None:
+            self._adapters = AdapterFolders()
+        k, folder = self._adapters.save(model)
+        engine = self._llm.llm_engine
+        if self._lora_request is not None:
+            engine.remove_lora(self._lora_request.lora_int_id)
+            self._adapters.drop(self._lora_request.lora_int_id)
+            self._lora_request = None
+        request = LoRARequest(lora_name=f"emapg-{k}", lora_int_id=k, lora_path=str(folder))
+        try:
+            added = engine.add_lora(request)
+        except (ValueError, RuntimeError, KeyError) as e:  # e.g. a target module vLLM has no LoRA layer for
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"vLLM could not load the LoRA adapter: {first}; lora.sync=merged pushes merged weights instead") from None
+        if added is False:  # vLLM already held an adapter with this id: it would sample from stale weights
+            raise RuntimeError(f"vLLM already had a LoRA adapter with id {k}")
+        self._lora_request = request
 
     def release_memory(self) -> None:
         """Sleep level 1: offload the weights to CPU memory and discard the KV cache (no-op without sleep mode)."""

@@ -66,7 +66,7 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
         weights_context=weights_context, share_prompts=cfg.train.share_prompts != "never",
         # vLLM: the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        end_token_ids=end_token_ids(tokenizer, getattr(policy, "generation_config", None)),
+        end_token_ids=end_token_ids(tokenizer, getattr(policy, "generation_config", None)), lora_rank=cfg.lora.r, lora_sync=cfg.lora.sync,
     )
 
 
