@@ -40,7 +40,7 @@ def test_plan_shows_an_adapter_sized_anchor(tiny_qwen2):
 
 
 def test_lora_config_rejects_what_it_does_not_support():
-    for bad in ("rollout.engine=vllm", "train.parallel=fsdp", "kl.estimator=exact", "eval.anchor_every=5"):
+    for bad in ("train.parallel=fsdp", "kl.estimator=exact", "eval.anchor_every=5"):  # vLLM: lora.sync (test_lora_sync.py)
         with pytest.raises(UserError, match="lora.r > 0 does not support"):
             load_config(overrides=["lora.r=8", bad])
 
