@@ -235,6 +235,15 @@ def config_cases() -> list[Case]:
                           files={"badpreset.yaml": text}))
     # issue 20 (readers): lora.r bounded at config time
     cases.append(case("config", "set-lora-r-million", "config", "show", "--set", "lora.r=1000000"))
+    # issue 23 (LoRA with vLLM): lora.sync is adapter | merged; adapters vLLM loads have rank <= 512
+    cases += [
+        case("config", "set-lora-sync-bogus", "config", "show", "--set", "lora.sync=bogus"),
+        case("config", "set-lora-sync-empty", "config", "show", "--set", "lora.sync="),
+        case("config", "set-lora-sync-adapter-rank-over-vllm", "config", "show", "--set", "rollout.engine=vllm",
+             "--set", "lora.r=1024", "--set", "lora.sync=adapter"),
+        case("train", "lora-sync-bogus", "train", "--config", "good.yaml", "--set", "lora.r=2", "--set", "lora.sync=[merged]",
+             "--dry-run"),
+    ]
     # issue 21 (adaptive beta): kl.target > 0 and finite, with kl.coef > 0; kl.horizon >= 1 and > responses per step / 5
     cases += [
         case("config", "set-kl-target-zero", "config", "show", "--set", "kl.target=0"),
