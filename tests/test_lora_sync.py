@@ -110,6 +110,9 @@ def test_config_lora_sync_and_the_vllm_rank_limit():
         load_config(overrides=["lora.r=1024", "rollout.engine=vllm"])
     with pytest.raises(UserError, match="lora.sync"):
         load_config(overrides=["lora.sync=bogus"])
+    # evaluating the EMA anchor would sample from the policy's adapter, not the anchor's: still refused, one line
+    with pytest.raises(UserError, match="does not support eval.anchor_every"):
+        load_config(overrides=["lora.r=4", "rollout.engine=vllm", "kl.coef=0.1", "eval.anchor_every=2"])
 
 
 # ---------------------------------------------------------------- the engine's side, against a fake vLLM
