@@ -86,7 +86,8 @@ def test_lora_rollouts_on_vllm_match_the_trainer_as_closely_as_full_finetuning(t
     #   adapter 2.0e-5 / 3.0e-6  (0.86x / 0.93x full's)
     #   merged  7.9e-5 / 5.7e-6  (3.4x / 1.7x full's: vLLM computes (W + s B A) x, the trainer W x + s B (A x), so
     #                             the round-off differs; step 1, B = 0, equals full's exactly)
-    # FACTOR = 10 leaves ~3x room over the worst ratio; a stale adapter would be off by >> LOGPROB_TOL (checked below).
+    # FACTOR = 10 leaves ~3x room over the worst ratio. Broken on purpose (generation without the LoRARequest: the
+    # base model samples), adapter logged max 5.0 at step 2 and 9.5 at step 3 and this test failed.
     for name in ("adapter", "merged"):
         assert diffs[name][0] < LOGPROB_TOL, (name, diffs)
         assert diffs[name][0] <= FACTOR * diffs["full"][0] and diffs[name][1] <= FACTOR * diffs["full"][1], (name, diffs)
