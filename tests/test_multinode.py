@@ -80,6 +80,26 @@ def test_wait_seconds_from_the_environment(monkeypatch):
             wait_seconds()
 
 
+def test_a_lost_peer_is_one_line_not_a_bug(monkeypatch, capsys):
+    """When another rank dies (SIGKILL, its machine lost), rank 0's next collective raises gloo's RuntimeError
+    (measured by killing rank 1 of a two-machine run: "[.../gloo/transport/tcp/pair.cc:537] Read error
+    [127.0.0.1]:35732: Connection reset by peer. ..."): the CLI says so in one line, exit 1, instead of
+    "internal error (a bug in emapg)" with a traceback file."""
+    from emapg_cli.cli import app as cli
+
+    def lose_peer(**kwargs):
+        raise RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35732: Connection "
+                           "reset by peer. This is typically caused by a remote worker hanging or bugs in the application.")
+
+    monkeypatch.setattr(cli, "app", lose_peer)
+    with pytest.raises(SystemExit) as stop:
+        cli.main()
+    assert stop.value.code == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert err == ("error: another process of this launch stopped (a collective lost its connection to it): its own log, "
+                   "on its machine, says why; the run keeps its last checkpoint (emapg train --resume)")
+
+
 @pytest.mark.slow  # one launch over two machines that stops at the check (~25 s on 2 cores)
 def test_two_machines_without_a_shared_run_folder_stop_before_training(tiny_qwen2, tmp_path):
     """Two machines on this host, each in its own working folder: a relative --out names a different folder on each,
