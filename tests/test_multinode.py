@@ -100,7 +100,7 @@ def test_a_lost_peer_is_one_line_not_a_bug(monkeypatch, capsys):
                    "on its machine, says why; the run keeps its last checkpoint (emapg train --resume)")
 
 
-@pytest.mark.slow  # one launch over two machines that stops at the check (~25 s on 2 cores)
+@pytest.mark.slow  # one launch over two machines that stops at the check (71 s measured on 2 busy cores)
 def test_two_machines_without_a_shared_run_folder_stop_before_training(tiny_qwen2, tmp_path):
     """Two machines on this host, each in its own working folder: a relative --out names a different folder on each,
     as a node-local disk would. Both machines stop with the one-line error before the first step, and rank 0's
@@ -131,7 +131,7 @@ exit $rc
 """
 
 
-@pytest.mark.slow  # the shipped sbatch script, run as a 2-node job on this host (~35 s on 2 cores)
+@pytest.mark.slow  # the shipped sbatch script run twice as a 2-node job on this host (138 s measured on 2 busy cores)
 def test_the_slurm_script_runs_a_two_node_job(tiny_qwen2, tmp_path):
     """scripts/slurm/emapg_multinode.sbatch as Slurm would run it on 2 nodes, with `srun` and `scontrol` replaced by
     one-host stand-ins (every node is this host): the script's ranks, rendezvous address and arguments start a

@@ -1,6 +1,6 @@
 """Two CPU processes (gloo, launched with `accelerate launch`): DDP keeps identical anchors; FSDP2 (train.parallel=fsdp)
 trains the same model as DDP, keeps one consistent anchor, and resumes bit-identically. The DDP run is launched as
-two machines of one process each (docs/multi_gpu.md, "Multi-node") and trains bit for bit the model of a
+two machines of one process each (docs/multi_gpu.md, "Several machines") and trains bit for bit the model of a
 2-process launch on one machine."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_two_machines_train_the_golden_ddp_weights(runs):
     assert {part: _sha256(runs["ddp"] / "final" / part) for part in ("policy", "anchor")} == expected
 
 
-@pytest.mark.slow  # one 2-process launch (~30 s on 2 cores), beside the fixture's
+@pytest.mark.slow  # one more 2-process launch, beside the fixture's (79 s measured on 2 busy cores)
 def test_two_machines_equal_one_machine(runs, tiny_qwen2, tmp_path):
     """Two machines of one process each (global ranks 0 and 1, each seeding its rollouts by global rank) train
     bit for bit the model that one machine with 2 processes trains: measured equal (every tensor of the final

@@ -165,7 +165,7 @@ def launch_machines(args: list[str], root: Path, port: int, machines: int = 2, e
                     timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """`train_launcher.py ARGS` launched as `machines` machines of one process each, all on this host: one
     `accelerate launch --num_machines N --machine_rank R --main_process_ip 127.0.0.1` per machine (torchrun's static
-    rendezvous, gloo), the command docs/multi_gpu.md ("Multi-node") gives. Machine R runs in `root/machineR`
+    rendezvous, gloo), the command docs/multi_gpu.md ("Several machines") gives. Machine R runs in `root/machineR`
     (its working folder, so a relative --out is node-local there) with its own TMPDIR `root/machineR/tmp` (node-local
     temporary files). Returns each machine's finished process, output read from files (a pipe that fills would
     stall one machine and, through the collectives, the other)."""
