@@ -159,3 +159,35 @@ def settings_of(cfg, vocab: int = 2**31):
     from emapg_cli.train.settings import step_settings
 
     return step_settings(cfg, vocab)
+
+
+def launch_machines(args: list[str], root: Path, port: int, machines: int = 2, extra_env: dict[str, str] | None = None,
+                    timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """`train_launcher.py ARGS` launched as `machines` machines of one process each, all on this host: one
+    `accelerate launch --num_machines N --machine_rank R --main_process_ip 127.0.0.1` per machine (torchrun's static
+    rendezvous, gloo), the command docs/multi_gpu.md ("Several machines") gives. Machine R runs in `root/machineR`
+    (its working folder, so a relative --out is node-local there) with its own TMPDIR `root/machineR/tmp` (node-local
+    temporary files). Returns each machine's finished process, output read from files (a pipe that fills would
+    stall one machine and, through the collectives, the other)."""
+    procs = []
+    for rank in range(machines):
+        node = root / f"machine{rank}"
+        (node / "tmp").mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", str(machines),
+               "--num_processes", str(machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", LAUNCHER, *args]
+        with open(node / "stdout.txt", "w") as out, open(node / "stderr.txt", "w") as err:
+            procs.append(subprocess.Popen(cmd, cwd=node, stdout=out, stderr=err, text=True,
+                                          env={**env(), "TMPDIR": str(node / "tmp"), **(extra_env or {})}))
+    done = []
+    for rank, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        node = root / f"machine{rank}"
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, (node / "stdout.txt").read_text(),
+                                                (node / "stderr.txt").read_text()))
+    return done

@@ -101,6 +101,9 @@ def os_error_message(e: OSError) -> str:
 #: How torch.save reports a failed write (it raises RuntimeError, not OSError, without an errno).
 _TORCH_WRITE_FAILURES = ("PytorchStreamWriter failed writing", "file write failed", "inline_container.cc")
 
+#: How a collective (gloo, NCCL) reports that another process of the launch is gone: it died, or its machine did.
+_PEER_FAILURES = ("Connection reset by peer", "Connection closed by peer", "NCCL communicator was aborted")
+
 
 def _is_torch_write_failure(e: BaseException) -> bool:
     return type(e) is RuntimeError and any(s in str(e) for s in _TORCH_WRITE_FAILURES)
@@ -169,6 +172,9 @@ def main() -> None:
             _fail(os_error_message(e))
         _internal_error(e)
     except Exception as e:  # noqa: BLE001 - the last resort: one line and a traceback file, never a raw traceback
+        if isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_FAILURES):  # not a bug here: say where to look
+            _fail("another process of this launch stopped (a collective lost its connection to it): its own log, on its "
+                  "machine, says why; the run keeps its last checkpoint (emapg train --resume)", code=1)
         if _is_torch_write_failure(e):
             from emapg_cli.outputs import last_folder
 

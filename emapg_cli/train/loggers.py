@@ -207,13 +207,17 @@ def open_run(cfg, run_dir: Path, accelerator, last: int, resume: bool) -> Logger
     """Write the run's config.yaml (main process; atomic, as the other ranks may be reading the old one) and open its
     metrics logger there (a NullLogger on the other ranks). On resume the config is the saved one plus any --set,
     written only once the checkpoint took it, and metrics of steps after the checkpoint (`last`) are dropped (they
-    are logged again); with no checkpoint at all, every row goes (-1), step 0 included."""
+    are logged again); with no checkpoint at all, every row goes (-1), step 0 included. Every rank must see the
+    folder (`shared_folder.check_shared_run_folder`)."""
     from emapg_cli.config.loading import to_yaml
 
     if accelerator.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / "config.yaml", to_yaml(cfg))
     accelerator.wait_for_everyone()
+    from emapg_cli.train.shared_folder import check_shared_run_folder
+
+    check_shared_run_folder(run_dir, accelerator)  # a launch over several machines: every rank sees the folder
     if not accelerator.is_main_process:
         return NullLogger()
     resume_step = (last if last > 0 else -1) if resume else None
