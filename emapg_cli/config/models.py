@@ -58,6 +58,8 @@ class RolloutConfig(Section):
     reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+    engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
+    engine_timeout_s: float = Field(1800.0, gt=0, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take before the run stops with a one-line error.")
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +67,13 @@ class RolloutConfig(Section):
         if isinstance(data, dict) and "max_turns" in data:
             raise ValueError(MOVED_KEYS["rollout.max_turns"])
         return data
+
+    @field_validator("engine_url")
+    @classmethod
+    def _engine_url_is_http(cls, value: Optional[str]) -> Optional[str]:
+        from emapg_cli.engines.remote import check_engine_url
+
+        return None if value is None else check_engine_url(value)
 
     @field_validator("env")
     @classmethod
@@ -388,6 +397,7 @@ class Config(Section):
         shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
         if self.reward.overlong_buffer >= shortest:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
+        self._check_engine_url()
         if self.lora.r > 0:
             for bad, why in ((r.engine == "vllm", "rollout.engine=vllm (use hf)"), (t.parallel == "fsdp", "train.parallel=fsdp"),
                              (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
@@ -417,6 +427,25 @@ class Config(Section):
             ema_updates=0 if self.anchor.source == "teacher" else t.steps // self.ema.update_period,
         )
         return self
+
+    def _check_engine_url(self) -> None:
+        """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
+        r = self.rollout
+        if r.engine_url is None:
+            if "engine_timeout_s" in r.model_fields_set:
+                raise ValueError("rollout.engine_timeout_s applies to a rollout server: set rollout.engine_url too")
+            return
+        for key in ("gpu_memory_utilization", "hf_batch_size"):
+            if key in r.model_fields_set:
+                raise ValueError(f"rollout.{key} sizes an engine in the trainer's process; with rollout.engine_url the "
+                                 "server's engine is sized by `emapg rollout serve`'s options: drop rollout." + key)
+        if self.anchor.source == "teacher" and (self.eval.anchor_every > 0 or (self.train.objective != "rl" and self.data.eval)):
+            raise ValueError("anchor.source=teacher with rollout.engine_url: evaluating the teacher (eval.anchor_every, or "
+                             "distillation's initial teacher evaluation) would push its weights into the server, which holds "
+                             "the policy's model: set eval.anchor_every=0 and no data.eval, or drop rollout.engine_url")
+        if self.lora.r > 0:
+            raise ValueError("lora.r > 0 with rollout.engine_url is not supported yet (the server takes full weights, "
+                             "not adapters): drop rollout.engine_url")
 
     def _check_teacher(self) -> None:
         """anchor.source=teacher: the KL term must use it (kl.coef > 0), and the EMA's eta rules have nothing to act on."""

