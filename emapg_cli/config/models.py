@@ -58,6 +58,8 @@ class RolloutConfig(Section):
     reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+    engine_url: Optional[str] = Field(None, description="`http://HOST:PORT` of a rollout server (`emapg rollout serve`): the rollouts are sampled there, in another process (on its own GPUs), and the policy's weights are pushed to it after each update; null: the engine runs in the trainer's process.")
+    max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
     @model_validator(mode="before")
     @classmethod
@@ -453,15 +455,19 @@ class Config(Section):
                                      f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start")
 
     def _resolve_defaults(self) -> None:
-        """Fill the defaults that depend on other sections, when the key was not given: train.rollout_correction
-        (token_truncate for vllm, none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
+        """Fill the defaults that depend on other sections, when the key was not given: train.old_logprobs auto -> pass
+        with rollout.max_staleness >= 1, train.rollout_correction (token_truncate for vllm or rollout.max_staleness >= 1,
+        none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
         The resolved values are written into the config, so config.yaml and `config show` print them."""
+        if self.rollout.max_staleness and self.train.old_logprobs == "auto":  # async rollouts: the engine's log-probs
+            self.train.old_logprobs = "pass"  # are of older weights, PPO's ratio needs the current ones (docs/async_rollouts.md)
         if "rollout_correction" not in self.train.model_fields_set:
             # none where the engine's records would be the old policy (ratio 1) or are dropped (search.retokenize)
             usable = self.train.old_logprobs != "engine" and not (self.search.enabled and self.search.retokenize)
             # and where vLLM can record the full-vocabulary distribution at all (T = 1 or top_p = 1; docs/vllm.md)
             usable = usable and (self.rollout.temperature == 1 or self.rollout.top_p >= 1)
-            self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" and usable else "none"
+            off_policy = self.rollout.engine == "vllm" or self.rollout.max_staleness > 0  # another engine, or older weights
+            self.train.rollout_correction = "token_truncate" if off_policy and usable else "none"
         if self.rollout.env != "single" and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
             self.eval.max_new_tokens = self.rollout.max_new_tokens
 
