@@ -60,6 +60,7 @@ class RolloutConfig(Section):
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
     engine_timeout_s: float = Field(1800.0, gt=0, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take before the run stops with a one-line error.")
+    max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
     @model_validator(mode="before")
     @classmethod
@@ -439,10 +440,6 @@ class Config(Section):
             if key in r.model_fields_set:
                 raise ValueError(f"rollout.{key} sizes an engine in the trainer's process; with rollout.engine_url the "
                                  "server's engine is sized by `emapg rollout serve`'s options: drop rollout." + key)
-        if self.anchor.source == "teacher" and (self.eval.anchor_every > 0 or (self.train.objective != "rl" and self.data.eval)):
-            raise ValueError("anchor.source=teacher with rollout.engine_url: evaluating the teacher (eval.anchor_every, or "
-                             "distillation's initial teacher evaluation) would push its weights into the server, which holds "
-                             "the policy's model: set eval.anchor_every=0 and no data.eval, or drop rollout.engine_url")
         if self.lora.r > 0:
             raise ValueError("lora.r > 0 with rollout.engine_url is not supported yet (the server takes full weights, "
                              "not adapters): drop rollout.engine_url")
@@ -482,15 +479,19 @@ class Config(Section):
                                      f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start")
 
     def _resolve_defaults(self) -> None:
-        """Fill the defaults that depend on other sections, when the key was not given: train.rollout_correction
-        (token_truncate for vllm, none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
+        """Fill the defaults that depend on other sections, when the key was not given: train.old_logprobs auto -> pass
+        with rollout.max_staleness >= 1, train.rollout_correction (token_truncate for vllm or rollout.max_staleness >= 1,
+        none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
         The resolved values are written into the config, so config.yaml and `config show` print them."""
+        if self.rollout.max_staleness and self.train.old_logprobs == "auto":  # async rollouts: the engine's log-probs
+            self.train.old_logprobs = "pass"  # are of older weights, PPO's ratio needs the current ones (docs/async_rollouts.md)
         if "rollout_correction" not in self.train.model_fields_set:
             # none where the engine's records would be the old policy (ratio 1) or are dropped (search.retokenize)
             usable = self.train.old_logprobs != "engine" and not (self.search.enabled and self.search.retokenize)
             # and where vLLM can record the full-vocabulary distribution at all (T = 1 or top_p = 1; docs/vllm.md)
             usable = usable and (self.rollout.temperature == 1 or self.rollout.top_p >= 1)
-            self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" and usable else "none"
+            off_policy = self.rollout.engine == "vllm" or self.rollout.max_staleness > 0  # another engine, or older weights
+            self.train.rollout_correction = "token_truncate" if off_policy and usable else "none"
         if self.rollout.env != "single" and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
             self.eval.max_new_tokens = self.rollout.max_new_tokens
 

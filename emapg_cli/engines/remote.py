@@ -27,9 +27,6 @@ from emapg_cli.errors import UserError
 
 #: Largest reply read (bytes): completions with top-k ids can be large, but not unbounded.
 MAX_REPLY_BYTES = 4 << 30
-#: The label of the anchor's weights pushed for anchor evaluation: below every policy version, so a request
-#: with `min_version` (the asynchronous pipeline) never samples from them.
-ANCHOR_VERSION = -2
 
 
 def check_engine_url(url: Any) -> str:

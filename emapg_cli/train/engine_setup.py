@@ -1,9 +1,7 @@
 """The trainer's rollout engine: one in its own process (`engines.make_engine` on the live policy), or a rollout
-server's (`rollout.engine_url`, engines/remote.py), and how weights reach it (`push`)."""
+server's (`rollout.engine_url`, engines/remote.py)."""
 
 from __future__ import annotations
-
-from typing import Optional
 
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
@@ -51,26 +49,4 @@ def connect_server(cfg: Config, policy, tokenizer):
                         f"set rollout.engine={engine.engine_name} (it decides train.old_logprobs=auto and the rollout "
                         "correction's default)")
     return engine
-
-
-def push(engine, strategy, model, version: Optional[int] = None) -> None:
-    """Make `engine` sample from `model` (the policy or the anchor). An engine with weights of its own (vLLM, a
-    rollout server) is sent whole tensors, gathered first when the model is sharded (every rank calls this); `hf`
-    samples from the live module, so nothing is copied. A versioned engine is pushed `version` (the policy after
-    RL step s: s; the anchor: `engines.remote.ANCHOR_VERSION`) when it is given."""
-    if engine.shares_weights:
-        engine.load_weights(model)
-        return
-    with strategy.full_weights(model):
-        if getattr(engine, "versioned", False) and version is not None:
-            engine.push_weights(model, version)
-        else:
-            engine.load_weights(model)
-
-
-def anchor_version(engine) -> Optional[int]:
-    """The version label of anchor weights pushed for anchor evaluation (None for an engine without versions)."""
-    from emapg_cli.engines.remote import ANCHOR_VERSION
-
-    return ANCHOR_VERSION if getattr(engine, "versioned", False) else None
 

@@ -25,10 +25,11 @@ from emapg_cli.grpo import ema_update_
 from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
+from emapg_cli.train.async_rollouts import RolloutPipeline, eval_sampler
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
 from emapg_cli.train.distill import initial_evaluations
-from emapg_cli.train.engine_setup import anchor_version, make_rollout_engine, push
+from emapg_cli.train.engine_setup import make_rollout_engine
 from emapg_cli.train.eta_control import decay_for_update, decay_in_force
 from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
@@ -91,6 +92,7 @@ class Trainer:
         self.rollouts = Rollouts(cfg, self.acc, self.generator, self.train_prompts, self.train_ex, self.reward_fn, self._grader,
                                  self.tokenizer.pad_token_id, topk=self.settings.engine_topk if self.engine.records_topk else 0, timed=self.phases)
         self._push(self.policy, last)
+        self.pipeline = RolloutPipeline(self.rollouts, self.engine, cfg.rollout.max_staleness, last, cfg.train.steps)
         return last
 
     def _warn(self, line: str) -> None:
@@ -117,20 +119,23 @@ class Trainer:
     def policy(self):
         return self.acc.unwrap_model(self.scorer).lm
 
-    def _push(self, model, version: Optional[int] = None) -> None:
-        """Make the engine sample from `model` (the policy or the anchor) as `version` (`engine_setup.push`)."""
-        push(self.engine, self.strategy, model, version)
+    def _push(self, model, version: int = 0) -> None:
+        """Make the engine sample from `model` (the policy or the anchor). An engine with weights of
+        its own (vLLM) is sent whole tensors, gathered first when the model is sharded (every rank
+        calls this), a versioned one (a rollout server) the policy as `version`; `hf` samples from the live module."""
+        if self.engine.shares_weights:
+            self.engine.load_weights(model)
+            return
+        with self.strategy.full_weights(model):
+            self.engine.push_weights(model, version) if self.engine.versioned else self.engine.load_weights(model)
 
     # ------------------------------------------------------------------ pieces
     def _eval(self, model, step: int, key: str = "eval/accuracy") -> dict[str, float]:
         """Accuracy of `model` (the policy or the anchor) on the evaluation set (`eval_params`): {key: over all items}
         plus {key/<source>: per source} when the set mixes sources."""
         params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
-        if model is not self.policy:
-            self._push(model, anchor_version(self.engine))
-        scores = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
-        if model is not self.policy:
-            self._push(self.policy, step)
+        with eval_sampler(self, model, params, step) as (generator, params):  # `model`'s weights in the engine, or another
+            scores = evaluate(generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
         return scores.metrics(key)
 
     def _advantages(self, batch, pending) -> tuple[Any, Any, int, dict]:
@@ -210,17 +215,18 @@ class Trainer:
         beta, self.settings = beta_control.for_step(self.cfg, self.state, self.settings)  # kl.coef, or kl.target's adaptive beta
         counted = self.reward_fn.start_count() if hasattr(self.reward_fn, "start_count") else None
         with self.phases("rollout"):
-            batch, pending, roll = self.rollouts(step)
+            batch, pending, roll = self.pipeline(step)  # k >= 1: also starts step + 1's generation (async_rollouts.py)
         with self.phases("update_total"):
             batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
             extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
             extra.update(roll.pop("filtering", {}))
+            extra.update(roll.pop("pipeline"))  # rollout/staleness, waits (versioned engines)
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
             with self.phases("ema"):
                 dist = self._ema(step, upd.skipped > 0)
-                self._push(self.policy, step)
+                self._push(self.policy, step)  # version `step`
         diff = torch.cat(upd.logprob_diffs) if upd.logprob_diffs else diff  # recorded by the update without an old pass
         metrics = step_metrics(**roll, upd=upd, beta=beta, lr=self.scheduler.get_last_lr()[0],
                                t_rollout=self.phases.seconds["rollout"], t_update=self.phases.seconds["update_total"],
@@ -245,7 +251,7 @@ class Trainer:
         last = self._setup()  # nothing is written before the data, models and checkpoint loaded
         logger = self._start(last)
         elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
-        with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress:
+        with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress, self.pipeline:
             for step in range(last + 1, self.cfg.train.steps + 1):
                 t0 = time.time()
                 # ---------------------------------------------- rollout, grading, passes, update, EMA anchor
