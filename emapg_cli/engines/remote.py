@@ -27,6 +27,9 @@ from emapg_cli.errors import UserError
 
 #: Largest reply read (bytes): completions with top-k ids can be large, but not unbounded.
 MAX_REPLY_BYTES = 4 << 30
+#: The share of `timeout_s` a generate request may wait at the server for its weights version (the server's
+#: one-line 504 then names the version it waited for, before this side's socket timeout fires).
+WAIT_SHARE = 0.9
 
 
 def check_engine_url(url: Any) -> str:
@@ -138,7 +141,8 @@ class RemoteEngine(EngineBase):
             return []
         exact = self.weights_version if params.min_version is None and self._pushed else None
         reply = self._request("POST", "/generate", {"prompts": [list(map(int, p)) for p in prompts], "params": params_to_json(params),
-                                                    "version": exact, "timeout_s": self.timeout_s})
+                                                    # the server gives up waiting first: its 504 says which version
+                                                    "version": exact, "timeout_s": WAIT_SHARE * self.timeout_s})
         try:
             rows, _, waited = completions_from_json(reply, len(prompts), params.n)
         except ProtocolError as e:
