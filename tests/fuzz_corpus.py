@@ -397,7 +397,9 @@ def train_cases() -> list[Case]:
                                  ("with-gpu-memory", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.gpu_memory_utilization=0.3"]),
                                  ("with-lora", ["rollout.engine_url=http://127.0.0.1:8100", "lora.r=4"]),
                                  ("timeout-alone", ["rollout.engine_timeout_s=5"]),
-                                 ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]))]
+                                 ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]),
+                                 ("backend-alone", ["rollout.engine_weights_backend=gloo"]),
+                                 ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]))]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
     for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):

@@ -59,6 +59,7 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
+    engine_weights_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="rollout.engine_url only: the torch.distributed backend that carries the weights to the rollout server: nccl (GPU to GPU; both sides on CUDA, on different GPUs), gloo (through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else gloo).")
     engine_timeout_s: float = Field(1800.0, gt=0, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take before the run stops with a one-line error.")
     max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
@@ -433,8 +434,9 @@ class Config(Section):
         """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
         r = self.rollout
         if r.engine_url is None:
-            if "engine_timeout_s" in r.model_fields_set:
-                raise ValueError("rollout.engine_timeout_s applies to a rollout server: set rollout.engine_url too")
+            for key in ("engine_timeout_s", "engine_weights_backend"):
+                if key in r.model_fields_set:
+                    raise ValueError(f"rollout.{key} applies to a rollout server: set rollout.engine_url too")
             return
         for key in ("gpu_memory_utilization", "hf_batch_size"):
             if key in r.model_fields_set:

@@ -58,14 +58,15 @@ class RemoteEngine(EngineBase):
     versioned = True
     shares_weights = False
 
-    def __init__(self, url: str, timeout_s: float = 1800.0):
+    def __init__(self, url: str, timeout_s: float = 1800.0, weights_backend: str = "auto"):
         """Reads the server's /health (one-line UserError when it is down or not a rollout server of this
-        protocol); `check_compatible` then compares the model and the tokenizer."""
+        protocol); `check_compatible` then compares the model and the tokenizer. `weights_backend`: the weight
+        channel's torch.distributed backend, gloo, nccl, or auto (nccl when both sides are on CUDA, else gloo)."""
         try:
             self.url = check_engine_url(url)
         except ValueError as e:
             raise UserError(f"rollout.engine_url {e}, got {url!r:.100}") from None
-        self.timeout_s = timeout_s
+        self.timeout_s, self.weights_backend = timeout_s, weights_backend
         self._opener = urllib.request.build_opener(_NoRedirect)
         health = self._request("GET", "/health")
         if not isinstance(health, dict) or "protocol" not in health or not isinstance(health.get("model"), dict):
@@ -194,7 +195,9 @@ class RemoteEngine(EngineBase):
                 host = s.getsockname()[0]
         except OSError as e:
             raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(e, 120)})") from None
-        backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "gloo"
+        backend = self.weights_backend
+        if backend == "auto":  # two processes on one GPU cannot form an NCCL group: set gloo there
+            backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "gloo"
         store = host_store(host, self.timeout_s)
         self._request("POST", "/weights/connect", {"host": host, "port": store.port, "backend": backend, "timeout_s": self.timeout_s})
         try:

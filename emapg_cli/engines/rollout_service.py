@@ -69,6 +69,7 @@ class RolloutService:
         self._epoch = 0  # bumped by each connect: a receiver of an older channel stops
         self._jobs: "queue.Queue[tuple[int, int, list]]" = queue.Queue()
         self._staging: dict[str, Any] = {}
+        self._staging_device = "cpu"
 
     def health(self) -> dict[str, Any]:
         s = self.served
@@ -104,6 +105,9 @@ class RolloutService:
             raise ProtocolError("backend nccl needs the server's engine on CUDA; this server runs on CPU (use gloo)")
         self._epoch += 1
         self.channel, self.channel_error = None, ""
+        # gloo moves CPU tensors: a CUDA engine's version is staged on CPU and copied to the GPU when applied
+        self._staging_device = self.served.device if backend == "nccl" else "cpu"
+        self._staging = {}
         self._jobs = queue.Queue()
         threading.Thread(target=self._receive, args=(self._epoch, self._jobs, host, port, backend, timeout_s),
                          name="emapg-rollout-weights", daemon=True).start()
@@ -140,7 +144,7 @@ class RolloutService:
         for name, dtype, shape in rows:
             buf = self._staging.get(name)
             if buf is None:
-                buf = self._staging[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self.served.device)
+                buf = self._staging[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self._staging_device)
             channel.recv_into(buf)
 
     def _apply(self, version: int) -> None:
