@@ -49,9 +49,9 @@ def serve(
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     h, p = server.server_address[:2]
-    typer.echo(f"rollout server ready at http://{h}:{p} (engine {engine}, {served.fingerprint['architecture']}, "
-               f"{served.device}; Ctrl-C stops)")
-    try:
+    try:  # from the ready line on, Ctrl-C is a clean stop (a client may send it as soon as it reads the line)
+        typer.echo(f"rollout server ready at http://{h}:{p} (engine {engine}, {served.fingerprint['architecture']}, "
+                   f"{served.device}; Ctrl-C stops)")
         server.serve_forever()
     except KeyboardInterrupt:
         pass
