@@ -115,6 +115,10 @@ def test_engine_url_config_and_refusals():
     cfg = Config.model_validate({"rollout": {"engine_url": "http://127.0.0.1:8100/"}})
     assert cfg.rollout.engine_url == "http://127.0.0.1:8100" and cfg.rollout.engine_timeout_s == 1800.0
     assert Config().rollout.engine_url is None  # default: the engine in the trainer's process
+    # a run's config.yaml holds every key at its value: it validates again (--resume), with and without a server
+    for data in ({"rollout": {"engine_url": "http://h:1"}}, {}):
+        dumped = Config.model_validate(data).model_dump()
+        assert Config.model_validate(dumped).rollout.engine_url == dumped["rollout"]["engine_url"]
     refusals = [
         ({"rollout": {"engine_url": "127.0.0.1:8100"}}, "must be the http://HOST:PORT of a rollout server"),
         ({"rollout": {"engine_url": "http://h:1", "gpu_memory_utilization": 0.3}}, "rollout.gpu_memory_utilization sizes an engine"),

@@ -433,15 +433,18 @@ class Config(Section):
     def _check_engine_url(self) -> None:
         """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
         r = self.rollout
+        # values other than the defaults, not keys given: a run's config.yaml (read by --resume) holds every key
+        changed = [k for k in ("engine_timeout_s", "engine_weights_backend", "gpu_memory_utilization", "hf_batch_size")
+                   if getattr(r, k) != RolloutConfig.model_fields[k].default]
+        server_keys = [k for k in changed if k.startswith("engine_")]
         if r.engine_url is None:
-            for key in ("engine_timeout_s", "engine_weights_backend"):
-                if key in r.model_fields_set:
-                    raise ValueError(f"rollout.{key} applies to a rollout server: set rollout.engine_url too")
+            if server_keys:
+                raise ValueError(f"rollout.{server_keys[0]} applies to a rollout server: set rollout.engine_url too")
             return
-        for key in ("gpu_memory_utilization", "hf_batch_size"):
-            if key in r.model_fields_set:
-                raise ValueError(f"rollout.{key} sizes an engine in the trainer's process; with rollout.engine_url the "
-                                 "server's engine is sized by `emapg rollout serve`'s options: drop rollout." + key)
+        local_keys = [k for k in changed if not k.startswith("engine_")]
+        if local_keys:
+            raise ValueError(f"rollout.{local_keys[0]} sizes an engine in the trainer's process; with rollout.engine_url "
+                             f"the server's engine is sized by `emapg rollout serve`'s options: drop rollout.{local_keys[0]}")
         if self.lora.r > 0:
             raise ValueError("lora.r > 0 with rollout.engine_url is not supported yet (the server takes full weights, "
                              "not adapters): drop rollout.engine_url")
