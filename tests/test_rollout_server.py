@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -78,9 +79,19 @@ def test_health_generation_and_versioned_pushes(served, tiny_qwen2, one_torch_th
     assert [c.logprobs for c in back[0]] == [c.logprobs for c in first[0]]
     assert engine.full_vocab_logprobs(PARAMS) and not engine.full_vocab_logprobs(SamplingParams(temperature=0))
 
+    # a new trainer (or a resumed one) connects: the weights there are not its versions until it pushes its own
+    other = RemoteEngine(served, timeout_s=60)
+    other._connect()
+    assert RemoteEngine(served).weights_version == -1
+    other.push_weights(model, 0)
+    assert other.generate(PROMPTS, replace(PARAMS, min_version=0))[0][0].weights_version == 0
+    with pytest.raises(UserError, match="HTTP 409: another trainer connected to this rollout server since this one did"):
+        engine.push_weights(model, 3)  # the replaced trainer's push: refused before any tensor is sent
+
     # a version that never comes: one line after the request's timeout (the server waits 0.9 of it), not a hang
+    engine = other
     engine.timeout_s = 1.0
-    with pytest.raises(UserError, match=r"HTTP 504: waited 0.9 s for a version >= 9; the server holds 2") as e:
+    with pytest.raises(UserError, match=r"HTTP 504: waited 0.9 s for a version >= 9; the server holds 0") as e:
         engine.generate(PROMPTS, SamplingParams(max_new_tokens=2, min_version=9))
     assert "\n" not in str(e.value)
 

@@ -81,6 +81,7 @@ class RemoteEngine(EngineBase):
         self.wait_s = 0.0
         self._pushed = False
         self._channel: Any = None
+        self._session: Any = None  # the server's number of this client's weight channel
         self._lock = threading.Lock()  # one push at a time; wait_s updates
         self._full_vocab: dict[tuple, bool] = {}
 
@@ -173,7 +174,7 @@ class RemoteEngine(EngineBase):
             channel = self._channel or self._connect()
             named = named_tensors(model)
             rows = manifest([(n, _Shape(t, dtype)) for n, t in named])
-            self._request("POST", "/weights/push", {"version": int(version), "tensors": rows})
+            self._request("POST", "/weights/push", {"version": int(version), "session": self._session, "tensors": rows})
             try:
                 for _, t in named:
                     channel.send(_cast(t, dtype, channel.backend))
@@ -199,7 +200,8 @@ class RemoteEngine(EngineBase):
         if backend == "auto":  # two processes on one GPU cannot form an NCCL group: set gloo there
             backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "gloo"
         store = host_store(host, self.timeout_s)
-        self._request("POST", "/weights/connect", {"host": host, "port": store.port, "backend": backend, "timeout_s": self.timeout_s})
+        reply = self._request("POST", "/weights/connect", {"host": host, "port": store.port, "backend": backend, "timeout_s": self.timeout_s})
+        self._session = reply.get("session") if isinstance(reply, dict) else None
         try:
             self._channel = WeightChannel(store, TRAINER, backend, self.timeout_s)
         except Exception as e:

@@ -10,8 +10,8 @@ make the other side parse JSON and fixed-width numbers. Every malformed field ra
   POST /generate          {"prompts": [[int]], "params": {SamplingParams}, "version": int | null}
                           -> {"completions": [[{completion}]], "weights_version", "wait_s"}
   POST /full_vocab_logprobs {"params": {SamplingParams}} -> {"value": bool}
-  POST /weights/connect   {"host", "port", "backend", "timeout_s"} -> {"ok": true}
-  POST /weights/push      {"version": int, "tensors": [[name, dtype, [shape]], ...]} -> {"ok": true}
+  POST /weights/connect   {"host", "port", "backend", "timeout_s"} -> {"ok": true, "session": int}
+  POST /weights/push      {"version": int, "session": int, "tensors": [[name, dtype, [shape]], ...]} -> {"ok": true}
 """
 
 from __future__ import annotations

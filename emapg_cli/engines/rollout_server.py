@@ -147,14 +147,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise ProtocolError("connect needs a host string and a port in 1..65535")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
             raise ProtocolError("timeout_s must be a number of seconds in (0, 86400]")
-        self.server.service.connect(host, port, str(backend), float(timeout))
-        return {"ok": True}
+        return {"ok": True, "session": self.server.service.connect(host, port, str(backend), float(timeout))}
 
     def _push(self, request: dict) -> dict:
         version = request.get("version")
         if isinstance(version, bool) or not isinstance(version, int):
             raise ProtocolError("version must be an integer")
-        self.server.service.push(version, request.get("tensors"))
+        self.server.service.push(version, request.get("tensors"), request.get("session"))
         return {"ok": True}
 
 

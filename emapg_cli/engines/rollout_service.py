@@ -7,7 +7,7 @@ for the lock. Pushes are received and applied in the order their manifests arriv
 exactly one version (the trainer's synchronous loop: the weights it pushed last) or for at least one
 (`SamplingParams.min_version`, the asynchronous pipeline); it waits for it (counted in the reply's `wait_s`) at most
 its `timeout_s`. Version labels are the trainer's: the policy after RL step s is s; a server that was never pushed
-to holds -1 (the weights it loaded).
+to holds -1 (the weights it loaded), and so does one a new trainer connected to (until its first push).
 """
 
 from __future__ import annotations
@@ -96,13 +96,16 @@ class RolloutService:
             return self.served.engine.generate(prompts, params), self.version, waited
 
     # ------------------------------------------------------------------ weights
-    def connect(self, host: str, port: int, backend: str, timeout_s: float) -> None:
+    def connect(self, host: str, port: int, backend: str, timeout_s: float) -> int:
         """Join the trainer's store and group in a background thread (the trainer builds its end at the same time),
-        then receive pushes in order; a new connect replaces the previous channel."""
+        then receive pushes in order; a new connect replaces the previous channel and sets the version back to
+        `LOADED`: a trainer that starts (or resumes) never takes the weights of an earlier one for its own version."""
         if backend not in ("gloo", "nccl"):
             raise ProtocolError(f"backend must be gloo or nccl, got {backend!r:.20}")
         if backend == "nccl" and not self.served.device.startswith("cuda"):
             raise ProtocolError("backend nccl needs the server's engine on CUDA; this server runs on CPU (use gloo)")
+        with self.cond:  # the weights held now are not this trainer's versions: its requests wait for its first push
+            self.version = LOADED
         self._epoch += 1
         self.channel, self.channel_error = None, ""
         # gloo moves CPU tensors: a CUDA engine's version is staged on CPU and copied to the GPU when applied
@@ -111,11 +114,15 @@ class RolloutService:
         self._jobs = queue.Queue()
         threading.Thread(target=self._receive, args=(self._epoch, self._jobs, host, port, backend, timeout_s),
                          name="emapg-rollout-weights", daemon=True).start()
+        return self._epoch
 
-    def push(self, version: int, tensors: Any) -> None:
-        """Queue a push of `version` whose tensors follow on the channel in manifest order."""
+    def push(self, version: int, tensors: Any, session: Any = None) -> None:
+        """Queue a push of `version` whose tensors follow on the channel in manifest order; `session`: what the
+        pusher's connect returned (a push of a trainer that another one has replaced since is refused)."""
         if self._epoch == 0:
             raise Unavailable(409, "no weight channel: POST /weights/connect first")
+        if session != self._epoch:
+            raise Unavailable(409, "another trainer connected to this rollout server since this one did: one trainer per server")
         if self.channel_error:
             raise Unavailable(409, f"the weight channel failed ({self.channel_error}): connect again")
         self._jobs.put((self._epoch, version, check_manifest(tensors, self.served.params)))
