@@ -78,9 +78,9 @@ def _opts(tmp_path, model, **extra) -> list[str]:
     return opts[1::2]
 
 
-def _train(tmp_path, model, monkeypatch, *opts):
+def _train(tmp_path, model, monkeypatch, *opts, resume=False, stop_at=None):
     """Train in this process with a LaggingEngine; returns (metrics rows by step, the engine, the batches the update
-    took after `correction_weights`, by step)."""
+    took after `correction_weights`, by step). `stop_at`: Ctrl-C as that step starts (KeyboardInterrupt raised)."""
     import emapg_cli.train.trainer as trainer_mod
     import emapg_cli.train.update as update_mod
     from train_launcher import install
@@ -98,8 +98,15 @@ def _train(tmp_path, model, monkeypatch, *opts):
 
     monkeypatch.setattr(update_mod, "correction_weights", recorded)
     cfg = load_config(overrides=list(opts))
-    trainer = trainer_mod.Trainer(cfg, tmp_path / "run")
-    trainer.run()
+    trainer = trainer_mod.Trainer(cfg, tmp_path / "run", resume=resume)
+    if stop_at is not None:
+        step = trainer.step
+        trainer.step = lambda s: (_ for _ in ()).throw(KeyboardInterrupt) if s == stop_at else step(s)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.run()
+        assert trainer.pipeline.pending is None  # the in-flight generation was let go
+    else:
+        trainer.run()
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
     return rows, made[0], batches
 
@@ -157,6 +164,22 @@ def test_lagging_engine_is_corrected(tmp_path, tiny_qwen2, monkeypatch, one_torc
         with torch.no_grad():
             logits = model(ids[None]).logits[0].float()  # [p + r, V]
         assert float(torch.log_softmax(logits[p + t - 1], -1)[ids[p + t]]) == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.slow  # two sessions of a tiny run, ~15 s (CI budget)
+def test_interrupted_and_resumed(tmp_path, tiny_qwen2, monkeypatch, one_torch_thread):
+    """k = 1, 4 steps, Ctrl-C as step 3 starts (its generation, from version 1, is in flight and dropped), resumed
+    from the checkpoint of step 2: the resumed session pushes version 2 at setup and samples step 3 from it
+    synchronously (staleness 0), step 4 in the background from version 2 again (min_version 2: staleness 1)."""
+    opts = _opts(tmp_path, tiny_qwen2, **{"rollout.max_staleness": 1, "train.steps": 4, "train.save_every": 1,
+                                          "eval.anchor_every": 0})
+    rows, first, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *opts, stop_at=3)
+    assert sorted(rows) == [0, 1, 2] and [rows[s]["rollout/staleness"] for s in (1, 2)] == [0.0, 1.0]
+    assert [c[:2] for c in first.calls] == [(0, 0), (0, 0), (0, 0), (1, 1)]  # eval, steps 1 and 2, step 3 (dropped)
+    rows, engine, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *opts, resume=True)
+    assert sorted(rows) == [0, 1, 2, 3, 4] and [rows[s]["rollout/staleness"] for s in (3, 4)] == [0.0, 1.0]
+    assert [c[:2] for c in engine.calls] == [(2, 2), (2, 2), (4, 4)]  # steps 3 and 4, the final evaluation
+    assert (tmp_path / "run" / "final" / "policy").is_dir()
 
 
 def test_config_refusals_and_defaults():
