@@ -25,7 +25,8 @@ from train_helpers import tiny_overrides, write_dataset
 class LaggingEngine(EngineBase):
     """A versioned engine (`engines.base.Engine`) in this process: pushes are snapshots kept per version; a request
     is sampled from the current weights when they are at least its min_version, else from the oldest pushed version
-    that is (applied under the generation lock, so never in the middle of a generation)."""
+    that is (applied under the generation lock, so never in the middle of a generation). A generation in the
+    trainer's background thread is slow: it returns only once the next version was pushed (it outlasts the update)."""
 
     versioned = True
     records_topk = True
@@ -40,6 +41,7 @@ class LaggingEngine(EngineBase):
         self.wait_s = 0.0
         self.calls: list[tuple] = []  # (min_version, version sampled from, thread name) per generate
         self.cond, self.lock = threading.Condition(), threading.Lock()
+        self.overlaps = 0  # generate calls that arrived while another was running
 
     def push_weights(self, model, version: int) -> None:
         snap = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -54,8 +56,12 @@ class LaggingEngine(EngineBase):
         return self.hf.full_vocab_logprobs(params)
 
     def generate(self, prompts, params):
-        with self.lock:
+        if not self.lock.acquire(blocking=False):  # the trainer sends one request at a time: count any overlap
+            self.overlaps += 1
+            self.lock.acquire()
+        try:
             need = params.min_version if params.min_version is not None else self.weights_version
+            newest = max(self.snapshots, default=-1)
             t0 = time.perf_counter()
             with self.cond:  # hold the request until a version >= need was pushed
                 self.cond.wait_for(lambda: max(self.snapshots, default=-1) >= need, timeout=60)
@@ -67,7 +73,13 @@ class LaggingEngine(EngineBase):
             groups = self.hf.generate(prompts, params)
             for c in (c for g in groups for c in g):
                 c.weights_version = self.weights_version
+            if threading.current_thread() is not threading.main_thread():  # a slow engine: the background generation
+                with self.cond:  # ends only after the update it overlaps has pushed its weights
+                    self.cond.wait_for(lambda: max(self.snapshots) > newest, timeout=60)
+                time.sleep(0.2)  # ... and a little later: what follows the push (an evaluation) must wait for it
             return groups
+        finally:
+            self.lock.release()
 
 
 def _opts(tmp_path, model, **extra) -> list[str]:
@@ -114,19 +126,21 @@ def _train(tmp_path, model, monkeypatch, *opts, resume=False, stop_at=None):
 def test_one_step_off_policy_runs_and_reports(tmp_path, tiny_qwen2, monkeypatch, one_torch_thread):
     """k = 1, 3 steps: step 1 is sampled from version 0 (nothing was in flight), steps 2 and 3 in the background
     from versions 0 and 1 (min_version = s - 1 - 1 = s - 2), so rollout/staleness = (s - 1) - version = 0, 1, 1.
-    The policy's evaluations ask for the current version (0 before training, 3 after); the anchor's (eval.anchor_every
-    = 2) never goes to the engine."""
-    rows, engine, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *_opts(tmp_path, tiny_qwen2, **{"rollout.max_staleness": 1}))
+    The policy's evaluations ask for the current version (0 before training, 2 after step 2, once step 3's generation
+    is done, 3 after training); the anchor's (eval.anchor_every = 2) never goes to the engine."""
+    opts = _opts(tmp_path, tiny_qwen2, **{"rollout.max_staleness": 1, "eval.every": 2})
+    rows, engine, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *opts)
     assert [rows[s]["rollout/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     for s in (1, 2, 3):
         assert rows[s]["rollout/trainer_wait_s"] >= 0 and rows[s]["rollout/engine_wait_s"] >= 0
         assert rows[s]["rollout/is_ratio_mean"] > 0  # train.rollout_correction resolved to token_truncate
-    assert "eval/anchor_accuracy" in rows[2] and "eval/accuracy" in rows[3]
-    # (min_version, version sampled, thread): eval 0, step 1, steps 2 and 3 in the background, the final eval
-    assert [c[:2] for c in engine.calls] == [(0, 0), (0, 0), (0, 0), (1, 1), (3, 3)]
-    assert [c[2] == "emapg-rollouts" for c in engine.calls] == [False, False, True, True, False]
+    assert "eval/anchor_accuracy" in rows[2] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    # (min_version, version sampled, thread): eval 0, step 1, steps 2 and 3 in the background, evals 2 and 3
+    assert [c[:2] for c in engine.calls] == [(0, 0), (0, 0), (0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [c[2] == "emapg-rollouts" for c in engine.calls] == [False, False, True, True, False, False]
     assert sorted(engine.snapshots) == [0, 1, 2, 3]  # the setup push, then one version per step
+    assert engine.overlaps == 0  # the evaluation after step 2 waited for step 3's generation (drain)
 
 
 def test_lagging_engine_is_corrected(tmp_path, tiny_qwen2, monkeypatch, one_torch_thread):
