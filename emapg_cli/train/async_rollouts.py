@@ -7,7 +7,7 @@ policy after U_s; the weights at setup are version 0):
     engine   | G_1 @ v0    | G_2 @ v0 ...     | G_3 @ v1 ...     | G_4 @ v2 ...
 
 Once step s's samples are in (and its batch built), the generation of step s+1 is handed to a background thread with
-`SamplingParams.min_version = (s - 1) + 1 - k` = s - k: a versioned engine (`engines.base.Engine.versioned`, a
+`SamplingParams.min_version = (s + 1) - 1 - k = s - k`: a versioned engine (`engines.base.Engine.versioned`, a
 rollout server) holds the request until its weights are at least that version, so when step s+1 trains (on the
 policy of version s) its samples are at most k updates old. The off-policy gap pi_theta_s / pi_sampled is what
 `train.rollout_correction` weighs (token_truncate unless set; the old-policy log-probs come from the trainer's own
