@@ -25,7 +25,8 @@ from train_helpers import tiny_overrides, write_dataset
 class LaggingEngine(EngineBase):
     """A versioned engine (`engines.base.Engine`) in this process: pushes are snapshots kept per version; a request
     is sampled from the current weights when they are at least its min_version, else from the oldest pushed version
-    that is (applied under the generation lock, so never in the middle of a generation)."""
+    that is (applied under the generation lock, so never in the middle of a generation). A generation in the
+    trainer's background thread is slow: it returns only once the next version was pushed (it outlasts the update)."""
 
     versioned = True
     records_topk = True
@@ -40,6 +41,7 @@ class LaggingEngine(EngineBase):
         self.wait_s = 0.0
         self.calls: list[tuple] = []  # (min_version, version sampled from, thread name) per generate
         self.cond, self.lock = threading.Condition(), threading.Lock()
+        self.overlaps = 0  # generate calls that arrived while another was running
 
     def push_weights(self, model, version: int) -> None:
         snap = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -54,8 +56,12 @@ class LaggingEngine(EngineBase):
         return self.hf.full_vocab_logprobs(params)
 
     def generate(self, prompts, params):
-        with self.lock:
+        if not self.lock.acquire(blocking=False):  # the trainer sends one request at a time: count any overlap
+            self.overlaps += 1
+            self.lock.acquire()
+        try:
             need = params.min_version if params.min_version is not None else self.weights_version
+            newest = max(self.snapshots, default=-1)
             t0 = time.perf_counter()
             with self.cond:  # hold the request until a version >= need was pushed
                 self.cond.wait_for(lambda: max(self.snapshots, default=-1) >= need, timeout=60)
@@ -67,7 +73,13 @@ class LaggingEngine(EngineBase):
             groups = self.hf.generate(prompts, params)
             for c in (c for g in groups for c in g):
                 c.weights_version = self.weights_version
+            if threading.current_thread() is not threading.main_thread():  # a slow engine: the background generation
+                with self.cond:  # ends only after the update it overlaps has pushed its weights
+                    self.cond.wait_for(lambda: max(self.snapshots) > newest, timeout=60)
+                time.sleep(0.2)  # ... and a little later: what follows the push (an evaluation) must wait for it
             return groups
+        finally:
+            self.lock.release()
 
 
 def _opts(tmp_path, model, **extra) -> list[str]:
@@ -78,9 +90,9 @@ def _opts(tmp_path, model, **extra) -> list[str]:
     return opts[1::2]
 
 
-def _train(tmp_path, model, monkeypatch, *opts):
+def _train(tmp_path, model, monkeypatch, *opts, resume=False, stop_at=None):
     """Train in this process with a LaggingEngine; returns (metrics rows by step, the engine, the batches the update
-    took after `correction_weights`, by step)."""
+    took after `correction_weights`, by step). `stop_at`: Ctrl-C as that step starts (KeyboardInterrupt raised)."""
     import emapg_cli.train.trainer as trainer_mod
     import emapg_cli.train.update as update_mod
     from train_launcher import install
@@ -98,8 +110,15 @@ def _train(tmp_path, model, monkeypatch, *opts):
 
     monkeypatch.setattr(update_mod, "correction_weights", recorded)
     cfg = load_config(overrides=list(opts))
-    trainer = trainer_mod.Trainer(cfg, tmp_path / "run")
-    trainer.run()
+    trainer = trainer_mod.Trainer(cfg, tmp_path / "run", resume=resume)
+    if stop_at is not None:
+        step = trainer.step
+        trainer.step = lambda s: (_ for _ in ()).throw(KeyboardInterrupt) if s == stop_at else step(s)
+        with pytest.raises(KeyboardInterrupt):
+            trainer.run()
+        assert trainer.pipeline.pending is None  # the in-flight generation was let go
+    else:
+        trainer.run()
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
     return rows, made[0], batches
 
@@ -107,19 +126,21 @@ def _train(tmp_path, model, monkeypatch, *opts):
 def test_one_step_off_policy_runs_and_reports(tmp_path, tiny_qwen2, monkeypatch, one_torch_thread):
     """k = 1, 3 steps: step 1 is sampled from version 0 (nothing was in flight), steps 2 and 3 in the background
     from versions 0 and 1 (min_version = s - 1 - 1 = s - 2), so rollout/staleness = (s - 1) - version = 0, 1, 1.
-    The policy's evaluations ask for the current version (0 before training, 3 after); the anchor's (eval.anchor_every
-    = 2) never goes to the engine."""
-    rows, engine, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *_opts(tmp_path, tiny_qwen2, **{"rollout.max_staleness": 1}))
+    The policy's evaluations ask for the current version (0 before training, 2 after step 2, once step 3's generation
+    is done, 3 after training); the anchor's (eval.anchor_every = 2) never goes to the engine."""
+    opts = _opts(tmp_path, tiny_qwen2, **{"rollout.max_staleness": 1, "eval.every": 2})
+    rows, engine, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *opts)
     assert [rows[s]["rollout/staleness"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     assert [rows[s]["rollout/staleness_max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
     for s in (1, 2, 3):
         assert rows[s]["rollout/trainer_wait_s"] >= 0 and rows[s]["rollout/engine_wait_s"] >= 0
         assert rows[s]["rollout/is_ratio_mean"] > 0  # train.rollout_correction resolved to token_truncate
-    assert "eval/anchor_accuracy" in rows[2] and "eval/accuracy" in rows[3]
-    # (min_version, version sampled, thread): eval 0, step 1, steps 2 and 3 in the background, the final eval
-    assert [c[:2] for c in engine.calls] == [(0, 0), (0, 0), (0, 0), (1, 1), (3, 3)]
-    assert [c[2] == "emapg-rollouts" for c in engine.calls] == [False, False, True, True, False]
+    assert "eval/anchor_accuracy" in rows[2] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]
+    # (min_version, version sampled, thread): eval 0, step 1, steps 2 and 3 in the background, evals 2 and 3
+    assert [c[:2] for c in engine.calls] == [(0, 0), (0, 0), (0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [c[2] == "emapg-rollouts" for c in engine.calls] == [False, False, True, True, False, False]
     assert sorted(engine.snapshots) == [0, 1, 2, 3]  # the setup push, then one version per step
+    assert engine.overlaps == 0  # the evaluation after step 2 waited for step 3's generation (drain)
 
 
 def test_lagging_engine_is_corrected(tmp_path, tiny_qwen2, monkeypatch, one_torch_thread):
@@ -157,6 +178,22 @@ def test_lagging_engine_is_corrected(tmp_path, tiny_qwen2, monkeypatch, one_torc
         with torch.no_grad():
             logits = model(ids[None]).logits[0].float()  # [p + r, V]
         assert float(torch.log_softmax(logits[p + t - 1], -1)[ids[p + t]]) == pytest.approx(value, abs=1e-4)
+
+
+@pytest.mark.slow  # two sessions of a tiny run, ~15 s (CI budget)
+def test_interrupted_and_resumed(tmp_path, tiny_qwen2, monkeypatch, one_torch_thread):
+    """k = 1, 4 steps, Ctrl-C as step 3 starts (its generation, from version 1, is in flight and dropped), resumed
+    from the checkpoint of step 2: the resumed session pushes version 2 at setup and samples step 3 from it
+    synchronously (staleness 0), step 4 in the background from version 2 again (min_version 2: staleness 1)."""
+    opts = _opts(tmp_path, tiny_qwen2, **{"rollout.max_staleness": 1, "train.steps": 4, "train.save_every": 1,
+                                          "eval.anchor_every": 0})
+    rows, first, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *opts, stop_at=3)
+    assert sorted(rows) == [0, 1, 2] and [rows[s]["rollout/staleness"] for s in (1, 2)] == [0.0, 1.0]
+    assert [c[:2] for c in first.calls] == [(0, 0), (0, 0), (0, 0), (1, 1)]  # eval, steps 1 and 2, step 3 (dropped)
+    rows, engine, _ = _train(tmp_path, tiny_qwen2, monkeypatch, *opts, resume=True)
+    assert sorted(rows) == [0, 1, 2, 3, 4] and [rows[s]["rollout/staleness"] for s in (3, 4)] == [0.0, 1.0]
+    assert [c[:2] for c in engine.calls] == [(2, 2), (2, 2), (4, 4)]  # steps 3 and 4, the final evaluation
+    assert (tmp_path / "run" / "final" / "policy").is_dir()
 
 
 def test_config_refusals_and_defaults():

@@ -6,8 +6,8 @@ policy after U_s; the weights at setup are version 0):
     trainer  | G_1 (waits) | U_1 | P_1 | wait | U_2 | P_2 | wait | U_3 | P_3 ...
     engine   | G_1 @ v0    | G_2 @ v0 ...     | G_3 @ v1 ...     | G_4 @ v2 ...
 
-Once step s's samples are in, the generation of step s+1 is handed to a background thread with
-`SamplingParams.min_version = (s - 1) + 1 - k` = s - k: a versioned engine (`engines.base.Engine.versioned`, a
+Once step s's samples are in (and its batch built), the generation of step s+1 is handed to a background thread with
+`SamplingParams.min_version = (s + 1) - 1 - k = s - k`: a versioned engine (`engines.base.Engine.versioned`, a
 rollout server) holds the request until its weights are at least that version, so when step s+1 trains (on the
 policy of version s) its samples are at most k updates old. The off-policy gap pi_theta_s / pi_sampled is what
 `train.rollout_correction` weighs (token_truncate unless set; the old-policy log-probs come from the trainer's own
@@ -16,7 +16,9 @@ engine is asked for the current version, s - 1, so it never samples from weights
 
 Only the engine call runs in the thread (`Rollouts.generate`: the prompts are a pure function of the step, the
 seeds are per request); grading, the batch and every metric are made on the main thread when the step starts, so
-nothing the thread reads is written meanwhile (the engine applies pushed weights between generations). An error
+nothing the thread reads is written meanwhile (the engine applies pushed weights between generations). The engine
+gets one request at a time: the thread's starts after the step's own (train.filter_groups' extra rounds included),
+and an evaluation of the policy waits for it (`RolloutPipeline.drain`). An error
 in the thread is raised by the step that waits for it, unchanged (the same one-line UserError as a synchronous
 run). On close, an error or Ctrl-C the in-flight generation is cancelled if it has not started, else abandoned:
 it runs in a daemon thread, so nothing waits for it. docs/async_rollouts.md.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -133,11 +135,18 @@ class RolloutPipeline:
             first, engine_wait = self._generate(step, timed=True)
         self.pending = None
         waited = time.perf_counter() - t0
+        # grading starts, the batch is built (train.filter_groups: its extra rounds are generated) before the next
+        # step's generation starts: one engine call at a time (`drain` keeps it so for the evaluations)
+        batch, pending, roll = self.rollouts(step, first=first)
         if self.k and step < self.steps:
             self.pending = (step + 1, in_background(lambda: self._generate(step + 1, timed=False), "emapg-rollouts"))
-        batch, pending, roll = self.rollouts(step, first=first)
         roll["pipeline"] = staleness_metrics(pending[1], step, waited, engine_wait)
         return batch, pending, roll
+
+    def drain(self) -> None:
+        """Wait until the in-flight generation (if any) is done; its result, or error, is kept for its step."""
+        if self.pending is not None:
+            wait([self.pending[1]])
 
     def close(self) -> None:
         """Cancel the in-flight generation if it has not started; a running one is left to its daemon thread (its
@@ -170,6 +179,7 @@ def eval_sampler(trainer, model, params, step: int):
             trainer._push(trainer.policy)
         return
     if model is trainer.policy:
+        trainer.pipeline.drain()  # the next step's generation first: one request at a time on the engine
         yield trainer.generator, replace(params, min_version=max(step, trainer.pipeline.start))
         return
     from emapg_cli.engines import make_engine
