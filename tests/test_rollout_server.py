@@ -173,10 +173,11 @@ def test_server_subprocess_ctrl_c_and_killed_mid_run(tiny_qwen2, one_torch_threa
 def test_train_through_a_server_equals_the_in_process_run(tiny_qwen2, tmp_path):
     """2 steps of the tiny run, rollouts from a server (rollout.engine_url) vs from the hf engine in the trainer's
     process: the same seed gives the same samples (seeded per row; the same weights, pushed bit for bit; one
-    thread on each side), so the same final weights, bit for bit, and the same metrics."""
+    thread on each side), so the same final weights, bit for bit, and the same metrics. Then another trainer on
+    the same server with rollout.max_staleness=1 reports the staleness it ran with."""
     from safetensors.torch import load_file
 
-    from train_helpers import run_many, tiny_overrides, train_cmd, write_dataset
+    from train_helpers import run, run_many, tiny_overrides, train_cmd, write_dataset
 
     data = write_dataset(tmp_path / "d.jsonl")
     proc, url = _start_server(tiny_qwen2)
@@ -184,9 +185,18 @@ def test_train_through_a_server_equals_the_in_process_run(tiny_qwen2, tmp_path):
         opts = tiny_overrides(tiny_qwen2, data, steps=2)
         remote, local = run_many([train_cmd(*opts, "--set", f"rollout.engine_url={url}", "--out", str(tmp_path / "remote")),
                                   train_cmd(*opts, "--out", str(tmp_path / "local"))], timeout=900)
+        # then a second trainer on the same server, one step off-policy (rollout.max_staleness=1, 3 steps)
+        off = run(train_cmd(*tiny_overrides(tiny_qwen2, data, steps=3), "--set", f"rollout.engine_url={url}",
+                            "--set", "rollout.max_staleness=1", "--out", str(tmp_path / "off")), timeout=900)
     finally:
         proc.kill()
     assert remote.returncode == 0 and local.returncode == 0, (remote.stderr[-2000:], local.stderr[-2000:])
+    assert off.returncode == 0, off.stderr[-2000:]
+    # step 1 is sampled from the weights pushed at setup (version 0); step s >= 2 was generated while step s - 1
+    # trained, from version s - 2: one update behind the policy (version s - 1) that trains on it
+    rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rollout/staleness"], r["rollout/staleness_max"]) for r in rows if "rollout/staleness" in r] == \
+        [(1, 0.0, 0.0), (2, 1.0, 1.0), (3, 1.0, 1.0)]
     for part in ("policy", "anchor"):
         a, b = (load_file(tmp_path / run / "final" / part / "model.safetensors") for run in ("local", "remote"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), part
