@@ -139,3 +139,19 @@ def test_engine_url_refuses_several_processes():
     cfg = Config.model_validate({"rollout": {"engine_url": "http://h:1", "prompts_per_step": 4}, "train": {"mini_batch_prompts": 2}})
     assert launch_problems(cfg, 1) == []
     assert launch_problems(cfg, 2) == ["rollout.engine_url with several training processes is not supported yet: launch one process"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["rollout", "serve", "--model", "/nonexistent/m"], "--model /nonexistent/m: no model folder there"),
+    (["serve-rollouts", "--model", "/nonexistent/m", "--engine", "sglang"], "--engine must be hf or vllm, got 'sglang'"),
+    (["rollout", "serve", "--model", "/nonexistent/m", "--dtype", "int8"], "--dtype must be one of float32, bfloat16, float16"),
+])
+def test_rollout_serve_refuses_bad_options_in_one_line(argv, message, monkeypatch, capsys):
+    from emapg_cli.cli.app import main
+
+    monkeypatch.setattr("sys.argv", ["emapg", *argv])
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit) as e:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -33,7 +33,7 @@ def serve(
     Prints one line `rollout server ready at http://HOST:PORT ...` once it listens.
     """
     from emapg_cli.engines.rollout_server import make_server
-    from emapg_cli.engines.rollout_service import RolloutService, load_served
+    from emapg_cli.engines.rollout_service import RolloutService, check_model_path, load_served
     from emapg_cli.models.loading import DTYPES
     from emapg_cli.train.threads import set_torch_threads
 
@@ -41,6 +41,7 @@ def serve(
         raise UserError(f"--engine must be hf or vllm, got {engine!r:.40}")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r:.40}")
+    check_model_path(model)  # before anything loads
     set_torch_threads(threads)
     served = load_served(engine, model, dtype=dtype, seed=seed, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
                          batch_size=batch_size, temperature=temperature, top_p=top_p)

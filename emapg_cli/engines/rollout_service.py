@@ -170,6 +170,18 @@ class RolloutService:
             self.cond.notify_all()
 
 
+def check_model_path(model_path: str) -> None:
+    """One line (UserError) for a `--model` that cannot load: a local path without a model folder, or a hub id that
+    is neither cached nor reachable."""
+    from emapg_cli.errors import UserError
+    from emapg_cli.models.hub import check_model_source
+    from emapg_cli.paths import expand
+
+    if model_path.startswith((".", "/", "~", "$")) and not (expand(model_path) / "config.json").is_file():
+        raise UserError(f"--model {expand(model_path)}: no model folder there (config.json, save_pretrained layout)")
+    check_model_source(model_path, "--model")
+
+
 def load_served(engine: str, model_path: str, *, dtype: Optional[str] = None, seed: int = 0,
                 max_model_len: Optional[int] = None, trust_remote_code: bool = False, batch_size: int = 256,
                 temperature: float = 1.0, top_p: float = 1.0) -> ServedModel:
@@ -182,6 +194,7 @@ def load_served(engine: str, model_path: str, *, dtype: Optional[str] = None, se
     from emapg_cli.models.fingerprint import module_fingerprint, tokenizer_fingerprint
     from emapg_cli.models.loading import DTYPES, load_tokenizer, model_ref
 
+    check_model_path(model_path)
     eng = make_engine(engine, model_path, seed=seed, dtype=dtype, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
                       batch_size=batch_size, temperature=temperature, top_p=top_p)
     if engine == "hf":
