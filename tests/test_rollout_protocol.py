@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from emapg_cli.engines.base import Completion, SamplingParams
+from emapg_cli.errors import UserError
 from emapg_cli.engines.rollout_protocol import (ProtocolError, check_manifest, completion_to_json, completions_from_json,
                                                 manifest, params_from_json, params_to_json, token_lists)
 from emapg_cli.models.fingerprint import first_difference, model_fingerprint, params_digest, tokenizer_fingerprint
@@ -155,3 +156,29 @@ def test_rollout_serve_refuses_bad_options_in_one_line(argv, message, monkeypatc
         main()
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_connect_server_checks_engine_and_log_probs(monkeypatch):
+    """The setup checks after the fingerprints: rollout.engine names the server's engine, and a config that uses the
+    engine's log-probs (the rollout correction) needs a server that records the full-vocabulary ones."""
+    from emapg_cli.config.models import Config
+    from emapg_cli.train import engine_setup
+
+    class Fake:
+        def __init__(self, url, **kw):
+            self.url, self.engine_name = url, "vllm"
+
+        def check_compatible(self, model, tokenizer):
+            pass
+
+        def full_vocab_logprobs(self, params):
+            return params.top_p == 1.0  # a vLLM server started for top_p 1
+
+    monkeypatch.setattr("emapg_cli.engines.remote.RemoteEngine", Fake)
+    url = "http://h:1"
+    with pytest.raises(UserError, match=r"runs the vllm engine but rollout.engine=hf: set rollout.engine=vllm"):
+        engine_setup.connect_server(Config.model_validate({"rollout": {"engine_url": url}}), None, None)
+    # vllm's default correction is token_truncate: fine at top_p 1, refused at 0.9 with the options to start it with
+    assert engine_setup.connect_server(Config.model_validate({"rollout": {"engine_url": url, "engine": "vllm"}}), None, None).url == url
+    with pytest.raises(UserError, match=r"train.rollout_correction=token_truncate need .* start it with --temperature 1 --top-p 0.9"):
+        engine_setup.connect_server(Config.model_validate({"rollout": {"engine_url": url, "engine": "vllm", "top_p": 0.9}}), None, None)

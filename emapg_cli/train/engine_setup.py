@@ -4,6 +4,7 @@ server's (`rollout.engine_url`, engines/remote.py)."""
 from __future__ import annotations
 
 from emapg_cli.config.models import Config
+from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
 
 
@@ -48,5 +49,12 @@ def connect_server(cfg: Config, policy, tokenizer):
         raise UserError(f"rollout server {engine.url} runs the {engine.engine_name} engine but rollout.engine={cfg.rollout.engine}: "
                         f"set rollout.engine={engine.engine_name} (it decides train.old_logprobs=auto and the rollout "
                         "correction's default)")
+    r, t = cfg.rollout, cfg.train
+    uses = [f"train.{k}={v}" for k, v in (("old_logprobs", t.old_logprobs), ("rollout_correction", t.rollout_correction))
+            if (k == "old_logprobs" and v == "engine") or (k == "rollout_correction" and v != "none")]
+    if uses and not engine.full_vocab_logprobs(SamplingParams(temperature=r.temperature, top_p=r.top_p)):
+        raise UserError(f"{' and '.join(uses)} need the engine's log-probs over the full vocabulary, which the rollout server "
+                        f"{engine.url} does not record at rollout.temperature={r.temperature:g}, rollout.top_p={r.top_p:g}: "
+                        f"start it with --temperature {r.temperature:g} --top-p {r.top_p:g} (docs/vllm.md)")
     return engine
 
