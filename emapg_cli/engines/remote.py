@@ -82,7 +82,8 @@ class RemoteEngine(EngineBase):
         self._pushed = False
         self._channel: Any = None
         self._session: Any = None  # the server's number of this client's weight channel
-        self._lock = threading.Lock()  # one push at a time; wait_s updates
+        self._lock = threading.Lock()  # one push at a time
+        self._wait_lock = threading.Lock()  # wait_s updates
         self._full_vocab: dict[tuple, bool] = {}
 
     # ------------------------------------------------------------------ HTTP
@@ -149,7 +150,7 @@ class RemoteEngine(EngineBase):
             rows, _, waited = completions_from_json(reply, len(prompts), params.n)
         except ProtocolError as e:
             raise UserError(f"rollout server {self.url}/generate: unexpected reply ({e})") from None
-        with self._lock:
+        with self._wait_lock:  # not the push's lock: a background generate returns while a push runs
             self.wait_s += waited
         return rows
 

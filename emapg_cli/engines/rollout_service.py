@@ -68,8 +68,6 @@ class RolloutService:
         self.channel_error = ""
         self._epoch = 0  # bumped by each connect: a receiver of an older channel stops
         self._jobs: "queue.Queue[tuple[int, int, list]]" = queue.Queue()
-        self._staging: dict[str, Any] = {}
-        self._staging_device = "cpu"
 
     def health(self) -> dict[str, Any]:
         s = self.served
@@ -108,9 +106,6 @@ class RolloutService:
             self.version = LOADED
         self._epoch += 1
         self.channel, self.channel_error = None, ""
-        # gloo moves CPU tensors: a CUDA engine's version is staged on CPU and copied to the GPU when applied
-        self._staging_device = self.served.device if backend == "nccl" else "cpu"
-        self._staging = {}
         self._jobs = queue.Queue()
         threading.Thread(target=self._receive, args=(self._epoch, self._jobs, host, port, backend, timeout_s),
                          name="emapg-rollout-weights", daemon=True).start()
@@ -128,6 +123,9 @@ class RolloutService:
         self._jobs.put((self._epoch, version, check_manifest(tensors, self.served.params)))
 
     def _receive(self, epoch: int, jobs: "queue.Queue", host: str, port: int, backend: str, timeout_s: float) -> None:
+        # gloo moves CPU tensors: a CUDA engine's version is staged on CPU and copied to the GPU when applied
+        staging: dict[str, Any] = {}  # this channel's own: a later connect's receiver never shares it
+        device = self.served.device if backend == "nccl" else "cpu"
         try:
             channel = WeightChannel(join_store(host, port, timeout_s), SERVER, backend, timeout_s)
             if epoch != self._epoch:
@@ -137,35 +135,38 @@ class RolloutService:
                 job_epoch, version, rows = jobs.get()
                 if job_epoch != epoch:
                     return
-                self._stage(channel, rows)
-                self._apply(version)
+                self._stage(channel, rows, staging, device)
+                self._apply(version, staging, epoch)
         except Exception as e:  # the trainer went away, or timed out: recorded, reported to the next push
             if epoch == self._epoch:
                 self.channel, self.channel_error = None, " ".join(str(e).split())[:200] or type(e).__name__
                 with self.cond:
                     self.cond.notify_all()
 
-    def _stage(self, channel: WeightChannel, rows: list) -> None:
+    @staticmethod
+    def _stage(channel: WeightChannel, rows: list, staging: dict[str, Any], device: str) -> None:
         import torch
 
         for name, dtype, shape in rows:
-            buf = self._staging.get(name)
+            buf = staging.get(name)
             if buf is None:
-                buf = self._staging[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=self._staging_device)
+                buf = staging[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
             channel.recv_into(buf)
 
-    def _apply(self, version: int) -> None:
-        """Copy the staged version into the engine, between generations."""
+    def _apply(self, version: int, staging: dict[str, Any], epoch: int) -> None:
+        """Copy the staged version into the engine, between generations (not when another trainer connected since)."""
         import torch
 
         with self.cond:
+            if epoch != self._epoch:
+                return
             module = self.served.module
             if module is not None:
                 with torch.no_grad():
                     for name, p in module.named_parameters():
-                        p.copy_(self._staging[name])
+                        p.copy_(staging[name])
             else:
-                self.served.engine.load_weights(_Staged(self._staging))
+                self.served.engine.load_weights(_Staged(staging))
             self.version = version
             self.cond.notify_all()
 
