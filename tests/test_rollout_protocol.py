@@ -182,3 +182,14 @@ def test_connect_server_checks_engine_and_log_probs(monkeypatch):
     assert engine_setup.connect_server(Config.model_validate({"rollout": {"engine_url": url, "engine": "vllm"}}), None, None).url == url
     with pytest.raises(UserError, match=r"train.rollout_correction=token_truncate need .* start it with --temperature 1 --top-p 0.9"):
         engine_setup.connect_server(Config.model_validate({"rollout": {"engine_url": url, "engine": "vllm", "top_p": 0.9}}), None, None)
+
+
+def test_plan_puts_no_engine_on_the_trainers_device_with_a_server():
+    # the olympiad preset samples with vLLM: 0.5 x 80 GiB on the trainer's device in-process, none with a server
+    from emapg_cli.config.loading import load_config
+    from emapg_cli.train.plan import make_plan
+
+    local = make_plan(load_config("olympiad"))
+    remote = make_plan(load_config("olympiad", overrides=["rollout.engine_url=http://10.0.0.2:8100"]))
+    assert "vLLM engine" in {t.name for t in local.memory} and "vLLM engine" not in {t.name for t in remote.memory}
+    assert any(n.startswith("rollouts on the rollout server at http://10.0.0.2:8100") for n in remote.notes)
