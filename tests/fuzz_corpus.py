@@ -353,6 +353,10 @@ def train_cases() -> list[Case]:
         case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
              "--set", "rollout.env=calc", "--dry-run"),
         case("train", "env-timeout-zero", "train", "--config", "good.yaml", "--set", "rollout.env_timeout_s=0", "--dry-run"),
+        case("train", "async-no-engine-url", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=1", "--dry-run"),
+        case("train", "async-engine-old-logprobs", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=1",
+             "--set", "rollout.engine_url=http://127.0.0.1:9", "--set", "train.old_logprobs=engine", "--dry-run"),
+        case("train", "async-negative-staleness", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=-1", "--dry-run"),
         case("train", "anchor-teacher-no-path", "train", "--config", "good.yaml", "--set", "anchor.source=teacher", "--dry-run"),
         case("train", "anchor-teacher-lora", "train", "--config", "good.yaml", "--set", "anchor.source=teacher",
              "--set", "anchor.path=emptydir", "--set", "lora.r=2", "--dry-run"),
@@ -399,6 +403,16 @@ def train_cases() -> list[Case]:
     # issue 20, the retriever client: search.url must be http(s) with a host (a file:// URL is never read)
     cases += [case("train", f"search-url-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
               for name, url in (("not-a-url", "notaurl"), ("file", "file:///etc/passwd"), ("no-host", "http://"))]
+    # issue 23, the rollout server: rollout.engine_url must be http(s) with a host; settings of an in-process engine,
+    # LoRA and a timeout without a server are refused with it
+    cases += [case("train", f"engine-url-{name}", "train", "--config", "good.yaml", *sum((["--set", s] for s in sets), []), "--dry-run")
+              for name, sets in (("not-a-url", ["rollout.engine_url=127.0.0.1:8100"]), ("file", ["rollout.engine_url=file:///etc/passwd"]),
+                                 ("with-gpu-memory", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.gpu_memory_utilization=0.3"]),
+                                 ("with-lora", ["rollout.engine_url=http://127.0.0.1:8100", "lora.r=4"]),
+                                 ("timeout-alone", ["rollout.engine_timeout_s=5"]),
+                                 ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]),
+                                 ("backend-alone", ["rollout.engine_weights_backend=gloo"]),
+                                 ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]))]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
     for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):

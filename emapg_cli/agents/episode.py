@@ -55,8 +55,12 @@ def turn_tokens(c: Completion) -> tuple[list[int], Optional[list[float]]]:
     return ids, logprobs
 
 
-def add_policy_turn(ep: Episode, ids: list[int], logprobs: Optional[list[float]], text: str, finish_reason: str) -> None:
-    """Append one policy turn as sampled (mask 1); `logprobs` None drops the episode's log-probs (all or none)."""
+def add_policy_turn(ep: Episode, ids: list[int], logprobs: Optional[list[float]], text: str, finish_reason: str,
+                    version: Optional[int] = None) -> None:
+    """Append one policy turn as sampled (mask 1); `logprobs` None drops the episode's log-probs (all or none).
+    `version`: the weights version that sampled the turn (versioned engines); the episode keeps its oldest."""
+    if version is not None:
+        ep.weights_version = version if ep.weights_version is None else min(ep.weights_version, version)
     ep.token_ids += ids
     ep.policy_mask += [True] * len(ids)
     ep.logprobs = ep.logprobs + logprobs if (ep.logprobs is not None and logprobs is not None) else None
@@ -137,6 +141,6 @@ def still_running(states: list[EpisodeState], max_context_tokens: int, max_new_t
 
 def turn_params(params: SamplingParams, stop: tuple[str, ...], turn: int) -> SamplingParams:
     """One turn's sampling: one sample per running episode (the episodes are the rows), the caller's length cap,
-    temperature and top-p, the loop's stop strings, and a seed derived from (params.seed, turn)."""
+    temperature, top-p and oldest weights version, the loop's stop strings, and a seed derived from (params.seed, turn)."""
     return SamplingParams(n=1, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-                          top_p=params.top_p, stop=stop, seed=derive_seed(params.seed, turn))
+                          top_p=params.top_p, stop=stop, seed=derive_seed(params.seed, turn), min_version=params.min_version)

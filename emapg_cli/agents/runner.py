@@ -117,7 +117,7 @@ class EnvRunner:
         ep = st.episode
         ids, logprobs = turn_tokens(c)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        add_policy_turn(ep, ids, logprobs, text, c.finish_reason)
+        add_policy_turn(ep, ids, logprobs, text, c.finish_reason, getattr(c, "weights_version", None))
         obs = self.worker.call("step", st.env.step, text)
         if obs is not None and not isinstance(obs, str):
             raise UserError(f"rollout.env {self.ref}.step returned {type(obs).__name__} {obs!r:.60}; "

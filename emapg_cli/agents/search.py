@@ -97,7 +97,7 @@ class SearchAgent:
         if self.s.retokenize:
             text = protocol.cut_after_action(text)
             ids, logprobs = self._encode(text), None
-        add_policy_turn(st.episode, ids, logprobs, text, c.finish_reason)
+        add_policy_turn(st.episode, ids, logprobs, text, c.finish_reason, getattr(c, "weights_version", None))
         return protocol.parse_action(text)
 
     def _observe(self, st: _State, text: str) -> None:

@@ -58,6 +58,10 @@ class RolloutConfig(Section):
     reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+    engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
+    engine_weights_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="rollout.engine_url only: the torch.distributed backend that carries the weights to the rollout server: nccl (GPU to GPU; both sides on CUDA, on different GPUs), gloo (through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else gloo).")
+    engine_timeout_s: float = Field(1800.0, gt=0, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take before the run stops with a one-line error.")
+    max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +69,13 @@ class RolloutConfig(Section):
         if isinstance(data, dict) and "max_turns" in data:
             raise ValueError(MOVED_KEYS["rollout.max_turns"])
         return data
+
+    @field_validator("engine_url")
+    @classmethod
+    def _engine_url_is_http(cls, value: Optional[str]) -> Optional[str]:
+        from emapg_cli.engines.remote import check_engine_url
+
+        return None if value is None else check_engine_url(value)
 
     @field_validator("env")
     @classmethod
@@ -389,6 +400,7 @@ class Config(Section):
         shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
         if self.reward.overlong_buffer >= shortest:
             raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
+        self._check_engine_url()
         if self.lora.r > 0:
             for bad, why in ((t.parallel == "fsdp", "train.parallel=fsdp"),
                              (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
@@ -423,6 +435,25 @@ class Config(Section):
             ema_updates=0 if self.anchor.source == "teacher" else t.steps // self.ema.update_period,
         )
         return self
+
+    def _check_engine_url(self) -> None:
+        """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
+        r = self.rollout
+        # values other than the defaults, not keys given: a run's config.yaml (read by --resume) holds every key
+        changed = [k for k in ("engine_timeout_s", "engine_weights_backend", "gpu_memory_utilization", "hf_batch_size")
+                   if getattr(r, k) != RolloutConfig.model_fields[k].default]
+        server_keys = [k for k in changed if k.startswith("engine_")]
+        if r.engine_url is None:
+            if server_keys:
+                raise ValueError(f"rollout.{server_keys[0]} applies to a rollout server: set rollout.engine_url too")
+            return
+        local_keys = [k for k in changed if not k.startswith("engine_")]
+        if local_keys:
+            raise ValueError(f"rollout.{local_keys[0]} sizes an engine in the trainer's process; with rollout.engine_url "
+                             f"the server's engine is sized by `emapg rollout serve`'s options: drop rollout.{local_keys[0]}")
+        if self.lora.r > 0:
+            raise ValueError("lora.r > 0 with rollout.engine_url is not supported yet (the server takes full weights, "
+                             "not adapters): drop rollout.engine_url")
 
     def _check_teacher(self) -> None:
         """anchor.source=teacher: the KL term must use it (kl.coef > 0), and the EMA's eta rules have nothing to act on."""
@@ -459,15 +490,19 @@ class Config(Section):
                                      f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start")
 
     def _resolve_defaults(self) -> None:
-        """Fill the defaults that depend on other sections, when the key was not given: train.rollout_correction
-        (token_truncate for vllm, none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
+        """Fill the defaults that depend on other sections, when the key was not given: train.old_logprobs auto -> pass
+        with rollout.max_staleness >= 1, train.rollout_correction (token_truncate for vllm or rollout.max_staleness >= 1,
+        none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
         The resolved values are written into the config, so config.yaml and `config show` print them."""
+        if self.rollout.max_staleness and self.train.old_logprobs == "auto":  # async rollouts: the engine's log-probs
+            self.train.old_logprobs = "pass"  # are of older weights, PPO's ratio needs the current ones (docs/async_rollouts.md)
         if "rollout_correction" not in self.train.model_fields_set:
             # none where the engine's records would be the old policy (ratio 1) or are dropped (search.retokenize)
             usable = self.train.old_logprobs != "engine" and not (self.search.enabled and self.search.retokenize)
             # and where vLLM can record the full-vocabulary distribution at all (T = 1 or top_p = 1; docs/vllm.md)
             usable = usable and (self.rollout.temperature == 1 or self.rollout.top_p >= 1)
-            self.train.rollout_correction = "token_truncate" if self.rollout.engine == "vllm" and usable else "none"
+            off_policy = self.rollout.engine == "vllm" or self.rollout.max_staleness > 0  # another engine, or older weights
+            self.train.rollout_correction = "token_truncate" if off_policy and usable else "none"
         if self.rollout.env != "single" and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
             self.eval.max_new_tokens = self.rollout.max_new_tokens
 

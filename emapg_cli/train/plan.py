@@ -336,7 +336,7 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
 
             k = capped_k(cfg.kl.k, m.vocab)
             terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}", "update"))
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and cfg.rollout.engine_url is None:  # a rollout server's engine is not on this device
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
         terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))
     return terms
@@ -514,7 +514,10 @@ def _memory_plan(plan: dict[str, Any], cfg: Config, model: ModelShapes, seq_len:
         notes.append(f"the update fits with micro_batch_size up to {fit}")
     if rollout_peak > device:
         notes.append("the rollout peak exceeds the device: lower rollout.gpu_memory_utilization")
-    if r.engine == "vllm":
+    if r.engine_url is not None:
+        notes.append(f"rollouts on the rollout server at {r.engine_url}: its engine's memory is not on this device "
+                     "(the trainer holds its policy and pushes it there after each update)")
+    elif r.engine == "vllm":
         kv_per_token = 2 * model.layers * model.kv_dim * DTYPE_BYTES[cfg.model.dtype]
         kv_tokens = max(0, next(x.bytes for x in terms if x.name == "vLLM engine") - model.n_params * DTYPE_BYTES[cfg.model.dtype]) // kv_per_token
         notes.append(

@@ -102,7 +102,8 @@ def config_line(cfg) -> str:
     if cfg.train.objective != "rl":
         anchor += f", objective {cfg.train.objective}"
     return (f"{cfg.name}: {expand(cfg.model.path)} ({cfg.model.dtype}), {cfg.train.steps} steps x {r.prompts_per_step} prompts"
-            f" x {r.n} samples, lr {cfg.optim.lr:g}, KL {kl if k.coef > 0 else 'off'}, {anchor}, reward {r.reward}, engine {r.engine}")
+            f" x {r.n} samples, lr {cfg.optim.lr:g}, KL {kl if k.coef > 0 else 'off'}, {anchor}, reward {r.reward}, engine {r.engine}"
+            + (f" at {r.engine_url}" if r.engine_url else ""))
 
 
 def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None) -> list[tuple[str, str]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -34,6 +34,8 @@ class Rollouts:
     pad_id: int
     topk: int  # top-k ids the engine records per token (`StepSettings.engine_topk` when the engine records top-k; 0: none)
     timed: Callable[[str], Any]  # name -> context manager adding the block's wall time to the step's phases
+    # versioned engines: step -> the oldest weights version its samples may come from (train/async_rollouts.py)
+    min_version: Optional[Callable[[int], int]] = None
 
     def generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:
         """Generate this rank's groups for dataset indices `items` (may be empty: every rank calls
@@ -42,7 +44,8 @@ class Rollouts:
         prompts = [self.train_prompts[i] for i in items]
         seed = derive_seed(cfg.train.seed, ROLLOUT_STREAM, step, acc.process_index, *((round_,) if round_ else ()))
         params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                stop=tuple(r.stop), seed=seed, topk=self.topk)
+                                stop=tuple(r.stop), seed=seed, topk=self.topk,
+                                min_version=self.min_version(step) if self.min_version is not None else None)
         with self.timed("generation"):
             # engines take their memory back themselves; a user environment builds its episodes from the examples
             groups = generate(self.generator, prompts, params, [self.train_ex[i] for i in items])
@@ -56,26 +59,32 @@ class Rollouts:
         return dict(truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
                     overlong_penalty_max=rw.overlong_penalty)
 
-    def __call__(self, step: int):
+    def scheduled(self, step: int) -> list[int]:
+        """This rank's dataset indices of RL step `step` (a pure function of the step: `rollout.schedule`)."""
+        per_rank = self.cfg.rollout.prompts_per_step // self.acc.num_processes
+        idx = schedule(len(self.train_ex), self.cfg.rollout.prompts_per_step, step, self.cfg.train.seed)
+        return idx[self.acc.process_index * per_rank:(self.acc.process_index + 1) * per_rank]
+
+    def __call__(self, step: int, first: Optional[tuple] = None):
         """Generate this rank's groups, start grading them in the background and build the padded batch
         (advantages still zero). Returns (batch, pending grades, metrics inputs).
-        With train.filter_groups the groups are graded before the batch is built (train/dynamic_sampling.py)."""
+        With train.filter_groups the groups are graded before the batch is built (train/dynamic_sampling.py).
+        `first`: the first round's `generate` of `scheduled(step)`, already run (asynchronous rollouts)."""
         cfg, acc = self.cfg, self.acc
         r, t = cfg.rollout, cfg.train
-        per_rank = r.prompts_per_step // acc.num_processes
-        idx = schedule(len(self.train_ex), r.prompts_per_step, step, cfg.train.seed)
-        mine = idx[acc.process_index * per_rank:(acc.process_index + 1) * per_rank]
+        mine = self.scheduled(step)
         stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
         roll: dict[str, Any] = {}
         if t.filter_groups:
-            graded = partial(grade_groups, lambda items, round_: self.generate(items, step, stage, round_), self.reward_fn,
+            graded = partial(grade_groups, lambda items, round_: first if first is not None and round_ == 0 else
+                             self.generate(items, step, stage, round_), self.reward_fn,
                              self.shaping(stage), r.n)
             prompts, completions, examples, rewards, errors, roll["filtering"] = filtered_groups(
                 acc, mine, graded, len(self.train_ex), t.filter_max_rounds, cfg.train.seed, step)
             grading: Future = Future()
             grading.set_result((rewards.reshape(-1).tolist(), errors))
         else:
-            prompts, completions, examples = self.generate(mine, step, stage, 0)
+            prompts, completions, examples = first if first is not None else self.generate(mine, step, stage, 0)
             # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
             if t.objective == "distill":  # no verifier: every reward 0, so every GRPO advantage is 0 (docs/distill.md)
                 grading = Future()

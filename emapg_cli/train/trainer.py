@@ -25,9 +25,11 @@ from emapg_cli.grpo import ema_update_
 from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
+from emapg_cli.train.async_rollouts import RolloutPipeline, eval_sampler
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
 from emapg_cli.train.distill import initial_evaluations
+from emapg_cli.train.engine_setup import make_rollout_engine
 from emapg_cli.train.eta_control import decay_for_update, decay_in_force
 from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
@@ -42,32 +44,6 @@ from emapg_cli.train.update import NonFiniteWeights, update_policy
 
 #: Offsets that keep the seed streams of updates and evaluation apart (1: rollouts, 4: dynamic sampling's draws).
 _UPDATE, _EVAL = 2, 3
-
-
-def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
-    """The configured rollout engine (`engines.make_engine` on the live policy): `hf` samples from the policy module,
-    vLLM takes the rollouts' sampling settings (it is imported only when chosen).
-
-    `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`). Both engines
-    end responses on the same tokens (`end_token_ids`: the tokenizer's EOS plus the generation config's).
-    """
-    from emapg_cli.engines import make_engine
-    from emapg_cli.engines.base import end_token_ids
-    from emapg_cli.models.loading import model_ref
-
-    # a multi-turn environment's contexts grow over turns, up to search.max_context_tokens / rollout.max_context_tokens
-    max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if cfg.rollout.env not in ("single", "search"):
-        max_len = cfg.rollout.max_context_tokens
-    return make_engine(
-        cfg.rollout.engine, model_ref(cfg.model.path), model=policy, tokenizer=tokenizer, seed=cfg.train.seed,
-        dtype=cfg.model.dtype, max_model_len=max_len, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        trust_remote_code=cfg.model.trust_remote_code, batch_size=cfg.rollout.hf_batch_size,
-        weights_context=weights_context, share_prompts=cfg.train.share_prompts != "never",
-        # vLLM: the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        end_token_ids=end_token_ids(tokenizer, getattr(policy, "generation_config", None)), lora_rank=cfg.lora.r, lora_sync=cfg.lora.sync,
-    )
 
 
 def make_env(cfg: Config, tokenizer):
@@ -115,7 +91,8 @@ class Trainer:
         self.generator = self.env.bind(self.engine)
         self.rollouts = Rollouts(cfg, self.acc, self.generator, self.train_prompts, self.train_ex, self.reward_fn, self._grader,
                                  self.tokenizer.pad_token_id, topk=self.settings.engine_topk if self.engine.records_topk else 0, timed=self.phases)
-        self._push(self.policy)
+        self._push(self.policy, last)
+        self.pipeline = RolloutPipeline(self.rollouts, self.engine, cfg.rollout.max_staleness, last, cfg.train.steps)
         return last
 
     def _warn(self, line: str) -> None:
@@ -142,26 +119,23 @@ class Trainer:
     def policy(self):
         return self.acc.unwrap_model(self.scorer).lm
 
-    def _push(self, model) -> None:
+    def _push(self, model, version: int = 0) -> None:
         """Make the engine sample from `model` (the policy or the anchor). An engine with weights of
         its own (vLLM) is sent whole tensors, gathered first when the model is sharded (every rank
-        calls this); `hf` samples from the live module, so nothing is copied."""
+        calls this), a versioned one (a rollout server) the policy as `version`; `hf` samples from the live module."""
         if self.engine.shares_weights:
             self.engine.load_weights(model)
             return
         with self.strategy.full_weights(model):
-            self.engine.load_weights(model)
+            self.engine.push_weights(model, version) if self.engine.versioned else self.engine.load_weights(model)
 
     # ------------------------------------------------------------------ pieces
     def _eval(self, model, step: int, key: str = "eval/accuracy") -> dict[str, float]:
         """Accuracy of `model` (the policy or the anchor) on the evaluation set (`eval_params`): {key: over all items}
         plus {key/<source>: per source} when the set mixes sources."""
         params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
-        if model is not self.policy:
-            self._push(model)
-        scores = evaluate(self.generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
-        if model is not self.policy:
-            self._push(self.policy)
+        with eval_sampler(self, model, params, step) as (generator, params):  # `model`'s weights in the engine, or another
+            scores = evaluate(generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
         return scores.metrics(key)
 
     def _advantages(self, batch, pending) -> tuple[Any, Any, int, dict]:
@@ -241,17 +215,18 @@ class Trainer:
         beta, self.settings = beta_control.for_step(self.cfg, self.state, self.settings)  # kl.coef, or kl.target's adaptive beta
         counted = self.reward_fn.start_count() if hasattr(self.reward_fn, "start_count") else None
         with self.phases("rollout"):
-            batch, pending, roll = self.rollouts(step)
+            batch, pending, roll = self.pipeline(step)  # k >= 1: also starts step + 1's generation (async_rollouts.py)
         with self.phases("update_total"):
             batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
             extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
             extra.update(roll.pop("filtering", {}))
+            extra.update(roll.pop("pipeline"))  # rollout/staleness, waits (versioned engines)
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped
             with self.phases("ema"):
                 dist = self._ema(step, upd.skipped > 0)
-                self._push(self.policy)
+                self._push(self.policy, step)  # version `step`
         diff = torch.cat(upd.logprob_diffs) if upd.logprob_diffs else diff  # recorded by the update without an old pass
         metrics = step_metrics(**roll, upd=upd, beta=beta, lr=self.scheduler.get_last_lr()[0],
                                t_rollout=self.phases.seconds["rollout"], t_update=self.phases.seconds["update_total"],
@@ -276,7 +251,7 @@ class Trainer:
         last = self._setup()  # nothing is written before the data, models and checkpoint loaded
         logger = self._start(last)
         elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
-        with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress:
+        with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress, self.pipeline:
             for step in range(last + 1, self.cfg.train.steps + 1):
                 t0 = time.time()
                 # ---------------------------------------------- rollout, grading, passes, update, EMA anchor
