@@ -112,21 +112,26 @@ ENCODER_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def save_tiny_encoder(path: str | Path, texts: list[str], vocab_size: int = 1000, hidden: int = 32, layers: int = 2,
                       heads: int = 2, max_positions: int = 128, seed: int = 0) -> Path:
-    """A randomly initialised tiny BERT encoder and a lower-cased WordPiece tokenizer learnt from `texts`, saved to
+    """A randomly initialised tiny BERT encoder and a lower-cased WordPiece tokenizer (every character of `texts`, then
+    their most frequent words up to `vocab_size`; other words are spelled in characters), saved to
     `path` in `save_pretrained` format (what the dense retriever loads, with mean pooling, like e5-base-v2).
 
     Tests of the dense retriever and `scripts/train_tiny_encoder.py` build it; nothing is downloaded.
     """
+    from collections import Counter
+
     import torch
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(texts, trainer=trainers.WordPieceTrainer(
-        vocab_size=vocab_size, special_tokens=ENCODER_SPECIAL_TOKENS, show_progress=False))
+    normalizer, pre = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter(w for t in texts for w, _ in pre.pre_tokenize_str(normalizer.normalize_str(t)))
+    chars = sorted({c for w in counts for c in w})
+    vocab = [*ENCODER_SPECIAL_TOKENS, *chars, *(f"##{c}" for c in chars)]
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))  # most frequent first, ties by name
+    vocab += words[:max(0, vocab_size - len(vocab))]  # deterministic (the WordPiece trainer breaks ties by hash order)
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre, decoders.WordPiece()
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
                                                        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
