@@ -836,6 +836,18 @@ def retriever_cases() -> list[Case]:
         case("retriever", "index-out-train-run", "retriever", "index", "c.jsonl", "--out", "trainrun",
              files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
     ]
+    # issue 24, the dense index: option mistakes (refused with or without the extra) and a dense manifest's checks
+    corpus = {"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}
+    cases += [
+        case("retriever", "dense-option-without-dense", "retriever", "index", "c.jsonl", "--out", "newidx", "--nprobe", "4", files=corpus),
+        case("retriever", "dense-faiss-unknown", "retriever", "index", "c.jsonl", "--out", "newidx", "--dense", "enc", "--faiss", "pq", files=corpus),
+        case("retriever", "dense-option-of-other-kind", "retriever", "index", "c.jsonl", "--out", "newidx", "--dense", "enc",
+             "--faiss", "hnsw", "--nlist", "2", files=corpus),
+        case("retriever", "dense-batch-size-zero", "retriever", "index", "c.jsonl", "--out", "newidx", "--dense", "enc",
+             "--batch-size", "0", files=corpus),
+        case("retriever", "dense-manifest-faiss-kind", "retriever", "query", "didx", "river",
+             files={"didx/manifest.json": json.dumps({"format": "emapg-dense/1", "faiss": {"kind": "pq"}})}),
+    ]
     return cases
 
 

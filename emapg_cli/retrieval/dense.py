@@ -201,8 +201,8 @@ def build_dense_index(corpus: Path, out: Path, model: str, *, kind: str = "flat"
     from emapg_cli.retrieval.corpus import iter_corpus
     from emapg_cli.retrieval.docstore import DocStore, write_docstore
 
+    faiss_params(kind, 1 << 30, nlist, nprobe, hnsw_m, ef_search)  # option mistakes first, with or without the extra
     faiss = deps()[0]
-    faiss_params(kind, 1 << 30, nlist, nprobe, hnsw_m, ef_search)  # option mistakes before any work
     out, corpus = Path(out), Path(corpus)
     if (out / MANIFEST).is_file() and marker_kind(out) == KIND:
         raise UserError(f"{out} already holds an index; choose a new --out folder")
