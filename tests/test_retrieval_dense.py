@@ -194,7 +194,7 @@ def test_cli_dense_index_query_and_make_retriever(corpus, encoder_dir, tmp_path)
     out = tmp_path / "idx"
     r = run(app, ["retriever", "index", str(corpus), "--out", str(out), "--dense", str(encoder_dir), "--faiss", "hnsw", "--ef-search", "16"])
     assert r.exit_code == 0, r.output
-    assert "encoded 120 passages (32-dim, mean pooling) into a FAISS hnsw (M 32, ef_construction 200, ef_search 16)" in r.output
+    assert "encoded 120 passages (32-dim, mean pooling) into a FAISS hnsw (M 32, ef_construction 40, ef_search 16)" in r.output
     r = run(app, ["retriever", "query", str(out), "Title 5\nw5 a5 b0 c2", "--json", "-k", "2"])
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.output)) == 2
@@ -202,7 +202,7 @@ def test_cli_dense_index_query_and_make_retriever(corpus, encoder_dir, tmp_path)
         assert isinstance(retriever, dense.DenseRetriever) and len(retriever.search(["w1"], 3)[0]) == 3
         retriever.close()
     r = run(app, ["retriever", "index", str(corpus), "--out", str(tmp_path / "x"), "--dense", str(encoder_dir), "--nprobe", "2"])
-    assert isinstance(r.exception, UserError) and str(r.exception) == "--nprobe applies to --faiss ivf, not flat"
+    assert isinstance(r.exception, UserError) and str(r.exception) == "--nprobe applies to --faiss ivf or ivfpq, not flat"
     r = run(app, ["retriever", "index", str(corpus), "--out", str(tmp_path / "y"), "--hnsw-m", "8"])
     assert isinstance(r.exception, UserError) and str(r.exception) == "--hnsw-m applies only with --dense MODEL"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

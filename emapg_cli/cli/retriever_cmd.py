@@ -21,13 +21,14 @@ def index(
     corpus: Annotated[Path, typer.Argument(metavar="CORPUS.jsonl", help="Corpus in the FlashRAG layout: one {\"id\", \"contents\"} per line, the first line of contents being the title.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="New (or empty) folder for the index.")],
     dense: Annotated[Optional[str], typer.Option("--dense", metavar="MODEL", help="Build a dense index instead of BM25: encode the passages with this sentence-transformers model (hub name, e.g. intfloat/e5-base-v2, or local folder; a plain transformers folder gets mean pooling) into a FAISS inner-product index. Needs pip install 'emapg[dense]'.")] = None,
-    faiss: Annotated[str, typer.Option("--faiss", help="With --dense: flat (exact, rows x dim x 4 bytes of memory), ivf (inverted lists: --nlist, --nprobe) or hnsw (graph: --hnsw-m, --ef-search); docs/search.md has the recall/speed trade-off.")] = "flat",
+    faiss: Annotated[str, typer.Option("--faiss", help="With --dense: flat (exact, rows x dim x 4 bytes of memory), ivf (inverted lists: --nlist, --nprobe), ivfpq (ivf with vectors product-quantised to --pq-m bytes: a 32x smaller index for 768-dim, lower recall) or hnsw (graph: --hnsw-m, --ef-search); docs/search.md has the recall/speed trade-off.")] = "flat",
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=65536, help="With --dense: passages per encoder batch.")] = 64,
     query_prefix: Annotated[str, typer.Option("--query-prefix", help="With --dense: text put before every query (e5's convention).")] = "query: ",
     passage_prefix: Annotated[str, typer.Option("--passage-prefix", help="With --dense: text put before every passage (e5's convention).")] = "passage: ",
     max_length: Annotated[int, typer.Option("--max-length", min=1, max=8192, help="With --dense: texts are cut to this many tokens (256, as Search-R1's e5 server).")] = 256,
-    nlist: Annotated[Optional[int], typer.Option("--nlist", min=1, help="With --faiss ivf: inverted lists (default 4*sqrt(rows), at most rows/39).")] = None,
-    nprobe: Annotated[Optional[int], typer.Option("--nprobe", min=1, help="With --faiss ivf: lists scanned per query (default 32, at most nlist).")] = None,
+    nlist: Annotated[Optional[int], typer.Option("--nlist", min=1, help="With --faiss ivf or ivfpq: inverted lists (default 4*sqrt(rows), at most rows/39).")] = None,
+    nprobe: Annotated[Optional[int], typer.Option("--nprobe", min=1, help="With --faiss ivf or ivfpq: lists scanned per query (default 32, at most nlist).")] = None,
+    pq_m: Annotated[Optional[int], typer.Option("--pq-m", min=1, help="With --faiss ivfpq: bytes per vector (sub-quantisers of 8 bits; must divide the encoder's dimension; default dim/8).")] = None,
     hnsw_m: Annotated[Optional[int], typer.Option("--hnsw-m", min=2, max=256, help="With --faiss hnsw: graph links per vector (default 32).")] = None,
     ef_search: Annotated[Optional[int], typer.Option("--ef-search", min=1, help="With --faiss hnsw: candidates explored per query (default 128).")] = None,
 ) -> None:
@@ -36,10 +37,10 @@ def index(
     if dense is not None:
         return _index_dense(corpus, out, dense, kind=faiss, batch_size=batch_size, query_prefix=query_prefix,
                             passage_prefix=passage_prefix, max_length=max_length, nlist=nlist, nprobe=nprobe,
-                            hnsw_m=hnsw_m, ef_search=ef_search)
+                            hnsw_m=hnsw_m, ef_search=ef_search, pq_m=pq_m)
     dense_only = {"--faiss": faiss != "flat", "--batch-size": batch_size != 64, "--query-prefix": query_prefix != "query: ",
                   "--passage-prefix": passage_prefix != "passage: ", "--max-length": max_length != 256, "--nlist": nlist,
-                  "--nprobe": nprobe, "--hnsw-m": hnsw_m, "--ef-search": ef_search}
+                  "--nprobe": nprobe, "--pq-m": pq_m, "--hnsw-m": hnsw_m, "--ef-search": ef_search}
     if any(v is not None and v is not False for v in dense_only.values()):
         raise UserError(f"{next(k for k, v in dense_only.items() if v is not None and v is not False)} applies only with --dense MODEL")
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn

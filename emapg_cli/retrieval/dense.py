@@ -13,6 +13,8 @@ Search-R1's server and index builder use).
 Index kinds (FAISS, metric inner product):
   * `flat`  - IndexFlatIP: exact, n x dim float32 in memory (wiki-18, 21M x 768: ~64 GB), the paper's choice;
   * `ivf`   - IndexIVFFlat: k-means into `nlist` lists (trained on the encoded passages), a query scans `nprobe`;
+  * `ivfpq` - IndexIVFPQ: IVF whose vectors are product-quantised to `pq_m` bytes each (8 bits per sub-vector):
+              wiki-18 in ~2 GB instead of 64 GB, at a recall cost (docs/search.md);
   * `hnsw`  - IndexHNSWFlat: a graph of `M` links per vector, a query explores `ef_search` candidates.
 
 A dense index folder: `faiss.index`, the doc store (`docs.bin` + `docs.offsets.npy`, `retrieval/docstore.py`) and
@@ -37,7 +39,7 @@ FORMAT = "emapg-dense/1"
 MANIFEST = "manifest.json"
 FAISS_FILE = "faiss.index"
 KIND = "retriever index"  # the output-folder kind, shared with the bm25 index (outputs.claim_folder)
-FAISS_KINDS = ("flat", "ivf", "hnsw")
+FAISS_KINDS = ("flat", "ivf", "ivfpq", "hnsw")
 QUERY_PREFIX, PASSAGE_PREFIX = "query: ", "passage: "
 MAX_LENGTH = 256
 MISSING_EXTRA = "the dense retriever needs faiss and sentence-transformers: pip install 'emapg[dense]'"
@@ -47,7 +49,9 @@ MANIFEST_KEYS: dict[str, Any] = {
     "max_length": int, "dim": int, "faiss": dict, "corpus": str, "corpus_sha256": str, "rows": int,
     "index_s": (int, float), "files": dict}
 #: Each faiss kind's parameters (all integers >= 1).
-FAISS_PARAMS = {"flat": (), "ivf": ("nlist", "nprobe"), "hnsw": ("M", "ef_construction", "ef_search")}
+FAISS_PARAMS = {"flat": (), "ivf": ("nlist", "nprobe"), "ivfpq": ("nlist", "nprobe", "pq_m"),
+                "hnsw": ("M", "ef_construction", "ef_search")}
+PQ_BITS = 8  # bits per product-quantiser code: 256 centroids per sub-vector, so k-means needs >= 256 passages
 
 
 def deps():
@@ -111,30 +115,43 @@ def default_nlist(rows: int) -> int:
 
 
 def faiss_params(kind: str, rows: int, nlist: Optional[int] = None, nprobe: Optional[int] = None,
-                 hnsw_m: Optional[int] = None, ef_search: Optional[int] = None) -> dict[str, Any]:
-    """The manifest's `faiss` entry {"kind", parameters...}; a parameter of another kind is a UserError."""
+                 hnsw_m: Optional[int] = None, ef_search: Optional[int] = None, pq_m: Optional[int] = None,
+                 dim: Optional[int] = None) -> dict[str, Any]:
+    """The manifest's `faiss` entry {"kind", parameters...}; a parameter of another kind is a UserError, and so is
+    a `pq_m` that does not divide `dim` (checked when `dim` is given)."""
     if kind not in FAISS_KINDS:
         raise UserError(f"--faiss {kind!r}: expected one of {', '.join(FAISS_KINDS)}")
-    given = {"--nlist": (nlist, "ivf"), "--nprobe": (nprobe, "ivf"), "--hnsw-m": (hnsw_m, "hnsw"), "--ef-search": (ef_search, "hnsw")}
-    for option, (value, owner) in given.items():
-        if value is not None and owner != kind:
-            raise UserError(f"{option} applies to --faiss {owner}, not {kind}")
-    if kind == "ivf":
+    given = {"--nlist": (nlist, ("ivf", "ivfpq")), "--nprobe": (nprobe, ("ivf", "ivfpq")), "--pq-m": (pq_m, ("ivfpq",)),
+             "--hnsw-m": (hnsw_m, ("hnsw",)), "--ef-search": (ef_search, ("hnsw",))}
+    for option, (value, owners) in given.items():
+        if value is not None and kind not in owners:
+            raise UserError(f"{option} applies to --faiss {' or '.join(owners)}, not {kind}")
+    if kind in ("ivf", "ivfpq"):
         n = nlist or default_nlist(rows)
         if n > rows:
             raise UserError(f"--nlist {n} is more than the corpus's {rows} rows")
-        return {"kind": kind, "nlist": n, "nprobe": min(nprobe or 32, n)}
+        params = {"kind": kind, "nlist": n, "nprobe": min(nprobe or 32, n)}
+        if kind == "ivf":
+            return params
+        if rows < 1 << PQ_BITS:
+            raise UserError(f"--faiss ivfpq needs at least {1 << PQ_BITS} passages to train its quantiser (the corpus has {rows})")
+        m = pq_m or (dim // 8 if dim and dim % 8 == 0 else 1)  # 1 byte per 8 dimensions: 96 for e5-base's 768
+        if dim and dim % m:
+            raise UserError(f"--pq-m {m} does not divide the encoder's dimension {dim}")
+        return {**params, "pq_m": m}
     if kind == "hnsw":
-        return {"kind": kind, "M": hnsw_m or 32, "ef_construction": 200, "ef_search": ef_search or 128}
+        return {"kind": kind, "M": hnsw_m or 32, "ef_construction": 40, "ef_search": ef_search or 128}
     return {"kind": kind}
 
 
 def new_index(params: dict[str, Any], dim: int):
     """An empty FAISS index of `params["kind"]` over `dim`-vectors, metric inner product."""
     faiss = deps()[0]
-    if params["kind"] == "ivf":
-        quantizer = faiss.IndexFlatIP(dim)
-        return faiss.IndexIVFFlat(quantizer, dim, params["nlist"], faiss.METRIC_INNER_PRODUCT)  # keeps a reference to it
+    if params["kind"] in ("ivf", "ivfpq"):
+        quantizer = faiss.IndexFlatIP(dim)  # the index keeps a reference to it
+        if params["kind"] == "ivfpq":
+            return faiss.IndexIVFPQ(quantizer, dim, params["nlist"], params["pq_m"], PQ_BITS, faiss.METRIC_INNER_PRODUCT)
+        return faiss.IndexIVFFlat(quantizer, dim, params["nlist"], faiss.METRIC_INNER_PRODUCT)
     if params["kind"] == "hnsw":
         index = faiss.IndexHNSWFlat(dim, params["M"], faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = params["ef_construction"]
@@ -143,11 +160,17 @@ def new_index(params: dict[str, Any], dim: int):
 
 
 def set_search_params(index, params: dict[str, Any]) -> None:
-    """nprobe (IVF) / efSearch (HNSW) from the manifest, on a loaded index."""
-    if params["kind"] == "ivf":
+    """nprobe (IVF, IVF-PQ) / efSearch (HNSW) from the manifest, on a loaded index."""
+    if params["kind"] in ("ivf", "ivfpq"):
         index.nprobe = params["nprobe"]
     elif params["kind"] == "hnsw":
         index.hnsw.efSearch = params["ef_search"]
+
+
+def train_size(rows: int, nlist: int) -> int:
+    """Training points for IVF k-means: 256 per list (FAISS warns under 39), at most 2^20 unless 39 per list needs
+    more, and at most the corpus."""
+    return min(rows, max(39 * nlist, min(256 * nlist, 1 << 20)))
 
 
 def _file_table(folder: Path) -> dict[str, dict]:
@@ -157,13 +180,13 @@ def _file_table(folder: Path) -> dict[str, dict]:
 
 
 def _fill(index, store, encoder, prefix: str, batch_size: int, params: dict, tmp: Path, advance) -> None:
-    """Encode every row of `store` in chunks of 16 batches and add them to `index` (IVF: first into a float32
-    memmap on disk, then k-means on up to 256 points per list drawn from it, then added)."""
+    """Encode every row of `store` in chunks of 16 batches and add them to `index` (IVF, IVF-PQ: first into a
+    float32 memmap on disk, then trained on a sample drawn from it, `train_size`, then added)."""
     import numpy as np
 
     rows, chunk = len(store), batch_size * 16
     spill = None
-    if params["kind"] == "ivf":
+    if params["kind"] in ("ivf", "ivfpq"):
         spill = np.lib.format.open_memmap(tmp / "vectors.tmp.npy", mode="w+", dtype=np.float32, shape=(rows, index.d))
     for s in range(0, rows, chunk):
         part = [d["contents"] for d in store.get_many(list(range(s, min(s + chunk, rows))))]
@@ -174,7 +197,7 @@ def _fill(index, store, encoder, prefix: str, batch_size: int, params: dict, tmp
             spill[s:s + len(part)] = vectors
         advance(len(part))
     if spill is not None:
-        sample = np.random.default_rng(0).choice(rows, size=min(rows, 256 * params["nlist"]), replace=False)
+        sample = np.random.default_rng(0).choice(rows, size=train_size(rows, params["nlist"]), replace=False)
         index.train(np.ascontiguousarray(spill[np.sort(sample)]))  # [sample, dim]
         for s in range(0, rows, 1 << 16):
             index.add(np.ascontiguousarray(spill[s:s + (1 << 16)]))
@@ -185,7 +208,7 @@ def _fill(index, store, encoder, prefix: str, batch_size: int, params: dict, tmp
 def build_dense_index(corpus: Path, out: Path, model: str, *, kind: str = "flat", batch_size: int = 64,
                       query_prefix: str = QUERY_PREFIX, passage_prefix: str = PASSAGE_PREFIX,
                       max_length: int = MAX_LENGTH, nlist: Optional[int] = None, nprobe: Optional[int] = None,
-                      hnsw_m: Optional[int] = None, ef_search: Optional[int] = None,
+                      hnsw_m: Optional[int] = None, ef_search: Optional[int] = None, pq_m: Optional[int] = None,
                       progress: Optional[Callable[[int], Callable[[int], None]]] = None) -> dict:
     """Encode `corpus` with `model` into a FAISS index in the new (or empty) folder `out`; returns the manifest.
 
@@ -201,7 +224,7 @@ def build_dense_index(corpus: Path, out: Path, model: str, *, kind: str = "flat"
     from emapg_cli.retrieval.corpus import iter_corpus
     from emapg_cli.retrieval.docstore import DocStore, write_docstore
 
-    faiss_params(kind, 1 << 30, nlist, nprobe, hnsw_m, ef_search)  # option mistakes first, with or without the extra
+    faiss_params(kind, 1 << 30, nlist, nprobe, hnsw_m, ef_search, pq_m)  # option mistakes first, with or without the extra
     faiss = deps()[0]
     out, corpus = Path(out), Path(corpus)
     if (out / MANIFEST).is_file() and marker_kind(out) == KIND:
@@ -211,9 +234,9 @@ def build_dense_index(corpus: Path, out: Path, model: str, *, kind: str = "flat"
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))  # ours alone: a unique new name
         try:
             rows = write_docstore(iter_corpus(corpus), tmp)
-            params = faiss_params(kind, rows, nlist, nprobe, hnsw_m, ef_search)
             encoder = load_encoder(model, max_length)
             dim = dim_of(encoder)
+            params = faiss_params(kind, rows, nlist, nprobe, hnsw_m, ef_search, pq_m, dim)
             index = new_index(params, dim)
             store = DocStore.open(tmp)
             try:
