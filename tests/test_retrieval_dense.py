@@ -206,3 +206,20 @@ def test_cli_dense_index_query_and_make_retriever(corpus, encoder_dir, tmp_path)
     r = run(app, ["retriever", "index", str(corpus), "--out", str(tmp_path / "y"), "--hnsw-m", "8"])
     assert isinstance(r.exception, UserError) and str(r.exception) == "--hnsw-m applies only with --dense MODEL"
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_faiss_params_defaults_and_refusals():
+    """Defaults, by hand: nlist = min(int(4·sqrt(rows)), rows // 39): 10,000 rows -> min(400, 256) = 256;
+    21,015,324 rows (wiki-18) -> min(int(4 · 4,584.25), 538,854) = 18,336; IVF training points = min(rows, max(39·nlist,
+    min(256·nlist, 2^20))): 18,336 lists -> max(715,104, 1,048,576) = 1,048,576; pq_m = dim / 8 = 96 for 768."""
+    assert dense.faiss_params("ivf", 10_000) == {"kind": "ivf", "nlist": 256, "nprobe": 32}
+    assert dense.default_nlist(21_015_324) == 18_336 and dense.train_size(21_015_324, 18_336) == 1 << 20
+    assert dense.faiss_params("ivfpq", 21_015_324, dim=768) == {"kind": "ivfpq", "nlist": 18_336, "nprobe": 32, "pq_m": 96}
+    assert dense.faiss_params("hnsw", 5, ef_search=64) == {"kind": "hnsw", "M": 32, "ef_construction": 40, "ef_search": 64}
+    for kwargs, message in (({"kind": "ivfpq", "rows": 255}, "needs at least 256 passages"),
+                            ({"kind": "ivfpq", "rows": 1000, "dim": 30, "pq_m": 8}, "--pq-m 8 does not divide the encoder's dimension 30"),
+                            ({"kind": "ivf", "rows": 10, "nlist": 11}, "--nlist 11 is more than the corpus's 10 rows"),
+                            ({"kind": "hnsw", "rows": 10, "pq_m": 4}, "--pq-m applies to --faiss ivfpq, not hnsw"),
+                            ({"kind": "pq", "rows": 10}, "--faiss 'pq': expected one of flat, ivf, ivfpq, hnsw")):
+        with pytest.raises(UserError, match=message):
+            dense.faiss_params(**kwargs)
