@@ -76,7 +76,8 @@ def recall(retriever, queries: list[str], gold: list[set[str]], ks=(3, 10)) -> d
     return {k: sum(len(g & {h.id for h in hh[:k]}) / len(g) for g, hh in zip(gold, hits)) / len(gold) for k in ks}
 
 
-def run_task(name: str, corpus, pairs, queries, gold, work: Path, minutes: float, max_length: int) -> list[tuple]:
+def run_task(name: str, corpus, pairs, queries, gold, work: Path, minutes: float, max_length: int,
+             vocab_size: int = 4000, batch_size: int = 64) -> list[tuple]:
     from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
     from emapg_cli.retrieval.dense import DenseRetriever, build_dense_index
 
@@ -88,12 +89,12 @@ def run_task(name: str, corpus, pairs, queries, gold, work: Path, minutes: float
     r = BM25Retriever.load(work / "bm25")
     rows.append((name, "bm25 (bm25s)", recall(r, queries, gold), "-"))
     print(rows[-1], flush=True)
-    enc = build(work / "enc-random", [d["contents"] for d in corpus], vocab_size=4000, hidden=64, layers=2, seed=0)
+    enc = build(work / "enc-random", [d["contents"] for d in corpus], vocab_size=vocab_size, hidden=64, layers=2, seed=0)
     for label, folder, note in (("dense, random init", enc, "-"), ("dense, trained", work / "enc-trained", None)):
         if note is None:
             shutil.copytree(enc, folder)
-            stats = train(pairs, folder, minutes=minutes, max_length=max_length)
-            note = f"{stats['steps']} steps, {stats['seconds']:.0f} s, loss {stats['loss']:.2f}"
+            stats = train(pairs, folder, minutes=minutes, max_length=max_length, batch_size=batch_size)
+            note = f"vocab {vocab_size}, batch {batch_size}: {stats['steps']} steps, {stats['seconds']:.0f} s, loss {stats['loss']:.2f}"
         t0 = time.perf_counter()
         build_dense_index(path, work / f"idx-{folder.name}", str(folder), max_length=max_length, batch_size=128)
         r = DenseRetriever.load(work / f"idx-{folder.name}")
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("dense-recall"), help="work folder (corpora, indexes, encoders)")
     ap.add_argument("--minutes", type=float, default=3.0, help="training time per task")
     ap.add_argument("--tasks", nargs="+", default=["toy-search", "hotpotqa"], choices=["toy-search", "hotpotqa"])
+    ap.add_argument("--vocab-size", type=int, default=4000, help="the tiny encoder's WordPiece vocabulary (from the corpus)")
+    ap.add_argument("--batch-size", type=int, default=64, help="training batch (in-batch negatives: batch - 1 per query)")
     ap.add_argument("--hotpotqa", type=Path, default=None, help="hotpotqa_dev_ircot500.jsonl (default: $EMAPG_DATA_DIR/search/)")
     args = ap.parse_args()
     import torch
@@ -119,12 +122,14 @@ def main() -> None:
     if "toy-search" in args.tasks:
         corpus, pairs, queries, gold = toy_search()
         print(f"toy-search: {len(corpus)} passages, {len(pairs)} training pairs, {len(queries)} test queries", flush=True)
-        rows += run_task("toy-search", corpus, pairs, queries, gold, args.out / "toy-search", args.minutes, 32)
+        rows += run_task("toy-search", corpus, pairs, queries, gold, args.out / "toy-search", args.minutes, 32,
+                         args.vocab_size, args.batch_size)
     if "hotpotqa" in args.tasks:
         src = args.hotpotqa or ((data_dir() or Path("missing")) / "search" / "hotpotqa_dev_ircot500.jsonl")
         corpus, pairs, queries, gold = hotpotqa(src)
         print(f"hotpotqa: {len(corpus)} passages, {len(pairs)} training pairs (from the corpus), {len(queries)} questions", flush=True)
-        rows += run_task("hotpotqa", corpus, pairs, queries, gold, args.out / "hotpotqa", args.minutes, 128)
+        rows += run_task("hotpotqa", corpus, pairs, queries, gold, args.out / "hotpotqa", args.minutes, 128,
+                         args.vocab_size, args.batch_size)
     print("\n| corpus | retriever | recall@3 | recall@10 | encoder |\n|---|---|---|---|---|")
     for name, label, rec, note in rows:
         print(f"| {name} | {label} | {rec[3]:.3f} | {rec[10]:.3f} | {note} |")

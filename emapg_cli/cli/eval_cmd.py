@@ -146,7 +146,7 @@ def _check_env_options(o: dict) -> None:
     except UserError as e:
         raise UserError(f"--env: {str(e).removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
     if env == "search" and retriever is None:
-        raise UserError("--env search needs --retriever (bm25:DIR or http://HOST:PORT)")
+        raise UserError("--env search needs --retriever (bm25:DIR, dense:DIR or http://HOST:PORT)")
     if retriever is not None and env not in (None, "search"):
         raise UserError(f"--retriever runs the search agent; it contradicts --env {env}")
     if env is not None and env != "single" and responses is not None:
