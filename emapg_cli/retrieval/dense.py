@@ -174,9 +174,9 @@ def train_size(rows: int, nlist: int) -> int:
 
 
 def _file_table(folder: Path) -> dict[str, dict]:
-    from emapg_cli.retrieval.bm25 import _file_table as table  # the bm25 index's own (bm25s is not imported)
-
-    return table(folder)
+    """{name: {"bytes", "sha256"}} of the folder's files (flat: a dense index has no subfolder), the manifest aside."""
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
 
 
 def _fill(index, store, encoder, prefix: str, batch_size: int, params: dict, tmp: Path, advance) -> None:
