@@ -20,7 +20,7 @@ app = typer.Typer(help="Retrieval for the search agent: index a JSONL corpus, qu
 def index(
     corpus: Annotated[Path, typer.Argument(metavar="CORPUS.jsonl", help="Corpus in the FlashRAG layout: one {\"id\", \"contents\"} per line, the first line of contents being the title.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="New (or empty) folder for the index.")],
-    dense: Annotated[Optional[str], typer.Option("--dense", metavar="MODEL", help="Build a dense index instead of BM25: encode the passages with this sentence-transformers model (hub name, e.g. intfloat/e5-base-v2, or local folder; a plain transformers folder gets mean pooling) into a FAISS inner-product index. Needs pip install 'emapg[dense]'.")] = None,
+    dense: Annotated[Optional[str], typer.Option("--dense", metavar="MODEL", help="Build a dense index instead of BM25: encode the passages with this sentence-transformers model (hub name, e.g. intfloat/e5-base-v2, or local folder; a plain transformers folder gets mean pooling) into a FAISS inner-product index. Needs pip install 'emapg\\[dense]'.")] = None,
     faiss: Annotated[str, typer.Option("--faiss", help="With --dense: flat (exact, rows x dim x 4 bytes of memory), ivf (inverted lists: --nlist, --nprobe), ivfpq (ivf with vectors product-quantised to --pq-m bytes: a 32x smaller index for 768-dim, lower recall) or hnsw (graph: --hnsw-m, --ef-search); docs/search.md has the recall/speed trade-off.")] = "flat",
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, max=65536, help="With --dense: passages per encoder batch.")] = 64,
     query_prefix: Annotated[str, typer.Option("--query-prefix", help="With --dense: text put before every query (e5's convention).")] = "query: ",
