@@ -174,3 +174,12 @@ def test_format_2_folder_still_loads(tmp_path):
         "tokenizer": "bm25s", "index_s": 0.1, "files": _file_table(tmp_path)}))
     retriever = BM25Retriever.load(tmp_path)
     assert [h.id for h in retriever.search(["hill"], 1)[0]] == ["b"] and isinstance(retriever.docs, list)
+
+
+def test_vocab_file_and_final_ids(tmp_path):
+    from emapg_cli.retrieval.bm25_build import _write_vocab, final_ids
+
+    final, start = final_ids(5, 2)  # bucket 0 = {0, 2, 4} -> 0, 1, 2; bucket 1 = {1, 3} -> 3, 4
+    assert final.tolist() == [0, 3, 1, 4, 2] and start.tolist() == [0, 3, 5]
+    _write_vocab(tmp_path / "v.json", {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}, final, batch=2)  # batches of 2, 2, 1
+    assert json.loads((tmp_path / "v.json").read_text()) == {"a": 0, "b": 3, "c": 1, "d": 4, "e": 2, "": 5}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -114,18 +114,16 @@ def _npy_writer(path: Path, dtype: str, n: int):
     return f
 
 
-def _write_vocab(path: Path, vocab: dict[str, int], final: np.ndarray) -> None:
-    """vocab.index.json: {token: final id, ..., "": V} (bm25s adds the empty token one past the last column)."""
+def _write_vocab(path: Path, vocab: dict[str, int], final: np.ndarray, batch: int = 65536) -> None:
+    """vocab.index.json: {token: final id, ..., "": V} (bm25s adds the empty token one past the last column),
+    written in batches of `batch` terms (no string of the whole vocabulary)."""
+    tokens = iter(vocab)  # insertion order: global id g = position
     with open(path, "w", encoding="utf-8") as f:
         f.write("{")
-        batch = []
-        for token, g in vocab.items():
-            batch.append(f"{json.dumps(token, ensure_ascii=False)}: {int(final[g])}")
-            if len(batch) == 65536:
-                f.write(", ".join(batch) + ", ")
-                batch = []
-        batch.append(f'"": {len(vocab)}')
-        f.write(", ".join(batch) + "}")
+        for s in range(0, len(vocab), batch):
+            ids = final[s:s + batch].tolist()
+            f.write(json.dumps(dict(zip(islice(tokens, len(ids)), ids)), ensure_ascii=False)[1:-1] + ", ")
+        f.write(f'"": {len(vocab)}}}')
 
 
 def write_matrix(counts: Counts, out: Path, scoring: Scoring) -> int:
