@@ -42,14 +42,16 @@ def tag(n: int) -> str:
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Run `cmd`; its wall time, peak RSS (MiB) and exit code (os.wait4 gives this child's own rusage)."""
+    """Run `cmd`; its wall time, CPU time (user + system: steadier than wall time on a shared machine), peak RSS
+    (MiB) and exit code (os.wait4 gives this child's own rusage)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out = proc.stdout.read()
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"seconds": time.perf_counter() - t0, "peak_rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode,
+    return {"seconds": time.perf_counter() - t0, "cpu_s": usage.ru_utime + usage.ru_stime,
+            "peak_rss_mib": usage.ru_maxrss / 1024, "rc": proc.returncode,
             "stdout": out.decode(errors="replace"), "stderr": err.decode(errors="replace")}
 
 
@@ -132,15 +134,13 @@ def term_cost(n: int = 1_000_000) -> dict:
 
     from synthetic_corpus import pseudo_word
 
-    words = [pseudo_word(i + 10_000_000) for i in range(n)]  # 10-12 letters, as rare words are
     base = rss_mib()
     vocab = {}
-    for w in words:
-        vocab.setdefault(w, len(vocab))
+    for i in range(n):  # the token strings are kept by the dict, so they count: 10-12 letters, as rare words are
+        vocab.setdefault(pseudo_word(i + 10_000_000), len(vocab))
     df = np.zeros(2 * n, np.int64)  # the df array doubles as it grows
     df[:] = 1
     with_words = rss_mib()
-    del words  # the strings stay, referenced by the dict
     return {"terms": n, "bytes_per_term": (with_words - base) * 2 ** 20 / n}
 
 
@@ -173,14 +173,14 @@ def measure(n: int, work: Path, chunk_rows: int, queries: int, seed: int, in_mem
     pr = run_measured([sys.executable, __file__, "--probe", str(index), "--queries", str(queries), "--seed", str(seed)], env)
     if pr["rc"]:
         raise SystemExit(f"probe failed: {pr['stderr'][-2000:]}")
-    row = {"passages": n, "corpus_bytes": corpus.stat().st_size, "generate": gen, "build_s": build["seconds"],
+    row = {"passages": n, "corpus_bytes": corpus.stat().st_size, "generate": gen, "build_s": build["seconds"], "build_cpu_s": build["cpu_s"],
            "index_s": manifest["index_s"], "build_peak_rss_mib": build["peak_rss_mib"], "disk": folder_bytes(index),
            "chunk_rows": chunk_rows, **json.loads(pr["stdout"].strip().splitlines()[-1]), "probe_peak_rss_mib": pr["peak_rss_mib"]}
     if n <= in_memory_max:
         old = work / f"inmem-{tag(n)}"
         shutil.rmtree(old, ignore_errors=True)
         m = run_measured([sys.executable, __file__, "--in-memory", str(corpus), str(old)], env)
-        row["in_memory_build"] = {"seconds": m["seconds"], "peak_rss_mib": m["peak_rss_mib"], "rc": m["rc"]}
+        row["in_memory_build"] = {"seconds": m["seconds"], "cpu_s": m["cpu_s"], "peak_rss_mib": m["peak_rss_mib"], "rc": m["rc"]}
         shutil.rmtree(old, ignore_errors=True)
     return row
 
@@ -188,29 +188,32 @@ def measure(n: int, work: Path, chunk_rows: int, queries: int, seed: int, in_mem
 def report(rows: list[dict], cost: dict, vocab_assumed: int) -> dict:
     ns = [r["passages"] for r in rows]
     t_fit = fit(ns, [r["build_s"] for r in rows])
+    c_fit = fit(ns, [r["build_cpu_s"] for r in rows])
     d_fit = fit(ns, [r["disk"]["total"] for r in rows])
     peak = max(r["build_peak_rss_mib"] for r in rows)
     biggest = max(rows, key=lambda r: r["passages"])
     extra_terms = max(0, vocab_assumed - biggest["vocab"])
     rss_2e7 = peak + extra_terms * cost["bytes_per_term"] / 2 ** 20
-    ext = {"passages": TARGET, "build_s": t_fit[0] + t_fit[1] * TARGET, "disk_bytes": d_fit[0] + d_fit[1] * TARGET,
+    ext = {"passages": TARGET, "build_s": t_fit[0] + t_fit[1] * TARGET, "build_cpu_s": c_fit[0] + c_fit[1] * TARGET,
+           "disk_bytes": d_fit[0] + d_fit[1] * TARGET, "fit_build_cpu_s": {"a": c_fit[0], "b_per_passage": c_fit[1]},
            "build_peak_rss_mib": rss_2e7, "vocab_assumed": vocab_assumed,
            "fit_build_s": {"a": t_fit[0], "b_per_passage": t_fit[1]}, "fit_disk_bytes": {"a": d_fit[0], "b_per_passage": d_fit[1]},
            "rss_rule": f"peak RSS = largest measured peak ({peak:.0f} MiB, at vocab {biggest['vocab']:,}) + "
                        f"{cost['bytes_per_term']:.0f} B per further vocabulary term"}
-    print(f"\n{'passages':>11} {'build s':>8} {'peak RSS':>9} {'disk':>9} {'matrix':>8} {'docs':>8} {'vocab':>9} "
+    print(f"\n{'passages':>11} {'build s':>8} {'CPU s':>7} {'peak RSS':>9} {'disk':>9} {'matrix':>8} {'docs':>8} {'vocab':>9} "
           f"{'load s':>7} {'p50 ms':>7} {'p99 ms':>7} {'q/s b64':>8}")
     for r in rows:
-        print(f"{r['passages']:>11,} {r['build_s']:>8.1f} {r['build_peak_rss_mib']:>6.0f} MiB {r['disk']['total'] / 2**30:>5.2f} GiB "
+        print(f"{r['passages']:>11,} {r['build_s']:>8.1f} {r['build_cpu_s']:>7.1f} {r['build_peak_rss_mib']:>6.0f} MiB {r['disk']['total'] / 2**30:>5.2f} GiB "
               f"{r['disk']['matrix'] / 2**30:>5.2f} G {r['disk']['docs'] / 2**30:>5.2f} G {r['vocab']:>9,} {r['load_s']:>7.2f} "
               f"{r['query_p50_ms']:>7.1f} {r['query_p99_ms']:>7.1f} {r['batch64_qps']:>8.1f}")
-    print(f"{TARGET:>11,} {ext['build_s']:>8.0f} {ext['build_peak_rss_mib']:>6.0f} MiB {ext['disk_bytes'] / 2**30:>5.1f} GiB "
+    print(f"{TARGET:>11,} {ext['build_s']:>8.0f} {ext['build_cpu_s']:>7.0f} {ext['build_peak_rss_mib']:>6.0f} MiB {ext['disk_bytes'] / 2**30:>5.1f} GiB "
           f"  (extrapolated: time and disk a + b·N least squares; RSS for a vocabulary of {vocab_assumed:,} terms)")
-    print(f"fit: build_s = {t_fit[0]:.2f} + {t_fit[1] * 1e6:.2f}e-6 · N; disk = {d_fit[0] / 2**20:.1f} MiB + {d_fit[1]:.0f} B · N")
+    print(f"fit: build_s = {t_fit[0]:.2f} + {t_fit[1] * 1e6:.2f}e-6 · N; CPU s = {c_fit[0]:.2f} + {c_fit[1] * 1e6:.2f}e-6 · N; disk = {d_fit[0] / 2**20:.1f} MiB + {d_fit[1]:.0f} B · N")
     print(ext["rss_rule"])
     for r in rows:
         if "in_memory_build" in r:
-            print(f"in-memory build (before): {r['passages']:,} passages: {r['in_memory_build']['seconds']:.1f} s, "
+            print(f"in-memory build (before): {r['passages']:,} passages: {r['in_memory_build']['seconds']:.1f} s "
+                  f"({r['in_memory_build']['cpu_s']:.1f} s CPU), "
                   f"peak RSS {r['in_memory_build']['peak_rss_mib']:.0f} MiB")
     return ext
 

@@ -183,3 +183,12 @@ def test_vocab_file_and_final_ids(tmp_path):
     assert final.tolist() == [0, 3, 1, 4, 2] and start.tolist() == [0, 3, 5]
     _write_vocab(tmp_path / "v.json", {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}, final, batch=2)  # batches of 2, 2, 1
     assert json.loads((tmp_path / "v.json").read_text()) == {"a": 0, "b": 3, "c": 1, "d": 4, "e": 2, "": 5}
+
+
+def test_chunk_rows_default_is_the_constant():
+    import inspect
+
+    from emapg_cli.cli import retriever_cmd
+    from emapg_cli.retrieval.bm25 import DEFAULT_CHUNK_ROWS
+
+    assert inspect.signature(retriever_cmd.index).parameters["chunk_rows"].default == DEFAULT_CHUNK_ROWS == 10_000
