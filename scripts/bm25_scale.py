@@ -230,6 +230,8 @@ def main(argv=None) -> int:
                     help="Vocabulary assumed for the 2e7 extrapolation of peak RSS (wiki-18's is not measured here; a "
                          "pessimistic default).")
     ap.add_argument("--json", type=Path, default=None, help="Write the measurements and the extrapolation here.")
+    ap.add_argument("--with", dest="earlier", type=Path, nargs="*", default=[],
+                    help="JSON files of earlier runs whose rows join this run's in the table and the fit (sizes measured here win).")
     ap.add_argument("--probe", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--in-memory", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--term-cost", action="store_true", help=argparse.SUPPRESS)
@@ -248,6 +250,15 @@ def main(argv=None) -> int:
     for n in sorted(args.sizes):
         rows.append(measure(n, args.work, args.chunk_rows, args.queries, args.seed, args.in_memory_max))
         print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
+    measured = {r["passages"] for r in rows}
+    for path in args.earlier:
+        rows += [r for r in json.loads(path.read_text())["rows"] if r["passages"] not in measured]
+    rows.sort(key=lambda r: r["passages"])
+    if len({r["passages"] for r in rows}) < 2:
+        print("one size only: no fit (give two sizes, or --with an earlier run's JSON)")
+        if args.json:
+            args.json.write_text(json.dumps({"rows": rows}, indent=2))
+        return 0
     tc = run_measured([sys.executable, __file__, "--term-cost"])
     cost = json.loads(tc["stdout"].strip().splitlines()[-1])
     ext = report(rows, cost, args.vocab_2e7)
