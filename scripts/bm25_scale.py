@@ -7,9 +7,10 @@ For each size N (synthetic Wikipedia-like passages, scripts/synthetic_corpus.py,
   * queries: 3-6 words of random passages, one query at a time (p50/p99 latency) and batches of 64 (queries/s).
 Then least-squares lines a + b·N for build time and disk size (both linear in the passages: every passage is
 tokenised once and stores its (term, score) pairs once) extrapolated to 2·10^7 passages (wiki-18: 21,015,324).
-Peak RSS does not grow with N: the build holds the vocabulary (term -> id dict and df array), one chunk of rows
-(--chunk-rows) and, when it writes the matrix, one spill bucket (~64 MiB of corpus each); the script measures the
-per-term cost of the vocabulary so the peak can be stated for a larger vocabulary than the synthetic one.
+Peak RSS is bounded independently of N: the build holds the vocabulary (term -> id dict and df array), one chunk
+of rows (--chunk-rows) and, when it writes the matrix, one spill bucket (~64 MiB of corpus each, so a bucket's
+size varies a little with N); the script measures the per-term cost of the vocabulary so the peak can be stated
+for a larger vocabulary than the synthetic one (the largest measured peak + that cost per further term).
 Optionally (--in-memory-max) the previous in-memory build (read_corpus + bm25s.index) is measured for comparison.
 
     python scripts/bm25_scale.py --sizes 100000 1000000 --work scale-work --json bm25-scale.json
