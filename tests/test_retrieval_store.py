@@ -115,10 +115,14 @@ def _same_hits(model, retriever, queries, k):
     assert scores_a.dtype == scores_b.dtype == np.float32 and scores_a.tolist() == scores_b.tolist()  # bit-equal
 
 
-def test_streamed_index_scores_equal_bm25s_in_memory(tmp_path):
-    """Chunks of 2 rows, 3 spill buckets; repeated documents and documents with no token after stop words. 17 tokens
-    in 9 documents: avgdl = 17/9, not a float32 (a build that rounded it to float32 would differ in some scores)."""
+def test_streamed_index_scores_equal_bm25s_in_memory(tmp_path, monkeypatch):
+    """Chunks of 2 rows, 3 spill buckets scored 2 pairs at a time; repeated documents and documents with no token
+    after stop words. 17 tokens in 9 documents: avgdl = 17/9, not a float32 (a build that rounded it to float32
+    would differ in some scores)."""
+    from emapg_cli.retrieval import bm25_build
     from emapg_cli.retrieval.bm25 import FORMAT, BM25Retriever, build_index
+
+    monkeypatch.setattr(bm25_build, "SCORE_SLICE", 2)
 
     texts = ["A\nalpha beta", "B\nalpha", "C\nthe of and", "D\nalpha beta", "E\ngamma gamma alpha delta",
              "F\n", "G\nbeta beta beta delta", "H\nalpha beta", "I\nalpha gamma"]
