@@ -31,9 +31,15 @@ def index(
     pq_m: Annotated[Optional[int], typer.Option("--pq-m", min=1, help="With --faiss ivfpq: bytes per vector (sub-quantisers of 8 bits; must divide the encoder's dimension; default dim/8).")] = None,
     hnsw_m: Annotated[Optional[int], typer.Option("--hnsw-m", min=2, max=256, help="With --faiss hnsw: graph links per vector (default 32).")] = None,
     ef_search: Annotated[Optional[int], typer.Option("--ef-search", min=1, help="With --faiss hnsw: candidates explored per query (default 128).")] = None,
+    chunk_rows: Annotated[int, typer.Option("--chunk-rows", min=1, help="Rows read and tokenised at a time; the build's memory is the vocabulary plus one chunk (and one spill bucket), whatever the corpus size.")] = 10_000,
 ) -> None:
-    """Build a BM25 index (bm25s) of CORPUS into --out, with a manifest (corpus sha256, row count); with --dense MODEL
-    a FAISS index of the passages' embeddings instead (docs/search.md, "Dense retrieval")."""
+    """Build a BM25 index (bm25s) of CORPUS into --out, streaming it in chunks, with a manifest (corpus sha256, row count);
+    with --dense MODEL a FAISS index of the passages' embeddings instead (docs/search.md, "Dense retrieval").
+
+    CORPUS may be JSONL, gzipped JSONL (.jsonl.gz, as Search-R1's wiki-18 download) or parquet. The index is
+    bm25s's saved layout (or the FAISS index) plus a doc store, both memory-mapped by `query` and `serve`."""
+    if dense is not None and chunk_rows != 10_000:
+        raise UserError("--chunk-rows applies to the bm25 index, not with --dense")
     if dense is not None:
         return _index_dense(corpus, out, dense, kind=faiss, batch_size=batch_size, query_prefix=query_prefix,
                             passage_prefix=passage_prefix, max_length=max_length, nlist=nlist, nprobe=nprobe,
@@ -48,14 +54,14 @@ def index(
     from emapg_cli.progress import Progress  # plain lines when the output is a log
     from emapg_cli.retrieval.bm25 import build_index
 
-    bar = Progress(TextColumn("tokenising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+    bar = Progress(TextColumn("indexing rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
-    def start(total: int):
-        task = bar.add_task("tokenising", total=total)
+    def start(total):  # rows, or None for a gzipped corpus (no bar length, the count still shows)
+        task = bar.add_task("indexing", total=total)
         return lambda k: bar.advance(task, k)
 
     with bar:
-        manifest = build_index(corpus, out, progress=start)
+        manifest = build_index(corpus, out, progress=start, chunk=chunk_rows)
     console.print(f"indexed {manifest['rows']:,} documents in {manifest['index_s']:.2f} s -> {out} "
                   f"(corpus sha256 {manifest['corpus_sha256'][:12]}...)", highlight=False)
 
