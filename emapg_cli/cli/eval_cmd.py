@@ -95,7 +95,8 @@ def _implied(cfg) -> dict:
     search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search")
     retriever = None
     if search:
-        retriever = f"bm25:{expand(cfg.search.index) if cfg.search.index else ''}" if cfg.search.retriever == "bm25" else cfg.search.url
+        retriever = (f"{cfg.search.retriever}:{expand(cfg.search.index) if cfg.search.index else ''}"
+                     if cfg.search.retriever in ("bm25", "dense") else cfg.search.url)
     return {
         "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit,
         "backend": cfg.rollout.engine, "n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
@@ -145,7 +146,7 @@ def _check_env_options(o: dict) -> None:
     except UserError as e:
         raise UserError(f"--env: {str(e).removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
     if env == "search" and retriever is None:
-        raise UserError("--env search needs --retriever (bm25:DIR or http://HOST:PORT)")
+        raise UserError("--env search needs --retriever (bm25:DIR, dense:DIR or http://HOST:PORT)")
     if retriever is not None and env not in (None, "search"):
         raise UserError(f"--retriever runs the search agent; it contradicts --env {env}")
     if env is not None and env != "single" and responses is not None:
@@ -265,7 +266,7 @@ def eval_(
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
     reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong).")] = 5.0,
-    retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR (an index from `emapg retriever index`) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`).")] = None,
+    retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR or dense:DIR (an index from `emapg retriever index`, `--dense MODEL` for dense) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`).")] = None,
     env: Annotated[Optional[str], typer.Option("--env", help="The environment the model answers in, built by training's factory (rollout.env): single (default), search (needs --retriever, which alone implies it), calc (the toy arithmetic calculator), or a user environment path/to/file.py:ClassName / module:ClassName (docs/environments.md); its own reward(text), when it has one, grades instead of --reward.")] = None,
     max_turns: Annotated[Optional[int], typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled; default 4, search.max_turns). With a user --env: its turn limit (default: the class's max_turns).")] = None,
     topk: Annotated[int, typer.Option("--topk", min=1, help="With --retriever: passages per search.")] = 3,

@@ -51,7 +51,7 @@ class EvalSettings:
     grader_workers: Optional[int] = None
     grader_timeout: float = 5.0
     reward: str = "math"  # a reward name or plugin, as rollout.reward (rewards/graders.py): math, em, f1, FILE.py:fn, ...
-    retriever: Optional[str] = None  # bm25:DIR or http://HOST:PORT: answer with the search agent (evaluation/search.py)
+    retriever: Optional[str] = None  # bm25:DIR, dense:DIR or http://HOST:PORT: answer with the search agent (evaluation/search.py)
     env: Optional[str] = None  # rollout.env's choices (agents/environments.py); None: search with a retriever, else single
     max_turns: Optional[int] = 4  # search turns (then one final turn without search); a user environment's (None: its own)
     topk: int = 3  # passages per search

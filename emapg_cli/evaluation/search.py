@@ -19,17 +19,18 @@ from emapg_cli.errors import UserError
 
 
 def parse_retriever(spec: str) -> dict[str, Any]:
-    """`bm25:DIR` or `http://HOST:PORT[/retrieve]` as `SearchConfig` fields (retriever, index | url)."""
-    if spec.startswith("bm25:"):
-        index = spec[len("bm25:"):]
-        if not index:
-            raise UserError("--retriever bm25:DIR needs the index folder (`emapg retriever index CORPUS --out DIR`)")
-        return {"retriever": "bm25", "index": index}
+    """`bm25:DIR`, `dense:DIR` or `http://HOST:PORT[/retrieve]` as `SearchConfig` fields (retriever, index | url)."""
+    for kind in ("bm25", "dense"):
+        if spec.startswith(f"{kind}:"):
+            index = spec[len(kind) + 1:]
+            if not index:
+                raise UserError(f"--retriever {kind}:DIR needs the index folder (`emapg retriever index CORPUS --out DIR`)")
+            return {"retriever": kind, "index": index}
     parsed = urlparse(spec)
     if parsed.scheme in ("http", "https") and parsed.netloc:
         url = spec if parsed.path not in ("", "/") else spec.rstrip("/") + "/retrieve"
         return {"retriever": "http", "url": url}
-    raise UserError(f"--retriever must be bm25:DIR or http://HOST:PORT (a Search-R1 /retrieve server), got '{spec}'")
+    raise UserError(f"--retriever must be bm25:DIR, dense:DIR or http://HOST:PORT (a Search-R1 /retrieve server), got '{spec}'")
 
 
 def check_turn_budget(max_tokens: int, max_context_tokens: int) -> None:

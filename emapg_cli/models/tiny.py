@@ -104,3 +104,44 @@ def save_tiny(path: str | Path, arch: Literal["qwen2", "llama"] = "qwen2", seed:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+#: Special tokens of the tiny BERT encoder's WordPiece tokenizer (BERT's own names).
+ENCODER_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def save_tiny_encoder(path: str | Path, texts: list[str], vocab_size: int = 1000, hidden: int = 32, layers: int = 2,
+                      heads: int = 2, max_positions: int = 128, seed: int = 0) -> Path:
+    """A randomly initialised tiny BERT encoder and a lower-cased WordPiece tokenizer (every character of `texts`, then
+    their most frequent words up to `vocab_size`; other words are spelled in characters), saved to
+    `path` in `save_pretrained` format (what the dense retriever loads, with mean pooling, like e5-base-v2).
+
+    Tests of the dense retriever and `scripts/train_tiny_encoder.py` build it; nothing is downloaded.
+    """
+    from collections import Counter
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    normalizer, pre = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter(w for t in texts for w, _ in pre.pre_tokenize_str(normalizer.normalize_str(t)))
+    chars = sorted({c for w in counts for c in w})
+    vocab = [*ENCODER_SPECIAL_TOKENS, *chars, *(f"##{c}" for c in chars)]
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))  # most frequent first, ties by name
+    vocab += words[:max(0, vocab_size - len(vocab))]  # deterministic (the WordPiece trainer breaks ties by hash order)
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre, decoders.WordPiece()
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]",
+                                                       special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
+                                 sep_token="[SEP]", mask_token="[MASK]", model_max_length=max_positions)
+    config = BertConfig(vocab_size=len(hf), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=hidden * 4, max_position_embeddings=max_positions,
+                        pad_token_id=hf.pad_token_id)
+    torch.manual_seed(seed)
+    path = Path(path)
+    BertModel(config).save_pretrained(path)
+    hf.save_pretrained(path)
+    return path
