@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -89,21 +90,51 @@ def cli_many():
     return run_cli_many
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The fuzz suite's case counts per command (tests/test_fuzz_cli.py), when it ran."""
-    import sys
+def pytest_configure(config):
+    """Under pytest-xdist (`-n 2`, as CI runs): each worker gets its own EMAPG_HOME, a subfolder of the given one,
+    so two workers never prepare, index or build into the same folder at once (each test's own `emapg_home` is
+    still a fresh folder of its own)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        from emapg_cli.paths import emapg_home
 
+        home = emapg_home() / f"pytest-{worker}"
+        home.mkdir(parents=True, exist_ok=True)
+        os.environ["EMAPG_HOME"] = str(home)
+
+
+_WORKER_FUZZ: Counter = Counter()  # the controller's sum of every xdist worker's fuzz counts
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands its fuzz counts to the controller (`workeroutput`), which prints the summary."""
     fuzz = sys.modules.get("test_fuzz_cli")
-    if fuzz is None or not fuzz.RESULTS:
+    if hasattr(session.config, "workeroutput") and fuzz is not None:
+        session.config.workeroutput["fuzz_results"] = [[*key, n] for key, n in fuzz.RESULTS.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """(xdist controller) Add up a finished worker's fuzz counts."""
+    for *key, n in getattr(node, "workeroutput", {}).get("fuzz_results", []):
+        _WORKER_FUZZ[tuple(key)] += n
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The fuzz suite's case counts per command (tests/test_fuzz_cli.py), when it ran (in this process or in
+    xdist workers)."""
+    fuzz = sys.modules.get("test_fuzz_cli")
+    results = _WORKER_FUZZ + (fuzz.RESULTS if fuzz is not None else Counter())
+    if not results:
         return
     terminalreporter.section("fuzz cases per command")
     for command in ("prepare", "train", "eval", "ablate", "kl-check", "config"):
         parts = []
         for how in ("in-process", "subprocess", "generated"):
-            counts = {o: fuzz.RESULTS[(command, how, o)] for o in ("ok", "xfail", "fail")}
+            counts = {o: results[(command, how, o)] for o in ("ok", "xfail", "fail")}
             if any(counts.values()):
                 parts.append(f"{how} {sum(counts.values())} (ok {counts['ok']}, xfail {counts['xfail']}, fail {counts['fail']})")
         if parts:
             terminalreporter.write_line(f"{command:9s} " + "; ".join(parts))
-    total = sum(fuzz.RESULTS.values())
+    total = sum(results.values())
     terminalreporter.write_line(f"total     {total} case runs")

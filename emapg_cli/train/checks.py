@@ -17,7 +17,7 @@ from emapg_cli.config.models import Config
 from emapg_cli.data.schema import Example
 from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
-from emapg_cli.kl import INFO
+from emapg_cli.estimator_names import INFO  # torch-free: a refused config never imports torch
 from emapg_cli.paths import expand, prepare_hint
 
 #: Optional packages a config can ask for: (config switch, import name, pip extra).
