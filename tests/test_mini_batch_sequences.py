@@ -111,7 +111,9 @@ def test_search_qa_counts_sequences(cli, emapg_home):
     r = cli("config", "show", "--preset", "search-qa")
     assert r.returncode == 0, r.stderr
     assert "mini_batch_sequences: 256" in r.stdout and "mini_batch_prompts: null" in r.stdout
-    r = cli("train", "--preset", "search-qa", "--dry-run")
+    # a wide terminal: the plan's cells then hold the phrase on one line, whatever the length of the data path
+    # the warnings column shows (pytest-xdist's worker folders lengthen it)
+    r = cli("train", "--preset", "search-qa", "--dry-run", env={"COLUMNS": "250"})
     assert r.returncode == 0, r.stderr
     out = " ".join(r.stdout.split())
     assert "256 sequences (groups may span); 10 per step x 1 epoch(s)" in out and "10 per RL step" in out
