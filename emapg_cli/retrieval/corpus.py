@@ -5,32 +5,110 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from emapg_cli.data.schema import read_jsonl
+from emapg_cli.data.schema import parse_json_line, read_jsonl
 from emapg_cli.errors import UserError
 
 
 def read_corpus(path: Path) -> list[dict[str, str]]:
-    """Every row as `{"id", "contents"}`; a row without a non-empty string `contents` is a one-line UserError.
+    """Every row as `{"id", "contents"}` in one list (small corpora; `iter_corpus` streams); same checks as it."""
+    return list(iter_corpus(path))
 
-    A row without `id` gets its 0-based row number; ids must be unique.
+
+def _rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based row number, raw row) of a JSONL, gzipped JSONL or parquet corpus file, one at a time."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        yield from enumerate(_parquet_rows(path), 1)
+    elif name.endswith(".gz"):
+        import gzip
+
+        try:
+            with gzip.open(path, "rt", encoding="utf-8") as f:
+                for i, line in enumerate(f, 1):
+                    if line.strip():
+                        yield i, parse_json_line(line, f"{path}:{i}")
+        except (OSError, EOFError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: not a readable gzipped JSONL file ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
+    else:
+        yield from read_jsonl(path, numbered=True)
+
+
+def _parquet_rows(path: Path, batch_rows: int = 8192) -> Iterator[dict[str, Any]]:
+    """Rows of a parquet corpus (columns `contents` and optionally `id`), read one record batch at a time."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path}: reading a parquet corpus needs pyarrow (pip install pyarrow), or convert it to JSONL") from None
+    try:
+        pf = pq.ParquetFile(path)
+        columns = [c for c in ("id", "contents") if c in pf.schema_arrow.names]
+        if "contents" not in columns:
+            raise UserError(f"{path}: the parquet corpus has no 'contents' column (columns: {', '.join(pf.schema_arrow.names)[:120]})")
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            yield from batch.to_pylist()
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001  whatever pyarrow raises on a damaged file
+        raise UserError(f"{path}: not a readable parquet file ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})") from None
+
+
+def iter_corpus(path: Path) -> Iterator[dict[str, str]]:
+    """Stream the corpus rows as `{"id", "contents"}`, one at a time, in file order.
+
+    Layouts: FlashRAG / Search-R1 JSONL (`wiki-18.jsonl`, one `{"id", "contents"}` object a line; `.jsonl.gz`
+    read as is) and parquet with the same columns. A row without a non-empty string `contents` is a one-line
+    UserError; a row without `id` gets its 0-based row number; ids must be unique. Duplicate ids are found
+    with an 8-byte hash per row (not a set of every id) and reported when the file has been read, so a
+    consumer must not commit what it built before the iterator is exhausted; an empty corpus is refused then too.
     """
+    import numpy as np
+
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such corpus file")
-    docs, seen = [], set()
-    for i, row in enumerate(read_jsonl(path)):
+    hashes, block = [], []  # blocks of the ids' hashes, int64 [65536] each, and the current one
+    for n, (_, row) in enumerate(_rows(path)):
         contents = row.get("contents") if isinstance(row, dict) else None
         if not isinstance(contents, str) or not contents.strip():
-            raise UserError(f"{path}: row {i + 1} has no 'contents' string (corpus rows are {{\"id\", \"contents\"}}, "
+            raise UserError(f"{path}: row {n + 1} has no 'contents' string (corpus rows are {{\"id\", \"contents\"}}, "
                             "the first line of contents being the title)")
-        doc_id = str(row.get("id", i))
-        if doc_id in seen:
-            raise UserError(f"{path}: row {i + 1}: duplicate id {doc_id!r}")
-        seen.add(doc_id)
-        docs.append({"id": doc_id, "contents": contents})
-    if not docs:
+        doc_id = row.get("id")
+        doc_id = str(n if doc_id is None else doc_id)
+        block.append(hash(doc_id))
+        if len(block) == 65536:
+            hashes.append(np.array(block, dtype=np.int64))
+            block = []
+        yield {"id": doc_id, "contents": contents}
+    if not block and not hashes:
         raise UserError(f"{path}: the corpus has no rows")
-    return docs
+    hashes.append(np.array(block, dtype=np.int64))
+    _check_unique_ids(path, np.concatenate(hashes))
+
+
+def _check_unique_ids(path: Path, hashes) -> None:
+    """UserError naming the first repeated id, if any; `hashes` (int64 [rows]) are the ids' hashes in row order.
+    Equal hashes are confirmed by reading those rows' ids again (a hash collision is no duplicate)."""
+    import numpy as np
+
+    order = np.argsort(hashes, kind="stable")  # [rows]; equal hashes keep row order
+    same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])  # positions in `order` of a hash equal to the previous
+    if not len(same):
+        return
+    candidates = {int(r) for s in same for r in (order[s], order[s + 1])}
+    ids: dict[int, str] = {}
+    for n, (_, row) in enumerate(_rows(path)):
+        if n in candidates:
+            doc_id = row.get("id")
+            ids[n] = str(n if doc_id is None else doc_id)
+    first_seen: dict[str, int] = {}
+    dups = []
+    for n in sorted(ids):
+        if ids[n] in first_seen:
+            dups.append(n)
+        first_seen.setdefault(ids[n], n)
+    if dups:
+        n = dups[0]
+        raise UserError(f"{path}: row {n + 1}: duplicate id {ids[n]!r} (first at row {first_seen[ids[n]] + 1})")
 
 
 def hotpotqa_paragraphs(row: dict[str, Any]) -> Iterator[tuple[str, str]]:
