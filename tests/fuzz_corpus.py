@@ -807,11 +807,20 @@ def retriever_cases() -> list[Case]:
     def dumps(fn):
         return manifest(lambda m: json.dumps(fn(m)))
 
-    def short_docs(files):  # one row less, the manifest's rows and hash made to agree: the model has 3 documents
-        files["docs.jsonl"] = b"".join(files["docs.jsonl"].splitlines(keepends=True)[:2])
+    def short_docs(files):  # one row less, the manifest's rows and hashes made to agree: the model has 3 documents
+        import io
+
+        import numpy as np
+
+        files["docs.bin"] = b"".join(files["docs.bin"].splitlines(keepends=True)[:2])
+        offsets = np.load(io.BytesIO(files["docs.offsets.npy"]))[:3]
+        buf = io.BytesIO()
+        np.save(buf, offsets)
+        files["docs.offsets.npy"] = buf.getvalue()
         m = json.loads(files["manifest.json"])
         m["rows"] = 2
-        m["files"]["docs.jsonl"] = {"bytes": len(files["docs.jsonl"]), "sha256": hashlib.sha256(files["docs.jsonl"]).hexdigest()}
+        for name in ("docs.bin", "docs.offsets.npy"):
+            m["files"][name] = {"bytes": len(files[name]), "sha256": hashlib.sha256(files[name]).hexdigest()}
         files["manifest.json"] = json.dumps(m).encode()
 
     def garble(name):
@@ -830,14 +839,22 @@ def retriever_cases() -> list[Case]:
         variant("manifest-missing-key", dumps(lambda m: {k: v for k, v in m.items() if k != "rows"})),
         variant("manifest-extra-key", dumps(lambda m: {**m, "extra": True})),
         variant("manifest-format", dumps(lambda m: {**m, "format": "emapg-bm25/0"})),
-        variant("docs-deleted", lambda f: f.pop("docs.jsonl")),
-        variant("docs-truncated", lambda f: f.update({"docs.jsonl": f["docs.jsonl"][:30]})),
+        variant("docs-deleted", lambda f: f.pop("docs.bin")),
+        variant("docs-truncated", lambda f: f.update({"docs.bin": f["docs.bin"][:30]})),
+        variant("docs-garbled", garble("docs.bin")),
+        variant("offsets-deleted", lambda f: f.pop("docs.offsets.npy")),
         variant("docs-shorter-than-model", short_docs),
         variant("model-garbled", garble("bm25/data.csc.index.npy")),
         variant("model-params-deleted", lambda f: f.pop("bm25/params.index.json")),
         variant("planted-file", lambda f: f.update({"bm25/extra.npy": b"x"})),
         case("retriever", "index-stop-words", "retriever", "index", "sw.jsonl", "--out", "newidx",
              files={"sw.jsonl": jsonl([{"id": "1", "contents": "The\nthe of an"}])}),
+        case("retriever", "index-chunk-rows-zero", "retriever", "index", "c.jsonl", "--out", "newidx", "--chunk-rows", "0",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
+        case("retriever", "index-chunk-rows-text", "retriever", "index", "c.jsonl", "--out", "newidx", "--chunk-rows", "many",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
+        case("retriever", "index-duplicate-id", "retriever", "index", "c.jsonl", "--out", "newidx", "--chunk-rows", "1",
+             files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}, {"id": "2", "contents": "U\nhill"}, {"id": "1", "contents": "V\nsea"}])}),
         case("retriever", "index-out-foreign", "retriever", "index", "c.jsonl", "--out", "foreign",
              files={"c.jsonl": jsonl([{"id": "1", "contents": "T\nriver"}])}),
         case("retriever", "index-out-train-run", "retriever", "index", "c.jsonl", "--out", "trainrun",

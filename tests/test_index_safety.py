@@ -78,26 +78,27 @@ def test_build_keeps_a_users_tmp_folder_and_hashes_every_file(tmp_path):
     manifest = build_index(_corpus(tmp_path / "c.jsonl"), tmp_path / "X")
     assert (tmp_path / "X.tmp" / "thesis.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["X", "X.tmp", "c.jsonl"]  # no temporary folder left
-    assert manifest["files"]["docs.jsonl"]["sha256"] == sha256_file(tmp_path / "X" / "docs.jsonl")
-    assert set(manifest["files"]) == {f"bm25/{p.name}" for p in (tmp_path / "X" / "bm25").iterdir()} | {"docs.jsonl"}
+    assert manifest["files"]["docs.bin"]["sha256"] == sha256_file(tmp_path / "X" / "docs.bin")
+    assert set(manifest["files"]) == {f"bm25/{p.name}" for p in (tmp_path / "X" / "bm25").iterdir()} | {"docs.bin", "docs.offsets.npy"}
     assert len(BM25Retriever.load(tmp_path / "X").docs) == 4
     with pytest.raises(UserError, match="already holds an index; choose a new --out folder"):
         build_index(tmp_path / "c.jsonl", tmp_path / "X")
 
 
 def test_docs_shorter_than_the_model_is_refused(tmp_path):
-    """docs.jsonl one row short, with the manifest's rows and hashes made to agree: the model's 4 documents != 3."""
+    """The doc store one row short, with the manifest's rows and hashes made to agree: the model's 4 documents != 3."""
     from emapg_cli.retrieval.bm25 import BM25Retriever, _file_table, build_index
+    from emapg_cli.retrieval.docstore import write_docstore
 
     out = tmp_path / "X"
     build_index(_corpus(tmp_path / "c.jsonl"), out)
-    lines = (out / "docs.jsonl").read_text().splitlines(keepends=True)
-    (out / "docs.jsonl").write_text("".join(lines[:3]))
+    lines = (out / "docs.bin").read_text().splitlines()
+    write_docstore([json.loads(line) for line in lines[:3]], out)
     m = json.loads((out / "manifest.json").read_text())
     m.update(rows=3, files=_file_table(out))
     m["files"] = {k: v for k, v in m["files"].items() if not k.startswith(".emapg")}
     (out / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(UserError, match=r"the bm25 model has 4 documents, docs.jsonl has 3"):
+    with pytest.raises(UserError, match=r"the bm25 model has 4 documents, docs.bin has 3"):
         BM25Retriever.load(out)
 
 

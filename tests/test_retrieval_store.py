@@ -83,3 +83,94 @@ def test_docstore_write_is_atomic_and_open_checks(tmp_path):
     (tmp_path / DOCS_BIN).unlink()
     with pytest.raises(UserError, match="docs.bin is missing"):
         DocStore.open(tmp_path)
+
+
+# ------------------------------------------------------------------------------- the streamed bm25 index
+def _bm25s_in_memory(texts):
+    """bm25s's own in-memory index of `texts` (what `build_index` built before it streamed)."""
+    bm25s = pytest.importorskip("bm25s")
+    from emapg_cli.retrieval.bm25 import _tokens
+
+    model = bm25s.BM25()
+    model.index(_tokens(texts), show_progress=False)
+    return model
+
+
+def _same_hits(model, retriever, queries, k):
+    """Same top-k ids and float32 scores, and the same score matrix: each term's column (its documents and scores)
+    bit-equal, the term ids mapped through the two vocabularies (bm25s numbers terms in a Python set's order)."""
+    from emapg_cli.retrieval.bm25 import _tokens
+
+    a, b = model.scores, retriever.model.scores
+    assert set(model.vocab_dict) == set(retriever.model.vocab_dict) and a["num_docs"] == b["num_docs"]
+    for token, i in model.vocab_dict.items():
+        j = retriever.model.vocab_dict[token]
+        if token:  # "" is one id past the last column in both
+            sa, sb = slice(a["indptr"][i], a["indptr"][i + 1]), slice(b["indptr"][j], b["indptr"][j + 1])
+            assert a["indices"][sa].tolist() == b["indices"][sb].tolist() and a["data"][sa].tobytes() == b["data"][sb].tobytes(), token
+
+    ids_a, scores_a = model.retrieve(_tokens(queries), k=k, show_progress=False)  # [n, k] each
+    ids_b, scores_b = retriever.model.retrieve(_tokens(queries), k=k, show_progress=False)
+    assert ids_a.tolist() == ids_b.tolist()
+    assert scores_a.dtype == scores_b.dtype == np.float32 and scores_a.tolist() == scores_b.tolist()  # bit-equal
+
+
+def test_streamed_index_scores_equal_bm25s_in_memory(tmp_path):
+    """Chunks of 2 rows, 3 spill buckets; repeated documents and documents with no token after stop words. 17 tokens
+    in 9 documents: avgdl = 17/9, not a float32 (a build that rounded it to float32 would differ in some scores)."""
+    from emapg_cli.retrieval.bm25 import FORMAT, BM25Retriever, build_index
+
+    texts = ["A\nalpha beta", "B\nalpha", "C\nthe of and", "D\nalpha beta", "E\ngamma gamma alpha delta",
+             "F\n", "G\nbeta beta beta delta", "H\nalpha beta", "I\nalpha gamma"]
+    rows = [{"id": f"r{i}", "contents": t} for i, t in enumerate(texts)]
+    rows[5]["contents"] = "F\n..."  # contents must be non-blank; "F" and "..." hold no token (\w\w+)
+    texts[5] = rows[5]["contents"]
+    corpus = _write(tmp_path / "c.jsonl", rows)
+    manifest = build_index(corpus, tmp_path / "idx", chunk=2, buckets=3)
+    assert manifest["format"] == FORMAT == "emapg-bm25/3" and manifest["rows"] == 9
+    assert {"docs.bin", "docs.offsets.npy", "bm25/data.csc.index.npy", "bm25/vocab.index.json"} <= set(manifest["files"])
+    retriever = BM25Retriever.load(tmp_path / "idx")
+    assert isinstance(retriever.model.scores["data"], np.memmap) and isinstance(retriever.docs, DocStore)
+    _same_hits(_bm25s_in_memory(texts), retriever, ["alpha", "beta delta", "gamma", "alpha beta gamma delta", "zeta", "the"], k=9)
+    retriever.close()
+
+
+def test_streamed_index_hand_computed_scores(tmp_path):
+    """BM25 (Lucene variant, k1 = 1.5, b = 0.75) over d0 = "alpha beta" (|d| = 2) and d1 = "alpha" (|d| = 1): N = 2,
+    avgdl = 1.5. idf(alpha) = ln(1 + (2 - 2 + .5)/(2 + .5)) = ln 1.2 = 0.182322; idf(beta) = ln(1 + 1.5/1.5) = ln 2.
+    tf part = tf / (k1 (0.25 + 0.75 |d| / 1.5) + tf): d0: 1 / (1.5 x 1.25 + 1) = 1/2.875; d1: 1 / (1.5 x 0.75 + 1) = 1/2.125.
+    "alpha": d1 0.182322/2.125 = 0.085798, d0 0.182322/2.875 = 0.063416; "beta": d0 0.693147/2.875 = 0.241095."""
+    from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
+
+    build_index(_write(tmp_path / "c.jsonl", [{"id": "d0", "contents": "T\nalpha beta"}, {"id": "d1", "contents": "U\nalpha"}]),
+                tmp_path / "idx", chunk=1, buckets=2)
+    retriever = BM25Retriever.load(tmp_path / "idx")
+    (a1, a0), (b0,) = retriever.search(["alpha"], 2)[0], retriever.search(["beta"], 1)[0]
+    assert (a1.id, a0.id, b0.id) == ("d1", "d0", "d0")
+    assert [round(h.score, 6) for h in (a1, a0, b0)] == [0.085798, 0.063416, 0.241095]
+
+
+def test_streamed_index_equals_bm25s_on_the_toy_search_corpus(tmp_path):
+    from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
+    from emapg_cli.toy.search_prepare import SIZES
+    from emapg_cli.toy.search_task import make_world
+
+    rows = list(make_world(0, SIZES).corpus())
+    build_index(_write(tmp_path / "c.jsonl", rows), tmp_path / "idx", chunk=97, buckets=5)
+    retriever = BM25Retriever.load(tmp_path / "idx")
+    queries = [r["contents"].split("\n")[0] for r in rows[::37]] + [r["contents"][-40:] for r in rows[::53]]
+    _same_hits(_bm25s_in_memory([r["contents"] for r in rows]), retriever, queries, k=5)
+
+
+def test_format_2_folder_still_loads(tmp_path):
+    """A folder as the /2 build wrote it: bm25s's own save, docs.jsonl, the manifest with every file's hash."""
+    from emapg_cli.retrieval.bm25 import BM25Retriever, _file_table
+
+    rows = [{"id": "a", "contents": "T\nriver stone"}, {"id": "b", "contents": "U\nhill"}]
+    _bm25s_in_memory([r["contents"] for r in rows]).save(str(tmp_path / "bm25"), show_progress=False)
+    _write(tmp_path / "docs.jsonl", rows)
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "format": "emapg-bm25/2", "corpus": "c.jsonl", "corpus_sha256": "0" * 64, "rows": 2, "bm25s_version": "0.3.16",
+        "tokenizer": "bm25s", "index_s": 0.1, "files": _file_table(tmp_path)}))
+    retriever = BM25Retriever.load(tmp_path)
+    assert [h.id for h in retriever.search(["hill"], 1)[0]] == ["b"] and isinstance(retriever.docs, list)

@@ -19,21 +19,25 @@ app = typer.Typer(help="Retrieval for the search agent: index a JSONL corpus, qu
 def index(
     corpus: Annotated[Path, typer.Argument(metavar="CORPUS.jsonl", help="Corpus in the FlashRAG layout: one {\"id\", \"contents\"} per line, the first line of contents being the title.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="New (or empty) folder for the index.")],
+    chunk_rows: Annotated[int, typer.Option("--chunk-rows", min=1, help="Rows read and tokenised at a time; the build's memory is the vocabulary plus one chunk (and one spill bucket), whatever the corpus size.")] = 10_000,
 ) -> None:
-    """Build a BM25 index (bm25s) of CORPUS into --out, with a manifest (corpus sha256, row count)."""
+    """Build a BM25 index (bm25s) of CORPUS into --out, streaming it in chunks, with a manifest (corpus sha256, row count).
+
+    CORPUS may be JSONL, gzipped JSONL (.jsonl.gz, as Search-R1's wiki-18 download) or parquet. The index is
+    bm25s's saved layout plus a doc store, both memory-mapped by `query` and `serve`."""
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
     from emapg_cli.progress import Progress  # plain lines when the output is a log
     from emapg_cli.retrieval.bm25 import build_index
 
-    bar = Progress(TextColumn("tokenising"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
+    bar = Progress(TextColumn("indexing rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
-    def start(total: int):
-        task = bar.add_task("tokenising", total=total)
+    def start(total):  # rows, or None for a gzipped corpus (no bar length, the count still shows)
+        task = bar.add_task("indexing", total=total)
         return lambda k: bar.advance(task, k)
 
     with bar:
-        manifest = build_index(corpus, out, progress=start)
+        manifest = build_index(corpus, out, progress=start, chunk=chunk_rows)
     console.print(f"indexed {manifest['rows']:,} documents in {manifest['index_s']:.2f} s -> {out} "
                   f"(corpus sha256 {manifest['corpus_sha256'][:12]}...)", highlight=False)
 

@@ -73,9 +73,9 @@ def index_concurrent_same_out(ws: Path) -> None:
     code, err = results[loser]
     assert code == 2 and "Traceback" not in err and ("in use" in err or "already holds" in err), f"loser: exit {code} {err!r}"
     manifest = json.loads((ws / "X" / "manifest.json").read_text())
-    docs = [json.loads(line) for line in (ws / "X" / "docs.jsonl").read_text().splitlines()]
+    docs = [json.loads(line) for line in (ws / "X" / "docs.bin").read_text().splitlines()]
     assert manifest["corpus"] == f"{winners[0]}.jsonl", f"manifest names {manifest['corpus']}, {winners[0]} won"
-    assert {d["id"][0] for d in docs} == {winners[0].lower()}, "docs.jsonl holds the other run's corpus"
+    assert {d["id"][0] for d in docs} == {winners[0].lower()}, "docs.bin holds the other run's corpus"
     r = ok(emapg(ws, "retriever", "query", "X", "beta mountain" if winners == ["B"] else "alpha river", "--json"))
     assert json.loads(r.out)[0]["id"][0] == winners[0].lower(), "the index answers with the other corpus"
 
@@ -105,10 +105,20 @@ def _rehash(folder: Path, m: dict) -> dict:
 
 
 def _drop_last_doc(folder: Path) -> None:
-    """docs.jsonl one row shorter than the bm25 model, the manifest's rows and hashes made to agree with it."""
-    lines = (folder / "docs.jsonl").read_text().splitlines(keepends=True)
-    (folder / "docs.jsonl").write_text("".join(lines[:-1]))
+    """The doc store one row shorter than the bm25 model, the manifest's rows and hashes made to agree with it."""
+    from emapg_cli.retrieval.docstore import write_docstore
+
+    write_docstore([json.loads(line) for line in (folder / "docs.bin").read_text().splitlines()][:-1], folder)
     _rewrite_manifest(folder, lambda m: _rehash(folder, {**m, "rows": m["rows"] - 1}))
+
+
+def _legacy_short_docs(folder: Path) -> None:
+    """The folder made a format /1 one (docs.jsonl, no file hashes) whose docs.jsonl is one row shorter than the model."""
+    lines = (folder / "docs.bin").read_text().splitlines(keepends=True)
+    (folder / "docs.jsonl").write_text("".join(lines[:-1]))
+    (folder / "docs.bin").unlink()
+    (folder / "docs.offsets.npy").unlink()
+    _rewrite_manifest(folder, lambda m: {**{k: v for k, v in m.items() if k != "files"}, "format": "emapg-bm25/1", "rows": m["rows"] - 1})
 
 
 def _truncate(path: Path) -> None:
@@ -139,11 +149,11 @@ TAMPER = {
     "manifest_files_wrong_type": lambda f: _rewrite_manifest(f, lambda m: {**m, "files": {k: {"bytes": "1", "sha256": v["sha256"]}
                                                                                          for k, v in m.get("files", {"docs.jsonl": {"sha256": ""}}).items()}}),
     "manifest_files_outside": lambda f: _rewrite_manifest(f, lambda m: {**m, "files": {**m.get("files", {}), "../x": {"bytes": 1, "sha256": "0"}}}),
-    "docs_deleted": lambda f: (f / "docs.jsonl").unlink(),
-    "docs_truncated": lambda f: _truncate(f / "docs.jsonl"),
-    "docs_garbled": lambda f: _garble(f / "docs.jsonl"),
+    "docs_deleted": lambda f: (f / "docs.bin").unlink(),
+    "docs_truncated": lambda f: _truncate(f / "docs.bin"),
+    "docs_garbled": lambda f: _garble(f / "docs.bin"),
     "docs_shorter_than_model": _drop_last_doc,
-    "docs_wrong_row_type": lambda f: ((f / "docs.jsonl").write_text("[1, 2]\n" * len((f / "docs.jsonl").read_text().splitlines())),
+    "docs_wrong_row_type": lambda f: ((f / "docs.bin").write_text("[1, 2]\n" * len((f / "docs.bin").read_text().splitlines())),
                                       _rewrite_manifest(f, lambda m: _rehash(f, m))),
     "model_params_deleted": lambda f: (f / "bm25" / "params.index.json").unlink(),
     "model_data_truncated": lambda f: _truncate(f / "bm25" / "data.csc.index.npy"),
@@ -153,8 +163,7 @@ TAMPER = {
         (f / "bm25" / "params.index.json").read_text().replace('"num_docs": 6', '"num_docs": 60')), _rewrite_manifest(f, lambda m: _rehash(f, m))),
     "extra_file": lambda f: (f / "bm25" / "planted.npy").write_bytes(b"x"),
     "folder_is_a_file": lambda f: (__import__("shutil").rmtree(f), f.write_text("not a folder")),
-    "legacy_format_short_docs": lambda f: (_drop_last_doc(f), _rewrite_manifest(
-        f, lambda m: {**{k: v for k, v in m.items() if k != "files"}, "format": "emapg-bm25/1"})),
+    "legacy_format_short_docs": _legacy_short_docs,
 }
 
 
@@ -205,7 +214,7 @@ def index_tampered_cli(ws: Path) -> None:
     good = _index(ws)
     shutil.copytree(good, ws / "short")
     _drop_last_doc(ws / "short")
-    one_line_error(emapg(ws, "retriever", "query", "short", "alpha river"), "short", "docs.jsonl")
+    one_line_error(emapg(ws, "retriever", "query", "short", "alpha river"), "short", "docs.bin")
     shutil.copytree(good, ws / "garbled")
     _garble(ws / "garbled" / "bm25" / "data.csc.index.npy")
     one_line_error(emapg(ws, "retriever", "serve", "garbled", "--port", "0", timeout=30), "garbled", "data.csc.index.npy")
