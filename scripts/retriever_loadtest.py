@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's emapg_cli (the doc store reader)
 SYLLABLES = ("ka ri to mu sen da vel or an ith ba lo que ster mon gal pre dis tor ven lim "
              "sa no ru be che pol tra xi fen gor hu win ly zed ma kor ul ep").split()
 

@@ -62,10 +62,11 @@ MAX_REPLY = 64 << 20
 TIMEOUT_S = 10.0
 #: Connections served at once; the next ones get a 503 at once.
 MAX_CONNECTIONS = 64
-#: Threads calling `retriever.search` (the worker pool). bm25s's numpy scoring holds the GIL for most of a query
-#: (two threads scored 256 queries 1.0-1.5x as fast as one on a shared 2-core machine), so one worker that takes
-#: every waiting query in one call is the default; a dense (FAISS) retriever releases the GIL and can use more.
-WORKERS = 1
+#: Threads calling `retriever.search` (the worker pool). Two: while one searches (the bm25 retriever searches one
+#: batch at a time), the other fetches its batch's passages, and handler threads encode replies; measured on a
+#: 2-core machine (docs/search.md "Paper scale"), 2 workers served 1.4-2.4x the queries/s of 1 at 8-64 clients x
+#: 256 queries. A dense (FAISS) retriever releases the GIL while it scores and can use more.
+WORKERS = 2
 #: Most queries in one `retriever.search` call: waiting requests (same topk) are taken together up to it, a larger
 #: request is searched in parts of it. Bounds the search's batch memory (bm25s: one score row per query at a time).
 MAX_BATCH = 1024
