@@ -293,6 +293,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every cell, server and in-process interleaved")
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--max-seconds", type=float, default=1200, help="no cell starts after this many seconds")
+    ap.add_argument("--max-cell-queries", type=int, default=1 << 20,
+                    help="skip the cells that need more queries than this (64 clients x 256 need 16,384)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per request")
     ap.add_argument("--serve-option", action="append", default=[], metavar="OPT",
                     help="extra option of `emapg retriever serve`, e.g. --serve-option=--workers=2 (repeatable)")
@@ -348,10 +350,10 @@ def main() -> None:
             in_s, in_n, in_cpu = inproc.run(in_batches[:(len(in_batches) + 1) // 2], args.topk)
             rows_here = []
             for clients in (clients_list if r % 2 == 0 else clients_list[::-1]):
-                if time.perf_counter() - t_start > args.max_seconds:
+                per_client = max(1, args.queries // (clients * batch))
+                if time.perf_counter() - t_start > args.max_seconds or clients * per_client * batch > args.max_cell_queries:
                     skipped += 1
                     continue
-                per_client = max(1, args.queries // (clients * batch))
                 total = clients * per_client * batch
                 qs = [pool[(offset + i) % len(pool)] for i in range(total)]
                 offset += total
@@ -393,7 +395,7 @@ def main() -> None:
                       f"{statistics.median(x['inproc_cpu_ms'] for x in cell):.2f} (ratio "
                       f"{statistics.median(x['cpu_ratio'] for x in cell):.2f})")
     print(f"responses: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} (the last {refusals} requests were "
-          f"over the server's limits on purpose); cells skipped for --max-seconds: {skipped}")
+          f"over the server's limits on purpose); cells skipped (--max-seconds, --max-cell-queries): {skipped}")
     print(f"server: peak RSS {server.peak_rss / 2**20:.0f} MiB (anonymous {server.peak_anon / 2**20:.0f} MiB), "
           f"{'CRASHED with exit ' + str(crashed) if crashed is not None else 'alive at the end'}; "
           f"wall {time.perf_counter() - t_start:.0f} s")

@@ -286,7 +286,7 @@ def test_server_survives_a_hostile_body_in_process(index):
 
 
 def test_client_splits_large_batches(monkeypatch):
-    """2,500 queries with BATCH_QUERIES 1,024 are three requests (1,024 + 1,024 + 452), hits in query order."""
+    """2,500 queries with BATCH_QUERIES 256 are ten requests (9 x 256 + 196), hits in query order."""
     import emapg_cli.retrieval.http as http
 
     sent = []
@@ -298,7 +298,7 @@ def test_client_splits_large_batches(monkeypatch):
     monkeypatch.setattr(http.HTTPRetriever, "_post", post)
     queries = [f"q{i}" for i in range(2500)]
     hits = http.HTTPRetriever("http://127.0.0.1:1/retrieve").search(queries, 1)
-    assert sent == [1024, 1024, 452] and [h[0].id for h in hits] == queries
+    assert sent == [256] * 9 + [196] and [h[0].id for h in hits] == queries  # 2,500 - 9 x 256 = 196
 
 
 def test_server_over_max_connections_is_503_then_serves(index):

@@ -37,12 +37,15 @@ from emapg_cli.retrieval.base import Hit, hit_from_doc
 from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
 
 
-#: Most queries sent in one request: a larger batch (a whole evaluation set in one turn) is split into
-#: requests of this many, in order, so it stays under a server's query limit (`retriever serve
-#: --max-queries`, 4,096 by default); each query's hits do not depend on the others in its request.
-BATCH_QUERIES = 1024
-#: Seconds per request (`search.timeout_s`): each read of the socket, the wait for the reply's head included.
-TIMEOUT_S = 30.0
+#: Most queries sent in one request: a larger batch (a turn of many episodes, a whole evaluation set) is split into
+#: requests of this many, in order, so it stays under a server's query limit (`retriever serve --max-queries`,
+#: 4,096 by default) and its time under the timeout; each query's hits do not depend on the others in its request.
+#: 256 (it was 1,024): bm25 over 10^6 passages searches ~10-30 queries/s per core, so 1,024 queries took minutes.
+BATCH_QUERIES = 256
+#: Seconds per request (`search.timeout_s`): each read of the socket, the wait for the reply's head included. 120 s
+#: (it was 30): a request of BATCH_QUERIES queries to bm25 over 10^6 passages takes ~10-25 s on a busy core, and
+#: another trainer's request may be ahead of it in the server's queue.
+TIMEOUT_S = 120.0
 #: Largest reply read (bytes); a longer one is an error, not a memory spike.
 MAX_REPLY_BYTES = 256 << 20
 #: A reply must arrive whole within this many times the request's timeout (`search.timeout_s`): the timeout
