@@ -63,9 +63,10 @@ TIMEOUT_S = 10.0
 #: Connections served at once; the next ones get a 503 at once.
 MAX_CONNECTIONS = 64
 #: Threads calling `retriever.search` (the worker pool). Two: while one searches (the bm25 retriever searches one
-#: batch at a time), the other fetches its batch's passages, and handler threads encode replies; measured on a
-#: 2-core machine (docs/search.md "Paper scale"), 2 workers served 1.4-2.4x the queries/s of 1 at 8-64 clients x
-#: 256 queries. A dense (FAISS) retriever releases the GIL while it scores and can use more.
+#: batch at a time), the other fetches its batch's passages and handler threads encode replies. On a shared
+#: 2-core machine (docs/search.md "Paper scale") 2 workers served more queries/s than 1 in 5 of 6 paired runs at
+#: 8-64 clients x 256 queries, at about the same CPU per query (within the noise). A dense (FAISS) retriever
+#: releases the GIL while it scores and can use more.
 WORKERS = 2
 #: Most queries in one `retriever.search` call: waiting requests (same topk) are taken together up to it, a larger
 #: request is searched in parts of it. Bounds the search's batch memory (bm25s: one score row per query at a time).
