@@ -255,7 +255,7 @@ class HTTPRetriever:
                             f"{f' ({missing} of {len(distinct)} queries unanswered)' if len(distinct) > missing else ''}: "
                             f"{why[1]}")
         by_query = {q: row for b, batch in enumerate(batches) for q, row in zip(batch, done[b])}
-        return [by_query[q] for q in cut]
+        return [list(by_query[q]) for q in cut]  # a list per query: duplicates share no mutable row
 
     def _ask_all(self, asks: dict) -> dict:
         """`_ask` for each batch: in this thread for one URL or one batch, else one thread per URL."""
