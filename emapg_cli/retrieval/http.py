@@ -40,11 +40,11 @@ from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
 #: Most queries sent in one request: a larger batch (a turn of many episodes, a whole evaluation set) is split into
 #: requests of this many, in order, so it stays under a server's query limit (`retriever serve --max-queries`,
 #: 4,096 by default) and its time under the timeout; each query's hits do not depend on the others in its request.
-#: 256 (it was 1,024): bm25 over 10^6 passages searches ~10-30 queries/s per core, so 1,024 queries took minutes.
+#: 256 (it was 1,024): bm25 over 10^6 passages takes ~50 ms of CPU per query, so 1,024 queries took minutes.
 BATCH_QUERIES = 256
 #: Seconds per request (`search.timeout_s`): each read of the socket, the wait for the reply's head included. 120 s
-#: (it was 30): a request of BATCH_QUERIES queries to bm25 over 10^6 passages takes ~10-25 s on a busy core, and
-#: another trainer's request may be ahead of it in the server's queue.
+#: (it was 30): a request of BATCH_QUERIES queries to bm25 over 10^6 passages takes ~14 s of CPU (21-37 s measured
+#: on a shared 2-core machine), and another trainer's request may be ahead of it in the server's queue.
 TIMEOUT_S = 120.0
 #: Largest reply read (bytes); a longer one is an error, not a memory spike.
 MAX_REPLY_BYTES = 256 << 20
