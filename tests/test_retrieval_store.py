@@ -115,10 +115,14 @@ def _same_hits(model, retriever, queries, k):
     assert scores_a.dtype == scores_b.dtype == np.float32 and scores_a.tolist() == scores_b.tolist()  # bit-equal
 
 
-def test_streamed_index_scores_equal_bm25s_in_memory(tmp_path):
-    """Chunks of 2 rows, 3 spill buckets; repeated documents and documents with no token after stop words. 17 tokens
-    in 9 documents: avgdl = 17/9, not a float32 (a build that rounded it to float32 would differ in some scores)."""
+def test_streamed_index_scores_equal_bm25s_in_memory(tmp_path, monkeypatch):
+    """Chunks of 2 rows, 3 spill buckets scored 2 pairs at a time; repeated documents and documents with no token
+    after stop words. 17 tokens in 9 documents: avgdl = 17/9, not a float32 (a build that rounded it to float32
+    would differ in some scores)."""
+    from emapg_cli.retrieval import bm25_build
     from emapg_cli.retrieval.bm25 import FORMAT, BM25Retriever, build_index
+
+    monkeypatch.setattr(bm25_build, "SCORE_SLICE", 2)
 
     texts = ["A\nalpha beta", "B\nalpha", "C\nthe of and", "D\nalpha beta", "E\ngamma gamma alpha delta",
              "F\n", "G\nbeta beta beta delta", "H\nalpha beta", "I\nalpha gamma"]
@@ -174,3 +178,21 @@ def test_format_2_folder_still_loads(tmp_path):
         "tokenizer": "bm25s", "index_s": 0.1, "files": _file_table(tmp_path)}))
     retriever = BM25Retriever.load(tmp_path)
     assert [h.id for h in retriever.search(["hill"], 1)[0]] == ["b"] and isinstance(retriever.docs, list)
+
+
+def test_vocab_file_and_final_ids(tmp_path):
+    from emapg_cli.retrieval.bm25_build import _write_vocab, final_ids
+
+    final, start = final_ids(5, 2)  # bucket 0 = {0, 2, 4} -> 0, 1, 2; bucket 1 = {1, 3} -> 3, 4
+    assert final.tolist() == [0, 3, 1, 4, 2] and start.tolist() == [0, 3, 5]
+    _write_vocab(tmp_path / "v.json", {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4}, final, batch=2)  # batches of 2, 2, 1
+    assert json.loads((tmp_path / "v.json").read_text()) == {"a": 0, "b": 3, "c": 1, "d": 4, "e": 2, "": 5}
+
+
+def test_chunk_rows_default_is_the_constant():
+    import inspect
+
+    from emapg_cli.cli import retriever_cmd
+    from emapg_cli.retrieval.bm25 import DEFAULT_CHUNK_ROWS
+
+    assert inspect.signature(retriever_cmd.index).parameters["chunk_rows"].default == DEFAULT_CHUNK_ROWS == 10_000

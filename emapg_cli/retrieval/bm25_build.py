@@ -10,8 +10,9 @@ functions, so the tokens, idf and term-frequency formulas are bm25s's own):
    df[term] and write the doc lengths |d| (tokens, repeats included) to a file. The (term, doc, tf) triples go to
    one of B spill files by `term % B` (in doc order within each file, as the chunks come in doc order).
 2. Final term ids put bucket b's terms in one contiguous range (`final = start[b] + term // B`), so the CSC
-   matrix is written one bucket at a time, sequentially: read a spill file, stable-sort it by final term id
-   (doc order kept within a term, as bm25s's (column, row) sort gives), score, append to `data` and `indices`.
+   matrix is written one bucket at a time, sequentially: read a spill file, stable-sort it by term id
+   (doc order kept within a term, as bm25s's (column, row) sort gives), score it a slice at a time, append to
+   `data` and `indices`.
 
 Scores (bm25s 0.3.16, `_build_scores_and_indices_for_matrix`, method "lucene" = Lucene's BM25, Kamphuis et al.
 2020): score(t, d) = float32( idf(t) · tf / (k1 · ((1 - b) + b · |d| / avgdl) + tf) ), idf(t) = float32(
@@ -19,8 +20,9 @@ log(1 + (N - df + 0.5) / (df + 0.5))), tf as float32, avgdl the float64 mean of 
 same numpy operations in the same order and dtypes as bm25s's per-document loop, so the arrays are bit-identical
 to an in-memory build up to the order of the term ids (which bm25s takes from a Python set: arbitrary).
 
-Memory: the vocabulary dict (term -> id) and df, plus one chunk's tokens in pass 1; one spill bucket and the
-per-term arrays in pass 2. Documents never stay in memory (the caller streams them to the doc store).
+Memory: the vocabulary dict (term -> id) and df, plus one chunk's tokens in pass 1; one spill bucket (about
+32 B per pair: the records, their sort order, the sorted copy), one slice's temporaries and the per-term arrays
+in pass 2. Documents never stay in memory (the caller streams them to the doc store).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
@@ -39,6 +41,8 @@ SPILL = np.dtype([("term", "<i4"), ("doc", "<i4"), ("tf", "<i4")])
 #: bm25s's saved file names (BM25.save defaults).
 DATA, INDICES, INDPTR = "data.csc.index.npy", "indices.csc.index.npy", "indptr.csc.index.npy"
 VOCAB, PARAMS = "vocab.index.json", "params.index.json"
+#: Pairs scored at a time in pass 2 (its float64 temporaries are a few times this many 8-byte values).
+SCORE_SLICE = 1 << 20
 
 
 class NoTokens(ValueError):
@@ -114,18 +118,16 @@ def _npy_writer(path: Path, dtype: str, n: int):
     return f
 
 
-def _write_vocab(path: Path, vocab: dict[str, int], final: np.ndarray) -> None:
-    """vocab.index.json: {token: final id, ..., "": V} (bm25s adds the empty token one past the last column)."""
+def _write_vocab(path: Path, vocab: dict[str, int], final: np.ndarray, batch: int = 65536) -> None:
+    """vocab.index.json: {token: final id, ..., "": V} (bm25s adds the empty token one past the last column),
+    written in batches of `batch` terms (no string of the whole vocabulary)."""
+    tokens = iter(vocab)  # insertion order: global id g = position
     with open(path, "w", encoding="utf-8") as f:
         f.write("{")
-        batch = []
-        for token, g in vocab.items():
-            batch.append(f"{json.dumps(token, ensure_ascii=False)}: {int(final[g])}")
-            if len(batch) == 65536:
-                f.write(", ".join(batch) + ", ")
-                batch = []
-        batch.append(f'"": {len(vocab)}')
-        f.write(", ".join(batch) + "}")
+        for s in range(0, len(vocab), batch):
+            ids = final[s:s + batch].tolist()
+            f.write(json.dumps(dict(zip(islice(tokens, len(ids)), ids)), ensure_ascii=False)[1:-1] + ", ")
+        f.write(f'"": {len(vocab)}}}')
 
 
 def write_matrix(counts: Counts, out: Path, scoring: Scoring) -> int:
@@ -150,14 +152,18 @@ def write_matrix(counts: Counts, out: Path, scoring: Scoring) -> int:
     with _npy_writer(out / DATA, "<f4", nnz) as fd, _npy_writer(out / INDICES, "<i4", nnz) as fi:
         for b in range(B):
             rec = np.fromfile(counts.work / f"spill-{b:03d}.bin", dtype=SPILL)  # [pairs of bucket b]
-            fid = start[b] + rec["term"].astype(np.int64) // B
-            rec = rec[np.argsort(fid, kind="stable")]  # by final id; doc order kept within a term (CSC)
-            term = start[b] + rec["term"].astype(np.int64) // B
-            l_d = lengths[rec["doc"]].astype(np.int64)  # |d| per pair
-            tfc = scoring.tfc(tf_array=rec["tf"].astype(np.float32), l_d=l_d, l_avg=avgdl, k1=p["k1"], b=p["b"], delta=p["delta"])
-            fd.write((idf[term] * tfc).astype(np.float32).tobytes())  # float32(float32 idf x float64 tfc), as bm25s
-            fi.write(rec["doc"].astype("<i4").tobytes())
+            # within bucket b, final id = start[b] + term // B increases with term: sorting by term sorts by final
+            # id; stable, so doc order is kept within a term (CSC)
+            rec = rec[np.argsort(rec["term"], kind="stable")]
+            for s in range(0, len(rec), SCORE_SLICE):  # scored a slice at a time: bounded temporaries
+                part = rec[s:s + SCORE_SLICE]
+                term = start[b] + part["term"].astype(np.int64) // B  # final ids [slice]
+                l_d = lengths[part["doc"]].astype(np.int64)  # |d| per pair
+                tfc = scoring.tfc(tf_array=part["tf"].astype(np.float32), l_d=l_d, l_avg=avgdl, k1=p["k1"], b=p["b"], delta=p["delta"])
+                fd.write((idf[term] * tfc).astype(np.float32).tobytes())  # float32(float32 idf x float64 tfc), as bm25s
+                fi.write(part["doc"].astype("<i4").tobytes())
             written += len(rec)
+            del rec
             (counts.work / f"spill-{b:03d}.bin").unlink()
     if written != nnz:
         raise RuntimeError(f"bm25 build wrote {written} scores, the document frequencies sum to {nnz}")
@@ -168,8 +174,9 @@ def write_matrix(counts: Counts, out: Path, scoring: Scoring) -> int:
 
 
 def default_buckets(corpus_bytes: int) -> int:
-    """Spill files: one per 64 MiB of corpus text (a spill bucket then holds ~80 MiB), 1 to 256."""
-    return int(min(256, max(1, corpus_bytes // (64 << 20) + 1)))
+    """Spill files: one per 16 MiB of corpus text (a bucket then holds ~1.8M pairs, ~22 MiB of spill), 1 to 512
+    (open files)."""
+    return int(min(512, max(1, corpus_bytes // (16 << 20) + 1)))
 
 
 def build_matrix(texts: Iterable[list[str]], out: Path, work: Path, tokenize: Callable, scoring: Scoring,

@@ -104,33 +104,29 @@ def iter_corpus(path: Path) -> Iterator[dict[str, str]]:
     if not block and not hashes:
         raise UserError(f"{path}: the corpus has no rows")
     hashes.append(np.array(block, dtype=np.int64))
-    _check_unique_ids(path, np.concatenate(hashes))
+    all_hashes = np.concatenate(hashes)  # int64 [rows]: 8 bytes per row, the one per-row cost of the stream
+    hashes.clear()
+    _check_unique_ids(path, all_hashes)
 
 
 def _check_unique_ids(path: Path, hashes) -> None:
-    """UserError naming the first repeated id, if any; `hashes` (int64 [rows]) are the ids' hashes in row order.
-    Equal hashes are confirmed by reading those rows' ids again (a hash collision is no duplicate)."""
-    import numpy as np
-
-    order = np.argsort(hashes, kind="stable")  # [rows]; equal hashes keep row order
-    same = np.flatnonzero(hashes[order][1:] == hashes[order][:-1])  # positions in `order` of a hash equal to the previous
-    if not len(same):
+    """UserError naming the first repeated id, if any; `hashes` (int64 [rows], the ids' hashes, this function's to
+    change) are sorted in place (memory: them and 1 byte per row). Only when two hashes are equal is the file read
+    again, for the rows with such a hash, whose ids are compared (a hash collision is no duplicate)."""
+    hashes.sort()  # in place: no [rows] index array
+    equal = hashes[1:] == hashes[:-1]  # bool [rows - 1]
+    if not equal.any():
         return
-    candidates = {int(r) for s in same for r in (order[s], order[s + 1])}
-    ids: dict[int, str] = {}
-    for n, (_, row) in enumerate(_rows(path)):
-        if n in candidates:
-            doc_id = row.get("id")
-            ids[n] = str(n if doc_id is None else doc_id)
+    repeated = set(hashes[1:][equal].tolist())
+    del equal
     first_seen: dict[str, int] = {}
-    dups = []
-    for n in sorted(ids):
-        if ids[n] in first_seen:
-            dups.append(n)
-        first_seen.setdefault(ids[n], n)
-    if dups:
-        n = dups[0]
-        raise UserError(f"{path}: row {n + 1}: duplicate id {ids[n]!r} (first at row {first_seen[ids[n]] + 1})")
+    for n, (_, row) in enumerate(_rows(path)):
+        doc_id = row.get("id")
+        doc_id = str(n if doc_id is None else doc_id)
+        if hash(doc_id) in repeated:
+            if doc_id in first_seen:
+                raise UserError(f"{path}: row {n + 1}: duplicate id {doc_id!r} (first at row {first_seen[doc_id] + 1})")
+            first_seen[doc_id] = n
 
 
 def hotpotqa_paragraphs(row: dict[str, Any]) -> Iterator[tuple[str, str]]:
