@@ -178,7 +178,7 @@ def test_server_coalesces_waiting_requests_into_one_search():
     """While the worker searches request 1, requests 2-4 wait; the next search call takes all three together."""
     gate = threading.Event()
     retriever = CountingRetriever(gate)
-    searcher = Searcher(retriever, Limits(cache_mb=0))
+    searcher = Searcher(retriever, Limits(workers=1, cache_mb=0))  # one worker: it is busy with request 1
     replies = {}
 
     def ask(name, queries):
@@ -206,7 +206,7 @@ def test_server_queue_full_is_429_and_retriever_error_is_500():
     raises is a 500 naming the exception, and the pool keeps serving."""
     gate = threading.Event()
     retriever = CountingRetriever(gate)
-    searcher = Searcher(retriever, Limits(max_pending=2, cache_mb=0))
+    searcher = Searcher(retriever, Limits(workers=1, max_pending=2, cache_mb=0))
     threads = [threading.Thread(target=searcher.reply, args=(q, 1, False)) for q in (["a"], ["b", "c"])]
     threads[0].start()
     while not retriever.calls:
