@@ -413,6 +413,13 @@ def train_cases() -> list[Case]:
                                  ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]),
                                  ("backend-alone", ["rollout.engine_weights_backend=gloo"]),
                                  ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]))]
+    # issue 24: search.url may be a list (every URL checked, not empty); the server's pool/queue/cache options
+    cases += [case("train", f"search-url-list-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
+              for name, url in (("empty", "[]"), ("one-file", "[http://127.0.0.1:1/retrieve, file:///etc/passwd]"),
+                                ("nested", "[[http://127.0.0.1:1/retrieve]]"), ("number", "[8000]"))]
+    cases += [case("retriever", f"serve-{opt[2:]}-{value}", "retriever", "serve", "idx", opt, value)
+              for opt, value in (("--workers", "0"), ("--workers", "many"), ("--max-batch", "0"), ("--max-pending", "-1"),
+                                 ("--cache-mb", "-1"))]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
     for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):

@@ -17,7 +17,8 @@ def test_parse_retriever():
     assert parse_retriever("bm25:/x/idx") == {"retriever": "bm25", "index": "/x/idx"}
     assert parse_retriever("http://127.0.0.1:8000") == {"retriever": "http", "url": "http://127.0.0.1:8000/retrieve"}
     assert parse_retriever("http://h:1/retrieve") == {"retriever": "http", "url": "http://h:1/retrieve"}
-    for bad in ("bm25:", "faiss:/x", "127.0.0.1:8000"):
+    assert parse_retriever("http://h:1,http://g:2/retrieve") == {"retriever": "http", "url": ["http://h:1/retrieve", "http://g:2/retrieve"]}
+    for bad in ("bm25:", "faiss:/x", "127.0.0.1:8000", "http://h:1,notaurl", "http://h:1,"):
         with pytest.raises(UserError, match="--retriever"):
             parse_retriever(bad)
 

@@ -33,7 +33,7 @@ def _yaml_value(value) -> str:
     ` #`, a leading `*`, `!`, ...) is a JSON-quoted string, which YAML reads as written."""
     import json
 
-    return json.dumps(str(value)) if isinstance(value, (str, Path)) else str(value).lower() if isinstance(value, bool) else str(value)
+    return json.dumps(value) if isinstance(value, list) else json.dumps(str(value)) if isinstance(value, (str, Path)) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _flag_overrides(params: dict, given: set[str]) -> list[str]:
@@ -96,7 +96,8 @@ def _implied(cfg) -> dict:
     retriever = None
     if search:
         retriever = (f"{cfg.search.retriever}:{expand(cfg.search.index) if cfg.search.index else ''}"
-                     if cfg.search.retriever in ("bm25", "dense") else cfg.search.url)
+                     if cfg.search.retriever in ("bm25", "dense") else
+                     ",".join(cfg.search.url) if isinstance(cfg.search.url, list) else cfg.search.url)
     return {
         "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit,
         "backend": cfg.rollout.engine, "n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
@@ -266,7 +267,7 @@ def eval_(
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
     reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong).")] = 5.0,
-    retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR or dense:DIR (an index from `emapg retriever index`, `--dense MODEL` for dense) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`).")] = None,
+    retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR or dense:DIR (an index from `emapg retriever index`, `--dense MODEL` for dense) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`; several, comma-separated: round-robin with failover).")] = None,
     env: Annotated[Optional[str], typer.Option("--env", help="The environment the model answers in, built by training's factory (rollout.env): single (default), search (needs --retriever, which alone implies it), calc (the toy arithmetic calculator), or a user environment path/to/file.py:ClassName / module:ClassName (docs/environments.md); its own reward(text), when it has one, grades instead of --reward.")] = None,
     max_turns: Annotated[Optional[int], typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled; default 4, search.max_turns). With a user --env: its turn limit (default: the class's max_turns).")] = None,
     topk: Annotated[int, typer.Option("--topk", min=1, help="With --retriever: passages per search.")] = 3,

@@ -123,6 +123,10 @@ def serve(
     max_reply_bytes: Annotated[int, typer.Option("--max-reply-bytes", min=1, help="Largest reply in bytes of JSON; a request whose reply would be larger gets 413.")] = 64 << 20,
     timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds a connection has to send each request (from connect or the previous reply; idle connections are closed after it) and to take each reply.")] = 10.0,
     max_connections: Annotated[int, typer.Option("--max-connections", min=1, help="Connections served at once; the next ones get 503 at once.")] = 64,
+    workers: Annotated[int, typer.Option("--workers", min=1, max=64, help="Threads that search (the worker pool); each takes the waiting queries of every request (same topk) into one batched search, so one search runs while another's passages are fetched and encoded.")] = 2,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Most queries in one batched search: waiting requests are taken together up to it; a larger request is searched in parts.")] = 1024,
+    max_pending: Annotated[int, typer.Option("--max-pending", min=1, help="Most queries waiting to be searched, all requests together; a request that would pass it gets 429 (retry later) at once. A request arriving when nothing waits is always taken.")] = 16384,
+    cache_mb: Annotated[int, typer.Option("--cache-mb", min=0, help="MiB of recent replies kept per (query, topk) in an LRU cache, so a repeated query is not searched again (0: no cache).")] = 64,
 ) -> None:
     """Serve the index with Search-R1's API: POST /retrieve {"queries", "topk", "return_scores"}; Ctrl-C stops.
 
@@ -136,7 +140,8 @@ def serve(
         raise UserError(f"--topk {topk} is over --max-topk {max_topk}")
     limits = Limits(max_body_bytes=max_body_bytes, max_queries=max_queries, max_query_chars=max_query_chars,
                     max_request_chars=max_request_chars, max_topk=max_topk, max_hits=max_hits,
-                    max_reply_bytes=max_reply_bytes, timeout_s=timeout_s, max_connections=max_connections)
+                    max_reply_bytes=max_reply_bytes, timeout_s=timeout_s, max_connections=max_connections,
+                    workers=workers, max_batch=max_batch, max_pending=max_pending, cache_mb=cache_mb)
     retriever = open_index(index_dir)  # bm25 or dense, as the manifest says
     try:
         server = make_server(retriever, host, port, default_topk=topk, rows=len(retriever.docs), limits=limits)

@@ -108,22 +108,26 @@ class SearchConfig(Section):
     prompt_template: Optional[str] = Field(None, description="User-message template file with a `{question}` placeholder (null: the packaged Search-R1 prompt, emapg_cli/agents/prompts/search_r1.txt).")
     retriever: Literal["bm25", "dense", "http"] = Field("http", description="`bm25`: in-process over `search.index`; `dense`: in-process e5-style embeddings in FAISS over `search.index` (extra `dense`); `http`: a Search-R1 `/retrieve` server at `search.url`.")
     index: Optional[str] = Field(None, description="bm25 and dense only: index folder written by `emapg retriever index` (with `--dense MODEL` for dense).")
-    url: str = Field("http://127.0.0.1:8000/retrieve", description="http only: the server's /retrieve endpoint (`emapg retriever serve`, or a Search-R1 e5/FAISS server).")
+    url: Union[str, list[str]] = Field("http://127.0.0.1:8000/retrieve", description="http only: the server's /retrieve endpoint (`emapg retriever serve`, or a Search-R1 e5/FAISS server), or a list of them: requests are dealt round-robin (in parallel, one per server) and a failed one (connection, timeout, 5xx, 429) goes to the next URL at once. Identical queries of a turn are sent once.")
     topk: int = Field(3, ge=1, description="Passages per search.")
     max_obs_tokens: int = Field(500, ge=1, description="Observations (retrieved passages, the invalid-action message) are cut to their first this many tokens.")
     max_context_tokens: int = Field(4096, ge=2, description="Prompt + trajectory token limit: a turn starts only if a full rollout.max_new_tokens turn fits; observations are cut to fit (the episode then ends, counted as `search/context_full_frac`).")
     final_turn: bool = Field(True, description="After search.max_turns turns, give episodes without an answer one more turn with search disabled.")
     retokenize: bool = Field(False, description="Compatibility with Search-R1: decode each turn, cut after the first </search> or </answer>, re-tokenise (drops EOS, may shift token boundaries; no engine log-probs). Default: keep the sampled token ids.")
     invalid_message: str = Field("\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n", description="Observation after a turn with neither a <search> nor an <answer> action.")
-    timeout_s: float = Field(30.0, gt=0, description="http only: seconds per request.")
-    retries: int = Field(3, ge=0, description="http only: retries after a failed request (back-off doubles each time).")
-    backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry, in seconds.")
+    timeout_s: float = Field(120.0, gt=0, description="http only: seconds per request (a request carries at most 256 queries; the wait for the reply's head is bounded by it, the whole reply by 3x it). 120 s: 256 queries of bm25 over 10^6 passages take ~14 s of CPU (21-37 s measured on a shared 2-core machine), with room for another trainer's request ahead in the server's queue; raise it for a larger bm25 index or a server shared by many trainers.")
+    retries: int = Field(3, ge=0, description="http only: rounds of retries after a failed request, each resending only the requests that failed on every URL (back-off doubles each round).")
+    backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry round, in seconds.")
 
     @field_validator("url")
     @classmethod
-    def _url_is_http(cls, value: str) -> str:
+    def _url_is_http(cls, value: Union[str, list[str]]) -> Union[str, list[str]]:
         from emapg_cli.retrieval.http import check_url  # http(s) with a host: `notaurl` and file:// are refused
 
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list; give at least one /retrieve URL")
+            return [check_url(u) for u in value]
         return check_url(value)
 
 

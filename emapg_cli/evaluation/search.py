@@ -19,17 +19,21 @@ from emapg_cli.errors import UserError
 
 
 def parse_retriever(spec: str) -> dict[str, Any]:
-    """`bm25:DIR`, `dense:DIR` or `http://HOST:PORT[/retrieve]` as `SearchConfig` fields (retriever, index | url)."""
+    """`bm25:DIR`, `dense:DIR` or `http://HOST:PORT[/retrieve]` (several, comma-separated) as `SearchConfig` fields
+    (retriever, index | url)."""
     for kind in ("bm25", "dense"):
         if spec.startswith(f"{kind}:"):
             index = spec[len(kind) + 1:]
             if not index:
                 raise UserError(f"--retriever {kind}:DIR needs the index folder (`emapg retriever index CORPUS --out DIR`)")
             return {"retriever": kind, "index": index}
-    parsed = urlparse(spec)
-    if parsed.scheme in ("http", "https") and parsed.netloc:
-        url = spec if parsed.path not in ("", "/") else spec.rstrip("/") + "/retrieve"
-        return {"retriever": "http", "url": url}
+    urls = []
+    for one in spec.split(","):  # several servers: http://A,http://B (search.url as a list)
+        parsed = urlparse(one)
+        if parsed.scheme in ("http", "https") and parsed.netloc:
+            urls.append(one if parsed.path not in ("", "/") else one.rstrip("/") + "/retrieve")
+    if urls and len(urls) == len(spec.split(",")):
+        return {"retriever": "http", "url": urls[0] if len(urls) == 1 else urls}
     raise UserError(f"--retriever must be bm25:DIR, dense:DIR or http://HOST:PORT (a Search-R1 /retrieve server), got '{spec}'")
 
 

@@ -3,10 +3,14 @@
 Request `{"queries": [str], "topk": int, "return_scores": true}`, response
 `{"result": [[{"document": {"contents", ...}, "score": float}, ...] per query]}` (Search-R1
 `search_r1/search/retrieval_server.py`). One request per agent turn carries every active episode's
-query (split into requests of at most `BATCH_QUERIES` queries and `MAX_REQUEST_CHARS` characters; a query
+query, each distinct query once (the n samples of a prompt often search the same words; the hits are fanned back
+out), split into requests of at most `BATCH_QUERIES` queries and `MAX_REQUEST_CHARS` characters; a query
 longer than `MAX_QUERY_CHARS` (4,096) is cut to it, as a policy can write a long one and the server
-refuses longer ones: cutting keeps a training run going where refusing would stop it). Each request has a timeout; a failed request (connection refused, timeout, HTTP 5xx) is
-retried with exponential back-off; when every try fails the run stops with a one-line UserError
+refuses longer ones: cutting keeps a training run going where refusing would stop it. `search.url` may list
+several servers: requests are dealt round-robin over them (in parallel, one thread per URL). Each request has a
+timeout (`search.timeout_s`); a failed request (connection refused, timeout, HTTP 5xx or 429) goes to the next
+URL at once, and when every URL failed it is retried in the next round, after an exponential back-off; a round
+resends only the requests that failed. When every round fails the run stops with a one-line UserError
 (checkpoints are written atomically, so the last one stays intact). Standard library only.
 
 Replies are read defensively: at most `MAX_REPLY_BYTES`, UTF-8, JSON (not nested past Python's
@@ -18,6 +22,7 @@ the URL and what was wrong. Only http(s) URLs are opened, and redirects are not 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -25,15 +30,22 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from typing import Optional
+
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
 from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
 
 
-#: Most queries sent in one request: a larger batch (a whole evaluation set in one turn) is split into
-#: requests of this many, in order, so it stays under a server's query limit (`retriever serve
-#: --max-queries`, 4,096 by default); each query's hits do not depend on the others in its request.
-BATCH_QUERIES = 1024
+#: Most queries sent in one request: a larger batch (a turn of many episodes, a whole evaluation set) is split into
+#: requests of this many, in order, so it stays under a server's query limit (`retriever serve --max-queries`,
+#: 4,096 by default) and its time under the timeout; each query's hits do not depend on the others in its request.
+#: 256 (it was 1,024): bm25 over 10^6 passages takes ~50 ms of CPU per query, so 1,024 queries took minutes.
+BATCH_QUERIES = 256
+#: Seconds per request (`search.timeout_s`): each read of the socket, the wait for the reply's head included. 120 s
+#: (it was 30): a request of BATCH_QUERIES queries to bm25 over 10^6 passages takes ~14 s of CPU (21-37 s measured
+#: on a shared 2-core machine), and another trainer's request may be ahead of it in the server's queue.
+TIMEOUT_S = 120.0
 #: Largest reply read (bytes); a longer one is an error, not a memory spike.
 MAX_REPLY_BYTES = 256 << 20
 #: A reply must arrive whole within this many times the request's timeout (`search.timeout_s`): the timeout
@@ -141,41 +153,49 @@ def _batches(queries: list[str]) -> list[list[str]]:
     return batches
 
 
-class HTTPRetriever:
-    """`Retriever` speaking Search-R1's `/retrieve` JSON over HTTP."""
+class _Failed(Exception):
+    """One try of one request failed in a way another try (or another server) can fix: the connection, a timeout,
+    HTTP 5xx or 429."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 1.0,
+
+class HTTPRetriever:
+    """`Retriever` speaking Search-R1's `/retrieve` JSON over HTTP to one server or several (round-robin)."""
+
+    def __init__(self, url: str | list[str], timeout_s: float = TIMEOUT_S, retries: int = 3, backoff_s: float = 1.0,
                  max_reply_bytes: int = MAX_REPLY_BYTES):
-        """`retries`: extra tries after the first; the wait before try i (1-based) is backoff_s * 2**(i - 1)."""
-        try:
-            check_url(url)
-        except ValueError as e:
-            raise UserError(f"search.url {e}, got {url!r:.100}") from None
-        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+        """`url`: one /retrieve URL or a list (requests are dealt round-robin; a failed one goes to the next URL).
+        `retries`: extra rounds after the first; the wait before round i (1-based) is backoff_s * 2**(i - 1)."""
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise UserError("search.url is an empty list; give at least one /retrieve URL")
+        for u in urls:
+            try:
+                check_url(u)
+            except ValueError as e:
+                raise UserError(f"search.url {e}, got {u!r:.100}") from None
+        self.urls, self.timeout_s, self.retries, self.backoff_s = urls, timeout_s, retries, backoff_s
+        self.url = urls[0]
         self.max_reply_bytes = max_reply_bytes
         self._opener = urllib.request.build_opener(_NoRedirect)
+        self._turn = itertools.count()  # round-robin: the first URL of each request in turn
 
-    def _post(self, payload: dict):
-        data = json.dumps(payload).encode()
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-            try:
-                with self._opener.open(request, timeout=self.timeout_s) as response:
-                    return _decode(_read_capped(response, self.max_reply_bytes,
-                                                self.timeout_s * REPLY_DEADLINE_FACTOR))
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code} {_one_line(e.reason, 60)}{self._server_says(e)}"
-                if e.code < 500:  # the server understood and refused: retrying cannot help
-                    break
-            except _BadReply as e:
-                raise UserError(f"retriever {self.url}: {e}; expected {_EXPECTED}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, ValueError) as e:
-                # ValueError: http.client's own, e.g. a status line it cannot parse
-                last = _one_line(getattr(e, "reason", e) or type(e).__name__)
-        raise UserError(f"retriever {self.url} failed after {attempt + 1} tries: {last}")
+    def _post(self, payload: dict, url: str):
+        """One try of one request; `_Failed` when retrying can help, UserError when it cannot."""
+        request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        try:
+            with self._opener.open(request, timeout=self.timeout_s) as response:
+                return _decode(_read_capped(response, self.max_reply_bytes, self.timeout_s * REPLY_DEADLINE_FACTOR))
+        except urllib.error.HTTPError as e:
+            said = f"HTTP {e.code} {_one_line(e.reason, 60)}{self._server_says(e)}"
+            if e.code < 500 and e.code != 429:  # the server understood and refused: retrying cannot help
+                raise UserError(f"retriever {url} failed: {said}") from None
+            raise _Failed(said) from None
+        except _BadReply as e:
+            raise UserError(f"retriever {url}: {e}; expected {_EXPECTED}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, ValueError) as e:
+            # ValueError: http.client's own, e.g. a status line it cannot parse
+            raise _Failed(_one_line(getattr(e, "reason", e) or type(e).__name__)) from None
 
     @staticmethod
     def _server_says(e: urllib.error.HTTPError) -> str:
@@ -186,17 +206,66 @@ class HTTPRetriever:
         except Exception:  # any other body: the status alone says enough
             return ""
 
-    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        """Hits per query, each query cut to MAX_QUERY_CHARS characters, sent in `_batches`; a reply that does not
-        have Search-R1's shape is a UserError (one line)."""
-        hits: list[list[Hit]] = []
-        for batch in _batches([q[:MAX_QUERY_CHARS] for q in queries]):
-            reply = self._post({"queries": batch, "topk": topk, "return_scores": True})
+    def _ask(self, batch: list[str], topk: int, first: int) -> tuple[Optional[list[list[Hit]]], str, str]:
+        """(hits, "", "") from the first URL that answers, trying each once from urls[first]; else (None, url, why)."""
+        last = ("", "")
+        for i in range(len(self.urls)):
+            url = self.urls[(first + i) % len(self.urls)]
             try:
-                hits += _hits(reply, len(batch), topk)
+                reply = self._post({"queries": batch, "topk": topk, "return_scores": True}, url)
+            except _Failed as e:
+                last = (url, str(e))
+                continue
+            try:
+                return _hits(reply, len(batch), topk), "", ""
             except _BadReply as e:
-                raise UserError(f"retriever {self.url}: unexpected reply ({e}); expected {_EXPECTED}") from None
-        return hits
+                raise UserError(f"retriever {url}: unexpected reply ({e}); expected {_EXPECTED}") from None
+        return None, *last
+
+    def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        """Hits per query, each query cut to MAX_QUERY_CHARS characters; identical queries are sent once.
+
+        The distinct queries go in `_batches`, dealt round-robin over `search.url` (several URLs: requests in
+        parallel, one thread per URL); a failed request (connection, timeout, 5xx, 429) goes to the next URL at
+        once, and once every URL failed it waits for the next round (back-off doubling), which resends only the
+        requests that failed. A refusal (other 4xx) or a reply without Search-R1's shape is a UserError (one line).
+        """
+        cut = [q[:MAX_QUERY_CHARS] for q in queries]
+        distinct = list(dict.fromkeys(cut))
+        batches = _batches(distinct)
+        pending = dict(enumerate(batches))
+        done: dict[int, list[list[Hit]]] = {}
+        first = {b: next(self._turn) for b in pending}
+        why = ("", "")
+        for round_ in range(self.retries + 1):
+            if round_:
+                time.sleep(self.backoff_s * 2 ** (round_ - 1))
+            asks = {b: (pending[b], topk, first[b] + round_) for b in pending}
+            for b, (hits, url, said) in self._ask_all(asks).items():
+                if hits is None:
+                    why = (url, said)
+                else:
+                    done[b] = hits
+                    del pending[b]
+            if not pending:
+                break
+        if pending:
+            missing = sum(map(len, pending.values()))
+            raise UserError(f"retriever {why[0]} failed after {(round_ + 1) * len(self.urls)} tries"
+                            f"{f' ({missing} of {len(distinct)} queries unanswered)' if len(distinct) > missing else ''}: "
+                            f"{why[1]}")
+        by_query = {q: row for b, batch in enumerate(batches) for q, row in zip(batch, done[b])}
+        return [list(by_query[q]) for q in cut]  # a list per query: duplicates share no mutable row
+
+    def _ask_all(self, asks: dict) -> dict:
+        """`_ask` for each batch: in this thread for one URL or one batch, else one thread per URL."""
+        if len(self.urls) == 1 or len(asks) == 1:
+            return {b: self._ask(*a) for b, a in asks.items()}
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="emapg-retriever-client") as pool:
+            futures = {b: pool.submit(self._ask, *a) for b, a in asks.items()}
+            return {b: f.result() for b, f in futures.items()}
 
     def close(self) -> None:
         """Nothing held between requests."""

@@ -1,8 +1,12 @@
 """`emapg retriever serve`: Search-R1's `/retrieve` API over a saved index, so one index can back several trainers.
 
-Built on the standard library's `http.server` with one thread per connection: the API is one JSON
-POST per agent turn, so the request rate is low and the work is the retrieval itself, which the
-retriever serialises; no web framework is needed and nothing is added to emapg's dependencies.
+Built on the standard library's `http.server` with one thread per connection (no web framework, nothing
+added to emapg's dependencies). A connection's thread reads and checks its request; the searching is done
+by a bounded pool of `workers` threads (`_Batcher`) that take the queued queries of every waiting request
+(same topk) together, up to `max_batch` queries, into ONE `retriever.search` call: bm25s and FAISS score a
+batch in one call, and a turn of 256 episodes is one request. At most `max_pending` queries wait (more:
+429, retried by emapg's client). Identical queries of a request are searched once, and the encoded reply
+of recent (query, topk) pairs is kept in an LRU cache of `cache_mb` MiB (`_ReplyCache`).
 
   POST /retrieve  {"queries": [str], "topk": int | null, "return_scores": bool}
     -> {"result": [[{"document": {"id", "title", "contents"}, "score": float}, ...], ...]}
@@ -13,11 +17,13 @@ Every resource a client can claim is bounded (`Limits`; docs/reliability.md "The
 limits"): the body is read only up to its declared `Content-Length`, itself at most `max_body_bytes`;
 queries per request, the characters of each query and of all of them (which bound the search's work:
 it cannot be interrupted), `topk`, their product (the hits) and the reply's size are capped; bodies are
-parsed and searched one at a time (at most one parsed body in memory); each connection has `timeout_s` to
+parsed one at a time (at most one parsed body in memory; the queued queries are bounded by `max_pending`
+and `max_request_chars`); each connection has `timeout_s` to
 send each request (a watchdog shuts down sockets past it, so half-sent requests and idle keep-alive
 connections are dropped); at most `max_connections` are served at once and the next ones get a 503
 at once; the listen backlog is `BACKLOG`; running out of file descriptors pauses accepting instead
-of spinning. Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`.
+of spinning. Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`; a retriever that raises is a
+500 with the exception's class, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ import json
 import socket
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import ThreadingMixIn
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from emapg_cli.retrieval.base import Retriever
 
@@ -55,6 +62,20 @@ MAX_REPLY = 64 << 20
 TIMEOUT_S = 10.0
 #: Connections served at once; the next ones get a 503 at once.
 MAX_CONNECTIONS = 64
+#: Threads calling `retriever.search` (the worker pool). Two: while one searches (the bm25 retriever searches one
+#: batch at a time), the other fetches its batch's passages and handler threads encode replies. On a shared
+#: 2-core machine (docs/search.md "Paper scale") 2 workers served more queries/s than 1 in 5 of 6 paired runs at
+#: 8-64 clients x 256 queries, at about the same CPU per query (within the noise). A dense (FAISS) retriever
+#: releases the GIL while it scores and can use more.
+WORKERS = 2
+#: Most queries in one `retriever.search` call: waiting requests (same topk) are taken together up to it, a larger
+#: request is searched in parts of it. Bounds the search's batch memory (bm25s: one score row per query at a time).
+MAX_BATCH = 1024
+#: Most queries waiting to be searched, all requests together; a request that would pass it gets 429 at once (a
+#: request arriving when nothing waits is always taken). Bounds the queue's memory and its latency.
+MAX_PENDING = 16384
+#: MiB of encoded replies kept for recent (query, topk, return_scores) triples (0: no cache).
+CACHE_MB = 64
 #: The listen backlog (connections the kernel queues before `accept`).
 BACKLOG = 256
 #: Pause of the accept loop when the process is out of file descriptors (EMFILE/ENFILE).
@@ -80,6 +101,10 @@ class Limits:
     max_reply_bytes: int = MAX_REPLY
     timeout_s: float = TIMEOUT_S
     max_connections: int = MAX_CONNECTIONS
+    workers: int = WORKERS
+    max_batch: int = MAX_BATCH
+    max_pending: int = MAX_PENDING
+    cache_mb: int = CACHE_MB
 
 
 class Refused(Exception):
@@ -118,20 +143,179 @@ def _check_request(request: Any, default_topk: int, limits: Limits) -> tuple[lis
     return queries, topk, return_scores
 
 
-def _encode_reply(hits: list, return_scores: bool, max_bytes: int) -> bytes:
-    """The `/retrieve` reply as JSON bytes, built row by row; `Refused` (413) as soon as it passes `max_bytes`."""
-    parts, size = [], len('{"result": []}')
-    for i, row in enumerate(hits):
-        if return_scores:
-            items = [{"document": {"id": h.id, "title": h.title, "contents": h.contents}, "score": h.score} for h in row]
-        else:
-            items = [{"id": h.id, "title": h.title, "contents": h.contents} for h in row]
-        part = json.dumps(items)
+def _encode_row(row: list, return_scores: bool) -> str:
+    """One query's hits as the JSON text of Search-R1's reply (ASCII: `json.dumps` escapes the rest)."""
+    if return_scores:
+        items = [{"document": {"id": h.id, "title": h.title, "contents": h.contents}, "score": h.score} for h in row]
+    else:
+        items = [{"id": h.id, "title": h.title, "contents": h.contents} for h in row]
+    return json.dumps(items)
+
+
+def _join_reply(parts: Iterable[str], max_bytes: int) -> bytes:
+    """`{"result": [part, ...]}` as bytes; `Refused` (413) as soon as it would pass `max_bytes`."""
+    kept, size = [], len('{"result": []}')
+    for i, part in enumerate(parts):
         size += len(part) + 2 * (i > 0)
         if size > max_bytes:
             raise Refused(413, f"the reply would pass {max_bytes} bytes: ask fewer queries or a smaller topk")
-        parts.append(part)
-    return ('{"result": [' + ", ".join(parts) + "]}").encode()
+        kept.append(part)
+    return ('{"result": [' + ", ".join(kept) + "]}").encode()
+
+
+def _encode_reply(hits: list, return_scores: bool, max_bytes: int) -> bytes:
+    """The `/retrieve` reply as JSON bytes, built row by row; `Refused` (413) as soon as it passes `max_bytes`."""
+    return _join_reply((_encode_row(row, return_scores) for row in hits), max_bytes)
+
+
+class _ReplyCache:
+    """LRU of encoded rows by (query, topk, return_scores), at most `max_bytes` of text (keys counted too)."""
+
+    _OVERHEAD = 200  # bytes per entry beside the strings (tuple, dict slot)
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self._rows: OrderedDict[tuple, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Optional[str]:
+        with self._lock:
+            row = self._rows.get(key)
+            if row is None:
+                self.misses += 1
+                return None
+            self._rows.move_to_end(key)
+            self.hits += 1
+            return row
+
+    def put(self, key: tuple, row: str) -> None:
+        size = len(row) + len(key[0]) + self._OVERHEAD
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._rows.pop(key, None)
+            if old is not None:
+                self.bytes -= len(old) + len(key[0]) + self._OVERHEAD
+            self._rows[key] = row
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                k, v = self._rows.popitem(last=False)
+                self.bytes -= len(v) + len(k[0]) + self._OVERHEAD
+
+
+class _Job:
+    """Queries of one request (or a part of at most max_batch) waiting for a worker."""
+
+    __slots__ = ("queries", "topk", "rows", "error", "done")
+
+    def __init__(self, queries: list[str], topk: int):
+        self.queries, self.topk, self.rows, self.error = queries, topk, None, None
+        self.done = threading.Event()
+
+
+class _Batcher:
+    """The worker pool: `workers` threads, each taking the waiting jobs of one topk (in arrival order, up to
+    `max_batch` queries) into one `retriever.search` call. At most `max_pending` queries wait (429 beyond)."""
+
+    def __init__(self, retriever: Retriever, limits: Limits):
+        self.retriever, self.max_batch, self.max_pending = retriever, limits.max_batch, limits.max_pending
+        self.calls = 0  # retriever.search calls made (the test of coalescing reads it)
+        self._jobs: deque[_Job] = deque()
+        self._waiting = 0  # queries in self._jobs
+        self._cond = threading.Condition()
+        self._stop = False
+        self._threads = [threading.Thread(target=self._run, name=f"emapg-retriever-worker-{i}", daemon=True)
+                         for i in range(limits.workers)]
+        for t in self._threads:
+            t.start()
+
+    def search(self, queries: list[str], topk: int) -> list[list]:
+        """Hits per query (in order), searched by the pool; `Refused` 429 when the queue is full, 500 when the
+        retriever raised (its exception's class and first line)."""
+        jobs = [_Job(queries[s:s + self.max_batch], topk) for s in range(0, len(queries), self.max_batch)]
+        with self._cond:
+            if self._waiting and self._waiting + len(queries) > self.max_pending:
+                raise Refused(429, f"busy: {self._waiting} queries are waiting to be searched (at most "
+                                   f"{self.max_pending}); retry later")
+            self._jobs.extend(jobs)
+            self._waiting += len(queries)
+            self._cond.notify(len(jobs))
+        for job in jobs:
+            job.done.wait()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        return [row for job in jobs for row in job.rows]
+
+    def _take(self) -> list[_Job]:
+        """The first waiting job and the next ones of its topk while they fit in max_batch (called locked)."""
+        first = self._jobs.popleft()
+        taken, n = [first], len(first.queries)
+        for job in list(self._jobs):
+            if job.topk == first.topk and n + len(job.queries) <= self.max_batch:
+                self._jobs.remove(job)
+                taken.append(job)
+                n += len(job.queries)
+        self._waiting -= n
+        return taken
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                jobs = self._take()
+            queries = [q for job in jobs for q in job.queries]
+            try:
+                self.calls += 1
+                rows = self.retriever.search(queries, jobs[0].topk)
+                if len(rows) != len(queries):
+                    raise RuntimeError(f"{len(rows)} result lists for {len(queries)} queries")
+                error = None
+            except Exception as e:  # noqa: BLE001  a retriever bug is this request's 500, not the server's end
+                rows, error = [], Refused(500, f"the retriever failed: {type(e).__name__}: "
+                                               f"{(str(e).splitlines() or [''])[0][:200]}")
+            start = 0
+            for job in jobs:
+                job.rows, job.error = rows[start:start + len(job.queries)], error
+                start += len(job.queries)
+                job.done.set()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
+class Searcher:
+    """A request's queries to its reply bytes: identical queries once, the cache, then the worker pool."""
+
+    def __init__(self, retriever: Retriever, limits: Limits):
+        self.limits = limits
+        self.batcher = _Batcher(retriever, limits)
+        self.cache = _ReplyCache(limits.cache_mb << 20) if limits.cache_mb > 0 else None
+
+    def reply(self, queries: list[str], topk: int, return_scores: bool) -> bytes:
+        """The `/retrieve` reply's JSON bytes; `Refused` (413 reply too large, 429 busy, 500 retriever failed)."""
+        rows: dict[str, str] = {}
+        todo = []
+        for q in dict.fromkeys(queries):  # each distinct query once, in order
+            row = self.cache.get((q, topk, return_scores)) if self.cache else None
+            if row is None:
+                todo.append(q)
+            else:
+                rows[q] = row
+        if todo:
+            for q, hits in zip(todo, self.batcher.search(todo, topk)):
+                rows[q] = _encode_row(hits, return_scores)
+                if self.cache:
+                    self.cache.put((q, topk, return_scores), rows[q])
+        return _join_reply([rows[q] for q in queries], self.limits.max_reply_bytes)
+
+    def close(self) -> None:
+        self.batcher.stop()
 
 
 def retrieve_reply(retriever: Retriever, request: Any, default_topk: int = 3,
@@ -206,15 +390,17 @@ class RetrieverServer(ThreadingMixIn, HTTPServer):
     def __init__(self, address: tuple[str, int], handler: type, limits: Limits, retriever: Retriever,
                  default_topk: int = 3, rows: int | None = None):
         self.limits, self.retriever, self.default_topk, self.rows = limits, retriever, default_topk, rows
-        #: parsing a body and searching happen one request at a time: the parsed objects of at most one body
-        #: (bounded by max_body_bytes) are in memory at once, however many connections send bodies
+        #: parsing a body happens one request at a time: the parsed objects of at most one body (bounded by
+        #: max_body_bytes) are in memory at once, however many connections send bodies
         self.work = threading.Lock()
         self._slots = threading.BoundedSemaphore(limits.max_connections)
         self.watchdog = _Watchdog(min(0.5, limits.timeout_s / 4))
+        self.searcher = Searcher(retriever, limits)
         try:
             super().__init__(address, handler)
         except BaseException:
             self.watchdog.stop()
+            self.searcher.close()
             raise
 
     def get_request(self):
@@ -272,6 +458,7 @@ class RetrieverServer(ThreadingMixIn, HTTPServer):
 
     def server_close(self) -> None:
         self.watchdog.stop()
+        self.searcher.close()
         super().server_close()
 
 
@@ -284,6 +471,10 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.timeout = self.server.limits.timeout_s  # each recv/send; the watchdog bounds whole requests
         super().setup()
+        try:  # the reply's head and body are two writes: without this, Nagle + the client's delayed ACK add ~40 ms
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
 
     def _deadline(self, seconds: Optional[float]) -> None:
         self.server.watchdog.set(self.connection, None if seconds is None else time.monotonic() + seconds)
@@ -371,7 +562,8 @@ class _Handler(BaseHTTPRequestHandler):
         return b"".join(chunks)
 
     def _answer(self, body: bytes) -> tuple[int, dict | bytes]:
-        """(status, reply) to a `/retrieve` body: parsed, checked and searched one request at a time."""
+        """(status, reply) to a `/retrieve` body: parsed and checked one request at a time, then searched by the
+        worker pool (with the waiting queries of other requests)."""
         server = self.server
         with server.work:
             try:
@@ -383,11 +575,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return e.code, {"error": str(e)}
             finally:
                 request = None  # the parsed body is freed before the next one is parsed
-            try:
-                hits = server.retriever.search(queries, topk)
-                return 200, _encode_reply(hits, return_scores, server.limits.max_reply_bytes)
-            except Refused as e:
-                return e.code, {"error": str(e)}
+        try:
+            return 200, server.searcher.reply(queries, topk, return_scores)
+        except Refused as e:
+            return e.code, {"error": str(e)}
 
     def do_POST(self) -> None:  # noqa: N802
         if self.path != "/retrieve":
