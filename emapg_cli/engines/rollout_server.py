@@ -16,6 +16,7 @@ from typing import Any
 
 from emapg_cli.engines.rollout_protocol import ProtocolError, params_from_json, token_lists
 from emapg_cli.engines.rollout_service import RolloutService, Unavailable
+from emapg_cli.http_reply import write_json
 
 #: Largest request body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB).
 MAX_BODY = 256 << 20
@@ -53,15 +54,7 @@ class _Handler(BaseHTTPRequestHandler):
         super().setup()
 
     def _send(self, code: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-        self.wfile.flush()
+        write_json(self, code, json.dumps(body).encode())
 
     def send_error(self, code: int, message: Any = None, explain: Any = None) -> None:
         """http.server's own refusals (bad request line, headers too long) as JSON too."""

@@ -39,6 +39,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from socketserver import ThreadingMixIn
 from typing import Any, Iterable, Optional
 
+from emapg_cli.http_reply import write_json
 from emapg_cli.retrieval.base import Retriever
 
 #: Largest request body accepted (bytes); `Content-Length` above it is refused (413) without reading.
@@ -482,14 +483,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _send(self, code: int, body: dict | bytes) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self._deadline(self.server.limits.timeout_s)
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
-        self.wfile.flush()
+        write_json(self, code, data)
         self._deadline(self.server.limits.timeout_s)  # the next request on this connection, or an idle one is closed
 
     def _refuse(self, code: int, message: str, unread: bool = False) -> None:
