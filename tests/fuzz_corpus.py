@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config", "retriever")
+COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config", "retriever", "rollout")
 FileContent = Union[str, bytes]
 
 
@@ -420,6 +420,19 @@ def train_cases() -> list[Case]:
     cases += [case("retriever", f"serve-{opt[2:]}-{value}", "retriever", "serve", "idx", opt, value)
               for opt, value in (("--workers", "0"), ("--workers", "many"), ("--max-batch", "0"), ("--max-pending", "-1"),
                                  ("--cache-mb", "-1"))]
+    # issue 23, `emapg rollout serve` (and its alias `serve-rollouts`): a missing model folder or a bad option is one
+    # line before any engine loads (no case names a real model, so none starts a server)
+    cases += [case("rollout", f"serve-{name}", "rollout", "serve", *argv)
+              for name, argv in (("no-model-option", ()), ("model-missing", ("--model", "nomodel")),
+                                 ("model-empty", ("--model", "")), ("model-is-a-file", ("--model", "good.yaml")),
+                                 ("engine-unknown", ("--model", "nomodel", "--engine", "sglang")),
+                                 ("port-too-big", ("--model", "nomodel", "--port", "99999")),
+                                 ("port-text", ("--model", "nomodel", "--port", "http")),
+                                 ("dtype-unknown", ("--model", "nomodel", "--dtype", "int8")),
+                                 ("threads-zero", ("--model", "nomodel", "--threads", "0")),
+                                 ("batch-zero", ("--model", "nomodel", "--batch-size", "0")),
+                                 ("top-p-zero", ("--model", "nomodel", "--top-p", "0")))]
+    cases += [case("rollout", "serve-rollouts-alias-model-missing", "serve-rollouts", "--model", "nomodel")]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
     for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):

@@ -178,6 +178,8 @@ def check_model_path(model_path: str) -> None:
     from emapg_cli.models.hub import check_model_source
     from emapg_cli.paths import expand
 
+    if not model_path.strip():
+        raise UserError("--model is empty: give the model folder (save_pretrained layout, with its tokenizer)")
     if model_path.startswith((".", "/", "~", "$")) and not (expand(model_path) / "config.json").is_file():
         raise UserError(f"--model {expand(model_path)}: no model folder there (config.json, save_pretrained layout)")
     check_model_source(model_path, "--model")
