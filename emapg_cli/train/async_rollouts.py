@@ -182,12 +182,7 @@ def eval_sampler(trainer, model, params, step: int):
         trainer.pipeline.drain()  # the next step's generation first: one request at a time on the engine
         yield trainer.generator, replace(params, min_version=max(step, trainer.pipeline.start))
         return
-    from emapg_cli.engines import make_engine
-    from emapg_cli.engines.base import end_token_ids
-    from emapg_cli.models.loading import model_ref
+    from emapg_cli.train.engine_setup import in_process_engine
 
-    cfg = trainer.cfg
-    local = make_engine("hf", model_ref(cfg.model.path), model=model, tokenizer=trainer.tokenizer, batch_size=cfg.rollout.hf_batch_size,
-                        weights_context=trainer._generating, share_prompts=cfg.train.share_prompts != "never",
-                        end_token_ids=end_token_ids(trainer.tokenizer, getattr(trainer.policy, "generation_config", None)))
+    local = in_process_engine(trainer.cfg, model, trainer.tokenizer, trainer._generating, backend="hf", ends_like=trainer.policy)
     yield trainer.env.bind(local), params

@@ -16,24 +16,31 @@ def make_rollout_engine(cfg: Config, policy, tokenizer, weights_context=None):
     `weights_context(model)`: entered around `hf` generation (the strategy's `full_weights`). Both engines
     end responses on the same tokens (`end_token_ids`: the tokenizer's EOS plus the generation config's).
     """
+    if cfg.rollout.engine_url is not None:
+        return connect_server(cfg, policy, tokenizer)
+    return in_process_engine(cfg, policy, tokenizer, weights_context)
+
+
+def in_process_engine(cfg: Config, model, tokenizer, weights_context=None, backend=None, ends_like=None):
+    """`engines.make_engine` in this process on the live `model`: rollout.engine (or `backend`), sized and set as the
+    run's rollouts. `ends_like`: the model whose generation config names the end tokens (default `model`)."""
     from emapg_cli.engines import make_engine
     from emapg_cli.engines.base import end_token_ids
     from emapg_cli.models.loading import model_ref
 
-    if cfg.rollout.engine_url is not None:
-        return connect_server(cfg, policy, tokenizer)
     # a multi-turn environment's contexts grow over turns, up to search.max_context_tokens / rollout.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     if cfg.rollout.env not in ("single", "search"):
         max_len = cfg.rollout.max_context_tokens
+    ends = getattr(ends_like if ends_like is not None else model, "generation_config", None)
     return make_engine(
-        cfg.rollout.engine, model_ref(cfg.model.path), model=policy, tokenizer=tokenizer, seed=cfg.train.seed,
+        backend or cfg.rollout.engine, model_ref(cfg.model.path), model=model, tokenizer=tokenizer, seed=cfg.train.seed,
         dtype=cfg.model.dtype, max_model_len=max_len, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         trust_remote_code=cfg.model.trust_remote_code, batch_size=cfg.rollout.hf_batch_size,
         weights_context=weights_context, share_prompts=cfg.train.share_prompts != "never",
         # vLLM: the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        end_token_ids=end_token_ids(tokenizer, getattr(policy, "generation_config", None)), lora_rank=cfg.lora.r, lora_sync=cfg.lora.sync,
+        end_token_ids=end_token_ids(tokenizer, ends), lora_rank=cfg.lora.r, lora_sync=cfg.lora.sync,
     )
 
 
