@@ -11,6 +11,22 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _leave_no_global_state():
+    """Every test leaves the process as it found it (tests/process_state.py): registries (rewards, environments,
+    estimators, ...), plugin caches, the environment, the working directory and torch's threads are put back after
+    it, so a serial `pytest -q` gives each test what it would get alone. A module-level container of emapg_cli that
+    the test changed and the restore does not cover fails the test, naming it (add it to process_state.REGISTRIES)."""
+    import process_state
+
+    state, before = process_state.snapshot(), process_state.containers()
+    yield
+    process_state.restore(state)
+    leaked = process_state.changed_containers(before, process_state.containers())
+    if leaked:
+        pytest.fail(f"the test changed process-wide state that tests/process_state.py does not restore: {', '.join(leaked)}")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny random Llama model + byte tokenizer with a chat template, saved locally (built once)."""
