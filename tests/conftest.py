@@ -106,6 +106,25 @@ def cli_many():
     return run_cli_many
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-seed", type=int, default=None, metavar="SEED",
+                     help="run the collected tests in a random order drawn from SEED, across files (.ci/run: a test "
+                          "that depends on what an earlier one left behind fails; the seed replays the order)")
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle-seed")
+    if seed is not None:
+        import random
+
+        random.Random(seed).shuffle(items)
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle-seed")
+    return None if seed is None else f"test order shuffled: --shuffle-seed {seed}"
+
+
 def pytest_configure(config):
     """Under pytest-xdist (`-n 2`, as CI runs): each worker gets its own EMAPG_HOME, a subfolder of the given one,
     so two workers never prepare, index or build into the same folder at once (each test's own `emapg_home` is
