@@ -214,7 +214,7 @@ def _run(settings, label: str) -> None:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from emapg_cli.evaluation.report import markdown
+    from emapg_cli.evaluation.report import text_summary
     from emapg_cli.evaluation.runner import run_eval
     from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
     from emapg_cli.outputs import claim_folder, config_sha256
@@ -237,7 +237,7 @@ def _run(settings, label: str) -> None:
     digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
     with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
         summary = run_eval(settings, progress)
-    console.print(markdown(summary), markup=False, highlight=False)
+    console.print(text_summary(summary), markup=False, highlight=False, soft_wrap=True, end="")
     failed = {k: summary.get(f"grader_{k}") or 0 for k in ("errors", "timeouts", "crashes", "out_of_memory")}
     if any(failed.values()):  # each counted response scored 0: say so, not only in summary.json
         counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in failed.items() if v)

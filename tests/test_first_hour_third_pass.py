@@ -1,0 +1,98 @@
+"""Issue 32, a new user's first hour (third pass): what the progress line, the eval summary, the plots, `ablate`
+and the README tell a newcomer."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+# ---------------------------------------------------------------- the progress line of `emapg train`
+def test_progress_line_shows_the_last_held_out_accuracy():
+    from emapg_cli.train.progress import step_info
+
+    step = {"reward/mean": 0.412, "kl/value": 0.021, "throughput/tokens_per_s": 1400.0}
+    assert step_info(step, held_out=(10, 0.452)) == "reward 0.412  eval 45.2%@10  kl 2.1e-02"
+    assert step_info(step) == "reward 0.412  kl 2.1e-02"  # no evaluation set
+
+
+def test_distillation_progress_shows_the_kl_and_the_teacher_gap_not_a_zero_reward():
+    from emapg_cli.train.progress import step_info
+
+    step = {"reward/mean": 0.0, "distill/kl": 0.0312, "kl/value": 0.0312, "throughput/tokens_per_s": 900.0}
+    # teacher 82.8%, student 45.2% at step 100: 82.8 - 45.2 = 37.6 points to go
+    assert step_info(step, "distill", (100, 0.452), teacher=0.828) == "distill kl 3.1e-02  eval 45.2%@100  teacher gap 37.6"
+    step["reward/mean"] = 0.25  # rl+distill has a verifier: its reward is shown too
+    assert step_info(step, "rl+distill", (100, 0.452), 0.828) == "reward 0.250  distill kl 3.1e-02  eval 45.2%@100  teacher gap 37.6"
+
+
+def test_the_bar_carries_the_newest_evaluation(monkeypatch):
+    from emapg_cli.train.progress import TrainProgress
+
+    shown = []
+    bar = TrainProgress(4, 0, show=False, held_out=0.30)
+    monkeypatch.setattr(bar.bar, "update", lambda task, **kw: shown.append(kw["info"]))
+    step = {"reward/mean": 0.5, "kl/value": 0.01, "throughput/tokens_per_s": 1.0}
+    bar.advance(1, step, 1.0)
+    bar.advance(2, {**step, "eval/accuracy": 0.40}, 1.0)
+    bar.advance(3, step, 1.0)
+    assert [s.split("  ")[1] for s in shown] == ["eval 30.0%@0", "eval 40.0%@2", "eval 40.0%@2"]
+
+
+# ---------------------------------------------------------------- the eval summary on a terminal
+SUMMARY = {
+    "bench": "toy", "model": "runs/toy-20260101-120000/final/policy", "num_items": 500, "n": 32, "avg@n": 0.677,
+    "pass@1": 0.677, "pass@2": 0.721, "pass@4": 0.75, "pass@8": 0.772, "pass@16": 0.78, "pass@32": 0.791,
+    "maj@n": 0.786, "maj@n_strict": 0.78, "strict": 0.6,
+    "subsets": {"Algebra": {"num_items": 120, "pass@1": 0.612, "pass@2": 0.7, "pass@4": 0.71, "pass@8": 0.72, "pass@16": 0.73,
+                            "pass@32": 0.74, "maj@n": 0.7, "maj@n_strict": 0.69, "strict": 0.5}},
+    "env": {"name": "calc", "episodes": 500, "turns": 2.0, "calls": 1.0, "invalid_rate": 0.0},
+}
+
+
+def test_eval_summary_reads_at_80_columns():
+    from emapg_cli.evaluation.report import text_summary
+
+    text = text_summary(SUMMARY)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80 and not any(line.lstrip().startswith("|") for line in lines)
+    assert lines[0] == "toy: 500 items x 32 samples, model runs/toy-20260101-120000/final/policy"
+    flat = " ".join(text.split())
+    for cell in ("pass@1 67.7%", "pass@32 79.1%", "maj@32 78.6%", "maj@32 strict 78.0%", "strict 60.0%",
+                 "subset Algebra (120 items)", "env calc: 1.00 calls and 2.00 turns per episode"):
+        assert cell in flat, cell
+
+
+# ---------------------------------------------------------------- README: toy-search's extra
+def test_readme_toy_search_section_says_which_extra_with_the_errors_spelling():
+    from emapg_cli.retrieval.bm25 import MISSING_EXTRA
+
+    text = README.read_text()
+    start = text.index("### The toy search preset")
+    section = text[start:text.index("\n## ", start)]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()  # the section's first commands
+    assert block[0].startswith('pip install ".[search]"') and block[1].startswith("emapg prepare --preset toy-search")
+    assert MISSING_EXTRA in " ".join(section.split()), "quote the one-line error the prepare line gives without bm25s"
+
+
+# ---------------------------------------------------------------- prepare: transformers' bars stay out
+@pytest.mark.parametrize("preset", ["toy", "toy-search", "toy-tools", "toy-distill"])
+def test_every_toy_prepare_quiets_transformers_before_it_starts(monkeypatch, preset):
+    # toy-search's prepare printed "Writing model shards" / "Loading weights" bars between emapg's own lines
+    import emapg_cli.hf_quiet as hf_quiet
+    from emapg_cli.cli import prepare_cmd
+
+    calls = []
+    monkeypatch.setattr(hf_quiet, "quiet_transformers", lambda: calls.append("quiet"))
+    name = {"toy": "_prepare_toy", "toy-search": "_prepare_toy_search", "toy-tools": "_prepare_toy_tools",
+            "toy-distill": "_prepare_toy_distill"}[preset]
+    monkeypatch.setattr(prepare_cmd, name, lambda seed: calls.append(f"prepare {seed}"))
+    prepare_cmd.prepare(names=None, from_file=None, out=None, preset=preset, seed=3, decontaminate=False, remove=False,
+                        ngram=13, list_=False)
+    assert calls == ["quiet", "prepare 3"]
