@@ -45,6 +45,16 @@ def test_the_bar_carries_the_newest_evaluation(monkeypatch):
     assert [s.split("  ")[1] for s in shown] == ["eval 30.0%@0", "eval 40.0%@2", "eval 40.0%@2"]
 
 
+def test_a_distillation_runs_closing_table_names_the_teacher_not_a_zero_reward():
+    from emapg_cli.train.progress import summary_rows
+
+    summary = {"eval_accuracy_initial": 0.288, "eval_accuracy_final": 0.85, "teacher_accuracy": 0.828, "steps": 300,
+               "wall_time_s": 120.0, "steps_skipped": 0, "reward_mean_last": 0.0}
+    rows = dict(summary_rows(summary, "runs/toy-distill-1", objective="distill"))
+    # 82.8 - 85.0 = -2.2: the student ends above its teacher
+    assert rows["teacher accuracy"] == "82.8% (gap left -2.2 points)" and "last train reward" not in rows
+
+
 # ---------------------------------------------------------------- the eval summary on a terminal
 SUMMARY = {
     "bench": "toy", "model": "runs/toy-20260101-120000/final/policy", "num_items": 500, "n": 32, "avg@n": 0.677,
@@ -96,3 +106,76 @@ def test_every_toy_prepare_quiets_transformers_before_it_starts(monkeypatch, pre
     prepare_cmd.prepare(names=None, from_file=None, out=None, preset=preset, seed=3, decontaminate=False, remove=False,
                         ngram=13, list_=False)
     assert calls == ["quiet", "prepare 3"]
+
+
+# ---------------------------------------------------------------- plots: what each toy is about
+def _rows(steps: int, **extra) -> list[dict]:
+    """metrics.jsonl rows: reward, KL and `extra` metrics (name -> value per step) at steps 1..steps, and an
+    evaluation at steps 0 and `steps`."""
+    rows = [{"step": 0, "eval/accuracy": 0.3}]
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "reward/mean": 0.1 * s, "kl/value": 0.01, **{k: f(s) for k, f in extra.items()}})
+    rows[-1]["eval/accuracy"] = 0.5
+    return rows
+
+
+def test_each_toy_gets_the_panel_of_what_it_is_about(tmp_path):
+    from emapg_cli.plots.train import plot_runs
+
+    search = _rows(4, **{"search/calls_per_episode": lambda s: 0.5 * s, "env/calls": lambda s: 0.5 * s})
+    tools = _rows(4, **{"env/calls": lambda s: 0.2 * s})
+    names = lambda runs, out: [p.name for p in plot_runs(runs, tmp_path / out)]  # noqa: E731
+    # the search agent's env/calls repeats its searches: one panel, "searches"
+    assert names([("s", search)], "s") == ["eval_accuracy.png", "searches.png", "reward.png", "kl.png", "training.png"]
+    assert names([("t", tools)], "t") == ["eval_accuracy.png", "tool_calls.png", "reward.png", "kl.png", "training.png"]
+    assert "searches.png" not in names([("plain", _rows(4))], "plain")
+
+
+def test_a_distillation_run_draws_its_teacher_and_not_a_zero_reward(tmp_path, monkeypatch):
+    from emapg_cli.plots.train import plot_runs, pyplot
+
+    rows = _rows(4, **{"distill/kl": lambda s: 0.3 / s})
+    rows[0]["eval/teacher_accuracy"] = 0.828
+    for r in rows[1:]:
+        r["reward/mean"] = 0.0  # no verifier
+    drawn = {}
+    plt = pyplot()
+    real = plt.Figure.savefig
+
+    def keep(fig, *a, **k):  # what each figure holds, read before it is closed
+        drawn[len(drawn)] = [(line.get_label(), list(line.get_ydata())) for ax in fig.axes for line in ax.get_lines()]
+        return real(fig, *a, **k)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    paths = [p.name for p in plot_runs([("d", rows)], tmp_path)]
+    assert paths == ["eval_accuracy.png", "kl.png", "training.png"]  # no reward panel of zeros
+    assert ("teacher 82.8%", [0.828, 0.828]) in drawn[0]  # the dashed reference line on the accuracy panel
+
+
+def test_a_one_sample_evaluation_draws_no_single_dot(tmp_path):
+    from emapg_cli.plots.eval import no_curve, plot_evals
+    from emapg_cli.plots.folders import plot_folders
+    from emapg_cli.errors import UserError
+
+    one = {"n": 1, "pass@1": 0.713, "maj@n": 0.713, "subsets": {}, "sources": {}}
+    assert plot_evals([("m", one)], tmp_path / "a") == [] and "n = 1" in no_curve([("m", one)])
+    ev = tmp_path / "ev"
+    ev.mkdir()
+    (ev / "summary.json").write_text(json.dumps({**one, "num_items": 300}))
+    (ev / "results.jsonl").write_text("")
+    with pytest.raises(UserError, match="nothing to plot: no pass@k curve: one sample per problem"):
+        plot_folders([ev], tmp_path / "b")
+    four = {**one, "n": 4, "pass@2": 0.8, "pass@4": 0.85}
+    assert [p.name for p in plot_evals([("m", four)], tmp_path / "c")] == ["pass_at_k.png"]
+
+
+def test_plot_of_one_run_writes_to_the_working_folder_not_into_the_run(tmp_path, monkeypatch):
+    from emapg_cli.plots.folders import plot_folders
+
+    run = tmp_path / "runs" / "toy-1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(3)))
+    monkeypatch.chdir(tmp_path)
+    kind, out, paths = plot_folders([run])
+    assert kind == "train" and out == Path("plots") and (tmp_path / "plots" / "training.png").is_file()
+    assert not (run / "plots").exists()

@@ -219,7 +219,7 @@ def _run(settings, label: str) -> None:
     from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
     from emapg_cli.outputs import claim_folder, config_sha256
     from emapg_cli.plots.common import PLOTS_DIR
-    from emapg_cli.plots.eval import plot_evals
+    from emapg_cli.plots.eval import no_curve, plot_evals
     from emapg_cli.progress import Progress
 
     bar = Progress(
@@ -242,8 +242,9 @@ def _run(settings, label: str) -> None:
     if any(failed.values()):  # each counted response scored 0: say so, not only in summary.json
         counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in failed.items() if v)
         typer.echo(f"warning: some responses could not be graded and scored 0 ({counts}; see summary.json grader_*)", err=True)
-    plot_evals([(out.name, summary)], out / PLOTS_DIR)
-    console.print(f"results in {out} (plots in {out / PLOTS_DIR})", markup=False, highlight=False)
+    drawn = plot_evals([(out.name, summary)], out / PLOTS_DIR)
+    plots = f"plots in {out / PLOTS_DIR}" if drawn else no_curve([(out.name, summary)])
+    console.print(f"results in {out} ({plots})", markup=False, highlight=False)
 
 
 def eval_(

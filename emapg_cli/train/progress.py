@@ -134,17 +134,23 @@ def config_line(cfg) -> str:
             + (f" at {r.engine_url}" if r.engine_url else ""))
 
 
-def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None) -> list[tuple[str, str]]:
-    """The closing table of a run: (label, rounded value) rows."""
+def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None,
+                 objective: str = "rl") -> list[tuple[str, str]]:
+    """The closing table of a run: (label, rounded value) rows (a distillation run: the teacher's accuracy and the gap
+    left to it; no train reward when `objective` is `distill`, which has no verifier)."""
     rows = [("run", str(run_dir))]
     init, final = summary.get("eval_accuracy_initial"), summary.get("eval_accuracy_final")
     if init is not None and final is not None:
         rows.append(("eval accuracy", f"{100 * init:.1f}% -> {100 * final:.1f}% ({100 * (final - init):+.1f} points)"))
+    teacher = summary.get("teacher_accuracy")
+    if teacher is not None:
+        gap = f" (gap left {100 * (teacher - final):.1f} points)" if final is not None else ""
+        rows.append(("teacher accuracy", f"{100 * teacher:.1f}%{gap}"))
     steps = f"{summary.get('steps')}"
     if summary.get("steps_skipped"):
         steps += f" ({summary['steps_skipped']} skipped: non-finite loss or gradient)"
     rows.append(("steps", steps))
-    if summary.get("reward_mean_last") is not None:
+    if summary.get("reward_mean_last") is not None and objective != "distill":
         rows.append(("last train reward", f"{summary['reward_mean_last']:.3f}"))
     rows.append(("wall time", clock(summary.get("wall_time_s"))))
     if plots is not None:
