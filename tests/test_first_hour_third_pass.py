@@ -179,3 +179,67 @@ def test_plot_of_one_run_writes_to_the_working_folder_not_into_the_run(tmp_path,
     kind, out, paths = plot_folders([run])
     assert kind == "train" and out == Path("plots") and (tmp_path / "plots" / "training.png").is_file()
     assert not (run / "plots").exists()
+
+
+# ---------------------------------------------------------------- the README's commands leave the clone clean
+#: Where a command writes in the working folder when no option says (None: nothing there; prepare writes under
+#: $EMAPG_HOME): train's runs/<name>-<time>, eval's runs/eval/<bench>-<model>, ablate's ablations/<study>-<preset>,
+#: plot's ./plots.
+DEFAULT_WRITES = {"train": "runs/x", "eval": "runs/eval/x", "ablate": "ablations/x", "plot": "plots/x.png"}
+#: Options that name a file or folder a command writes, per command ("*": every command).
+PATH_OPTIONS = {"*": ("--out", "-o"), "kl-check": ("--json", "--plot"), "bench": ("--json",)}
+
+
+def readme_commands() -> list[list[str]]:
+    """Each `emapg ...` command of the README's bash blocks, as words (comments dropped, `a && b` split)."""
+    import shlex
+
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"&&|;|\|", line.split(" # ")[0].split("  #")[0]):
+                words = shlex.split(part.replace("$", "\\$"))
+                while words and "=" in words[0]:
+                    words = words[1:]  # CUDA_VISIBLE_DEVICES=7 emapg ...
+                if words[:1] == ["do"]:
+                    words = words[1:]
+                if words[:1] == ["emapg"]:
+                    out.append(words[1:])
+    return out
+
+
+def writes(words: list[str]) -> list[str]:
+    """The paths in the working folder that `emapg *words` writes (absolute, $-prefixed and ~ paths are outside)."""
+    command = words[0]
+    options = PATH_OPTIONS["*"] + PATH_OPTIONS.get(command, ())
+    named = [words[i + 1] for i, w in enumerate(words[:-1]) if w in options]
+    if ">" in words:
+        named.append(words[words.index(">") + 1])
+    if not named and "--dry-run" not in words:
+        named = [DEFAULT_WRITES[command]] if command in DEFAULT_WRITES else []
+    return [p for p in named if not p.startswith(("/", "$", "~"))]
+
+
+def test_every_readme_command_writes_only_where_git_ignores(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and this checkout's .git (CI runs in one)")
+    commands = readme_commands()
+    assert len(commands) > 40 and ["plot", "runs/toy-[0-9]*/"] in commands  # the parser reads the README
+    paths = sorted({p for words in commands for p in writes(words)})
+    assert "plots/x.png" in paths and "runs/kl_check.json" in paths  # defaults and options are both found
+    r = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *paths], cwd=ROOT,
+                       capture_output=True, text=True)
+    # `--non-matching`: a path no pattern ignores is printed as "::\tpath"
+    tracked = [line.split("\t")[1] for line in r.stdout.splitlines() if line.startswith("::")]
+    assert tracked == [], f"README commands write files git would list in a clone: {tracked}"
+
+
+def test_the_writes_parser_knows_the_defaults_and_the_options():
+    assert writes(["plot", "runs/a/"]) == ["plots/x.png"]
+    assert writes(["ablate", "--study", "paper", "--dry-run", ">", "sweep.sh"]) == ["sweep.sh"]
+    assert writes(["train", "--preset", "olympiad", "--dry-run"]) == []
+    assert writes(["kl-check", "--plot", "docs/kl_check.png", "--json", "out.json"]) == ["docs/kl_check.png", "out.json"]
+    assert writes(["prepare", "--preset", "toy"]) == [] and writes(["retriever", "query", "i/", "q", "--json"]) == []
