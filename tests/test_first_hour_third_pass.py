@@ -243,3 +243,81 @@ def test_the_writes_parser_knows_the_defaults_and_the_options():
     assert writes(["train", "--preset", "olympiad", "--dry-run"]) == []
     assert writes(["kl-check", "--plot", "docs/kl_check.png", "--json", "out.json"]) == ["docs/kl_check.png", "out.json"]
     assert writes(["prepare", "--preset", "toy"]) == [] and writes(["retriever", "query", "i/", "q", "--json"]) == []
+
+
+# ---------------------------------------------------------------- emapg ablate: order, |V|, one seed, whiskers, %
+def _spec(k, seed=0, written=None):
+    from emapg_cli.ablate.grid import RunSpec
+
+    return RunSpec(f"kl.k={k}", seed, {"kl.k": k}, (f"kl.k={k}", f"train.seed={seed}"), {"kl.k": written or str(k)})
+
+
+def _record(spec, final):
+    from emapg_cli.ablate.aggregate import RunRecord
+
+    return RunRecord(spec, "done", {"eval_accuracy_final": final, "eval_accuracy_initial": 0.3, "eval_accuracy_best": final},
+                     {"eval/accuracy": [(0, 0.3), (3, final)]})
+
+
+def test_configurations_are_ordered_by_number_and_vocab_reads_as_such():
+    from emapg_cli.ablate.aggregate import label_of, natural_order, summarize
+
+    specs = [_spec(259, written='"|V|"'), _spec(8), _spec(1)]  # as a plan might list them
+    assert natural_order(specs, ["kl.k"]) == {"kl.k=1": 0, "kl.k=8": 1, "kl.k=259": 2}  # not 1, 259, 8
+    assert label_of({"kl.k": 259}, ["kl.k"], {"kl.k": '"|V|"'}) == "kl.k=|V| (259)"
+    # equal accuracies rank in that order too
+    ranked = summarize([_record(specs[0], 0.5), _record(specs[1], 0.5), _record(specs[2], 0.5)], ["kl.k"])
+    assert [c.label for c in ranked] == ["kl.k=1", "kl.k=8", "kl.k=|V| (259)"]
+
+
+def test_a_one_seed_ranking_carries_a_caveat_and_accuracies_are_percent(tmp_path):
+    from emapg_cli.ablate.aggregate import format_ci, format_mean_std, one_seed_caveat, summarize
+    from emapg_cli.stats import mean_ci
+
+    one = summarize([_record(_spec(1), 0.5), _record(_spec(8), 0.6)], ["kl.k"])
+    assert "one seed per configuration" in one_seed_caveat(one)
+    two = summarize([_record(_spec(1, 0), 0.5), _record(_spec(1, 1), 0.7)], ["kl.k"])
+    assert one_seed_caveat(two) is None
+    iv = mean_ci([0.5, 0.7])  # mean 0.6, std 0.141421, t(0.975, 1) = 12.7062: half 12.7062 * 0.141421 / sqrt 2 = 1.27062
+    assert (format_mean_std(iv, percent=True), format_ci(iv, percent=True)) == ("60.0 ± 14.1", "[-67.1, 187.1]")
+
+
+def test_final_accuracy_bars_draw_the_whiskers_they_promise(tmp_path, monkeypatch):
+    from matplotlib.container import ErrorbarContainer
+
+    from emapg_cli.ablate.aggregate import summarize
+    from emapg_cli.ablate.plots import plot_all
+    import matplotlib.pyplot as plt
+
+    seen = []
+    real = plt.Figure.savefig
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, path, **k: (seen.append((Path(path).name, fig.axes[0])),
+                                                                      real(fig, path, **k))[1])
+    for name, finals in (("two", [0.5, 0.7]), ("one", [0.5])):
+        records = [_record(_spec(8, seed), f) for seed, f in enumerate(finals)] + [_record(_spec(1), 0.4)]
+        (tmp_path / name).mkdir()
+        plot_all(tmp_path / name, summarize(records, ["kl.k"]), records, name)
+    bars = {title: ax for (file, ax), title in zip([s for s in seen if s[0] == "final_accuracy.png"], ("two", "one"))}
+    two, one = bars["two"], bars["one"]
+    assert any(isinstance(c, ErrorbarContainer) for c in two.containers) and "whiskers: 95% CI" in two.get_title()
+    assert not any(isinstance(c, ErrorbarContainer) for c in one.containers) and "no CI to draw" in one.get_title()
+    assert [t.get_text() for t in two.get_xticklabels()] == ["kl.k=1", "kl.k=8"] and "%" in two.get_ylabel()
+
+
+def test_ablate_jobs_default_to_the_free_cores(monkeypatch):
+    import torch
+
+    from emapg_cli.ablate.runner import auto_jobs
+    from emapg_cli.train import threads
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(threads, "available_cores", lambda: {0, 1})
+    busy = {"now": 0.1}
+    monkeypatch.setattr(threads, "measure_busy", lambda cores: (busy["now"], "idle cores"))
+    assert auto_jobs(12, 1)[0] == 2  # an idle 2-core machine: two runs at once (was 1)
+    assert auto_jobs(1, 1)[0] == 1  # one run left
+    busy["now"] = 1.0
+    assert auto_jobs(12, 1)[0] == 1  # another job holds a core
+    assert auto_jobs(12, 8) == (1, "one at a time: each run takes 8 processes")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto_jobs(12, 1)[0] == 1
