@@ -321,3 +321,32 @@ def test_ablate_jobs_default_to_the_free_cores(monkeypatch):
     assert auto_jobs(12, 8) == (1, "one at a time: each run takes 8 processes")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert auto_jobs(12, 1)[0] == 1
+
+
+# ---------------------------------------------------------------- README and CLI say the same
+def test_readme_error_examples_are_what_the_cli_prints():
+    # the README's ```text blocks of `$ emapg ...` lines and the one line each prints (the allowed kl.* keys among
+    # them: the list comes from the config models, so a new key changes the CLI's line and this test names it)
+    from conftest import run_cli
+
+    examples = []
+    for block in re.findall(r"```text\n(.*?)```", README.read_text(), re.S):
+        lines = block.strip().splitlines()
+        examples += [(a[2:], b) for a, b in zip(lines, lines[1:]) if a.startswith("$ emapg ") and b.startswith("error:")]
+    assert len(examples) >= 2 and any("allowed in kl:" in out for _, out in examples)
+    for command, expected in examples:
+        r = run_cli(*command.split()[1:], env={"COLUMNS": "400"})
+        assert (r.returncode, r.stderr.strip()) == (2, expected), command
+
+
+def test_readme_search_qa_memory_advice_is_the_dry_runs():
+    from emapg_cli.config import load_config
+    from emapg_cli.train.plan import load_model_config, make_plan
+
+    cfg = load_config("search-qa")
+    plan = make_plan(cfg, load_model_config(cfg.model.path), processes=1)
+    note = next(n for n in plan.notes if "rollout peak exceeds" in n)
+    # state 46.0 GiB on an 80 GiB device leaves 34.0 GiB = 0.425 of it: 0.4 in steps of 0.05, 46.0 + 32.0 = 78.0 GiB
+    assert "rollout.gpu_memory_utilization <= 0.4 fits (rollout peak 78.0 GiB; now 0.5)" in note
+    text = " ".join(README.read_text().split())
+    assert "set `rollout.gpu_memory_utilization=0.4` (78.0 GiB" in text and "`rollout.gpu_memory_utilization <= 0.4 fits`" in text
