@@ -57,7 +57,6 @@ def no_curve(evals: list[tuple[str, dict[str, Any]]]) -> str | None:
 def plot_evals(evals: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]:
     """Write pass_at_k.png (unless `no_curve`) and the per-subset / per-source bars where the benches have them into
     `out` for `evals` ((label, summary.json contents) pairs); returns the paths written (maybe none)."""
-    plt = pyplot()
     palette = colors(len(evals))
     paths = []
     if no_curve(evals) is None:

@@ -30,6 +30,8 @@ PANELS = (
     ("throughput/tokens_per_s", "throughput, throughput/tokens_per_s", "throughput.png", True),
 )
 OVERVIEW_PNG = "training.png"
+#: A distillation run's teacher accuracy (logged at step 0): a reference line on the eval accuracy panel.
+TEACHER = "eval/teacher_accuracy"
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -62,9 +64,6 @@ def moving_average(values: list[float], window: int) -> list[float]:
         part = values[max(0, i - half): i + half + 1]
         out.append(sum(part) / len(part))
     return out
-
-
-TEACHER = "eval/teacher_accuracy"
 
 
 def _draw(ax, runs: list[tuple[str, list[dict]]], key: str, title: str, smoothed: bool, palette) -> bool:
@@ -106,7 +105,7 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, title: Optional[str
     for key, panel, name, smoothed in present:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         _draw(ax, runs, key, panel, smoothed, palette)
-        if len(runs) > 1 or ax.get_legend_handles_labels()[1] and key == "eval/accuracy":
+        if len(runs) > 1 or (key == "eval/accuracy" and ax.get_legend_handles_labels()[1]):  # several runs, a teacher
             ax.legend(fontsize=8)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
