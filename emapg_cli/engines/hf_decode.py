@@ -141,11 +141,11 @@ Draw = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Tensor]]]
 @torch.inference_mode()
 def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: Draw, end_ids: tuple[int, ...],
            stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True,
-           min_rows: int = MIN_ROWS) -> Decoded:
+           min_rows: Optional[int] = None) -> Decoded:
     """Sample up to N = uniforms.shape[1] tokens for each left-padded prompt row (input_ids, attention [B, P]).
 
     `stop(sequences [b, P + t]) -> [b] bool`: rows that end on a stop string (generate's StopStringCriteria).
-    Step t of row r draws with uniforms[r, t]."""
+    Step t of row r draws with uniforms[r, t]. `min_rows`: the batch's floor (None: `MIN_ROWS`)."""
     b, plen = input_ids.shape
     n = uniforms.shape[1]
     dev = input_ids.device
@@ -179,13 +179,13 @@ def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: 
         start = plen + t
         if done.any():
             out.steps[live[done].cpu()] = torch.minimum(out.steps[live[done].cpu()], torch.tensor(t + 1))
-            live = _compact(cache, live, done, min(min_rows, b), out.steps, t + 1)
+            live = _compact(cache, live, min(MIN_ROWS if min_rows is None else min_rows, b), out.steps, t + 1)
         if not len(live) or bool((out.steps[live.cpu()] <= t + 1).all()):
             break
     return out
 
 
-def _compact(cache: DynamicCache, live: Tensor, done: Tensor, floor: int, steps: Tensor, t: int) -> Tensor:
+def _compact(cache: DynamicCache, live: Tensor, floor: int, steps: Tensor, t: int) -> Tensor:
     """Drop finished rows from the batch (keeping at least `floor` rows: some finished ones stay and their draws are
     ignored); a dropped row's slot takes a live row from the end of the batch. Returns the new `live`."""
     still = (steps[live.cpu()] > t).to(live.device)  # [b'] rows not finished yet
