@@ -1,7 +1,7 @@
 """Each speed-up's share of the hf engine's generation: the same prompts and seeds through five variants of the engine,
 in interleaved rounds, each round after a measurement of the model's GEMMs at the decode batch (the compute-bound
 limit of `emapg bench generate`). Prints every round and the medians; the samples of every variant are checked to be
-the same tokens (they must be: every variant draws the same samples).
+the same tokens with the same log-probs, bit for bit (they must be: every variant draws the same samples).
 
 Variants (each adds one thing to the one before):
   generate      transformers' generate with the seeded sampler as a logits processor (prompts shared)
@@ -71,7 +71,7 @@ def main() -> None:
     params = SamplingParams(n=n, max_new_tokens=args.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, seed=0)
     weights = linear_weights(lm)
-    flops_token = 2.0 * sum(w.numel() for w in weights)
+    flops_token = 2.0 * sum(w.numel() for w in weights)  # per token (docs/performance.md)
     names = args.variants.split(",")
     engines = {v: HFEngine(lm, tok, fast_decode=v != "generate", share_prompts=v != "no-share") for v in names}
     with variant(names[0]):
@@ -86,7 +86,7 @@ def main() -> None:
                 out = engines[v].generate(prompts, params)
                 wall = time.perf_counter() - start
             tokens = sum(len(c.token_ids) for g in out for c in g)
-            samples[v] = [c.token_ids for g in out for c in g]
+            samples[v] = [(c.token_ids, c.logprobs) for g in out for c in g]  # tokens and log-probs, compared exactly
             rows[v].append({"tokens_per_s": tokens / wall, "limit_tokens_per_s": limit, "ratio": tokens / wall / limit,
                             "tokens": tokens, "wall_s": wall})
             print(f"round {r + 1} {v:>9}: {tokens / wall:7.1f} tokens/s, limit {limit:7.1f}, ratio {tokens / wall / limit:.3f}",
