@@ -26,7 +26,7 @@ confident token (p_target near 1) the sparse term and G softmax(z) W nearly canc
 rounded to 8 bits before the subtraction, they leave an error of ~2^-9 g |W| against a result of size
 (1 - p) g |W| (at p = 0.999 larger than the result; `emapg bench update --check --confident P` measures it).
 Only dH and dW themselves are rounded to W's dtype, once, at the end. On CUDA the half GEMMs return float32
-(`torch.mm`'s out_dtype, torch >= 2.8); elsewhere W is widened to float32 once per call for them.
+(`torch.mm`'s out_dtype, where this torch has it); elsewhere W is widened to float32 once per call for them.
 
 Pure tensors: the caller passes the per-token loss as a function (`LossFn`).
 """
@@ -72,8 +72,8 @@ def acc_dtype(weight: Tensor) -> torch.dtype:
 
 @functools.lru_cache(maxsize=None)
 def _float32_out(device_type: str) -> bool:
-    """Whether a GEMM of half-precision operands can return float32 here (`torch.mm`'s out_dtype: CUDA, torch >=
-    2.8), so that a half W needs no float32 copy (`widened`)."""
+    """Whether a GEMM of half-precision operands can return float32 here (`torch.mm`'s out_dtype: CUDA, in the torch
+    releases that have it; tried once), so that a half W needs no float32 copy (`widened`)."""
     if device_type != "cuda":
         return False
     try:
