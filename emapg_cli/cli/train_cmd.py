@@ -101,9 +101,12 @@ def train(
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
 
     from emapg_cli.config.trust import code_refs, load_code, named_refs, untrusted
-    from emapg_cli.train.checks import config_checks
+    from emapg_cli.train.checks import config_checks, config_warnings
 
     config_checks(cfg)  # optional packages and the reward name: before a plan or any work
+    if _is_main_process():  # e.g. a sampled-tail KL estimator under nucleus sampling: its measured bias
+        for note in config_warnings(cfg):
+            console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False, soft_wrap=True)
     # the run's plugins run if this command line named them, or with --trust-code; a dry-run says what the run will need
     refs = code_refs(cfg)
     source = (f"the run's saved {resume / 'config.yaml'}" if resume is not None

@@ -135,6 +135,19 @@ def training_numerics(cfg: Config) -> None:
                         "kl.estimator=teacher_support (renormalised) or topk_tail")
 
 
+def config_warnings(cfg: Config) -> list[str]:
+    """What a run may do but should know, one line each (`train` and `--dry-run` print them): rollout.top_p < 1 with a
+    KL estimator that has a sampled part (its support condition fails outside the nucleus; the measured bias from
+    `klcheck.nucleus_bias`)."""
+    from emapg_cli.klcheck.nucleus_bias import nucleus_warning  # plain data, no torch
+
+    out = []
+    if cfg.kl.coef > 0 and cfg.rollout.top_p < 1:
+        line = nucleus_warning(cfg.kl.estimator, cfg.kl.direction, cfg.rollout.top_p)
+        out += [line] if line is not None else []
+    return out
+
+
 def eval_refs(value: Union[str, list[str], None]) -> list[str]:
     """data.eval as a list of data references ([] when evaluation is off)."""
     if not value:
