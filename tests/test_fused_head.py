@@ -205,6 +205,8 @@ def test_half_gemm_with_a_float32_result_is_a_valid_call():
     b = torch.empty(4, 5, dtype=torch.bfloat16, device="meta")
     out = mm_float32(a, b, None)
     assert out.dtype == torch.float32 and out.shape == (3, 5)
+    buf = torch.empty(8, 5, device="meta")  # written into a reused float32 buffer, as _logits does
+    assert mm_float32(a, b, None, out=buf[:3]).dtype == torch.float32
     # the CPU branch: the float32 GEMM of the widened operand, exact products of bfloat16 values
     a, b = torch.randn(3, 4).bfloat16(), torch.randn(4, 5).bfloat16()
     assert torch.equal(mm_float32(a, b, b.float()), a.float() @ b.float())

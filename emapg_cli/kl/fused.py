@@ -76,9 +76,9 @@ def _float32_out(device_type: str) -> bool:
     releases that have it; tried once), so that a half W needs no float32 copy (`widened`)."""
     if device_type != "cuda":
         return False
-    try:
-        one = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type)
-        return torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+    try:  # the call mm_float32 makes: half operands, a float32 result written into a float32 buffer
+        one, out = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type), torch.empty(1, 1, device=device_type)
+        return torch.mm(one, one, out_dtype=torch.float32, out=out).dtype == torch.float32
     except (TypeError, RuntimeError):  # an older torch: no out_dtype argument, or no such kernel
         return False
 
@@ -95,7 +95,7 @@ def mm_float32(a: Tensor, b: Tensor, b_wide: Optional[Tensor], out: Optional[Ten
     """a @ b for a half-precision b with a float32 result (never rounded to b's dtype): the half GEMM with a float32
     output, a cast to b's dtype (`_float32_out`), or the float32 GEMM with b_wide, b widened (`widened`)."""
     if b_wide is None:
-        return torch.mm(a.to(b.dtype), b, out_dtype=torch.float32)
+        return torch.mm(a.to(b.dtype), b, out_dtype=torch.float32, out=out)
     return torch.mm(a.float(), b_wide, out=out)
 
 
