@@ -30,6 +30,7 @@ from torch import Tensor
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
+from emapg_cli.kl.common import nucleus_keep
 from emapg_cli.models.prefix import cache_kwarg, prompt_cache
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,7 @@ def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top
     probs = logp.exp()
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)  # [B, V]
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-        keep[:, 0] = True
-        sorted_p = sorted_p * keep
+        sorted_p = sorted_p * nucleus_keep(sorted_p, top_p)
     else:
         sorted_p, order = probs, None
     cdf = sorted_p.cumsum(-1)  # [B, V]
