@@ -510,6 +510,58 @@ def client_reply_deadline(ws: Path) -> None:
         raise AssertionError("a dripped reply of spaces was accepted")
 
 
+def _drip_head(h: BaseHTTPRequestHandler) -> None:
+    """A status line at once, then its headers one byte a second (30 s in all): each byte within any timeout."""
+    try:
+        h.wfile.write(b"HTTP/1.1 200 OK\r\n")
+        h.wfile.flush()
+        for _ in range(30):
+            h.wfile.write(b"X")
+            h.wfile.flush()
+            time.sleep(1.0)
+    except OSError:
+        pass  # the client gave up: what it should do
+
+
+@probe("client_failover_from_dripping_server")
+def client_failover_from_dripping_server(ws: Path) -> None:
+    """`search.url` lists a server that drips its reply (its headers, then its body) one byte a second and a healthy
+    one, with `search.timeout_s` 2: each search is answered by the healthy one within ~2 s, the dripping try
+    abandoned at its deadline (the timeout used to bound each read of the socket, so the first try read for as long
+    as the server dripped, a minute and more, before the search failed or failed over)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from emapg_cli.errors import UserError
+    from emapg_cli.retrieval.http import HTTPRetriever
+
+    good = _raw(json.dumps({"result": [[_doc("T\nParis")]]}).encode())
+    for drip in (_drip_head, _drip_body_1s):
+        with _fake_server(drip) as slow, _fake_server(good) as fast:
+            client = HTTPRetriever([slow, fast], timeout_s=2, retries=0)
+            t0 = time.monotonic()
+            try:
+                hits = client.search(["q"], 3)
+            except UserError as e:
+                raise AssertionError(f"{drip.__name__}: the search failed instead of failing over: {e}") from None
+            took = time.monotonic() - t0
+            assert hits[0][0].contents.endswith("Paris"), f"{drip.__name__}: {hits!r:.200}"
+            assert took < 4, f"{drip.__name__}: the search took {took:.0f} s (search.timeout_s 2, a healthy second URL)"
+
+
+def _drip_body_1s(h: BaseHTTPRequestHandler) -> None:
+    """A reply of 60 bytes announced at once, then one byte a second (the reviewer's dripping server)."""
+    h.send_response(200)
+    h.send_header("Content-Length", "60")
+    h.end_headers()
+    try:
+        h.wfile.flush()
+        for _ in range(60):
+            h.wfile.write(b" ")
+            h.wfile.flush()
+            time.sleep(1.0)
+    except OSError:
+        pass
+
+
 @probe("client_url_not_http")
 def client_url_not_http(ws: Path) -> None:
     """`--set search.url=notaurl`, `file:///etc/passwd`, `ftp://h/x` and `http://` (no host) are refused as config
