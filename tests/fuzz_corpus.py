@@ -411,7 +411,7 @@ def train_cases() -> list[Case]:
                                  ("with-lora", ["rollout.engine_url=http://127.0.0.1:8100", "lora.r=4"]),
                                  ("timeout-alone", ["rollout.engine_timeout_s=5"]),
                                  ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]),
-                                 ("backend-alone", ["rollout.engine_weights_backend=gloo"]),
+                                 ("backend-alone", ["rollout.engine_weights_backend=http"]),
                                  ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]))]
     # issue 24: search.url may be a list (every URL checked, not empty); the server's pool/queue/cache options
     cases += [case("train", f"search-url-list-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")

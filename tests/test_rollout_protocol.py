@@ -126,7 +126,7 @@ def test_engine_url_config_and_refusals():
         ({"rollout": {"engine_url": "http://h:1", "hf_batch_size": 8}}, "rollout.hf_batch_size sizes an engine"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
-        ({"rollout": {"engine_weights_backend": "gloo"}}, "rollout.engine_weights_backend applies to a rollout server"),
+        ({"rollout": {"engine_weights_backend": "http"}}, "rollout.engine_weights_backend applies to a rollout server"),
     ]
     for data, message in refusals:
         with pytest.raises(ValidationError, match=message):

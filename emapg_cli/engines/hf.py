@@ -20,9 +20,9 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
+from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
 from emapg_cli.models.prefix import cache_kwarg, prompt_cache
 
 
@@ -80,6 +80,18 @@ class SeededSampler(LogitsProcessor):
         return out
 
 
+class _CancelCheck(StoppingCriteria):
+    """Raises `Cancelled` out of `generate` at the first decode step after `cancelled()` turned true."""
+
+    def __init__(self, cancelled: Callable[[], bool]):
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: Any) -> Tensor:
+        if self.cancelled():
+            raise Cancelled("the generation was cancelled")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # [B]: no row stops here
+
+
 class HFEngine(EngineBase):
     """`Engine` over a transformers causal LM that lives in this process (shares the trainer's weights)."""
 
@@ -121,19 +133,23 @@ class HFEngine(EngineBase):
     def resume_memory(self) -> None:
         """Nothing to take back."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
+        """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j).
+        `cancelled`: polled at every decode step; once it returns True, `Cancelled` is raised (nothing returned)."""
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
         flat: list[Completion] = []
         with self.weights_context(self.model):
             for start in range(0, len(rows), self.batch_size):
+                if cancelled is not None and cancelled():
+                    raise Cancelled("the generation was cancelled")
                 chunk = rows[start:start + self.batch_size]
                 seeds = [derive_seed(params.seed, start + j) for j in range(len(chunk))]
-                flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params))
+                flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params, cancelled))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _generate_chunk(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
+                        cancelled: CancelHook = None) -> list[Completion]:
         tok, model = self.tokenizer, self.model
         device = next(model.parameters()).device
         plen = max(len(p) for p in prompts)
@@ -168,7 +184,8 @@ class HFEngine(EngineBase):
                     shared[cache_kwarg(decoder)] = cache
             out = model.generate(
                 input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg,
-                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None, **shared,
+                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None,
+                stopping_criteria=StoppingCriteriaList([_CancelCheck(cancelled)] if cancelled is not None else []), **shared,
             )
         finally:
             model.generation_config = saved_cfg
