@@ -24,6 +24,8 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
+from emapg_cli.engines.rollout_protocol import ProtocolError
+
 #: Most NCCL joins in progress at once (a connect past it is refused with 429).
 MAX_JOINS = 2
 #: Seconds a join of the trainer's store and NCCL group may take.
@@ -85,7 +87,7 @@ class Staging:
 
 def read_exactly_into(read_into: Callable[[memoryview], int]) -> Callable[[Any], None]:
     """A `Staging.receive` reader: fills a tensor's bytes from `read_into(view) -> bytes read` (a socket file's
-    `readinto`); ValueError when the stream ends first."""
+    `readinto`); `ProtocolError` when the stream ends first."""
 
     def fill(tensor: Any) -> None:
         import torch
@@ -95,7 +97,7 @@ def read_exactly_into(read_into: Callable[[memoryview], int]) -> Callable[[Any],
         while got < len(view):
             n = read_into(view[got:])
             if not n:
-                raise ValueError(f"the body ended {len(view) - got} bytes before the end of a tensor")
+                raise ProtocolError(f"the body ended {len(view) - got} bytes before the end of a tensor")
             got += n
 
     return fill

@@ -70,26 +70,37 @@ class _Server:
 @contextmanager
 def _serve(ws: Path, *options: str, nofile: Optional[int] = None) -> Iterator[_Server]:
     """`emapg retriever serve INDEX --port 0 OPTIONS` as a subprocess; its port read from the line it prints."""
-    index = _index(ws)
-    preexec = None
-    if nofile is not None:
-        import resource
+    with serve_process(ws, ["retriever", "serve", str(_index(ws)), "--port", "0", *options], "serving",
+                       nofile=nofile) as server:
+        yield server
 
-        def preexec() -> None:
+
+@contextmanager
+def serve_process(ws: Path, argv: list[str], ready: str, nofile: Optional[int] = None,
+                  env: Optional[dict[str, str]] = None, memory_gb: Optional[float] = None) -> Iterator[_Server]:
+    """`emapg ARGV` (a server on 127.0.0.1 port 0) as a subprocess, once it printed a line containing `ready` and
+    its URL; `nofile`: its file-descriptor limit; `memory_gb`: its address-space limit. Killed at the end, and
+    its stderr must hold no traceback."""
+    import resource
+
+    def preexec() -> None:
+        if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if memory_gb is not None:
+            limit = int(memory_gb * (1 << 30))
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", "retriever", "serve", str(index), "--port", "0", *options],
-                            cwd=ws, env=base_env(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=preexec)
+    proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", *argv], cwd=ws, env={**base_env(ws), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     try:
-        line, end = "", time.monotonic() + 60
-        while time.monotonic() < end and "serving" not in line:
+        line, end = "", time.monotonic() + 120
+        while time.monotonic() < end and ready not in line:
             if proc.poll() is not None:
-                raise AssertionError(f"`retriever serve {' '.join(options)}` exited {proc.returncode}: "
+                raise AssertionError(f"`{' '.join(argv[:2])} {' '.join(argv[3:])[:100]}` exited {proc.returncode}: "
                                      f"{proc.stderr.read().strip()[-300:]!r}")
             if select.select([proc.stdout], [], [], 0.5)[0]:
                 line = proc.stdout.readline()
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert m, f"the server did not say where it listens: {line!r}"
         yield _Server(proc, int(m.group(1)))
         proc.kill()
@@ -133,9 +144,11 @@ def _read_reply(s: socket.socket) -> tuple[int, object]:
         raise AssertionError(f"HTTP {status} with a body that is not JSON: {body[:120]!r}") from None
 
 
-def _post(port: int, body: bytes, headers: Optional[dict[str, str]] = None, timeout: float = 10) -> tuple[int, object]:
+def _post(port: int, body: bytes, headers: Optional[dict[str, str]] = None, timeout: float = 10,
+          path: str = "/retrieve") -> tuple[int, object]:
+    """(status, JSON body) of a POST of `body` to `path` (headers None-valued are left out)."""
     h = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
-    head = "POST /retrieve HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items() if v is not None)
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items() if v is not None)
     with _connect(port, timeout) as s:
         s.sendall(head.encode() + b"\r\n" + body)
         return _read_reply(s)
@@ -393,11 +406,14 @@ def fd_exhaustion_no_spin(ws: Path) -> None:
 
 @contextmanager
 def _fake_server(answer: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
-    """A loopback server whose every POST is answered by `answer(handler)`; yields its /retrieve URL."""
+    """A loopback server whose every POST (and GET) is answered by `answer(handler)`; yields its /retrieve URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            answer(self)
+
+        def do_GET(self) -> None:  # noqa: N802
             answer(self)
 
         def log_message(self, *args: object) -> None:
