@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import urllib.parse
 from http.client import HTTPException
@@ -204,33 +203,25 @@ class RemoteEngine(EngineBase):
             self.weights_version, self._pushed = int(version), True
 
     def _connect(self) -> str:
-        """Ask the server for a session (its token); nccl: host the store on the address facing the server and build
-        this end of the group (rank 0). The backend chosen."""
+        """Ask the server for a session (its token); nccl: join the store the server hosts for it and build this end
+        of the group (rank 0). The backend chosen."""
         import torch
 
         backend = self.weights_backend
         if backend == "auto":  # two processes on one GPU cannot form an NCCL group: set http there
             backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "http"
-        if backend == "http":
-            reply = self._request("POST", "/weights/connect", {"backend": "http", "timeout_s": self.timeout_s})
-            self._token = reply.get("token") if isinstance(reply, dict) else None
-            self._backend = backend
-            return backend
-        from emapg_cli.engines.weight_channel import TRAINER, WeightChannel, host_store
-
-        parsed = urllib.parse.urlsplit(self.url)
-        try:  # the address this machine reaches the server from: the store listens there only
-            with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=10) as s:
-                host = s.getsockname()[0]
-        except OSError as e:
-            raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(e, 120)})") from None
-        store = host_store(host, self.timeout_s)
-        reply = self._request("POST", "/weights/connect", {"backend": backend, "port": store.port, "timeout_s": self.timeout_s})
+        reply = self._request("POST", "/weights/connect", {"backend": backend})
         self._token = reply.get("token") if isinstance(reply, dict) else None
-        try:
-            self._channel = WeightChannel(store, TRAINER, backend, self.timeout_s)
-        except Exception as e:
-            raise UserError(f"rollout server {self.url}: the weight channel ({backend}) did not open ({_one_line(e, 160)})") from None
+        if backend == "nccl":
+            from emapg_cli.engines.weight_channel import TRAINER, WeightChannel, join_store
+
+            try:
+                store = join_store(urllib.parse.urlsplit(self.url).hostname, int(reply["port"]), self.timeout_s)
+                self._channel = WeightChannel(store, TRAINER, backend, self.timeout_s)
+                self._channel.handshake()
+            except Exception as e:
+                raise UserError(f"rollout server {self.url}: the weight channel ({backend}) did not open "
+                                f"({_one_line(e, 160)})") from None
         self._backend = backend
         return backend
 

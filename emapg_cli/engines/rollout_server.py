@@ -178,13 +178,10 @@ class _Handler(BoundedHandler):
         return {"value": bool(self.server.service.served.engine.full_vocab_logprobs(params_from_json(request.get("params"))))}
 
     def _connect(self, request: dict, arrival: float) -> dict:
-        _keys(request, ("backend", "timeout_s", "port"))
-        backend, port = request.get("backend"), request.get("port")
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-            raise ProtocolError("port must be in 1..65535")
-        timeout = _number(request.get("timeout_s"), "timeout_s")
-        # the server dials nothing but the address this request came from (nccl: the trainer's store there)
-        return {"ok": True, "token": self.server.service.connect(str(backend), self.client_address[0], port, timeout)}
+        _keys(request, ("backend",))
+        # nccl: the store the trainer joins listens on the address this request came to, and nowhere else
+        token, port = self.server.service.connect(str(request.get("backend")), self.connection.getsockname()[0])
+        return {"ok": True, "token": token, "port": port}
 
     def _push(self, length: int) -> dict:
         """`POST /weights/push` of `length` bytes: the manifest (JSON header), then (backend http) the tensors' bytes,

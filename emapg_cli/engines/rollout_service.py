@@ -32,6 +32,8 @@ from emapg_cli.engines.rollout_weights import JOIN_TIMEOUT_S, Joins, Staging
 
 #: The label of weights loaded from the model folder, before any push.
 LOADED = -1
+#: The torch.distributed backend of a `nccl` session's group (the tests of its bounds build it with gloo on CPU).
+GROUP_BACKEND = "nccl"
 
 
 class _Staged:
@@ -100,28 +102,37 @@ class RolloutService:
             raise Refused(409, "another trainer connected to this rollout server since this one did: one trainer per server")
         return session
 
-    def connect(self, backend: str, peer: str, port: Optional[int], timeout_s: float) -> str:
-        """A new session (its token): the version goes back to `LOADED` (a trainer that starts or resumes never takes
-        an earlier one's weights for its own version) and the previous trainer's requests are refused from now on.
-        nccl: a thread joins the trainer's store at `peer`:`port` (the address the connect came from)."""
+    def connect(self, backend: str, address: str) -> tuple[str, Optional[int]]:
+        """A new session: (its token, nccl: the port of the store the trainer joins). The version goes back to
+        `LOADED` (a trainer that starts or resumes never takes an earlier one's weights for its own version) and the
+        previous trainer's requests are refused from now on. nccl: the server hosts a store on `address` (where the
+        connect came to) and a thread builds its end of the group (within JOIN_TIMEOUT_S), then receives pushes."""
         if backend not in ("http", "nccl"):
             raise ProtocolError(f"backend must be http or nccl, got {backend!r:.20}")
+        store = None
         if backend == "nccl":
+            from emapg_cli.engines.weight_channel import host_store
+
             if not self.served.device.startswith("cuda"):
                 raise ProtocolError("backend nccl needs the server's engine on CUDA; this server runs on CPU (use http)")
-            if port is None:
-                raise ProtocolError("backend nccl needs the port of the trainer's store")
             if not self._joins.start():
                 raise Refused(429, "busy: weight channels are being opened; retry in a minute")
+            try:
+                store = host_store(address, JOIN_TIMEOUT_S)
+            except BaseException:
+                self._joins.done()
+                raise
         with self.cond:  # the weights held now are not this trainer's versions: its requests wait for its first push
             self.version = LOADED
             self._epochs += 1
-            self.session = _Session(secrets.token_urlsafe(24), backend, self._epochs, queue.Queue())
+            old, self.session = self.session, _Session(secrets.token_urlsafe(24), backend, self._epochs, queue.Queue())
             self.cond.notify_all()
-        if backend == "nccl":
-            threading.Thread(target=self._receive_nccl, args=(self.session, peer, port, timeout_s),
+        if old is not None:
+            old.jobs.put(None)  # its receiver thread (nccl) ends
+        if store is not None:
+            threading.Thread(target=self._receive_nccl, args=(self.session, store),
                              name="emapg-rollout-weights", daemon=True).start()
-        return self.session.token
+        return self.session.token, None if store is None else store.port
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: Optional[int], timeout_s: float,
@@ -194,18 +205,23 @@ class RolloutService:
             raise
         self.staging.hand_over(version, session.epoch)
 
-    def _receive_nccl(self, session: _Session, host: str, port: int, timeout_s: float) -> None:
-        """The session's NCCL receiver: joins the trainer's group (within JOIN_TIMEOUT_S), then receives each queued
-        push into the staging copy on the engine's GPU; a failure or a refused version is the session's error."""
-        from emapg_cli.engines.weight_channel import SERVER, WeightChannel, join_store
+    def _receive_nccl(self, session: _Session, store: Any) -> None:
+        """The session's NCCL receiver: builds the server's end of the group on `store` and exchanges the handshake
+        (within JOIN_TIMEOUT_S: a trainer that never joins frees the slot then), then receives each queued push into
+        the staging copy on the engine's GPU; a failure or a refused version is the session's error."""
+        from emapg_cli.engines.weight_channel import SERVER, WeightChannel
 
         try:
             try:
-                channel = WeightChannel(join_store(host, port, JOIN_TIMEOUT_S), SERVER, "nccl", timeout_s)
+                channel = WeightChannel(store, SERVER, GROUP_BACKEND, JOIN_TIMEOUT_S)
+                channel.handshake()
             finally:
                 self._joins.done()
             while self.session is session:
-                version, rows = session.jobs.get()
+                job = session.jobs.get()
+                if job is None:  # another trainer connected
+                    return
+                version, rows = job
                 if not self.staging.acquire(lambda: self.session is session):
                     return
                 try:
@@ -217,7 +233,7 @@ class RolloutService:
                     self.staging.release()
                     raise
                 self.staging.hand_over(version, session.epoch)
-        except Exception as e:  # the trainer went away, timed out, or sent a version that is not finite
+        except Exception as e:  # the trainer never joined, went away, or sent a version that is not finite
             session.error = " ".join(str(e).split())[:200] or type(e).__name__
             with self.cond:
                 self.cond.notify_all()
