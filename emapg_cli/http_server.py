@@ -36,6 +36,14 @@ LINGER_BYTES = 1 << 20
 BUSY_DRAIN_S = 0.2
 
 
+class Refused(Exception):
+    """A request refused with HTTP status `code` and a one-line reason (each server's checks raise it)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
 class Watchdog:
     """Shuts down connections past their deadline (a blocked read or write then returns at once).
 

@@ -18,13 +18,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+from emapg_cli.engines.request_limits import RequestLimits, check_generation
 from emapg_cli.engines.rollout_protocol import (
     HEADER_BYTES, ProtocolError, header_length, params_from_json, parse_push_header, token_lists,
 )
 from emapg_cli.engines.rollout_service import RolloutService
 from emapg_cli.engines.rollout_weights import read_exactly_into
-from emapg_cli.http_server import BoundedHandler, BoundedServer, peer_closed
+from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused, peer_closed
 
 #: Largest JSON body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB; a body
 #: parses into ~36 bytes of Python objects per token id, and bodies are parsed one at a time).

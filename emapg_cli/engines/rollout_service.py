@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from emapg_cli.engines.base import Cancelled, Completion, SamplingParams
-from emapg_cli.engines.request_limits import Refused
 from emapg_cli.engines.rollout_protocol import PROTOCOL, ProtocolError, check_manifest, tensor_bytes
 from emapg_cli.engines.rollout_weights import JOIN_TIMEOUT_S, Joins, Staging
+from emapg_cli.http_server import Refused
 
 #: The label of weights loaded from the model folder, before any push.
 LOADED = -1

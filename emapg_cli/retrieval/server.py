@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from emapg_cli.http_server import BoundedHandler, BoundedServer
+from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused
 from emapg_cli.retrieval.base import Retriever
 
 #: Largest request body accepted (bytes); `Content-Length` above it is refused (413) without reading.
@@ -89,14 +89,6 @@ class Limits:
     max_batch: int = MAX_BATCH
     max_pending: int = MAX_PENDING
     cache_mb: int = CACHE_MB
-
-
-class Refused(Exception):
-    """A request refused with HTTP status `code` and a one-line reason."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def _check_request(request: Any, default_topk: int, limits: Limits) -> tuple[list[str], int, bool]:

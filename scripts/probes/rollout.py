@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 from . import probe
 from .common import emapg, one_line_error
-from .server import _connect, _fake_server, _health, _post, _read_reply, _refused, _Server, _tiny_model, _tmp, serve_process
+from .server import (_connect, _dripper, _fake_server, _health, _post, _read_reply, _refused, _Server, _tiny_model, _tmp,
+                     serve_process)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -431,19 +432,6 @@ def idle_connections_keep_health(ws: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- client (items 10, 11)
 
-def _drip_everything(h: BaseHTTPRequestHandler) -> None:
-    """A status line at once, then one byte a second for 30 s."""
-    try:
-        h.wfile.write(b"HTTP/1.1 200 OK\r\n")
-        h.wfile.flush()
-        for _ in range(30):
-            h.wfile.write(b"X")
-            h.wfile.flush()
-            time.sleep(1.0)
-    except OSError:
-        pass
-
-
 @probe("client_deadline_covers_request")
 def client_deadline_covers_request(ws: Path) -> None:
     """`RemoteEngine(timeout_s=2)` against a server that drips its reply one byte a second: one line naming the
@@ -451,7 +439,7 @@ def client_deadline_covers_request(ws: Path) -> None:
     from emapg_cli.engines.remote import RemoteEngine
     from emapg_cli.errors import UserError
 
-    with _fake_server(_drip_everything) as url:
+    with _fake_server(_dripper(30, 1.0, headers=True)) as url:
         t0 = time.monotonic()
         try:
             RemoteEngine(url.rsplit("/", 1)[0], timeout_s=2)

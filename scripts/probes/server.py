@@ -489,19 +489,27 @@ def client_bad_replies(ws: Path) -> None:
             raise AssertionError(f"{what}: accepted")
 
 
-def _drip(h: BaseHTTPRequestHandler) -> None:
-    """A reply of 200 bytes announced at once, then sent one byte every 0.2 s (40 s in all)."""
-    h.send_response(200)
-    h.send_header("Content-Length", "200")
-    h.end_headers()
-    try:
-        h.wfile.flush()
-        for _ in range(200):
-            h.wfile.write(b" ")
+def _dripper(count: int, delay_s: float, headers: bool = False) -> Callable:
+    """An answer that drips: a reply of `count` bytes announced at once, then one byte every `delay_s`; with
+    `headers`, a status line at once and then its headers, `count` bytes of them one every `delay_s`."""
+
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        try:
+            if headers:
+                h.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            else:
+                h.send_response(200)
+                h.send_header("Content-Length", str(count))
+                h.end_headers()
             h.wfile.flush()
-            time.sleep(0.2)
-    except OSError:
-        pass  # the client gave up: what it should do
+            for _ in range(count):
+                h.wfile.write(b"X" if headers else b" ")
+                h.wfile.flush()
+                time.sleep(delay_s)
+        except OSError:
+            pass  # the client gave up: what it should do
+
+    return answer
 
 
 @probe("client_reply_deadline")
@@ -513,7 +521,7 @@ def client_reply_deadline(ws: Path) -> None:
     from emapg_cli.errors import UserError
     from emapg_cli.retrieval.http import HTTPRetriever
 
-    with _fake_server(_drip) as url:
+    with _fake_server(_dripper(200, 0.2)) as url:  # 40 s in all
         client = HTTPRetriever(url, timeout_s=0.5, retries=0)
         t0 = time.monotonic()
         try:
@@ -524,19 +532,6 @@ def client_reply_deadline(ws: Path) -> None:
             assert "\n" not in str(e) and url in str(e) and "took over" in str(e), f"{str(e)[:300]!r}"
             return
         raise AssertionError("a dripped reply of spaces was accepted")
-
-
-def _drip_head(h: BaseHTTPRequestHandler) -> None:
-    """A status line at once, then its headers one byte a second (30 s in all): each byte within any timeout."""
-    try:
-        h.wfile.write(b"HTTP/1.1 200 OK\r\n")
-        h.wfile.flush()
-        for _ in range(30):
-            h.wfile.write(b"X")
-            h.wfile.flush()
-            time.sleep(1.0)
-    except OSError:
-        pass  # the client gave up: what it should do
 
 
 @probe("client_failover_from_dripping_server")
@@ -550,32 +545,17 @@ def client_failover_from_dripping_server(ws: Path) -> None:
     from emapg_cli.retrieval.http import HTTPRetriever
 
     good = _raw(json.dumps({"result": [[_doc("T\nParis")]]}).encode())
-    for drip in (_drip_head, _drip_body_1s):
+    for what, drip in (("headers", _dripper(30, 1.0, headers=True)), ("body", _dripper(60, 1.0))):
         with _fake_server(drip) as slow, _fake_server(good) as fast:
             client = HTTPRetriever([slow, fast], timeout_s=2, retries=0)
             t0 = time.monotonic()
             try:
                 hits = client.search(["q"], 3)
             except UserError as e:
-                raise AssertionError(f"{drip.__name__}: the search failed instead of failing over: {e}") from None
+                raise AssertionError(f"dripping its {what}: the search failed instead of failing over: {e}") from None
             took = time.monotonic() - t0
-            assert hits[0][0].contents.endswith("Paris"), f"{drip.__name__}: {hits!r:.200}"
-            assert took < 4, f"{drip.__name__}: the search took {took:.0f} s (search.timeout_s 2, a healthy second URL)"
-
-
-def _drip_body_1s(h: BaseHTTPRequestHandler) -> None:
-    """A reply of 60 bytes announced at once, then one byte a second (the reviewer's dripping server)."""
-    h.send_response(200)
-    h.send_header("Content-Length", "60")
-    h.end_headers()
-    try:
-        h.wfile.flush()
-        for _ in range(60):
-            h.wfile.write(b" ")
-            h.wfile.flush()
-            time.sleep(1.0)
-    except OSError:
-        pass
+            assert hits[0][0].contents.endswith("Paris"), f"dripping its {what}: {hits!r:.200}"
+            assert took < 4, f"dripping its {what}: the search took {took:.0f} s (search.timeout_s 2, a healthy second URL)"
 
 
 @probe("client_url_not_http")
