@@ -151,8 +151,9 @@ def _params(**kw: Any):
 
 @probe("second_trainer_cannot_hijack")
 def second_trainer_cannot_hijack(ws: Path) -> None:
-    """Trainer A connects and pushes version 1; trainer B connects and pushes version 5: A's next generate is refused
-    (409, another trainer connected) instead of being served B's weights with 200."""
+    """Trainer A connects and pushes version 1; trainer B connects and pushes version 5: A's next generate (as its
+    asynchronous pipeline asks: any version >= 1) is refused (409, another trainer connected) instead of being served
+    B's version 5 with 200."""
     from emapg_cli.errors import UserError
 
     server = _shared()
@@ -161,7 +162,7 @@ def second_trainer_cannot_hijack(ws: Path) -> None:
     b, _ = _trainer(server)
     b.push_weights(model, 5)
     try:
-        got = a.generate([[10, 11]], _params(max_new_tokens=2))
+        got = a.generate([[10, 11]], _params(max_new_tokens=2, min_version=1))
     except UserError as e:
         assert "409" in str(e) and "another trainer" in str(e), str(e)
         return
