@@ -18,8 +18,9 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from . import probe
 from .common import emapg, one_line_error
@@ -33,15 +34,24 @@ MEMORY_GB = 6.0
 _SHARED: dict[str, Any] = {}
 
 
-def _shared() -> _Server:
+@contextmanager
+def _shared() -> Iterator[_Server]:
     """One `emapg rollout serve` on the tiny model with `--timeout 2`, started once per process (each probe that uses
-    it connects its own trainer, which resets the server's version)."""
+    it connects its own trainer, which resets the server's version); what it prints on stderr during the block must
+    hold no traceback."""
     if "server" not in _SHARED or _SHARED["server"].proc.poll() is not None:
         cm = serve_process(_tmp(), ["rollout", "serve", "--model", str(_tiny_model()), "--port", "0", "--threads", "1",
                                     "--timeout", "2"], "ready", memory_gb=MEMORY_GB)
         _SHARED["cm"], _SHARED["server"] = cm, cm.__enter__()  # the generator kept: collected, it would kill it
         atexit.register(lambda: _SHARED["server"].proc.kill())
-    return _SHARED["server"]
+        _SHARED["stderr"] = []  # drained by a thread: a full pipe would block the server
+        threading.Thread(target=lambda: _SHARED["stderr"].extend(iter(_SHARED["server"].proc.stderr.readline, "")),
+                         daemon=True).start()
+    start = len(_SHARED["stderr"])
+    yield _SHARED["server"]
+    time.sleep(0.2)
+    err = "".join(_SHARED["stderr"][start:])
+    assert "Traceback" not in err and "Exception" not in err, f"the server printed a traceback: {err[-400:]!r}"
 
 
 def _url(server: _Server) -> str:
@@ -120,27 +130,27 @@ def push_sizes_checked_before_reading(ws: Path) -> None:
     66 KB belong, then a body shorter than its manifest, then a misshapen tensor: each is a 4xx naming the size or
     shape and nothing is applied (a 40 MB tensor into a 66 KB parameter used to abort the server: gloo's enforce,
     exit -6); the server keeps serving and the trainer's next push and generate work."""
-    server = _shared()
-    trainer, model = _trainer(server)
-    trainer.push_weights(model, 0)
-    rows, data = _manifest(model)
-    body = b"".join(data)
-    token = trainer._token
-    _refused(_send_flood(server.port, "/weights/push", _push_body(token, 1, rows, body + b"\0" * (40 << 20))), 400,
-             needle="bytes of tensors")
-    short = _push_body(token, 1, rows, body)[:-1000]
-    with _connect(server.port, 20) as s:  # declares the whole body, sends all but 1,000 bytes, then stops
-        s.sendall(b"POST /weights/push HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (len(short) + 1000) + short)
-        s.shutdown(socket.SHUT_WR)
-        status, reply = _read_reply(s)
-    assert 400 <= status < 500, f"a push cut short: HTTP {status} {reply!r:.200}"
-    bad = [list(r) for r in rows]
-    bad[0][2] = [bad[0][2][0] * 600] + bad[0][2][1:]
-    _refused(_send_flood(server.port, "/weights/push", _push_body(token, 1, bad, body)), 400, needle="the server holds")
-    _health(server)
-    assert trainer.generate([[10, 11]], _params(max_new_tokens=2))[0][0].weights_version == 0, "a refused push applied"
-    trainer.push_weights(model, 1)
-    assert trainer.generate([[10, 11]], _params(max_new_tokens=2))[0][0].weights_version == 1
+    with _shared() as server:
+        trainer, model = _trainer(server)
+        trainer.push_weights(model, 0)
+        rows, data = _manifest(model)
+        body = b"".join(data)
+        token = trainer._token
+        _refused(_send_flood(server.port, "/weights/push", _push_body(token, 1, rows, body + b"\0" * (40 << 20))), 400,
+                 needle="bytes of tensors")
+        short = _push_body(token, 1, rows, body)[:-1000]
+        with _connect(server.port, 20) as s:  # declares the whole body, sends all but 1,000 bytes, then stops
+            s.sendall(b"POST /weights/push HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (len(short) + 1000) + short)
+            s.shutdown(socket.SHUT_WR)
+            status, reply = _read_reply(s)
+        assert 400 <= status < 500, f"a push cut short: HTTP {status} {reply!r:.200}"
+        bad = [list(r) for r in rows]
+        bad[0][2] = [bad[0][2][0] * 600] + bad[0][2][1:]
+        _refused(_send_flood(server.port, "/weights/push", _push_body(token, 1, bad, body)), 400, needle="the server holds")
+        _health(server)
+        assert trainer.generate([[10, 11]], _params(max_new_tokens=2))[0][0].weights_version == 0, "a refused push applied"
+        trainer.push_weights(model, 1)
+        assert trainer.generate([[10, 11]], _params(max_new_tokens=2))[0][0].weights_version == 1
 
 
 def _params(**kw: Any):
@@ -156,17 +166,17 @@ def second_trainer_cannot_hijack(ws: Path) -> None:
     B's version 5 with 200."""
     from emapg_cli.errors import UserError
 
-    server = _shared()
-    a, model = _trainer(server)
-    a.push_weights(model, 1)
-    b, _ = _trainer(server)
-    b.push_weights(model, 5)
-    try:
-        got = a.generate([[10, 11]], _params(max_new_tokens=2, min_version=1))
-    except UserError as e:
-        assert "409" in str(e) and "another trainer" in str(e), str(e)
-        return
-    raise AssertionError(f"trainer A was served version {got[0][0].weights_version} of trainer B with 200")
+    with _shared() as server:
+        a, model = _trainer(server)
+        a.push_weights(model, 1)
+        b, _ = _trainer(server)
+        b.push_weights(model, 5)
+        try:
+            got = a.generate([[10, 11]], _params(max_new_tokens=2, min_version=1))
+        except UserError as e:
+            assert "409" in str(e) and "another trainer" in str(e), str(e)
+            return
+        raise AssertionError(f"trainer A was served version {got[0][0].weights_version} of trainer B with 200")
 
 
 @probe("push_without_connect_refused")
@@ -174,17 +184,17 @@ def push_without_connect_refused(ws: Path) -> None:
     """A client that never connected pushes version 99 while a trainer is connected: as the old protocol's JSON with a
     guessed session number, and with a guessed or empty token: each is refused (4xx) and the served version stays
     the trainer's (a guessed session number used to be accepted and the tensors applied as version 99)."""
-    server = _shared()
-    trainer, model = _trainer(server)
-    trainer.push_weights(model, 3)
-    rows, data = _manifest(model)
-    for session in range(1, 6):  # session numbers counted connects
-        status, _ = _json(server.port, "/weights/push", {"version": 99, "session": session, "tensors": rows})
-        assert 400 <= status < 500, f"a push with session {session}: HTTP {status}"
-    for token in ("1", "", None, "x" * 32):
-        status, _ = _send_flood(server.port, "/weights/push", _push_body(token, 99, rows, b"".join(data)))
-        assert 400 <= status < 500, f"a push with token {token!r}: HTTP {status}"
-    assert trainer.generate([[10, 11]], _params(max_new_tokens=2))[0][0].weights_version == 3
+    with _shared() as server:
+        trainer, model = _trainer(server)
+        trainer.push_weights(model, 3)
+        rows, data = _manifest(model)
+        for session in range(1, 6):  # session numbers counted connects
+            status, _ = _json(server.port, "/weights/push", {"version": 99, "session": session, "tensors": rows})
+            assert 400 <= status < 500, f"a push with session {session}: HTTP {status}"
+        for token in ("1", "", None, "x" * 32):
+            status, _ = _send_flood(server.port, "/weights/push", _push_body(token, 99, rows, b"".join(data)))
+            assert 400 <= status < 500, f"a push with token {token!r}: HTTP {status}"
+        assert trainer.generate([[10, 11]], _params(max_new_tokens=2))[0][0].weights_version == 3
 
 
 @probe("nan_weights_refused")
@@ -196,24 +206,24 @@ def nan_weights_refused(ws: Path) -> None:
 
     from emapg_cli.errors import UserError
 
-    server = _shared()
-    trainer, model = _trainer(server)
-    trainer.push_weights(model, 2)
-    name, p = next(iter(model.named_parameters()))
-    for value in (float("nan"), float("inf")):
-        saved = p.detach().clone()
-        with torch.no_grad():
-            p.view(-1)[7] = value
-        try:
-            trainer.push_weights(model, 3)
-            raise AssertionError(f"a version holding {value} in {name} was accepted")
-        except UserError as e:
-            assert "422" in str(e) and name in str(e) and "\n" not in str(e), str(e)
-        finally:
+    with _shared() as server:
+        trainer, model = _trainer(server)
+        trainer.push_weights(model, 2)
+        name, p = next(iter(model.named_parameters()))
+        for value in (float("nan"), float("inf")):
+            saved = p.detach().clone()
             with torch.no_grad():
-                p.copy_(saved)
-    got = trainer.generate([[10, 11]], _params(max_new_tokens=2, min_version=0))[0][0].weights_version
-    assert got == 2, f"the server samples version {got}, not the last finite one (2)"
+                p.view(-1)[7] = value
+            try:
+                trainer.push_weights(model, 3)
+                raise AssertionError(f"a version holding {value} in {name} was accepted")
+            except UserError as e:
+                assert "422" in str(e) and name in str(e) and "\n" not in str(e), str(e)
+            finally:
+                with torch.no_grad():
+                    p.copy_(saved)
+        got = trainer.generate([[10, 11]], _params(max_new_tokens=2, min_version=0))[0][0].weights_version
+        assert got == 2, f"the server samples version {got}, not the last finite one (2)"
 
 
 @probe("connect_flood_bounded")
@@ -222,23 +232,23 @@ def connect_flood_bounded(ws: Path) -> None:
     protocol's shape (any host) and in the new one (nccl on a CPU server): each is answered within seconds and the
     server holds no thread for them (each used to hold a thread for its timeout, 10 minutes; the server dialled any
     host:port a client named); /health answers."""
-    server = _shared()
-    hole = socket.create_server(("127.0.0.1", 0), backlog=1)  # never accepts: connects hang in its backlog
-    try:
-        before, t0 = _threads(server), time.monotonic()
-        for i in range(100):
-            old = {"host": "127.0.0.1", "port": hole.getsockname()[1], "backend": "gloo", "timeout_s": 600}
-            new = {"backend": "nccl", "port": hole.getsockname()[1], "timeout_s": 600}
-            status, _ = _json(server.port, "/weights/connect", old if i % 2 else new, timeout=10)
-            assert 400 <= status < 500, f"connect {i}: HTTP {status}"
-        took = time.monotonic() - t0
-        time.sleep(0.5)
-        grown = _threads(server) - before
-        assert grown < 10, f"the server holds {grown} more threads after 100 connects to a black hole"
-        assert took < 30, f"100 connects took {took:.0f} s"
-        _health(server)
-    finally:
-        hole.close()
+    with _shared() as server:
+        hole = socket.create_server(("127.0.0.1", 0), backlog=1)  # never accepts: connects hang in its backlog
+        try:
+            before, t0 = _threads(server), time.monotonic()
+            for i in range(100):
+                old = {"host": "127.0.0.1", "port": hole.getsockname()[1], "backend": "gloo", "timeout_s": 600}
+                new = {"backend": "nccl", "port": hole.getsockname()[1], "timeout_s": 600}
+                status, _ = _json(server.port, "/weights/connect", old if i % 2 else new, timeout=10)
+                assert 400 <= status < 500, f"connect {i}: HTTP {status}"
+            took = time.monotonic() - t0
+            time.sleep(0.5)
+            grown = _threads(server) - before
+            assert grown < 10, f"the server holds {grown} more threads after 100 connects to a black hole"
+            assert took < 30, f"100 connects took {took:.0f} s"
+            _health(server)
+        finally:
+            hole.close()
 
 
 @probe("trainer_store_on_one_address")
@@ -306,17 +316,17 @@ def generate_caps(ws: Path) -> None:
     """`n=64, max_new_tokens=10**8` (it used to allocate ~51 GB), `n=200000` (it used to generate for hours after the
     client left) and prompts of 2^28 tokens in all are refused with 413 at once, and the server's memory does not
     grow."""
-    server = _shared()
-    before = server.peak_rss_kb()
-    t0 = time.monotonic()
-    _refused(_generate(server.port, n=64, max_new_tokens=10 ** 8), 413, needle="max_new_tokens")
-    _refused(_generate(server.port, n=200_000, max_new_tokens=16), 413, needle="sequences")
-    _refused(_generate(server.port, prompts=[[5] * 4000] * 1000, n=64, max_new_tokens=1024, timeout=60), 413,
-             needle="tokens")
-    assert time.monotonic() - t0 < 30, "the refusals took over 30 s"
-    grown = (server.peak_rss_kb() - before) / 1024
-    assert grown < 300, f"the server's peak memory grew by {grown:.0f} MiB refusing them"
-    _health(server)
+    with _shared() as server:
+        before = server.peak_rss_kb()
+        t0 = time.monotonic()
+        _refused(_generate(server.port, n=64, max_new_tokens=10 ** 8), 413, needle="max_new_tokens")
+        _refused(_generate(server.port, n=200_000, max_new_tokens=16), 413, needle="sequences")
+        _refused(_generate(server.port, prompts=[[5] * 4000] * 1000, n=64, max_new_tokens=1024, timeout=60), 413,
+                 needle="tokens")
+        assert time.monotonic() - t0 < 30, "the refusals took over 30 s"
+        grown = (server.peak_rss_kb() - before) / 1024
+        assert grown < 300, f"the server's peak memory grew by {grown:.0f} MiB refusing them"
+        _health(server)
 
 
 @probe("sampling_params_refused")
@@ -324,22 +334,22 @@ def sampling_params_refused(ws: Path) -> None:
     """A temperature of Infinity, -Infinity, -1 or NaN, a top_p of 0, -0.1, 1.5 or Infinity, an empty prompt, token ids
     outside the vocabulary, n 0, an unknown key, two conflicting Content-Length headers: each a 4xx with a JSON error,
     nothing generated; the server stays up (an infinite or negative temperature used to be sampled with)."""
-    server = _shared()
-    vocab = _json_get(server.port, "/health")["model"]["vocab_size"]
-    for body in ('"temperature": Infinity', '"temperature": -Infinity', '"temperature": -1', '"temperature": NaN',
-                 '"temperature": 1e400', '"top_p": 0', '"top_p": -0.1', '"top_p": 1.5', '"top_p": Infinity',
-                 '"n": 0', '"max_new_tokens": 0', '"stop": [""]', '"seed": -1'):
-        raw = ('{"prompts": [[10, 11]], "timeout_s": 10, "params": {"max_new_tokens": 2, %s}}' % body).encode()
-        status, reply = _post(server.port, raw, path="/generate")
-        assert 400 <= status < 500 and "error" in reply, f"{body}: HTTP {status} {reply!r:.200}"
-    for prompts in ([[]], [[10], []], [[-1]], [[vocab]], [[10 ** 30]], [["a"]], [[1.5]]):
-        status, reply = _json(server.port, "/generate", {"prompts": prompts, "params": {"max_new_tokens": 2}})
-        assert 400 <= status < 500, f"prompts {prompts!r:.40}: HTTP {status} {reply!r:.200}"
-    _refused(_json(server.port, "/generate", {"prompts": [[1]], "params": {}, "extra": 1}), 400, needle="unknown key")
-    with _connect(server.port) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 70\r\n\r\n{}")
-        _refused(_read_reply(s), 400, 411)
-    _health(server)
+    with _shared() as server:
+        vocab = _json_get(server.port, "/health")["model"]["vocab_size"]
+        for body in ('"temperature": Infinity', '"temperature": -Infinity', '"temperature": -1', '"temperature": NaN',
+                     '"temperature": 1e400', '"top_p": 0', '"top_p": -0.1', '"top_p": 1.5', '"top_p": Infinity',
+                     '"n": 0', '"max_new_tokens": 0', '"stop": [""]', '"seed": -1'):
+            raw = ('{"prompts": [[10, 11]], "timeout_s": 10, "params": {"max_new_tokens": 2, %s}}' % body).encode()
+            status, reply = _post(server.port, raw, path="/generate")
+            assert 400 <= status < 500 and "error" in reply, f"{body}: HTTP {status} {reply!r:.200}"
+        for prompts in ([[]], [[10], []], [[-1]], [[vocab]], [[10 ** 30]], [["a"]], [[1.5]]):
+            status, reply = _json(server.port, "/generate", {"prompts": prompts, "params": {"max_new_tokens": 2}})
+            assert 400 <= status < 500, f"prompts {prompts!r:.40}: HTTP {status} {reply!r:.200}"
+        _refused(_json(server.port, "/generate", {"prompts": [[1]], "params": {}, "extra": 1}), 400, needle="unknown key")
+        with _connect(server.port) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 70\r\n\r\n{}")
+            _refused(_read_reply(s), 400, 411)
+        _health(server)
 
 
 def _json_get(port: int, path: str) -> Any:
@@ -363,46 +373,46 @@ def deadline_counts_from_arrival(ws: Path) -> None:
     """While one request generates for minutes, a second one with `timeout_s` 2 is answered (504) within a few
     seconds of its arrival: its deadline counts from then, not from when it got the generation lock (it used to get
     no reply until the first one was done)."""
-    server = _shared()
-    long = _long_request(server.port)
-    try:
-        time.sleep(1.5)
-        t0 = time.monotonic()
-        body = {"prompts": [[10]], "params": {"max_new_tokens": 2}, "timeout_s": 2}
-        status, reply = _json(server.port, "/generate", body, timeout=30)
-        took = time.monotonic() - t0
-        assert status == 504 and took < 6, f"HTTP {status} after {took:.1f} s (timeout_s 2): {reply!r:.200}"
-    finally:
-        long.close()
+    with _shared() as server:
+        long = _long_request(server.port)
+        try:
+            time.sleep(1.5)
+            t0 = time.monotonic()
+            body = {"prompts": [[10]], "params": {"max_new_tokens": 2}, "timeout_s": 2}
+            status, reply = _json(server.port, "/generate", body, timeout=30)
+            took = time.monotonic() - t0
+            assert status == 504 and took < 6, f"HTTP {status} after {took:.1f} s (timeout_s 2): {reply!r:.200}"
+        finally:
+            long.close()
 
 
 @probe("generation_cancelled_when_client_left")
 def generation_cancelled_when_client_left(ws: Path) -> None:
     """A client asks for minutes of generation and hangs up after 1.5 s: the server stops that generation, and the
     next request is served within seconds (the generation used to go on to its end, holding the lock)."""
-    server = _shared()
-    long = _long_request(server.port)
-    time.sleep(1.5)
-    long.close()
-    t0 = time.monotonic()
-    status, reply = _json(server.port, "/generate", {"prompts": [[10]], "params": {"max_new_tokens": 2}, "timeout_s": 60},
-                          timeout=60)
-    took = time.monotonic() - t0
-    assert status == 200 and took < 8, f"HTTP {status} after {took:.1f} s: {reply!r:.200}"
+    with _shared() as server:
+        long = _long_request(server.port)
+        time.sleep(1.5)
+        long.close()
+        t0 = time.monotonic()
+        status, reply = _json(server.port, "/generate", {"prompts": [[10]], "params": {"max_new_tokens": 2}, "timeout_s": 60},
+                              timeout=60)
+        took = time.monotonic() - t0
+        assert status == 200 and took < 8, f"HTTP {status} after {took:.1f} s: {reply!r:.200}"
 
 
 @probe("body_bounded")
 def body_bounded(ws: Path) -> None:
     """A client declares a 200 MB body and sends it: refused with 413 before it is read (the server's peak memory
     grows far less than the body; it used to read and parse it: 4.3 GB); the server keeps answering."""
-    server = _shared()
-    before = server.peak_rss_kb()
-    body = b'{"prompts": [' + b"[1, 2, 3, 4, 5, 6, 7, 8], " * ((200 << 20) // 26) + b"[1]]}"
-    _refused(_send_flood(server.port, "/generate", body), 413)
-    del body
-    grown = (server.peak_rss_kb() - before) / 1024
-    assert grown < 64, f"the server's peak memory grew by {grown:.0f} MiB refusing a 200 MB body"
-    _health(server)
+    with _shared() as server:
+        before = server.peak_rss_kb()
+        body = b'{"prompts": [' + b"[1, 2, 3, 4, 5, 6, 7, 8], " * ((200 << 20) // 26) + b"[1]]}"
+        _refused(_send_flood(server.port, "/generate", body), 413)
+        del body
+        grown = (server.peak_rss_kb() - before) / 1024
+        assert grown < 64, f"the server's peak memory grew by {grown:.0f} MiB refusing a 200 MB body"
+        _health(server)
 
 
 @probe("idle_connections_keep_health", slow=True)
