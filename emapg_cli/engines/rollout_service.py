@@ -95,7 +95,8 @@ class RolloutService:
         (another trainer connected since)."""
         session = self.session
         if session is None:
-            raise Refused(409, f"no trainer is connected: POST /weights/connect first ({what})")
+            raise Refused(409, f"no trainer is connected to this rollout server (was it restarted?): {what} needs "
+                               "POST /weights/connect first")
         if not isinstance(token, str) or not token:
             raise Refused(403, f"{what} needs the token /weights/connect returned")
         if not hmac.compare_digest(token.encode(), session.token.encode()):
