@@ -127,3 +127,33 @@ def _listening(port: int) -> set[str]:
     from probes.rollout import _listening as listening
 
     return listening(port)
+
+
+def test_a_server_with_a_secret_answers_only_requests_that_carry_it(monkeypatch):
+    """With a secret, every request, /health included, needs `Authorization: Bearer <secret>` (401 with one line
+    naming EMAPG_ROLLOUT_SECRET otherwise); `RemoteEngine` sends the secret of its EMAPG_ROLLOUT_SECRET."""
+    from types import SimpleNamespace
+
+    from emapg_cli.engines.remote import RemoteEngine
+    from emapg_cli.engines.rollout_server import make_server
+    from emapg_cli.engines.rollout_service import RolloutService, ServedModel
+    from emapg_cli.errors import UserError
+
+    engine = SimpleNamespace(records_topk=False)
+    served = ServedModel(engine, "hf", {"vocab_size": 7}, "t", {"w": ("float32", [2])}, "cpu")
+    secret = "a-secret-of-24-characters"
+    server = make_server(RolloutService(served), "127.0.0.1", 0, secret=secret)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": secret}):
+            reply = http_client.request(url + "/health", timeout_s=5, max_reply_bytes=1 << 16, headers=headers)
+            assert reply.status == 401 and b"EMAPG_ROLLOUT_SECRET" in reply.body, (headers, reply)
+        monkeypatch.delenv("EMAPG_ROLLOUT_SECRET", raising=False)
+        with pytest.raises(UserError, match=r"HTTP 401: .*\(EMAPG_ROLLOUT_SECRET is not set here\)"):
+            RemoteEngine(url, timeout_s=5)
+        monkeypatch.setenv("EMAPG_ROLLOUT_SECRET", secret)
+        assert RemoteEngine(url, timeout_s=5).health["model"] == {"vocab_size": 7}
+    finally:
+        server.shutdown()
+        server.server_close()
