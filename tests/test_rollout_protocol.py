@@ -291,3 +291,19 @@ def test_engine_timeout_is_bounded_naming_the_key():
     with pytest.raises(ValueError, match="engine_timeout_s"):
         Config.model_validate({"rollout": {"engine_url": "http://h:1", "engine_timeout_s": 1e15}})
     Config.model_validate({"rollout": {"engine_url": "http://h:1", "engine_timeout_s": 86400}})
+
+
+def test_staging_finds_nan_and_inf_but_not_a_sum_that_overflowed():
+    """A pushed version is refused when a tensor holds NaN or Inf; one whose values are finite but sum past float32's
+    range (10 x 3e38 = 3e39 > 3.4e38) is not: the fast check (the sum) falls back to the elementwise one."""
+    from emapg_cli.engines.rollout_weights import Staging
+
+    staging = Staging({}, lambda *a: None)
+    staging.tensors = {"a": torch.full((10,), 3e38), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    assert staging.not_finite() is None
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        staging.tensors["b"][2] = bad
+        assert staging.not_finite() == "b"
+    staging.tensors["b"][2] = 0.0
+    staging.tensors["a"][9] = float("inf")
+    assert staging.not_finite() == "a"

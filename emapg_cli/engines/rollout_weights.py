@@ -67,10 +67,15 @@ class Staging:
             read_into(buf)
 
     def not_finite(self) -> Optional[str]:
-        """The name of the first staged tensor holding a NaN or an infinity, else None."""
+        """The name of the first staged tensor holding a NaN or an infinity, else None. A tensor whose sum is finite
+        holds neither (a NaN makes the sum NaN, an infinity makes it infinite or NaN), and a sum is ~20x cheaper than
+        an elementwise check; only a sum that overflowed from finite values needs the elementwise one."""
         import torch
 
-        return next((n for n, t in self.tensors.items() if not bool(torch.isfinite(t).all())), None)
+        def finite(t: Any) -> bool:
+            return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+        return next((n for n, t in self.tensors.items() if not finite(t)), None)
 
     def hand_over(self, version: int, epoch: int) -> None:
         """The staged `version` (complete and checked) to the applier; the copy is released once applied."""
