@@ -422,8 +422,13 @@ def train_cases() -> list[Case]:
                                  ("with-lora", ["rollout.engine_url=http://127.0.0.1:8100", "lora.r=4"]),
                                  ("timeout-alone", ["rollout.engine_timeout_s=5"]),
                                  ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]),
-                                 ("backend-alone", ["rollout.engine_weights_backend=gloo"]),
-                                 ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]))]
+                                 ("backend-alone", ["rollout.engine_weights_backend=http"]),
+                                 ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]),
+                                 # issue 32: gloo is no longer a weight backend (http took its place); a timeout past
+                                 # a day used to pass the config and overflow a socket timeout in training
+                                 ("backend-gloo", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=gloo"]),
+                                 ("timeout-huge", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=1e15"]),
+                                 ("timeout-inf", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=inf"]))]
     # issue 24: search.url may be a list (every URL checked, not empty); the server's pool/queue/cache options
     cases += [case("train", f"search-url-list-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
               for name, url in (("empty", "[]"), ("one-file", "[http://127.0.0.1:1/retrieve, file:///etc/passwd]"),
@@ -442,7 +447,21 @@ def train_cases() -> list[Case]:
                                  ("dtype-unknown", ("--model", "nomodel", "--dtype", "int8")),
                                  ("threads-zero", ("--model", "nomodel", "--threads", "0")),
                                  ("batch-zero", ("--model", "nomodel", "--batch-size", "0")),
-                                 ("top-p-zero", ("--model", "nomodel", "--top-p", "0")))]
+                                 ("top-p-zero", ("--model", "nomodel", "--top-p", "0")),
+                                 # issue 32: the secret, the connection and request limits (checked before any model
+                                 # loads or any socket listens: --host 0.0.0.0 without a secret never binds)
+                                 ("host-all-no-secret", ("--model", "nomodel", "--host", "0.0.0.0")),
+                                 ("host-name-no-secret", ("--model", "nomodel", "--host", "example.org")),
+                                 ("secret-short", ("--model", "nomodel", "--secret", "short")),
+                                 ("secret-empty", ("--model", "nomodel", "--secret", "")),
+                                 ("max-connections-zero", ("--model", "nomodel", "--max-connections", "0")),
+                                 ("timeout-zero", ("--model", "nomodel", "--timeout", "0")),
+                                 ("timeout-huge", ("--model", "nomodel", "--timeout", "1e15")),
+                                 ("timeout-nan", ("--model", "nomodel", "--timeout", "nan")),
+                                 ("max-body-zero", ("--model", "nomodel", "--max-body-bytes", "0")),
+                                 ("max-sequences-zero", ("--model", "nomodel", "--max-sequences", "0")),
+                                 ("max-new-tokens-negative", ("--model", "nomodel", "--max-new-tokens", "-1")),
+                                 ("max-request-tokens-text", ("--model", "nomodel", "--max-request-tokens", "many")))]
     cases += [case("rollout", "serve-rollouts-alias-model-missing", "serve-rollouts", "--model", "nomodel")]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
