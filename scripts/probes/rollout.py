@@ -43,15 +43,24 @@ def _shared() -> Iterator[_Server]:
         cm = serve_process(_tmp(), ["rollout", "serve", "--model", str(_tiny_model()), "--port", "0", "--threads", "1",
                                     "--timeout", "2"], "ready", memory_gb=MEMORY_GB)
         _SHARED["cm"], _SHARED["server"] = cm, cm.__enter__()  # the generator kept: collected, it would kill it
-        atexit.register(lambda: _SHARED["server"].proc.kill())
         _SHARED["stderr"] = []  # drained by a thread: a full pipe would block the server
-        threading.Thread(target=lambda: _SHARED["stderr"].extend(iter(_SHARED["server"].proc.stderr.readline, "")),
-                         daemon=True).start()
+        drain = threading.Thread(target=lambda: _SHARED["stderr"].extend(iter(_SHARED["server"].proc.stderr.readline,
+                                                                              "")), daemon=True)
+        drain.start()
+        atexit.register(_stop_shared, drain)
     start = len(_SHARED["stderr"])
     yield _SHARED["server"]
     time.sleep(0.2)
     err = "".join(_SHARED["stderr"][start:])
     assert "Traceback" not in err and "Exception" not in err, f"the server printed a traceback: {err[-400:]!r}"
+
+
+def _stop_shared(drain: threading.Thread) -> None:
+    """At exit: kill the shared server, let the drain thread read to end of file, then close its pipes (closing them
+    while the thread still reads aborts the interpreter at shutdown)."""
+    _SHARED["server"].proc.kill()
+    drain.join(timeout=30)
+    _SHARED["cm"].__exit__(None, None, None)
 
 
 def _url(server: _Server) -> str:
