@@ -70,7 +70,8 @@ def register_reward(name: str, factory: Callable[..., RewardFn]) -> None:
 
 
 class SafeReward:
-    """Wraps a reward: exceptions score 0.0 per item and are counted in `errors`."""
+    """Wraps a reward: exceptions score 0.0 per item and are counted in `errors`; a UserError (the reward cannot
+    run at all: a plugin's workers cannot start) stops the caller with its one line."""
 
     def __init__(self, name: str, fn: RewardFn) -> None:
         self.name, self.fn = name, fn
@@ -102,6 +103,8 @@ class SafeReward:
             out = [float(r) for r in self.fn(responses, examples)]
             self.first_error = self.first_error or str(getattr(self.fn, "batch_first_error", "") or "")
             return out
+        except UserError:
+            raise
         except Exception:
             log.warning("reward %s raised on a batch of %d; scoring item by item", self.name, len(responses), exc_info=True)
         out = []
