@@ -6,10 +6,9 @@ The real CLI over every case and command is the slow probe one_line:model_folder
 from __future__ import annotations
 
 import json
-import os
-import pickle
 import shutil
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,63 +16,45 @@ import pytest
 from emapg_cli.errors import UserError
 
 
-class _Mkdir:
-    """A pickle that creates a folder when it is loaded (what a hostile pytorch_model.bin can do)."""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-    def __init__(self, target: str):
-        self.target = target
-
-    def __reduce__(self):
-        return (os.mkdir, (self.target,))
+from probes.one_line import broken_model_folders  # noqa: E402  (the probe's cases: one builder for both)
 
 
 @pytest.fixture(scope="module")
-def broken(tiny_llama, tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    """Copies of the tiny model, each broken one way: {name: (folder, words its one-line error holds)}."""
+def broken(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """The probe's broken copies of a tiny model (a pickle that would create a folder, config.json a list / null /
+    not UTF-8 / with a string vocab_size, safetensors cut in half / zeroed / a link loop, a folder that is a link
+    loop) and a few more: {name: (folder, words its one-line error holds)}."""
     root = tmp_path_factory.mktemp("broken")
-    weights = (tiny_llama / "model.safetensors").read_bytes()
-    config = json.loads((tiny_llama / "config.json").read_text())
-    out: dict[str, tuple[Path, str]] = {}
+    out = broken_model_folders(root)
+    good = root / "tiny"
+    weights = (good / "model.safetensors").read_bytes()
 
     def copy(name: str, words: str) -> Path:
-        shutil.copytree(tiny_llama, root / name)
+        shutil.copytree(good, root / name)
         out[name] = (root / name, words)
         return root / name
 
-    d = copy("pickle", "pytorch_model.bin is a pickle")
-    (d / "model.safetensors").unlink()
-    (d / "pytorch_model.bin").write_bytes(pickle.dumps(_Mkdir(str(root / "PWNED"))))
-    copy("cfg-list", "config.json: a JSON list, not an object").joinpath("config.json").write_text("[]")
-    copy("cfg-null", "config.json: a JSON null, not an object").joinpath("config.json").write_text("null")
-    copy("cfg-latin1", "config.json: not UTF-8").joinpath("config.json").write_bytes(b'{"model_type": "llama", "n": "\xe9\xff"}')
-    copy("cfg-vocab-str", 'vocab_size is "259", not an integer >= 1').joinpath("config.json").write_text(
-        json.dumps({**config, "vocab_size": "259"}))
     copy("cfg-text-vocab-bool", "text_config.vocab_size is true").joinpath("config.json").write_text(
-        json.dumps({**config, "text_config": {"vocab_size": True}}))
-    copy("st-truncated", "cut short").joinpath("model.safetensors").write_bytes(weights[: len(weights) // 2])
-    copy("st-zeroed", "not a complete safetensors file").joinpath("model.safetensors").write_bytes(bytes(len(weights)))
+        json.dumps({**json.loads((good / "config.json").read_text()), "text_config": {"vocab_size": True}}))
     n = struct.unpack("<Q", weights[:8])[0]  # a header that is no JSON: 0xff bytes over it
     copy("st-header-garbage", "header is not a JSON object").joinpath("model.safetensors").write_bytes(
         weights[:8] + b"\xff" * n + weights[8 + n:])
     copy("st-trailing", "bytes no tensor owns").joinpath("model.safetensors").write_bytes(weights + b"\0" * 8)
-    d = copy("st-link-loop", "model.safetensors: a symbolic link loop")
-    (d / "model.safetensors").unlink()
-    os.symlink("model.safetensors", d / "model.safetensors")
     d = copy("shard-outside", "is not a file name in the folder")
     (d / "model.safetensors").rename(d / "shard.safetensors")
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../../etc/passwd"}}))
     d = copy("shard-missing", "shard-00001.safetensors (listed in model.safetensors.index.json) is missing")
     (d / "model.safetensors").unlink()
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "shard-00001.safetensors"}}))
-    os.symlink("dir-loop", root / "dir-loop")
-    out["dir-loop"] = (root / "dir-loop", "dir-loop: a symbolic link loop")
     (root / "a-file").write_text("not a folder")
     out["a-file"] = (root / "a-file", "not a folder")
     return out
 
 
 CASES = ["pickle", "cfg-list", "cfg-null", "cfg-latin1", "cfg-vocab-str", "cfg-text-vocab-bool", "st-truncated", "st-zeroed",
-         "st-header-garbage", "st-trailing", "st-link-loop", "shard-outside", "shard-missing", "dir-loop", "a-file"]
+         "st-header-garbage", "st-trailing", "st-link-loop", "shard-outside", "shard-missing", "dir-link-loop", "a-file"]
 
 
 def _one_line(call, what: str, words: str) -> None:

@@ -125,9 +125,10 @@ class TimeoutPool:
 
     `fn` must be a module-level function (a fresh interpreter imports it by name). A task that times
     out, or whose worker dies, gets `default`; one whose `fn` raises gets `default` too. Either way it
-    is counted in `stats`, and the pool keeps going. `warmup` (module-level, no arguments) runs once
-    in each new worker before it takes tasks (with `warmup_args`, plain values), so slow imports never count
-    against a task's time; a replacement worker warms up while the others keep working. `memory_limit` (bytes,
+    is counted in `stats`, and the pool keeps going. `warmup` (module-level) runs once, as
+    `warmup(*warmup_args)` (plain values), in each new worker before it takes tasks, so slow imports never count
+    against a task's time; a replacement worker warms up while the others keep working. A worker that cannot
+    import `fn` or warm up stops `map` with WorkerStartError saying why in one line. `memory_limit` (bytes,
     0: none) caps each worker's address space.
 
     Each worker runs in a session of its own, with one thread per maths library (OMP/MKL/OpenBLAS); killing
