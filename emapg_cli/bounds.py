@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Iterator, Optional
+from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ def limit_memory(max_bytes: int) -> None:
 
 
 _inside = threading.local()  # .depth: calls into user code in progress on this thread
-_hook_lock = threading.Lock()
-_hooked = False
 
 
 def _after_fork_in_child() -> None:
@@ -73,18 +71,13 @@ def _after_fork_in_child() -> None:
         _prctl_pdeathsig()
 
 
-def _hook() -> None:
-    global _hooked
-    with _hook_lock:
-        if not _hooked and hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=_after_fork_in_child)
-            _hooked = True
+if hasattr(os, "register_at_fork"):  # once, when this module is first imported; it acts only inside user_code()
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
 def user_code() -> Iterator[None]:
     """Run a call into user code (module doc): a fork it makes never comes back into emapg's code."""
-    _hook()
     pid = os.getpid()
     _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
