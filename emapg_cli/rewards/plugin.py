@@ -2,14 +2,16 @@
 
 The function scores one response: `fn(response: str, example: dict) -> float`, where `example` is
 the canonical row (`id`, `question`, `answers`, `source`, `meta`). It runs in the grading pool's
-worker processes (grading/pool.py) with the same hard per-call timeout: a call that raises, returns
-something that is not a real number finite in float32, or runs past the timeout scores 0.0 and is
-counted as a failure (the trainer logs `reward/errors` and stops past `reward.max_failure_rate`).
+worker processes (grading/pool.py) with the same hard per-call timeout, each worker under an
+address-space cap of reward.plugin_memory_mib: a call that raises, returns something that is not a
+real number finite in float32, runs past the timeout or out of memory scores 0.0 and is counted as a
+failure (the trainer logs `reward/errors` and stops past `reward.max_failure_rate`).
 
 Code runs only when the user says so (docs/reliability.md): `check_ref` checks a reference without
 running anything (the file exists or the module is found, and its source defines the name: parsed
 with `ast`); `load_object` / `load_plugin` import it, only when a run starts and after the trust
-check (config/trust.py). A reward must be a Python function from a file or an installed module
+check (config/trust.py), within IMPORT_TIMEOUT_S and inside `bounds.user_code()` (docs/reliability.md,
+"User code is contained"). A reward must be a Python function from a file or an installed module
 outside Python's standard library.
 """
 
