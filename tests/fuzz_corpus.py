@@ -353,6 +353,12 @@ def train_cases() -> list[Case]:
         case("train", "env-contradicts-search", "train", "--config", "good.yaml", "--set", "search.enabled=true",
              "--set", "rollout.env=calc", "--dry-run"),
         case("train", "env-timeout-zero", "train", "--config", "good.yaml", "--set", "rollout.env_timeout_s=0", "--dry-run"),
+        # issue 32: a time limit past a week (Python's waits overflow near 1e13 s) is refused at config time, by key
+        case("train", "env-timeout-huge", "train", "--config", "good.yaml", "--set", "rollout.env_timeout_s=1e13", "--dry-run"),
+        case("train", "search-timeout-huge", "train", "--config", "good.yaml", "--set", "search.timeout_s=1e300", "--dry-run"),
+        case("train", "search-backoff-huge", "train", "--config", "good.yaml", "--set", "search.backoff_s=1e9", "--dry-run"),
+        case("train", "search-retries-backoff-overflow", "train", "--config", "good.yaml", "--set", "search.retries=200", "--dry-run"),
+        case("train", "plugin-memory-negative", "train", "--config", "good.yaml", "--set", "reward.plugin_memory_mib=-1", "--dry-run"),
         case("train", "async-no-engine-url", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=1", "--dry-run"),
         case("train", "async-engine-old-logprobs", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=1",
              "--set", "rollout.engine_url=http://127.0.0.1:9", "--set", "train.old_logprobs=engine", "--dry-run"),
@@ -435,7 +441,7 @@ def train_cases() -> list[Case]:
                                 ("nested", "[[http://127.0.0.1:1/retrieve]]"), ("number", "[8000]"))]
     cases += [case("retriever", f"serve-{opt[2:]}-{value}", "retriever", "serve", "idx", opt, value)
               for opt, value in (("--workers", "0"), ("--workers", "many"), ("--max-batch", "0"), ("--max-pending", "-1"),
-                                 ("--cache-mb", "-1"))]
+                                 ("--cache-mb", "-1"), ("--timeout", "1e300"))]
     # issue 23, `emapg rollout serve` (and its alias `serve-rollouts`): a missing model folder or a bad option is one
     # line before any engine loads (no case names a real model, so none starts a server)
     cases += [case("rollout", f"serve-{name}", "rollout", "serve", *argv)
@@ -517,6 +523,7 @@ def eval_cases() -> list[Case]:
         case("eval", "limit-zero", *base, "--limit", "0", "--out", "new"),
         case("eval", "chunk-zero", *base, "--chunk", "0", "--out", "new"),
         case("eval", "grader-timeout-zero", *base, "--grader-timeout", "0", "--out", "new"),
+        case("eval", "grader-timeout-huge", *base, "--grader-timeout", "1e300", "--out", "new"),  # issue 32: overflowed the pool's wait
         case("eval", "grader-workers-zero", *base, "--grader-workers", "0", "--out", "new"),
         case("eval", "backend-unknown", *base, "--backend", "tpu", "--out", "new"),
         case("eval", "dtype-unknown", *base, "--dtype", "int3", "--out", "new"),

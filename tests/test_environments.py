@@ -161,7 +161,18 @@ INIT = "    def __init__(self, ex): pass\n"
     (INIT + "    def step(self, text): return None\n    def reward(self, text): return 1e39\n", "reward",
      "returned float '1e+39'; expected a number finite in float32"),  # finite in float64, inf in float32
     ("    def __init__(self, ex): raise KeyError('answers')\n    def step(self, text): return None\n", "__init__", "raised KeyError"),
-], ids=["raises", "hangs", "returns-int", "reward-str", "reward-1e39", "init-raises"])
+    # issue 32: `invalid` (a property) and the attribute lookups are user code too, under the same time limit
+    (INIT + "    def step(self, text): return None\n    @property\n    def invalid(self):\n        import time\n"
+     "        time.sleep(30)\n", "invalid", "did not return within rollout.env_timeout_s = 0.3 s"),
+    (INIT + "    def step(self, text): return None\n    @property\n    def invalid(self): raise RuntimeError('no counter')\n",
+     "invalid", "raised RuntimeError: no counter"),
+    (INIT + "    def step(self, text): return None\n    @property\n    def invalid(self): return Slow()\n"
+     "class Slow(float):\n    def __float__(self):\n        import time\n        time.sleep(30)\n        return 0.0\n",
+     "invalid", "did not return within rollout.env_timeout_s = 0.3 s"),
+    (INIT + "    def step(self, text): return None\n    def __getattr__(self, name):\n        import time\n        time.sleep(30)\n",
+     "invalid", "did not return within rollout.env_timeout_s = 0.3 s"),
+], ids=["raises", "hangs", "returns-int", "reward-str", "reward-1e39", "init-raises", "invalid-hangs", "invalid-raises",
+        "invalid-float-hangs", "getattr-hangs"])
 def test_user_errors_name_file_and_method(tmp_path, tok, body, method, words):
     path = write_env(tmp_path, "class Bad:\n" + body)
     env = make_environment(f"{path}:Bad", tok, timeout_s=0.3)

@@ -81,7 +81,10 @@ def test_offline_hub_id_fails_fast_in_one_line(monkeypatch, tmp_path):
         check_model_source("org/not-cached")
     assert time.monotonic() - t0 < 5
     (tmp_path / "m").mkdir()
-    check_model_source(str(tmp_path / "m"))  # a local folder: fine
+    with pytest.raises(UserError, match="no config.json"):  # a local folder is checked as a model folder (issue 32)
+        check_model_source(str(tmp_path / "m"))
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", "vocab_size": 8}')
+    check_model_source(str(tmp_path / "m"))  # a local model folder: fine
     check_model_source(str(tmp_path / "missing"))  # a missing local path: left to the loaders (their hint names `prepare`)
 
 

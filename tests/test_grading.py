@@ -246,7 +246,7 @@ def test_workers_ignore_sigint(importable_tests):
 def test_pool_reports_a_worker_that_cannot_start():
     with TimeoutPool(is_equivalent, workers=1, timeout=5, default=False) as pool:
         pool.fn_ref = "emapg_cli.no_such_module:f"
-        with pytest.raises(RuntimeError, match="exited while starting"):
+        with pytest.raises(RuntimeError, match="could not start: ModuleNotFoundError: No module named 'emapg_cli.no_such_module'"):
             pool.map([("1", ("1",))])
 
 
@@ -261,6 +261,48 @@ def _allocate(mib: int) -> bool:
     """A pool task: allocate `mib` MiB (module-level so a worker can import it)."""
     block = bytearray(mib << 20)
     return len(block) > 0
+
+
+def _forks(x: int) -> tuple[int, int]:
+    """A pool task that forks twice (as a reward plugin may): one copy returns into the worker's loop, one sleeps;
+    returns (x, the sleeper's pid)."""
+    import os
+
+    if os.fork() == 0:
+        pass  # this copy returns too: it must not answer on the worker's pipes
+    sleeper = os.fork()
+    if sleeper == 0:
+        time.sleep(600)
+        os._exit(0)
+    return x, sleeper
+
+
+def test_a_task_that_forks_never_answers_and_its_leftovers_die_with_the_worker(importable_tests):
+    """Issue 32: a forked copy that returned into the worker's loop answered on its pipes (a traceback flood, wrong
+    scores, an error blaming the plugin). Now it exits where the call returns; every task's own answer arrives,
+    in order; what the tasks left running (the sleepers) is killed with the worker's process group on close."""
+    with TimeoutPool(_forks, workers=1, timeout=20, default=None) as pool:
+        out = pool.map([(i,) for i in range(6)])
+        assert [x for x, _ in out] == list(range(6)) and pool.stats.errors == pool.stats.crashes == 0
+        sleepers = [pid for _, pid in out]
+    time.sleep(0.5)  # SIGKILL is asynchronous
+    alive = []
+    for pid in sleepers:  # the pool's worker was their parent: once it is reaped, they are init's, dead or zombies
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                alive += [pid] if f.read().split(") ")[1][0] not in "ZX" else []
+        except FileNotFoundError:
+            pass
+    assert not alive, f"forked processes outlived the pool: {alive}"
+
+
+def test_workers_are_in_their_own_session(importable_tests):
+    import os
+
+    with TimeoutPool(_allocate, workers=1, timeout=20, default=False) as pool:
+        assert pool.map([(1,)]) == [True]
+        (worker,) = pool._workers
+        assert os.getsid(worker.proc.pid) == worker.proc.pid != os.getsid(0)
 
 
 # --- acceptance on the real OlympiadBench file ---------------------------------------------------------

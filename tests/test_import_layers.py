@@ -25,7 +25,7 @@ PACKAGE = Path(emapg_cli.__file__).resolve().parent
 FLOORS: dict[str, int] = {
     # 0: helpers every floor may use
     "emapg_cli": 0, "errors": 0, "paths": 0, "fileio": 0, "estimator_names": 0, "stats": 0, "outputs": 0,
-    "hf_quiet": 0, "progress": 0, "http_reply": 0, "http_server": 0, "http_client": 0,
+    "hf_quiet": 0, "progress": 0, "http_reply": 0, "http_server": 0, "http_client": 0, "bounds": 0,
     # 1: pure maths (tensors in, tensors out) and answer grading
     "kl": 1, "grpo": 1, "grading": 1,
     # 2: the canonical example schema

@@ -261,7 +261,9 @@ def test_model_that_is_no_local_folder_is_refused_before_any_hub_lookup(tmp_path
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_hub)
     with pytest.raises(UserError, match="missing-model: not a local model directory"):
         logits_from_model("missing-model", None, None, 4, 0.05, 0)
-    # a folder for the policy, a hub id for the anchor: refused before the policy's tokenizer loads
+    # a folder for the policy (a config.json: every model folder is checked for one), a hub id for the anchor:
+    # refused before the policy's tokenizer loads
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(UserError, match="org/anchor: not a local model directory"):
         logits_from_model(str(tmp_path), "org/anchor", None, 4, 0.05, 0)
 

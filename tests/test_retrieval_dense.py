@@ -154,6 +154,7 @@ def _manifest() -> dict:
     (lambda m: m.update(faiss={"kind": "hnsw", "M": 0, "ef_construction": 9, "ef_search": 9}), "integers >= 1"),
     (lambda m: m["files"].pop("docs.bin"), "files lists docs.offsets.npy, faiss.index, not"),
     (lambda m: m.update(format="emapg-dense/9"), "unknown index format 'emapg-dense/9'"),
+    (lambda m: m.update(model=" "), "model \\(the encoder\\) is empty"),  # issue 32: an internal error in the encoder
 ])
 def test_manifest_checks_are_one_line(tmp_path, change, message):
     m = _manifest()
@@ -180,6 +181,82 @@ def test_tampered_index_file_is_refused(flat, tmp_path):
     (copy / "faiss.index").write_bytes(bytes(raw))
     with pytest.raises(UserError, match="faiss.index was changed since the index was built"):
         dense.DenseRetriever.load(copy)
+
+
+def _tampered_faiss(folder: Path, raw: bytes, **manifest) -> Path:
+    """`folder` (a dense index's copy) with faiss.index replaced by `raw`, its manifest updated to match (size, sha256
+    and `manifest`'s keys): only the checks of faiss.index's own content can refuse it."""
+    import hashlib
+
+    (folder / "faiss.index").write_bytes(raw)
+    m = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    m.update(manifest)
+    m["files"]["faiss.index"] = {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    return _write_manifest(folder, m)
+
+
+def test_faiss_header_declaring_more_than_the_file_is_refused_before_reading(tmp_path, monkeypatch):
+    """Issue 32: a 100-byte faiss.index whose header declares 366,210 vectors of dim 1024 (366,210 x 1024 x 4 B =
+    1,499,996,160 B, ~1.5 GB; faiss read 1.96 GB before refusing it), with a manifest that agrees: one line from the
+    header, and faiss never reads the file. Runs without the extra (faiss stands in)."""
+    import hashlib
+    import struct
+
+    rows, dim = 366_210, 1024
+    head = b"IxFI" + struct.pack("<iqqq", dim, rows, 1 << 20, 1 << 20) + b"\x01" + struct.pack("<iQ", 0, rows * dim)
+    docs = {"docs.bin": b"x", "docs.offsets.npy": b"y"}
+    for name, raw in docs.items():
+        (tmp_path / name).write_bytes(raw)
+    m = _manifest()
+    m.update(rows=rows, dim=dim, faiss={"kind": "flat"},
+             files={name: {"bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()} for name, raw in docs.items()})
+    _write_manifest(tmp_path, m)
+    _tampered_faiss(tmp_path, head + bytes(100 - len(head)))
+
+    class NoFaiss:
+        @staticmethod
+        def read_index(*a):
+            raise AssertionError("faiss.read_index was called")
+
+    monkeypatch.setattr(dense, "deps", lambda: (NoFaiss, None))
+    with pytest.raises(UserError, match="declares 366,210 vectors of dim 1024 \\(at least 1,499,996,160 bytes\\) but holds 100 bytes"):
+        dense.DenseRetriever.load(tmp_path)
+    # another kind's type code, or a count the manifest does not record: refused from the header as well
+    _tampered_faiss(tmp_path, b"IHNf" + head[4:] + bytes(100 - len(head)))
+    with pytest.raises(UserError, match="faiss.index is not a faiss flat index"):
+        dense.DenseRetriever.load(tmp_path)
+    _tampered_faiss(tmp_path, head + bytes(100 - len(head)), rows=7)
+    with pytest.raises(UserError, match="declares 366210 vectors of dim 1024, the manifest says 7 of 1024"):
+        dense.DenseRetriever.load(tmp_path)
+
+
+def test_faiss_vector_length_field_is_bounded_by_the_file(flat, tmp_path):
+    """Issue 32: a real flat index whose codes length field (bytes 37-45) says 1.5 GB: faiss allocated that much
+    before finding the file short (peak 1.9 GB); read under a vector byte limit of the file's size it is one line,
+    and the reading process stays below 1 GB at its peak (a subprocess, so its own peak is measured)."""
+    import os
+    import shutil
+    import struct
+    import subprocess
+    import sys
+
+    import faiss
+
+    if not hasattr(faiss, "set_deserialization_vector_byte_limit"):
+        pytest.skip("faiss < 1.14.2 has no deserialization byte limit (the header checks still apply)")
+    copy = tmp_path / "idx"
+    shutil.copytree(flat, copy)
+    raw = bytearray((copy / "faiss.index").read_bytes())
+    assert raw[:4] == b"IxFI" and struct.unpack("<Q", raw[37:45])[0] == 120 * 32  # 120 vectors x 32 floats
+    raw[37:45] = struct.pack("<Q", 1_500_000_000 // 4)
+    _tampered_faiss(copy, bytes(raw))
+    code = ("import sys; from emapg_cli.errors import UserError; from emapg_cli.retrieval import dense\n"
+            "try:\n    dense.DenseRetriever.load(sys.argv[1])\nexcept UserError as e:\n    print(e)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(copy)], stdout=subprocess.PIPE, text=True)
+    out = p.stdout.read()
+    _, status, usage = os.wait4(p.pid, 0)
+    assert "faiss.index does not load" in out, out
+    assert usage.ru_maxrss < 1 << 20, f"peak {usage.ru_maxrss >> 10} MiB: the declared 1.5 GB was allocated"  # KiB
 
 
 def test_cli_dense_index_query_and_make_retriever(corpus, encoder_dir, tmp_path):

@@ -68,6 +68,60 @@ def test_plugin_in_the_pool_counts_raises_timeouts_and_non_numbers(plugin, monke
             reward.close()
 
 
+RLIMIT = """import resource
+
+
+def cap(response, example):
+    return resource.getrlimit(resource.RLIMIT_AS)[0] / 2**20  # this worker's address-space cap in MiB
+"""
+
+
+def test_plugin_workers_have_a_memory_cap_of_their_own(tmp_path):
+    """Issue 32: a plugin's workers had no cap (the maths graders have 1 GiB). Now reward.plugin_memory_mib (default
+    2048) caps each worker's address space: the plugin reads its own RLIMIT_AS."""
+    from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
+
+    (tmp_path / "rl.py").write_text(RLIMIT)
+    ex = [Example(id="q0", question="q", answers=["1"])]
+    for mib, expected in ((None, PLUGIN_MEMORY_MIB), (700, 700)):
+        reward = get_reward(f"{tmp_path / 'rl.py'}:cap", workers=1, memory_mib=mib)
+        try:
+            assert reward(["a"], ex) == [expected] and reward.errors == 0
+        finally:
+            reward.close()
+    assert PLUGIN_MEMORY_MIB == 2048 and load_config().reward.plugin_memory_mib == 2048
+
+
+def test_plugin_whose_import_hangs_or_needs_more_memory_is_one_line(tmp_path, monkeypatch):
+    """Issue 32: a plugin that sleeps at import hung `eval` silently. The import has a deadline (IMPORT_TIMEOUT_S, 0.5 s
+    here; 60 s in use); a plugin that forks at import leaves no copy running emapg's code; a plugin whose import
+    needs more than the workers' cap stops the grading in one line naming reward.plugin_memory_mib."""
+    import os
+    import time
+
+    from emapg_cli.rewards import plugin as plugin_mod
+
+    monkeypatch.setattr(plugin_mod, "IMPORT_TIMEOUT_S", 0.5)
+    (tmp_path / "sleepy.py").write_text("import time\ntime.sleep(30)\n\ndef score(response, example):\n    return 1.0\n")
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match="sleepy.py did not finish importing within 0.5 s"):
+        plugin_mod.load_plugin(f"{tmp_path / 'sleepy.py'}:score")
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(plugin_mod, "IMPORT_TIMEOUT_S", 60.0)
+    (tmp_path / "forky.py").write_text(f"import os\nif os.fork() == 0:\n    open({str(tmp_path / 'child')!r}, 'w').close()"
+                                       "\n\ndef score(response, example):\n    return 1.0\n")
+    pid = os.getpid()
+    assert plugin_mod.load_plugin(f"{tmp_path / 'forky.py'}:score")("a", {}) == 1.0
+    assert os.getpid() == pid  # this is the test process: the forked copy exited when its import returned
+    (tmp_path / "big.py").write_text("BLOCK = bytearray(600 << 20)\n\ndef score(response, example):\n    return 1.0\n")
+    reward = get_reward(f"{tmp_path / 'big.py'}:score", workers=1, memory_mib=256)  # imported here: no cap in this process
+    try:
+        with pytest.raises(UserError, match=r"its worker processes cannot start \(.*MemoryError.*reward.plugin_memory_mib = 256 MiB"):
+            reward(["a"], [Example(id="q0", question="q", answers=["1"])])
+    finally:
+        reward.close()
+
+
 def test_plugin_references_are_checked_at_config_time(plugin, tmp_path):
     cfg = load_config("toy", overrides=[f"rollout.reward={plugin}:score"])
     assert cfg.rollout.reward == f"{plugin.resolve()}:score"

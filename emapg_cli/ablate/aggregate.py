@@ -3,6 +3,12 @@ configuration: mean ± std and the 95% t interval over seeds, ranked by final ev
 
 Reads only files: `study.yaml` and `plan.jsonl` of the sweep, and each run's `summary.json`,
 `metrics.jsonl` and status record, so a sweep run elsewhere (a cluster) aggregates the same way.
+Every file is checked where it is read (issue 32: a sweep folder may be tampered with or broken):
+a plan row that is not a run of the recorded sweep (a config_id that is no folder name, such as
+`../../outside`, a seed the sweep does not have, values without the sweep's grid keys) is one
+line naming plan.jsonl and the line; a run whose summary.json cannot be read as a JSON object is
+recorded as failed, and metrics.jsonl rows that cannot be drawn are skipped, each with a warning
+(`plots.rows.read_metric_rows`, the reader `emapg plot` uses).
 """
 
 from __future__ import annotations
@@ -10,16 +16,19 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.grid import RunSpec
-from emapg_cli.ablate.runner import SUMMARY, read_status, run_dir
-from emapg_cli.stats import Interval, mean_ci
-from emapg_cli.train.loggers import METRICS_FILE, read_metrics
-from emapg_cli.train.status import STATUS_FILE
+from emapg_cli.ablate.grid import RunSpec, format_value
+from emapg_cli.ablate.runner import SUMMARY, read_record, read_status, run_dir
 from emapg_cli.ablate.study import Sweep, read_sweep
+from emapg_cli.errors import UserError
+from emapg_cli.stats import Interval, mean_ci
+from emapg_cli.train.loggers import METRICS_FILE
+from emapg_cli.train.status import STATUS_FILE
 
 PLAN_FILE = "plan.jsonl"
 RESULTS_FILE = "results.csv"
@@ -71,15 +80,72 @@ def save_plan(out: Path, runs: list[RunSpec]) -> None:
                                 "grid": r.grid}) + "\n")
 
 
-def read_plan(out: Path) -> list[RunSpec]:
-    rows = [json.loads(line) for line in (out / PLAN_FILE).read_text().splitlines() if line.strip()]
-    return [RunSpec(r["config_id"], r["seed"], r["values"], tuple(r["overrides"]), r.get("grid", {})) for r in rows]
+#: A configuration's folder name (ablate/grid.py `config_id`): one path component, never `.` or `..`.
+CONFIG_ID = re.compile(r"[A-Za-z0-9._=+-]+")
+
+
+def read_plan(out: Path, sweep: Sweep) -> list[RunSpec]:
+    """The planned runs of `plan.jsonl`, each row checked against the recorded `sweep` (one UserError line naming
+    the line): an object with a `config_id` that names one folder under runs/, a seed of the sweep's, `values`
+    holding every column (`variant` one of the sweep's, each grid value one the sweep lists), `overrides` strings."""
+    path = out / PLAN_FILE
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{out}: no {PLAN_FILE} (not a sweep folder, or one whose runs were never planned)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot be read as UTF-8 text ({type(e).__name__})") from None
+    runs: list[RunSpec] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            runs.append(_plan_row(line, f"{path}:{lineno}", sweep))
+            if any((r.config_id, r.seed) == (runs[-1].config_id, runs[-1].seed) for r in runs[:-1]):
+                raise UserError(f"{path}:{lineno}: run {runs[-1].run_id} is planned twice")
+    if not runs:
+        raise UserError(f"{path}: no planned runs")
+    return runs
+
+
+def _plan_row(line: str, where: str, sweep: Sweep) -> RunSpec:
+    """One plan.jsonl row as a RunSpec (see read_plan)."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError):
+        raise UserError(f"{where}: not a JSON row of the plan") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: a plan row is a JSON object, not {type(row).__name__}")
+    cid, seed, values, overrides, grid = (row.get(k) for k in ("config_id", "seed", "values", "overrides", "grid"))
+    if not isinstance(cid, str) or not CONFIG_ID.fullmatch(cid) or cid in (".", ".."):
+        raise UserError(f"{where}: config_id {json.dumps(cid)[:80]} is not a configuration's folder name")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < sweep.seeds:
+        raise UserError(f"{where}: seed {json.dumps(seed)[:40]} is not one of the sweep's seeds 0..{sweep.seeds - 1}")
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UserError(f"{where}: overrides must be a list of strings")
+    grid = {} if grid is None else grid
+    if not isinstance(values, dict) or not isinstance(grid, dict) or not all(isinstance(v, str) for v in grid.values()):
+        raise UserError(f"{where}: values (and grid) must be objects")
+    missing = [c for c in sweep.columns if c not in values]
+    if missing:
+        raise UserError(f"{where}: values lack {', '.join(missing)} (the sweep's columns)")
+    if sweep.variants and values["variant"] not in sweep.variants:
+        raise UserError(f"{where}: variant {json.dumps(values['variant'])[:60]} is not one of the sweep's")
+    for key, choices in sweep.grid.items():
+        try:  # as ablate/stability.py labels a run's column
+            label = grid.get(key) or format_value(values[key])
+        except RecursionError:  # a string nested too deeply for YAML
+            label = "(nested too deeply)"
+        if label not in [format_value(v) for v in choices]:
+            raise UserError(f"{where}: {key} = {label[:60]} is not one of the sweep's values for it")
+    return RunSpec(cid, seed, values, tuple(overrides), grid)
 
 
 def _finite(x: Any) -> Optional[float]:
+    """`x` as a finite float (a number, or a numeric string); None for anything else (a boolean, 1e999, an object)."""
+    if isinstance(x, bool):
+        return None
     try:
         v = float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return v if math.isfinite(v) else None
 
@@ -139,41 +205,58 @@ def with_endpoints(evals: list[tuple[int, float]], metrics: dict[str, Optional[f
 
 
 def collect(out: Path, runs: list[RunSpec]) -> list[RunRecord]:
-    """Read every planned run's state and numbers from disk."""
+    """Read every planned run's state and numbers from disk; what cannot be read is a warning on stderr (a run
+    whose summary.json is not a JSON object counts as failed; metric rows that cannot be drawn are skipped)."""
     records = []
     for spec in runs:
         rdir = run_dir(out, spec)
-        status = read_status(out, spec)
+        curves = curves_of(_metric_rows(rdir / METRICS_FILE))
         summary_path = rdir / SUMMARY
-        curves = curves_of(read_metrics(rdir / METRICS_FILE, partial=True))
         if summary_path.is_file():
-            try:
-                summary = json.loads(summary_path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                records.append(RunRecord(spec, "failed", curves=curves, error=f"unreadable {SUMMARY}: {e}"))
+            summary = read_record(summary_path)
+            if summary is None:
+                _warn(f"{summary_path} is not a readable JSON object: run {spec.run_id} counts as failed")
+                records.append(RunRecord(spec, "failed", curves=curves, error=f"unreadable {SUMMARY}"))
                 continue
             metrics = run_metrics(summary, curves)
             curves["eval/accuracy"] = with_endpoints(curves["eval/accuracy"], metrics)
             records.append(RunRecord(spec, "done", metrics, curves))
         else:
-            trainer = _trainer_status(rdir)
+            status, trainer = read_status(out, spec), read_record(rdir / STATUS_FILE) or {}
             # a run launched elsewhere (a cluster, from --dry-run lines) has no record of ours, only the trainer's
-            state = status.get("status") or ("failed" if trainer.get("status") == "failed" else "pending")
-            failed = state == "failed"
+            state = _text(status.get("status")) or ("failed" if trainer.get("status") == "failed" else "pending")
+            failed, code = state == "failed", status.get("returncode")
             records.append(RunRecord(spec, state if state in ("failed", "running", "interrupted") else "pending", curves=curves,
-                                     error=(status.get("error") or trainer.get("reason") or "") if failed else "",
-                                     returncode=status.get("returncode") if failed else None,
-                                     reason=str(trainer.get("reason") or "") if failed else ""))
+                                     error=(_text(status.get("error")) or _text(trainer.get("reason"))) if failed else "",
+                                     returncode=code if failed and type(code) is int else None,
+                                     reason=_text(trainer.get("reason")) if failed else ""))
     return records
 
 
-def _trainer_status(rdir: Path) -> dict:
-    """The run's own `status.json` written by `emapg train` ({} when absent or unreadable)."""
+def _text(value: Any) -> str:
+    """A status record's text field ("" for anything that is not a string)."""
+    return value if isinstance(value, str) else ""
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def _metric_rows(path: Path) -> list[dict[str, Any]]:
+    """The drawable rows of a run's metrics.jsonl (`plots.rows.read_metric_rows`: an integer step >= 0, finite
+    numbers); none when there is no file; what was skipped, or an unreadable file, is a warning."""
+    from emapg_cli.plots.rows import read_metric_rows
+
+    if not path.is_file():
+        return []
     try:
-        data = json.loads((rdir / STATUS_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        read = read_metric_rows(path)
+    except UserError as e:
+        _warn(str(e))
+        return []
+    if (note := read.note(path)) is not None:
+        _warn(note)
+    return read.rows
 
 
 def label_of(values: dict[str, Any], columns: list[str], written: Optional[dict[str, str]] = None) -> str:
@@ -315,7 +398,7 @@ def summary_markdown(sweep: Sweep, summaries: list[ConfigSummary], records: list
 def aggregate(out: Path) -> tuple[Sweep, list[RunRecord], list[ConfigSummary]]:
     """Write results.csv and summary.md for the sweep in `out`; return what they were built from."""
     sweep = read_sweep(out)
-    records = collect(out, read_plan(out))
+    records = collect(out, read_plan(out, sweep))
     columns = sweep.columns
     summaries = summarize(records, columns)
     write_results_csv(out / RESULTS_FILE, records, columns)

@@ -209,16 +209,15 @@ def vocab_size(model_path: Optional[str]) -> int:
     """The vocabulary size in a local model directory's `config.json` (what `|V|` resolves to)."""
     if not model_path:
         raise UserError(f"{VOCAB} needs model.path to be set (the vocabulary size is read from the model's config.json)")
-    path = expand(model_path) / "config.json"
-    if not path.is_file():
+    from emapg_cli.models.folder import local_folder, read_config
+
+    folder = local_folder(model_path, f"{VOCAB}: model.path")
+    if folder is None or not (folder / "config.json").is_file():
         raise UserError(f"{VOCAB}: no config.json in model.path {expand(model_path)} (prepare the model first, e.g. `emapg prepare`)")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{VOCAB}: cannot read {path}: {e}") from None
+    data = read_config(folder, f"{VOCAB}: model.path")  # a JSON object whose vocab_size, when there, is an int >= 1
     size = data.get("vocab_size") or (data.get("text_config") or {}).get("vocab_size")
-    if not isinstance(size, int) or size < 1:
-        raise UserError(f"{VOCAB}: {path} has no integer vocab_size")
+    if size is None:
+        raise UserError(f"{VOCAB}: {folder / 'config.json'} has no integer vocab_size")
     return size
 
 

@@ -66,12 +66,19 @@ def is_finished(out: Path, spec: RunSpec) -> bool:
 
 
 def read_status(out: Path, spec: RunSpec) -> dict:
-    """The run's status record ({} when it never started)."""
-    path = status_path(out, spec)
+    """The run's status record ({} when it never started, or when the file is not a JSON object: a record this
+    command did not write, which tells nothing)."""
+    return read_record(status_path(out, spec)) or {}
+
+
+def read_record(path: Path) -> Optional[dict]:
+    """A JSON object a run left (a status record, summary.json); None when it is missing, unreadable, not UTF-8, not
+    JSON or not an object."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # ValueError: UnicodeDecodeError, JSONDecodeError, 5000-digit ints
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def train_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:

@@ -13,9 +13,11 @@ Context limit (`max_context_tokens`, the config's `rollout.max_context_tokens`):
 prompt + trajectory + a full turn (`params.max_new_tokens`) fit; an observation is cut to the room left;
 an episode out of room ends (outcome `context`), as in the search agent.
 
-Every call into the user's code (`__init__`, `step`, `reward`, `metrics`) runs in a worker thread bounded by
-`timeout_s`; an exception, a hang or a return value of the wrong type is one `UserError` line naming the
-file, the class and the method. Nothing is written by the loop, so such an error leaves no partial file.
+Every call into the user's code (`__init__`, `step`, `reward`, `metrics`, reading `invalid`: every attribute of
+the environment object, and the check of what it returned) runs in a worker thread bounded by `timeout_s`, inside
+`bounds.user_code()` (a process it forks never runs emapg's code and dies with emapg); an exception, a hang or a
+return value of the wrong type is one `UserError` line naming the file, the class and the method. Nothing is
+written by the loop, so such an error leaves no partial file.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from emapg_cli.agents.episode import (Episode, EpisodeState as _State, add_observation, observation_ids, add_policy_turn, new_episode,
                                       still_running, turn_params, turn_tokens)
+from emapg_cli.bounds import user_code
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
 
@@ -44,7 +47,9 @@ class Worker:
             fut, fn, args = jobs.get()
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(*args))
+                    with user_code():  # a fork in the user's code exits there (bounds.py)
+                        value = fn(*args)
+                    fut.set_result(value)
                 except BaseException as e:  # noqa: BLE001 - handed to the caller
                     fut.set_exception(e)
 
@@ -118,10 +123,7 @@ class EnvRunner:
         ids, logprobs = turn_tokens(c)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         add_policy_turn(ep, ids, logprobs, text, c.finish_reason, getattr(c, "weights_version", None))
-        obs = self.worker.call("step", st.env.step, text)
-        if obs is not None and not isinstance(obs, str):
-            raise UserError(f"rollout.env {self.ref}.step returned {type(obs).__name__} {obs!r:.60}; "
-                            "expected a str (the observation) or None (end the episode)")
+        obs = self.worker.call("step", self._step, st.env, text)
         if obs is None:
             st.done, ep.outcome = True, "done"
         elif last:
@@ -136,16 +138,34 @@ class EnvRunner:
         ep, env = st.episode, st.env
         if not st.done:
             ep.outcome = ep.outcome or "turns"
-        invalid = getattr(env, "invalid", 0)
-        ep.invalid = int(_number(invalid, f"rollout.env {self.ref}.invalid"))
-        if callable(getattr(env, "metrics", None)):
-            counters = self.worker.call("metrics", env.metrics)
-            if not isinstance(counters, dict) or not all(isinstance(k, str) for k in counters):
-                raise UserError(f"rollout.env {self.ref}.metrics returned {type(counters).__name__}; expected a dict of "
-                                "name -> number")
-            ep.counters = {k: _number(v, f"rollout.env {self.ref}.metrics[{k!r}]") for k, v in counters.items()}
+        ep.invalid = int(self.worker.call("invalid", self._invalid, env))
+        ep.counters = self.worker.call("metrics", self._counters, env)
         if self.has_reward:
-            ep.env_reward = _number(self.worker.call("reward", env.reward, ep.text), f"rollout.env {self.ref}.reward")
+            ep.env_reward = self.worker.call("reward", self._reward, env, ep.text)
+
+    # What the worker thread runs: each reads the environment object and checks what it gave (the user's code may
+    # run in any of them: a property, __getattr__, a number's __float__), so all of it is under the time limit.
+    def _step(self, env: Any, text: str) -> Optional[str]:
+        obs = env.step(text)
+        if obs is not None and not isinstance(obs, str):
+            raise UserError(f"rollout.env {self.ref}.step returned {type(obs).__name__} {obs!r:.60}; "
+                            "expected a str (the observation) or None (end the episode)")
+        return obs
+
+    def _invalid(self, env: Any) -> float:
+        return _number(getattr(env, "invalid", 0), f"rollout.env {self.ref}.invalid")
+
+    def _counters(self, env: Any) -> dict[str, float]:
+        if not callable(getattr(env, "metrics", None)):
+            return {}
+        counters = env.metrics()
+        if not isinstance(counters, dict) or not all(isinstance(k, str) for k in counters):
+            raise UserError(f"rollout.env {self.ref}.metrics returned {type(counters).__name__}; expected a dict of "
+                            "name -> number")
+        return {k: _number(v, f"rollout.env {self.ref}.metrics[{k!r}]") for k, v in counters.items()}
+
+    def _reward(self, env: Any, text: str) -> float:
+        return _number(env.reward(text), f"rollout.env {self.ref}.reward")
 
 
 def env_metrics(episodes: Sequence[Episode]) -> dict[str, float]:

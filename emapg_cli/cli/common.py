@@ -31,6 +31,18 @@ SetOpt = Annotated[
 ]
 
 
+def check_seconds_option(option: str, value: float) -> None:
+    """A seconds option is at most bounds.MAX_SECONDS (one week, as every `*_s` config key): else one line naming
+    it (checked here rather than with typer's max=, whose range would widen every --help's option column)."""
+    from emapg_cli.bounds import check_seconds
+    from emapg_cli.errors import UserError
+
+    try:
+        check_seconds(value)
+    except ValueError as e:
+        raise UserError(f"{option} {value:g}: {e}") from None
+
+
 def resolve_config(preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]) -> Config:
     """Build the Config from the three sources (raises UserError on any problem)."""
     from emapg_cli.config import load_config

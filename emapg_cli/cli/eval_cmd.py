@@ -7,7 +7,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console
+from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, check_seconds_option, console
 from emapg_cli.errors import UserError
 
 #: With --preset/--config/--set, each eval option given on the command line overrides this config key (so the
@@ -267,7 +267,7 @@ def eval_(
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM on a GPU: fraction of GPU memory to use (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")] = 0.9,
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
     reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,
-    grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong).")] = 5.0,
+    grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong); at most a week.")] = 5.0,
     retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR or dense:DIR (an index from `emapg retriever index`, `--dense MODEL` for dense) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`; several, comma-separated: round-robin with failover).")] = None,
     env: Annotated[Optional[str], typer.Option("--env", help="The environment the model answers in, built by training's factory (rollout.env): single (default), search (needs --retriever, which alone implies it), calc (the toy arithmetic calculator), or a user environment path/to/file.py:ClassName / module:ClassName (docs/environments.md); its own reward(text), when it has one, grades instead of --reward.")] = None,
     max_turns: Annotated[Optional[int], typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled; default 4, search.max_turns). With a user --env: its turn limit (default: the class's max_turns).")] = None,
@@ -300,6 +300,7 @@ def eval_(
     from emapg_cli.hf_quiet import quiet_transformers
 
     quiet_transformers()
+    check_seconds_option("--grader-timeout", grader_timeout)
     o, cfg, origin = dict(ctx.params), None, {}
     if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or env or retriever):
         preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
@@ -330,7 +331,8 @@ def eval_(
     settings = EvalSettings(
         bench=bench_ref(o["bench"]), out=out or default_out(label or o["bench"], model, responses), model=model,
         responses_file=responses, prompt_template=str(o["prompt_template"]) if o["prompt_template"] else None,
-        **{k: o[k] for k in keys}, **({"env_timeout_s": cfg.rollout.env_timeout_s} if cfg is not None else {}),
+        **{k: o[k] for k in keys},
+        **({"env_timeout_s": cfg.rollout.env_timeout_s, "plugin_memory_mib": cfg.reward.plugin_memory_mib} if cfg is not None else {}),
     )
     threads_note = ""
     if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)

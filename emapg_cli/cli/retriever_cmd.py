@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from emapg_cli.cli.common import console
+from emapg_cli.cli.common import check_seconds_option, console
 from emapg_cli.errors import UserError
 
 app = typer.Typer(help="Retrieval for the search agent: index a JSONL corpus, query an index, serve it as a Search-R1 /retrieve server.",
@@ -121,7 +121,7 @@ def serve(
     max_topk: Annotated[int, typer.Option("--max-topk", min=1, help="Largest topk a request may ask for; topk must be an integer from 1 to this (else 400).")] = 100,
     max_hits: Annotated[int, typer.Option("--max-hits", min=1, help="Most hits per request (queries x topk), which bounds the reply's rows and the ranking's memory; more: 413.")] = 65536,
     max_reply_bytes: Annotated[int, typer.Option("--max-reply-bytes", min=1, help="Largest reply in bytes of JSON; a request whose reply would be larger gets 413.")] = 64 << 20,
-    timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds a connection has to send each request (from connect or the previous reply; idle connections are closed after it) and to take each reply.")] = 10.0,
+    timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds a connection has to send each request (from connect or the previous reply; idle connections are closed after it) and to take each reply; at most a week.")] = 10.0,
     max_connections: Annotated[int, typer.Option("--max-connections", min=1, help="Connections served at once; the next ones get 503 at once.")] = 64,
     workers: Annotated[int, typer.Option("--workers", min=1, max=64, help="Threads that search (the worker pool); each takes the waiting queries of every request (same topk) into one batched search, so one search runs while another's passages are fetched and encoded.")] = 2,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Most queries in one batched search: waiting requests are taken together up to it; a larger request is searched in parts.")] = 1024,
@@ -138,6 +138,7 @@ def serve(
 
     if topk > max_topk:
         raise UserError(f"--topk {topk} is over --max-topk {max_topk}")
+    check_seconds_option("--timeout", timeout_s)
     limits = Limits(max_body_bytes=max_body_bytes, max_queries=max_queries, max_query_chars=max_query_chars,
                     max_request_chars=max_request_chars, max_topk=max_topk, max_hits=max_hits,
                     max_reply_bytes=max_reply_bytes, timeout_s=timeout_s, max_connections=max_connections,

@@ -7,18 +7,23 @@ preset or a `--set` override fails loudly instead of being ignored.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from emapg_cli.bounds import MAX_SECONDS, check_seconds
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
+from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
 
 Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
 #: Keys that moved: setting one is a one-line error naming where it went.
 MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
                                    "a user environment's is its class's max_turns attribute (docs/environments.md)"}
 Direction = Literal["reverse", "forward"]
+#: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
+#: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
+Seconds = Annotated[float, AfterValidator(check_seconds)]
 
 
 class Section(BaseModel):
@@ -50,7 +55,7 @@ class RolloutConfig(Section):
     n: int = Field(8, ge=1, description="Responses generated per prompt (the GRPO group size).")
     max_new_tokens: int = Field(8192, ge=1, description="Maximum response length in tokens (per turn for multi-turn tasks).")
     env: str = Field("single", description="The environment a response is generated in (docs/environments.md): `single` (one turn, the default), `search` (the Search-R1 agent of the `search` section; the same as search.enabled=true), `calc` (the toy arithmetic task's calculator tool), or a user environment `path/to/file.py:ClassName` / `module:ClassName` (per episode `ClassName(example)`, then `step(text) -> observation | None` after each policy turn; its `max_turns`, `stop` and optional `reward(text)`, used instead of rollout.reward).")
-    env_timeout_s: float = Field(10.0, gt=0, description="A user environment (rollout.env=FILE.py:Class, calc): seconds one call into it (the constructor, step, reward, metrics) may take; past it the run stops with a one-line error naming the method.")
+    env_timeout_s: Seconds = Field(10.0, gt=0, description="A user environment (rollout.env=FILE.py:Class, calc): seconds one call into it (the constructor, step, reward, metrics) may take; past it the run stops with a one-line error naming the method.")
     max_context_tokens: int = Field(4096, ge=2, description="A user environment (rollout.env=FILE.py:Class, calc): prompt + trajectory token limit; a turn starts only when a full rollout.max_new_tokens turn fits, observations are cut to the room left (the episode then ends, counted in env/context_full_frac). The search agent uses search.max_context_tokens.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
@@ -116,9 +121,18 @@ class SearchConfig(Section):
     final_turn: bool = Field(True, description="After search.max_turns turns, give episodes without an answer one more turn with search disabled.")
     retokenize: bool = Field(False, description="Compatibility with Search-R1: decode each turn, cut after the first </search> or </answer>, re-tokenise (drops EOS, may shift token boundaries; no engine log-probs). Default: keep the sampled token ids.")
     invalid_message: str = Field("\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n", description="Observation after a turn with neither a <search> nor an <answer> action.")
-    timeout_s: float = Field(120.0, gt=0, description="http only: seconds per request, all of it from connecting to the reply's last byte (a request carries at most 256 queries; a slower try goes to the next search.url). 120 s: 256 queries of bm25 over 10^6 passages take ~14 s of CPU (21-37 s measured on a shared 2-core machine), with room for another trainer's request ahead in the server's queue; raise it for a larger bm25 index or a server shared by many trainers.")
+    timeout_s: Seconds = Field(120.0, gt=0, description="http only: seconds per request, all of it from connecting to the reply's last byte (a request carries at most 256 queries; a slower try goes to the next search.url). 120 s: 256 queries of bm25 over 10^6 passages take ~14 s of CPU (21-37 s measured on a shared 2-core machine), with room for another trainer's request ahead in the server's queue; raise it for a larger bm25 index or a server shared by many trainers.")
     retries: int = Field(3, ge=0, description="http only: rounds of retries after a failed request, each resending only the requests that failed on every URL (back-off doubles each round).")
-    backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry round, in seconds.")
+    backoff_s: Seconds = Field(1.0, ge=0, description="http only: wait before the first retry round, in seconds.")
+
+    @model_validator(mode="after")
+    def _backoff_bounded(self) -> "SearchConfig":
+        """The retries' waits add up to backoff_s * (2^retries - 1): at most MAX_SECONDS, like any time limit."""
+        if self.backoff_s > 0 and (self.retries >= 64 or self.backoff_s * (2.0 ** self.retries - 1) > MAX_SECONDS):
+            raise ValueError(f"search.retries = {self.retries} with search.backoff_s = {self.backoff_s:g} waits "
+                             f"backoff_s * (2^retries - 1) s in all, more than {MAX_SECONDS:.0f} s (one week); "
+                             "lower search.retries or search.backoff_s")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -302,6 +316,7 @@ class RewardConfig(Section):
     truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`; search runs: its last turn cut at the per-turn cap): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
     overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
+    plugin_memory_mib: int = Field(PLUGIN_MEMORY_MIB, ge=0, le=1 << 20, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the address-space cap of each of its worker processes, in MiB (RLIMIT_AS; the maths graders have 1024). A call that needs more fails (scored 0 and counted, as reward.max_failure_rate says); a plugin whose import needs more stops the run with one line. 0: no cap (a plugin that uses CUDA needs it: CUDA reserves far more address space than it uses).")
     max_failure_rate: float = Field(0.5, ge=0, le=1, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the largest fraction of its calls in one step that may fail (raise, time out, return a non-number or a value not finite in float32; each scores 0). Above it the run stops with exit 2 naming the first failure; below it each step with failures is warned about on stderr and counted in reward/errors and reward/failure_rate.")
 
 

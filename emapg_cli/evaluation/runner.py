@@ -60,6 +60,7 @@ class EvalSettings:
     prompt_template: Optional[str] = None  # user-message template file (None: Search-R1's prompt)
     truncated: str = "zero"  # reward.truncated: a response cut at the token cap scores 0 (`zero`) or is graded (`grade`)
     env_timeout_s: float = 10.0  # rollout.env_timeout_s: seconds one call into a user environment may take
+    plugin_memory_mib: Optional[int] = None  # reward.plugin_memory_mib: a reward plugin's worker memory cap (None: default)
     think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
 
     @property
@@ -290,7 +291,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     from emapg_cli.rewards.graders import get_grader
 
     # the rewards registry, as in training: a registered name or a plugin (rewards/graders.py)
-    with get_grader(s.reward, think=s.think, workers=s.grader_workers, timeout=s.grader_timeout) as grader:
+    with get_grader(s.reward, think=s.think, workers=s.grader_workers, timeout=s.grader_timeout, memory_mib=s.plugin_memory_mib) as grader:
         grading = _Grading(grader, s.out / RESULTS, done, len(examples), progress, s.truncated)
         if progress:
             progress(resumed, len(examples), grading.correct / max(grading.responses, 1))

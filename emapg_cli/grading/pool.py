@@ -10,10 +10,12 @@ Workers are fresh interpreters (running `_worker_main("MODULE:FUNCTION", ...)`) 
 two pipes: they never inherit the parent's threads (torch's) or memory, and never re-run the
 caller's main script, so the pool is safe to use from any program, guarded by `__main__` or not.
 
-Workers ignore SIGINT (Ctrl-C reaches the whole process group: the parent handles it and stops
-them) and may get an address-space cap (`memory_limit`): a task that needs more raises
-MemoryError (counted in `stats.errors` and `stats.out_of_memory`) or kills its worker (counted in
-`stats.crashes`); either way it scores the default and the pool goes on.
+Workers run in sessions of their own (Ctrl-C is the parent's to handle: it stops them; they also ignore
+SIGINT), die with the parent (Linux), and may get an address-space cap (`memory_limit`): a task that
+needs more raises MemoryError (counted in `stats.errors` and `stats.out_of_memory`) or kills its worker
+(counted in `stats.crashes`); either way it scores the default and the pool goes on. A task that forks
+(a reward plugin's own code) cannot break the pool: the forked copy exits when the call returns in it
+(`bounds.user_code`), and whatever it left running is killed with the worker's process group.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,11 +32,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional, Sequence
 
+from emapg_cli.bounds import die_with_parent, limit_memory, user_code
+
 log = logging.getLogger(__name__)
 
 
 #: Seconds a new worker may take to import its function and warm up before it is an error.
 STARTUP_TIMEOUT = 120.0
+#: A worker's environment on top of the parent's: one thread per maths library (the pool runs one worker per core,
+#: and each idle thread pool would reserve address space against the worker's memory cap).
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def _resolve(ref: str) -> Callable[..., Any]:
@@ -41,39 +49,22 @@ def _resolve(ref: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGKILL when the parent dies, so a worker stuck in C code never outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass  # elsewhere: the worker still exits when its inbox closes, once its task returns
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
-def _limit_memory(max_bytes: int) -> None:
-    """Cap this process's address space (RLIMIT_AS) at `max_bytes` where the platform allows it."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        cap = max_bytes if hard == resource.RLIM_INFINITY else min(max_bytes, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-    except (ImportError, ValueError, OSError):  # not POSIX, or not allowed: the timeout still bounds the task
-        log.debug("could not cap worker memory at %d bytes", max_bytes)
-
-
-def _worker_main(fn_ref: str, warmup_ref: str, read_fd: int, write_fd: int, parent_pid: int, memory_limit: int = 0) -> None:
-    """Worker loop: warm up, say "ready", then per chunk [(index, args)] send (index, result, error)."""
-    _die_with_parent(parent_pid)
+def _worker_main(fn_ref: str, warmup_ref: str, read_fd: int, write_fd: int, parent_pid: int, memory_limit: int = 0,
+                 warmup_args: tuple = ()) -> None:
+    """Worker loop: warm up, say "ready", then per chunk [(index, args)] send (index, result, error). Every call runs
+    in `bounds.user_code()`: a process the task forks exits when the call returns in it, never answering on the pipes."""
+    die_with_parent(parent_pid)
     if memory_limit:
-        _limit_memory(memory_limit)
-    fn = _resolve(fn_ref)
-    if warmup_ref:
-        _resolve(warmup_ref)()
+        limit_memory(memory_limit)
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    try:
+        fn = _resolve(fn_ref)
+        if warmup_ref:
+            with user_code():
+                _resolve(warmup_ref)(*warmup_args)
+    except (Exception, SystemExit) as e:  # told to the parent (WorkerStartError), in one line
+        outbox.send(("failed", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        return
     outbox.send("ready")
     while True:
         try:
@@ -84,8 +75,10 @@ def _worker_main(fn_ref: str, warmup_ref: str, read_fd: int, write_fd: int, pare
             return
         for index, args in chunk:
             try:
-                outbox.send((index, fn(*args), None))
-            except Exception as e:  # a task that raises scores the default; the parent counts it
+                with user_code():
+                    value = fn(*args)
+                outbox.send((index, value, None))
+            except (Exception, SystemExit) as e:  # a task that raises (or exits) scores the default; the parent counts it
                 outbox.send((index, None, f"{type(e).__name__}: {e}"))
 
 
@@ -94,6 +87,14 @@ def _ref(fn: Callable[..., Any]) -> str:
     if "." in fn.__qualname__ or fn.__module__ == "__main__":
         raise ValueError(f"{fn.__qualname__} must be a module-level function of an importable module")
     return f"{fn.__module__}:{fn.__qualname__}"
+
+
+class WorkerStartError(RuntimeError):
+    """A new worker could not import its function or warm up; `reason` says why, in one line."""
+
+    def __init__(self, fn_ref: str, reason: str):
+        super().__init__(f"a worker for {fn_ref} could not start: {reason}")
+        self.reason = reason
 
 
 @dataclass
@@ -124,10 +125,14 @@ class TimeoutPool:
 
     `fn` must be a module-level function (a fresh interpreter imports it by name). A task that times
     out, or whose worker dies, gets `default`; one whose `fn` raises gets `default` too. Either way it
-    is counted in `stats`, and the pool keeps going. `warmup` (module-level, no arguments) runs once
-    in each new worker before it takes tasks, so slow imports never count against a task's time; a
-    replacement worker warms up while the others keep working. `memory_limit` (bytes, 0: none)
-    caps each worker's address space.
+    is counted in `stats`, and the pool keeps going. `warmup` (module-level) runs once, as
+    `warmup(*warmup_args)` (plain values), in each new worker before it takes tasks, so slow imports never count
+    against a task's time; a replacement worker warms up while the others keep working. A worker that cannot
+    import `fn` or warm up stops `map` with WorkerStartError saying why in one line. `memory_limit` (bytes,
+    0: none) caps each worker's address space.
+
+    Each worker runs in a session of its own, with one thread per maths library (OMP/MKL/OpenBLAS); killing
+    it (a timeout, `close`) kills its whole process group, so whatever a task forked and left running goes too.
     """
 
     def __init__(
@@ -138,14 +143,15 @@ class TimeoutPool:
         timeout: float = 5.0,
         default: Any = None,
         chunk_size: int = 16,
-        warmup: Optional[Callable[[], Any]] = None,
+        warmup: Optional[Callable[..., Any]] = None,
+        warmup_args: tuple = (),
         memory_limit: int = 0,
     ) -> None:
         if workers < 1 or timeout <= 0 or chunk_size < 1:
             raise ValueError("workers >= 1, timeout > 0 and chunk_size >= 1 are required")
         self.fn_ref, self.warmup_ref = _ref(fn), _ref(warmup) if warmup else ""
         self.timeout, self.default, self.chunk_size = timeout, default, chunk_size
-        self.n_workers, self.memory_limit = workers, memory_limit
+        self.n_workers, self.memory_limit, self.warmup_args = workers, memory_limit, tuple(warmup_args)
         self.stats = PoolStats()
         self._workers: list[_Worker] = []
 
@@ -153,35 +159,32 @@ class TimeoutPool:
     def _start(self) -> _Worker:
         to_child_r, to_child_w = os.pipe()
         to_parent_r, to_parent_w = os.pipe()
-        args = f"{self.fn_ref!r}, {self.warmup_ref!r}, {to_child_r}, {to_parent_w}, {os.getpid()}, {self.memory_limit}"
+        args = (f"{self.fn_ref!r}, {self.warmup_ref!r}, {to_child_r}, {to_parent_w}, {os.getpid()}, {self.memory_limit}, "
+                f"{self.warmup_args!r}")
         # SIGINT is ignored before anything is imported: Ctrl-C is the parent's to handle.
         boot = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)"
         cmd = [sys.executable, "-c", f"{boot}; from {__name__} import _worker_main; _worker_main({args})"]
-        proc = subprocess.Popen(cmd, pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, pass_fds=(to_child_r, to_parent_w), stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **WORKER_ENV})
         os.close(to_child_r)
         os.close(to_parent_w)
         inbox, conn = Connection(to_child_w, readable=False), Connection(to_parent_r, writable=False)
         return _Worker(proc, inbox, conn, started=time.monotonic())
 
     def _kill(self, w: _Worker) -> None:
-        if w.proc.poll() is None:
-            w.proc.kill()
+        """SIGKILL to the worker's process group (its session: the worker and what its tasks forked), then reap it.
+        The worker is reaped only here, after the signal, so its pid (the group's id) cannot be reused before."""
+        try:
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         w.proc.wait(timeout=10)
         w.inbox.close()
         w.conn.close()
 
     def close(self) -> None:
-        """Stop every worker (idempotent)."""
+        """Stop every worker and what its tasks left running (idempotent)."""
         for w in self._workers:
-            try:
-                w.inbox.send(None)
-            except OSError:
-                pass
-        for w in self._workers:
-            try:
-                w.proc.wait(timeout=1)
-            except subprocess.TimeoutExpired:
-                pass
             self._kill(w)
         self._workers = []
 
@@ -231,14 +234,14 @@ class TimeoutPool:
                     except (EOFError, OSError):
                         if not w.ready:  # it could not even start: replacing it would loop forever
                             self._kill(w)
-                            raise RuntimeError(f"a worker for {self.fn_ref} exited while starting (exit code {w.proc.returncode})") from None
+                            raise WorkerStartError(self.fn_ref, f"it exited while starting (exit code {w.proc.returncode})") from None
                         self.stats.crashes += 1
                         self.stats.last_error = "the worker died (e.g. at its memory cap)"
                 elif not w.ready:
                     if time.monotonic() < w.started + STARTUP_TIMEOUT:
                         continue
                     self._kill(w)
-                    raise RuntimeError(f"a worker for {self.fn_ref} did not start in {STARTUP_TIMEOUT:.0f} s")
+                    raise WorkerStartError(self.fn_ref, f"it did not start in {STARTUP_TIMEOUT:.0f} s")
                 elif not w.pending or time.monotonic() < w.deadline:
                     continue
                 else:
@@ -260,6 +263,9 @@ class TimeoutPool:
             if msg == "ready":
                 w.ready = True
                 continue
+            if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "failed":
+                self._kill(w)
+                raise WorkerStartError(self.fn_ref, msg[1])
             index, value, error = msg
             w.pending.popleft()
             if error is not None:

@@ -23,17 +23,22 @@ DEFAULT_TEXT = (
 
 def _require_dir(path: str) -> None:
     """kl-check reads local model folders only: a hub id or a missing path is refused here, before transformers
-    looks it up on the hub (without network, its retries take most of a minute per lookup)."""
-    if not Path(path).is_dir():
+    looks it up on the hub (without network, its retries take most of a minute per lookup). The folder is checked
+    as every model folder is (`models.folder.check_model_folder`)."""
+    from emapg_cli.models.folder import check_model_folder
+
+    if check_model_folder(path, "--model/--anchor-model") is None:
         raise UserError(f"--model/--anchor-model {path}: not a local model directory")
 
 
 def _load(path: str):
-    from transformers import AutoModelForCausalLM
+    from emapg_cli.models.loading import load_causal_lm
 
     _require_dir(path)
     try:
-        return AutoModelForCausalLM.from_pretrained(path, trust_remote_code=False, dtype=torch.float32).eval()
+        return load_causal_lm(path, torch.float32, what="--model/--anchor-model").eval()
+    except UserError:
+        raise
     except Exception as e:  # a directory transformers cannot load: report it in one line
         raise UserError(f"cannot load a causal LM from {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 

@@ -15,7 +15,6 @@ from functools import lru_cache
 from urllib.parse import urlparse
 
 from emapg_cli.errors import UserError
-from emapg_cli.paths import expand
 
 #: Seconds the hub reachability check may take.
 CONNECT_TIMEOUT_S = 3.0
@@ -60,9 +59,11 @@ def _connects(host: str, port: int, timeout: float) -> bool:
 def check_model_source(path: str, what: str = "model") -> None:
     """Raise one UserError line, fast, when `path` is a hub id (or a bare name) that is neither a local folder, nor in
     the local cache, nor one the hub can serve now (module doc); a missing local path is left to the loaders' own
-    checks. `what` names the setting in the message (model.path, --model)."""
-    local = expand(path)
-    if local.exists() or in_cache(path):
+    checks. A local folder is checked as `folder.check_model_folder` checks it (config.json, the safetensors
+    headers). `what` names the setting in the message (model.path, --model)."""
+    from emapg_cli.models.folder import check_model_folder
+
+    if check_model_folder(path, what) is not None or in_cache(path):
         return
     if path.startswith((".", "/", "~", "$")) or path.count("/") > 1 or "\\" in path:
         return  # a local path that is missing: the loaders' own checks say so (with the `emapg prepare` hint)

@@ -27,10 +27,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer of the model at `path` (see `model_ref`), left-padded, with a pad token (the EOS token when it has none)."""
     from transformers import AutoTokenizer
 
+    from emapg_cli.models.folder import loading
     from emapg_cli.models.hub import check_model_source
 
     check_model_source(path)  # one fast line for a hub id that cannot load (offline, not cached), not a minute of retries
-    tok = AutoTokenizer.from_pretrained(model_ref(path), trust_remote_code=trust_remote_code)
+    with loading(path):
+        tok = AutoTokenizer.from_pretrained(model_ref(path), trust_remote_code=trust_remote_code)
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -38,13 +40,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
 
 def load_causal_lm(path: str, dtype: Union[str, torch.dtype], trust_remote_code: bool = False,
-                   gradient_checkpointing: bool = False):
+                   gradient_checkpointing: bool = False, what: str = "model"):
     """The causal LM at `path` (see `model_ref`) with its parameters in `dtype` (a torch dtype or a `DTYPES` name;
-    the checkpoint's tensors are cast straight to it), with gradient checkpointing if asked."""
+    the checkpoint's tensors are cast straight to it), with gradient checkpointing if asked. A local folder is checked
+    first (`folder.check_model_folder`); what transformers refuses in it is one line too (`folder.loading`), naming
+    `what` (model.path, anchor.path, ...)."""
     from transformers import AutoModelForCausalLM
 
+    from emapg_cli.models.folder import check_model_folder, loading
+
+    check_model_folder(path, what)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(model_ref(path), dtype=dtype, trust_remote_code=trust_remote_code)
+    with loading(path, what):
+        model = AutoModelForCausalLM.from_pretrained(model_ref(path), dtype=dtype, trust_remote_code=trust_remote_code)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

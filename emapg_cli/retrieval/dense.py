@@ -52,6 +52,8 @@ MANIFEST_KEYS: dict[str, Any] = {
 FAISS_PARAMS = {"flat": (), "ivf": ("nlist", "nprobe"), "ivfpq": ("nlist", "nprobe", "pq_m"),
                 "hnsw": ("M", "ef_construction", "ef_search")}
 PQ_BITS = 8  # bits per product-quantiser code: 256 centroids per sub-vector, so k-means needs >= 256 passages
+#: The type code faiss writes first in faiss.index for each kind (inner-product indexes, faiss/impl/index_write.cpp).
+FOURCC = {"flat": b"IxFI", "ivf": b"IwFl", "ivfpq": b"IwPQ", "hnsw": b"IHNf"}
 
 
 def deps():
@@ -67,6 +69,9 @@ def deps():
 def load_encoder(model: str, max_length: int = MAX_LENGTH, device: Optional[str] = None):
     """A SentenceTransformer from a hub name or a local folder; a plain transformers folder gets mean pooling."""
     import logging
+
+    if not model.strip():  # sentence-transformers would build an empty model from ""
+        raise UserError("the dense encoder's name is empty: give a local encoder folder or a hub name (--dense MODEL)")
 
     from emapg_cli.hf_quiet import quiet_transformers
 
@@ -300,6 +305,8 @@ def read_manifest(folder: Path) -> dict:
     for key in ("rows", "dim", "max_length"):
         if manifest[key] < 1:
             raise _bad(folder, f"{MANIFEST}: {key} is {manifest[key]}")
+    if not manifest["model"].strip():
+        raise _bad(folder, f"{MANIFEST}: model (the encoder) is empty")
     params = manifest["faiss"]
     if params.get("kind") not in FAISS_KINDS:
         raise _bad(folder, f"{MANIFEST}: faiss.kind is {str(params.get('kind'))[:40]!r}, not one of {', '.join(FAISS_KINDS)}")
@@ -327,6 +334,46 @@ def check_files(folder: Path, manifest: dict) -> None:
             raise _bad(folder, f"{name} was changed since the index was built (sha256 differs from the manifest)")
 
 
+def _vector_bytes(params: dict[str, Any], dim: int) -> int:
+    """The fewest bytes faiss.index spends per vector of the kind: its float32 values (flat, HNSW), and an 8-byte id
+    in an inverted list (IVF), or the IVF-PQ code (pq_m bytes) and its id."""
+    return {"ivf": 4 * dim + 8, "ivfpq": params.get("pq_m", 1) + 8}.get(params["kind"], 4 * dim)
+
+
+def check_faiss_header(folder: Path, manifest: dict) -> None:
+    """faiss.index's header against the manifest and the file's size, before faiss reads it (faiss allocates what a
+    header declares before it reads the bytes): the type code of the manifest's kind, the dimension and vector count
+    the manifest records, and a file large enough for that many vectors (`_vector_bytes`). One line otherwise."""
+    path = folder / FAISS_FILE
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(16)  # type code, d (int32), ntotal (int64): how every faiss index starts
+    kind = manifest["faiss"]["kind"]
+    if len(head) < 16 or head[:4] != FOURCC[kind]:
+        raise _bad(folder, f"{FAISS_FILE} is not a faiss {kind} index (it starts with {head[:4]!r})")
+    dim, rows = int.from_bytes(head[4:8], "little", signed=True), int.from_bytes(head[8:16], "little", signed=True)
+    if (rows, dim) != (manifest["rows"], manifest["dim"]):
+        raise _bad(folder, f"{FAISS_FILE} declares {rows} vectors of dim {dim}, the manifest says {manifest['rows']} of {manifest['dim']}")
+    need = rows * _vector_bytes(manifest["faiss"], dim)
+    if need > size:
+        raise _bad(folder, f"{FAISS_FILE} declares {rows:,} vectors of dim {dim} (at least {need:,} bytes) but holds {size:,} bytes")
+
+
+def read_faiss(faiss, path: Path):
+    """faiss.read_index(path) with each vector it reads limited to the file's size (faiss >= 1.14.2; a length field
+    that says more is refused before anything is allocated), the library's limit restored afterwards."""
+    get = getattr(faiss, "get_deserialization_vector_byte_limit", None)
+    put = getattr(faiss, "set_deserialization_vector_byte_limit", None)
+    if get is None or put is None:  # an older faiss: check_faiss_header's bounds only
+        return faiss.read_index(str(path))
+    before = get()
+    put(max(path.stat().st_size, 1))
+    try:
+        return faiss.read_index(str(path))
+    finally:
+        put(before)
+
+
 class DenseRetriever:
     """`Retriever` over a dense index folder written by `build_dense_index` (thread-safe: one search at a time)."""
 
@@ -346,8 +393,9 @@ class DenseRetriever:
         manifest = read_manifest(folder)
         faiss = deps()[0]
         check_files(folder, manifest)
+        check_faiss_header(folder, manifest)
         try:
-            index = faiss.read_index(str(folder / FAISS_FILE))
+            index = read_faiss(faiss, folder / FAISS_FILE)
         except Exception as e:  # noqa: BLE001  faiss raises RuntimeError with a C++ trace
             raise _bad(folder, f"{FAISS_FILE} does not load ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})") from None
         if index.ntotal != manifest["rows"] or index.d != manifest["dim"]:

@@ -104,9 +104,11 @@ class ScoreGrader:
         self.close()
 
 
-def get_grader(name: str, *, think: str = "emapg", workers: Optional[int] = None, timeout: Optional[float] = None) -> Any:
+def get_grader(name: str, *, think: str = "emapg", workers: Optional[int] = None, timeout: Optional[float] = None,
+               memory_mib: Optional[int] = None) -> Any:
     """The eval grader of reward `name` (see the module doc); a context manager that stops its workers.
-    `workers` and `timeout` (`--grader-workers`, `--grader-timeout`) size the pool and bound one call."""
-    reward = get_reward(name, think=think, workers=workers, timeout=timeout)
+    `workers` and `timeout` (`--grader-workers`, `--grader-timeout`) size the pool and bound one call; `memory_mib`
+    caps a plugin's workers (reward.plugin_memory_mib)."""
+    reward = get_reward(name, think=think, workers=workers, timeout=timeout, memory_mib=memory_mib)
     make = getattr(reward.fn, "eval_grader", None)
     return make() if make is not None else ScoreGrader(reward)

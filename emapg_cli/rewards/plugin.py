@@ -2,14 +2,16 @@
 
 The function scores one response: `fn(response: str, example: dict) -> float`, where `example` is
 the canonical row (`id`, `question`, `answers`, `source`, `meta`). It runs in the grading pool's
-worker processes (grading/pool.py) with the same hard per-call timeout: a call that raises, returns
-something that is not a real number finite in float32, or runs past the timeout scores 0.0 and is
-counted as a failure (the trainer logs `reward/errors` and stops past `reward.max_failure_rate`).
+worker processes (grading/pool.py) with the same hard per-call timeout, each worker under an
+address-space cap of reward.plugin_memory_mib: a call that raises, returns something that is not a
+real number finite in float32, runs past the timeout or out of memory scores 0.0 and is counted as a
+failure (the trainer logs `reward/errors` and stops past `reward.max_failure_rate`).
 
 Code runs only when the user says so (docs/reliability.md): `check_ref` checks a reference without
 running anything (the file exists or the module is found, and its source defines the name: parsed
 with `ast`); `load_object` / `load_plugin` import it, only when a run starts and after the trust
-check (config/trust.py). A reward must be a Python function from a file or an installed module
+check (config/trust.py), within IMPORT_TIMEOUT_S and inside `bounds.user_code()` (docs/reliability.md,
+"User code is contained"). A reward must be a Python function from a file or an installed module
 outside Python's standard library.
 """
 
@@ -25,6 +27,7 @@ import math
 import numbers
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -32,6 +35,10 @@ from emapg_cli.errors import UserError
 
 #: Seconds one plugin call may take (like one math-verify comparison).
 PLUGIN_TIMEOUT = 5.0
+#: Seconds importing a plugin or a user environment's module may take (its top-level code runs then).
+IMPORT_TIMEOUT_S = 60.0
+#: Each plugin worker's address-space cap in MiB (reward.plugin_memory_mib; the maths graders have 1024).
+PLUGIN_MEMORY_MIB = 2048
 #: `emapg eval --reward PLUGIN`: the largest fraction of one graded batch's calls that may fail (training's
 #: reward.max_failure_rate default); above it the evaluation stops with one line naming the first failure.
 EVAL_MAX_FAILURE_RATE = 0.5
@@ -242,6 +249,32 @@ def _import_failed(what: str, where: str, e: BaseException) -> UserError:
     return UserError(f"{what} {where} failed to import: {type(e).__name__}: {e}")
 
 
+def _import_within(load: Callable[[], Any], what: str, where: str) -> Any:
+    """`load()` (an import: the user's top-level code runs) in a helper thread, inside `bounds.user_code()`; past
+    IMPORT_TIMEOUT_S a one-line UserError (the thread is left behind: the run stops). Its exception, or a sys.exit,
+    is a one-line UserError too."""
+    from emapg_cli.bounds import user_code
+
+    done, box = threading.Event(), {}
+
+    def run() -> None:
+        try:
+            with user_code():
+                box["value"] = load()
+        except BaseException as e:  # noqa: BLE001 - reported by the caller, in one line
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="emapg-import").start()
+    if not done.wait(IMPORT_TIMEOUT_S):
+        raise UserError(f"{what} {where} did not finish importing within {IMPORT_TIMEOUT_S:g} s (its top-level code "
+                        "waits or loops; do slow set-up on the first call instead)")
+    if "error" in box:
+        raise _import_failed(what, where, box["error"])
+    return box["value"]
+
+
 @functools.lru_cache(maxsize=None)
 def _load_module(target: str, what: str):
     if target.endswith(".py"):
@@ -253,16 +286,13 @@ def _load_module(target: str, what: str):
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-        except (Exception, SystemExit) as e:  # sys.exit(7) at import is the plugin's failure, not emapg's exit code
+        try:  # sys.exit(7) at import is the plugin's failure, not emapg's exit code
+            _import_within(lambda: spec.loader.exec_module(module), what, str(path))  # type: ignore[union-attr]
+        except UserError:
             sys.modules.pop(name, None)
-            raise _import_failed(what, str(path), e) from None
+            raise
         return module
-    try:
-        return importlib.import_module(target)
-    except (Exception, SystemExit) as e:
-        raise _import_failed(what, f"module '{target}'", e) from None
+    return _import_within(lambda: importlib.import_module(target), what, f"module '{target}'")
 
 
 @functools.lru_cache(maxsize=None)
@@ -310,10 +340,11 @@ def call_plugin(ref: str, response: str, example: dict) -> float:
 class PluginReward:
     """A per-sample plugin run over the grading pool (started on the first call; `close()` stops it)."""
 
-    def __init__(self, ref: str, workers: Optional[int] = None, timeout: float = PLUGIN_TIMEOUT) -> None:
+    def __init__(self, ref: str, workers: Optional[int] = None, timeout: float = PLUGIN_TIMEOUT,
+                 memory_mib: int = PLUGIN_MEMORY_MIB) -> None:
         self.ref = check_ref(ref)
         load_plugin(self.ref)  # import it here, in the parent (the run has started): a failure is one line
-        self.workers, self.timeout = workers, timeout
+        self.workers, self.timeout, self.memory_mib = workers, timeout, memory_mib
         self._pool = None
         self.batch_first_error = ""  # the first failure of the last call ("Type: message"), "" when none
 
@@ -338,11 +369,12 @@ class PluginReward:
         return self.stats.last_error
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Any]) -> list[float]:
-        from emapg_cli.grading.pool import TimeoutPool
+        from emapg_cli.grading.pool import TimeoutPool, WorkerStartError
         from emapg_cli.grading.verify import default_workers
 
-        if self._pool is None:
-            self._pool = TimeoutPool(call_plugin, workers=self.workers or default_workers(), timeout=self.timeout, default=None)
+        if self._pool is None:  # each worker imports the plugin before its first call (not timed as one)
+            self._pool = TimeoutPool(call_plugin, workers=self.workers or default_workers(), timeout=self.timeout, default=None,
+                                     warmup=load_plugin, warmup_args=(self.ref,), memory_limit=self.memory_mib << 20)
         pool = self._pool
         self.batch_first_error = ""
 
@@ -351,7 +383,12 @@ class PluginReward:
                 self.batch_first_error = pool.stats.last_error
 
         tasks = [(self.ref, r, e.model_dump() if hasattr(e, "model_dump") else dict(e)) for r, e in zip(responses, examples)]
-        return [0.0 if v is None else float(v) for v in pool.map(tasks, on_result=note)]
+        try:
+            values = pool.map(tasks, on_result=note)
+        except WorkerStartError as e:  # e.g. its import needs more than the memory cap
+            raise UserError(f"reward plugin {self.ref}: its worker processes cannot start ({e.reason[:200]}); each may use "
+                            f"reward.plugin_memory_mib = {self.memory_mib} MiB (0: no cap)") from None
+        return [0.0 if v is None else float(v) for v in values]
 
     def close(self) -> None:
         if self._pool is not None:

@@ -70,7 +70,8 @@ def register_reward(name: str, factory: Callable[..., RewardFn]) -> None:
 
 
 class SafeReward:
-    """Wraps a reward: exceptions score 0.0 per item and are counted in `errors`."""
+    """Wraps a reward: exceptions score 0.0 per item and are counted in `errors`; a UserError (the reward cannot
+    run at all: a plugin's workers cannot start) stops the caller with its one line."""
 
     def __init__(self, name: str, fn: RewardFn) -> None:
         self.name, self.fn = name, fn
@@ -102,6 +103,8 @@ class SafeReward:
             out = [float(r) for r in self.fn(responses, examples)]
             self.first_error = self.first_error or str(getattr(self.fn, "batch_first_error", "") or "")
             return out
+        except UserError:
+            raise
         except Exception:
             log.warning("reward %s raised on a batch of %d; scoring item by item", self.name, len(responses), exc_info=True)
         out = []
@@ -146,14 +149,17 @@ def check_reward(name: str) -> str:
     return name
 
 
-def get_reward(name: str, think: str = "emapg", workers: Optional[int] = None, timeout: Optional[float] = None) -> SafeReward:
+def get_reward(name: str, think: str = "emapg", workers: Optional[int] = None, timeout: Optional[float] = None,
+               memory_mib: Optional[int] = None) -> SafeReward:
     """The reward registered as `name`, or the plugin `name` refers to; an unknown name is a UserError
     listing the known ones. `think` is the `grading.think` rule of the rewards that extract answers;
     `workers` and `timeout` (None: the defaults, as in training) size the grading pool and bound one
-    call (a plugin call, a math-verify comparison)."""
-    from emapg_cli.rewards.plugin import PLUGIN_TIMEOUT, PluginReward, is_plugin_ref
+    call (a plugin call, a math-verify comparison); `memory_mib` caps a plugin's workers (reward.plugin_memory_mib;
+    None: its default)."""
+    from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB, PLUGIN_TIMEOUT, PluginReward, is_plugin_ref
 
     name = check_reward(name)
     if is_plugin_ref(name):
-        return SafeReward(name, PluginReward(name, workers=workers, timeout=timeout or PLUGIN_TIMEOUT))
+        return SafeReward(name, PluginReward(name, workers=workers, timeout=timeout or PLUGIN_TIMEOUT,
+                                             memory_mib=PLUGIN_MEMORY_MIB if memory_mib is None else memory_mib))
     return SafeReward(name, _build(REWARDS[name], think=think, workers=workers, timeout=timeout))

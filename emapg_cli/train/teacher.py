@@ -44,8 +44,11 @@ def teacher_fingerprint(folder: Path) -> str:
 
 
 def teacher_folder(path: str) -> Path:
-    """anchor.path expanded (~, $EMAPG_HOME), a local folder with a config.json (one-line UserError otherwise)."""
-    folder = expand(path)
+    """anchor.path expanded (~, $EMAPG_HOME), a local model folder, checked (`models.folder.check_model_folder`:
+    config.json, the safetensors headers); a one-line UserError otherwise."""
+    from emapg_cli.models.folder import check_model_folder
+
+    folder = check_model_folder(path, "anchor.path") or expand(path)
     if not (folder / "config.json").is_file():
         raise UserError(f"anchor.path {folder}: no teacher checkpoint there (a save_pretrained folder with "
                         f"config.json){prepare_hint(folder)}")
@@ -89,7 +92,8 @@ def load_teacher(anchor_cfg, model_cfg):
 
     folder = teacher_folder(anchor_cfg.path)
     record = {"path": str(folder), "sha256": teacher_fingerprint(folder)}
-    teacher = load_causal_lm(str(folder), anchor_cfg.dtype or model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code)
+    teacher = load_causal_lm(str(folder), anchor_cfg.dtype or model_cfg.dtype, trust_remote_code=model_cfg.trust_remote_code,
+                             what="anchor.path")
     teacher.eval().requires_grad_(False)
     setattr(teacher, TEACHER_ATTR, record)
     return teacher
