@@ -347,3 +347,15 @@ def paired_compare(a: Mapping[Any, float], b: Mapping[Any, float], confidence: f
     mean = lambda v: sum(v) / len(v) if v else math.nan  # noqa: E731
     return PairedComparison(n, mean(xs), mean(ys), mean(diffs), lo, hi, confidence, test, method, p, up, down,
                             n - up - down, power, resamples, seed, flips)
+
+
+def holm(pvalues: Sequence[Optional[float]]) -> list[Optional[float]]:
+    """Holm's step-down adjustment of a family of p-values (Holm 1979), in the order given (None stays None): sorted
+    ascending, p_(i) becomes max over j <= i of min(1, (m - j + 1) p_(j)), m the number of p-values. Rejecting the
+    adjusted p < alpha keeps the family-wise error rate at alpha."""
+    idx = sorted((i for i, p in enumerate(pvalues) if p is not None), key=lambda i: pvalues[i])
+    m, out, running = len(idx), list(pvalues), 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))
+        out[i] = running
+    return out

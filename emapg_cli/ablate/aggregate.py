@@ -28,7 +28,8 @@ CONFIDENCE = 0.95
 
 #: Per-step metrics kept as curves for the plots (and the distillation analysis, ablate/distill.py).
 CURVES = ("eval/accuracy", "reward/mean", "kl/value", "ema/distance", "eval/teacher_accuracy", "distill/kl",
-          "distill/entropy", "distill/tail_mass", "grad/norm", "time/rollout", "time/update")
+          "distill/entropy", "distill/tail_mass", "grad/norm", "time/rollout", "time/update", "kl/to_initial", "entropy",
+          "rollout/response_len")
 #: results.csv columns after the grid keys.
 METRIC_COLUMNS = (
     "eval_accuracy_initial", "eval_accuracy_final", "eval_accuracy_best",
