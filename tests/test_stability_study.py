@@ -254,7 +254,9 @@ def test_stability_report_by_hand(tmp_path):
     md = (out / "stability.md").read_text()
     assert "| ema | x1 (0.0003) | 3 | 0.733 |" in md
     assert "| fixed | x2 (0.0006) | 2 (+1 failed) | 0.000 | [0.000, 0.000] | 0.400 | 2/2, 2 diverged |" in md
-    assert "| ema | x1 (0.0003) | 3 | +0.083 * | [+0.012, +0.155] | +2.89 | 3 |" in md
+    # p: the exact permutation test over the 3 seeds, all differences positive: 2 of 8 sign patterns reach |sum| 0.25
+    assert "| ema | x1 (0.0003) | 3 | +0.083 * | [+0.012, +0.155] | +2.89 | 3 | 0.250 |" in md
+    assert d["p"] == 0.25 and d2["p"] == 0.5  # x2: +0.6 and +0.2, 2 of 4 patterns reach |sum| 0.8
     assert "| fixed | x2 (0.0006) |" in md and "| ema | none up to x2 |" in md
     assert json.loads((out / "stability.json").read_text())["baseline"] == "fixed"
     assert all(p.stat().st_size > 5000 for p in paths[2:])
