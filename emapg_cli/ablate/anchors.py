@@ -24,13 +24,12 @@ Written as anchors.md and anchors.json; the figures are `plots.plot_anchors`.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
 from emapg_cli.ablate.distill import interval, last_fraction_mean
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.plots import mean_band
@@ -38,7 +37,6 @@ from emapg_cli.ablate.runner import run_dir
 from emapg_cli.ablate.stability import outcome
 from emapg_cli.ablate.study import Sweep
 from emapg_cli.errors import UserError
-from emapg_cli.paths import write_text_atomic
 from emapg_cli.stats import PairedComparison, holm, paired_compare
 
 ANCHORS_MD = "anchors.md"
@@ -275,7 +273,4 @@ def markdown(report: Report) -> str:
 
 def write(out: Path, report: Report) -> list[Path]:
     """Write anchors.md and anchors.json into the sweep folder; return their paths."""
-    md, js = out / ANCHORS_MD, out / ANCHORS_JSON
-    write_text_atomic(md, markdown(report))
-    write_text_atomic(js, json.dumps(asdict(report), indent=1) + "\n")
-    return [md, js]
+    return write_report_files(out, ANCHORS_MD, ANCHORS_JSON, markdown(report), report)

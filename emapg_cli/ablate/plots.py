@@ -272,6 +272,29 @@ def _cell_grid(n: int):
     return -(-n // cols), cols
 
 
+def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Path, **legend) -> Path:
+    """One figure with a panel per cell of an anchors.Report: `draw(ax, cell)` fills each; saved to `path`."""
+    import matplotlib.pyplot as plt
+
+    cells = [c["label"] for c in report.cells]
+    rows, cols = _cell_grid(len(cells))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False, sharey=True)
+    for ax, cell in zip(axes.flat, cells):
+        draw(ax, cell)
+        ax.set_title(cell, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(cells):]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel(ylabel)
+    axes.flat[0].legend(fontsize=7, ncol=2, **legend)
+    fig.suptitle(f"{report.study}: {heading}", fontsize=11)
+    fig.tight_layout()
+    _save_atomic(fig, path)
+    plt.close(fig)
+    return path
+
+
 def plot_anchors(out: Path, report) -> list[Path]:
     """anchors_accuracy.png: one panel per cell, eval accuracy vs RL step per rule (mean over seeds, a ± std band);
     anchors_kl_accuracy.png: one panel per cell, final accuracy against the last KL to the initial model, a dot per
@@ -280,37 +303,19 @@ def plot_anchors(out: Path, report) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = [c["label"] for c in report.cells]
-    if not cells:
+    if not report.cells:
         return []
     colors = _colors(len(report.rules))
     color = {r: colors(i % colors.N) for i, r in enumerate(report.rules)}
-    rows, cols = _cell_grid(len(cells))
-    paths = []
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False, sharey=True)
-    for ax, cell in zip(axes.flat, cells):
+
+    def curves(ax, cell):
         for c in (c for c in report.curves if c["cell"] == cell and c["steps"]):
             ax.plot(c["steps"], c["mean"], color=color[c["rule"]], lw=1.5, label=f"{c['rule']} ({c['runs']})",
                     marker="o" if len(c["steps"]) < 15 else None, ms=3)
             ax.fill_between(c["steps"], [m - s for m, s in zip(c["mean"], c["std"])], [m + s for m, s in zip(c["mean"], c["std"])],
                             color=color[c["rule"]], alpha=0.12, lw=0)
-        ax.set_title(cell, fontsize=10)
-        ax.set_xlabel("RL step")
-        ax.grid(alpha=0.3)
-    for ax in axes.flat[len(cells):]:
-        ax.axis("off")
-    axes.flat[0].set_ylabel("held-out accuracy")
-    axes.flat[0].legend(fontsize=7, ncol=2, title="rule (seeds)", title_fontsize=7)
-    fig.suptitle(f"{report.study}: held-out accuracy over training (mean ± std over seeds)", fontsize=11)
-    fig.tight_layout()
-    paths.append(out / ANCHORS_ACCURACY_PNG)
-    _save_atomic(fig, paths[-1])
-    plt.close(fig)
 
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False, sharey=True)
-    for ax, cell in zip(axes.flat, cells):
+    def scatter(ax, cell):
         for rule in report.rules:
             pts = [(r["kl_to_initial"], r["final"]) for r in report.runs
                    if r["rule"] == rule and r["cell"] == cell and r["kl_to_initial"] is not None and r["final"] is not None]
@@ -320,16 +325,8 @@ def plot_anchors(out: Path, report) -> list[Path]:
             ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
             ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
         ax.set_xscale("symlog", linthresh=1e-3)
-        ax.set_title(cell, fontsize=10)
-        ax.set_xlabel("KL to the initial model (last kl/to_initial)")
-        ax.grid(alpha=0.3)
-    for ax in axes.flat[len(cells):]:
-        ax.axis("off")
-    axes.flat[0].set_ylabel("final held-out accuracy")
-    axes.flat[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"{report.study}: final accuracy against KL to the initial model (dots: runs; diamonds: rule means)", fontsize=11)
-    fig.tight_layout()
-    paths.append(out / ANCHORS_KL_PNG)
-    _save_atomic(fig, paths[-1])
-    plt.close(fig)
-    return paths
+
+    return [_cell_panels(report, curves, "RL step", "held-out accuracy", "held-out accuracy over training (mean ± std over seeds)",
+                         out / ANCHORS_ACCURACY_PNG, title="rule (seeds)", title_fontsize=7),
+            _cell_panels(report, scatter, "KL to the initial model (last kl/to_initial)", "final held-out accuracy",
+                         "final accuracy against KL to the initial model (dots: runs; diamonds: rule means)", out / ANCHORS_KL_PNG)]

@@ -22,17 +22,15 @@ percentile bootstrap interval; the collapse boundary. Written as `stability.md` 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, write_report_files
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.study import StudyAnalysis, Sweep
-from emapg_cli.paths import write_text_atomic
 from emapg_cli.stats import bootstrap_within_best, mean_ci, median, paired_compare, paired_differences, seeds_for_power
 
 STABILITY_MD = "stability.md"
@@ -352,7 +350,4 @@ def markdown(report: Report) -> str:
 
 def write(out: Path, report: Report) -> list[Path]:
     """Write stability.md and stability.json into the sweep folder; return their paths."""
-    md, js = out / STABILITY_MD, out / STABILITY_JSON
-    write_text_atomic(md, markdown(report))
-    write_text_atomic(js, json.dumps(asdict(report), indent=1) + "\n")
-    return [md, js]
+    return write_report_files(out, STABILITY_MD, STABILITY_JSON, markdown(report), report)
