@@ -962,7 +962,7 @@ def _mutate_row(rng: random.Random, row: dict, kind: Optional[int] = None) -> tu
     if kind == 2:
         return kind, {**row, "question": rng.choice([None, 5, ["x"], {"a": 1}])}  # wrong type
     if kind == 3:
-        return kind, {**row, "answers": rng.choice([None, 5, {"a": 1}, [[1]], []])}
+        return kind, {**row, "answers": rng.choice([None, {"a": 1}, [[1]], []])}  # (a number is a valid answer: docs/eval.md)
     if kind == 4:
         return kind, rng.choice([None, 42, "text", True])
     return kind, {**row, "id": rng.choice([None, ["x"], {"a": 1}])}
@@ -978,7 +978,8 @@ def generated(seed: int, n: int) -> list[Case]:
         if pick == 0:  # a bench with one broken row among good ones
             rows: list = [dict(r) for r in BENCH_ROWS]
             j = rng.randrange(len(rows))
-            _, rows[j] = _mutate_row(rng, rows[j])
+            # kinds 0-4: an id that is null, a list or an object is taken (the row index, the text; docs/eval.md)
+            _, rows[j] = _mutate_row(rng, rows[j], rng.randrange(5))
             text = "".join(json.dumps(r) + "\n" for r in rows)
             cases.append(case("eval", f"gen{seed}-{i}", "eval", "--bench", "g.jsonl", "--responses", "resp.jsonl", "--out", "new",
                               files={"g.jsonl": text}))
