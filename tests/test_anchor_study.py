@@ -19,6 +19,7 @@ from emapg_cli.ablate.grid import parse_grid
 from emapg_cli.ablate.plots import plot_anchors
 from emapg_cli.ablate.runner import run_dir
 from emapg_cli.ablate.study import build_sweep, save_sweep
+from train_helpers import tiny_sweep_sets
 
 RULES = ["none", "fixed", "ema", "reset", "mixup", "bema", "adaptive-eta"]
 
@@ -147,16 +148,8 @@ def test_anchor_report_by_hand(tmp_path):
 def test_the_shipped_anchor_study_reduced(tmp_path, tiny_qwen2):
     """`emapg ablate --study anchors` itself on the tiny model (one lr, one seed, 2 RL steps): every rule trains, the
     report, the plots and the per-item comparisons are written; a second invocation finds every run finished."""
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i % 7}+{i % 5}", "answers": [str(i % 7 + i % 5)]}) + "\n"
-                            for i in range(8)))
-    sets = {"model.path": str(tiny_qwen2), "data.train": str(data), "data.eval": str(data), "data.eval_limit": 4,
-            "rollout.prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 4, "eval.max_new_tokens": 4,
-            "train.steps": 2, "eval.every": 1, "train.mini_batch_prompts": 2, "train.micro_batch_size": 4, "kl.k": 4,
-            "ema.update_period": 1, "eval.initial_kl_every": 1}
-    args = ["ablate", "--study", "anchors", "--seeds", "1", "--grid", "optim.lr=x1", "--jobs", "2", "--out", str(tmp_path / "sw")]
-    for k, v in sets.items():
-        args += ["--set", f"{k}={v}"]
+    args = ["ablate", "--study", "anchors", "--seeds", "1", "--grid", "optim.lr=x1", "--jobs", "2", "--out", str(tmp_path / "sw"),
+            *tiny_sweep_sets(tiny_qwen2, tmp_path, **{"eval.initial_kl_every": 1})]
     r = cli(*args, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "sw" / "anchors.json").read_text())
