@@ -139,7 +139,7 @@ def test_anchor_report_by_hand(tmp_path):
     paths = [*write(out, report), *plot_anchors(out, report)]
     assert [p.name for p in paths] == ["anchors.md", "anchors.json", "anchors_accuracy.png", "anchors_kl_accuracy.png"]
     md = (out / "anchors.md").read_text()
-    assert "| ema | lr x1, coef x1 | 3 | 0.600 [" in md and "| 4:1 | p 0.375 (Holm 0.375) | " in md
+    assert "| ema | lr x1, coef x1 | 3 | 0.600 [" in md and " · 4:1 · p 0.375 (Holm 0.375) · 129 pairs |" in md
     assert json.loads((out / "anchors.json").read_text())["baseline"] == "fixed"
     assert all(p.stat().st_size > 5000 for p in paths[2:])
 

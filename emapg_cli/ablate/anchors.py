@@ -224,8 +224,8 @@ def _cmp_text(c: Optional[dict[str, Any]], power_unit: str) -> str:
     if c is None or c["n"] == 0:
         return "–"
     power = f"{c['pairs_for_power']} {power_unit}" if c["pairs_for_power"] else "–"
-    return (f"{_f(c['diff'], signed=True)} [{_f(c['lo'], signed=True)}, {_f(c['hi'], signed=True)}] | {c['a_better']}:{c['b_better']} | "
-            f"p {_p(c['p'])} (Holm {_p(c.get('p_holm'))}) | {power}")
+    return (f"{_f(c['diff'], signed=True)} [{_f(c['lo'], signed=True)}, {_f(c['hi'], signed=True)}] · {c['a_better']}:{c['b_better']} · "
+            f"p {_p(c['p'])} (Holm {_p(c.get('p_holm'))}) · {power}")
 
 
 def markdown(report: Report) -> str:
@@ -247,12 +247,12 @@ def markdown(report: Report) -> str:
                      f"{_f(r['response_len']['mean'], 2)} | {_f(r['kl_mean']['mean'], 4)} |")
     for unit, title, what, power in (
             ("seeds", "(b) Rule − baseline, paired by seed (final accuracy)",
-             "mean difference [95% percentile bootstrap over seeds] | seeds where the rule was higher : lower | exact paired "
-             "permutation p over all 2^n sign flips (Holm over every rule × cell) | seeds for 80% power (paired t, d_z = mean/sd)",
+             "Each cell: mean difference [95% percentile bootstrap over seeds] · seeds where the rule was higher : lower · exact "
+             "paired permutation p over all 2^n sign flips (Holm over every rule × cell) · seeds for 80% power (paired t, d_z = mean/sd)",
              "seeds"),
             ("items", "(c) Rule − baseline, paired by (seed, item) (final evaluations)",
-             "mean difference [95% percentile bootstrap over the pairs] | discordant pairs rule-only : baseline-only | McNemar "
-             "exact p (a paired permutation test for non-0/1 scores; Holm over every rule × cell) | pairs for 80% power "
+             "Each cell: mean difference [95% percentile bootstrap over the pairs] · discordant pairs rule-only : baseline-only · "
+             "McNemar exact p (a paired permutation test for non-0/1 scores; Holm over every rule × cell) · pairs for 80% power "
              "(Connor 1987). Pools the seeds: a test of the trained policies on these items, not of the rule alone",
              "pairs")):
         lines += ["", f"## {title}", "", what + ".", "",
