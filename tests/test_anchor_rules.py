@@ -125,6 +125,18 @@ def test_the_default_rule_is_todays_ema(tiny_llama, tmp_path, one_torch_thread):
     assert a == b
 
 
+def test_kl_to_initial_leaves_training_unchanged(tiny_llama, tmp_path, one_torch_thread):
+    """eval.initial_kl_every only measures: the same final weights and metrics as without it, plus kl/to_initial on
+    the measured step (every 2 of 3 steps: step 2, sampled by the policy after one update, so above 0)."""
+    plain = _fingerprint(_train(tmp_path, "plain", tiny_llama))
+    run = _train(tmp_path, "measured", tiny_llama, **{"eval.initial_kl_every": 2})
+    measured = _fingerprint(run)
+    assert measured[0] == plain[0]
+    assert [{k: v for k, v in r.items() if k != "kl/to_initial"} for r in measured[1]] == plain[1]
+    kl = {r["step"]: r["kl/to_initial"] for r in measured[1] if "kl/to_initial" in r}
+    assert list(kl) == [2] and kl[2] > 0  # step 2 samples from the policy after one update
+
+
 def test_bema_moves_the_anchor_by_its_formula(tiny_llama, tmp_path, one_torch_thread):
     """anchor.rule=bema every step, a checkpoint after each: the anchor of step 3 is (B3-B4) recomputed here from the
     checkpointed policies theta_1..theta_3 and the initial weights theta_0: mu_0 = theta_0,
