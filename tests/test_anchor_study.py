@@ -114,7 +114,7 @@ def test_anchor_report_by_hand(tmp_path):
     assert [c["label"] for c in report.cells] == ["lr x1, coef x1", "lr x1, coef x10"]
     row = report.row("ema", "lr x1, coef x1")
     assert row["runs"] == 3 and row["final"]["mean"] == pytest.approx(0.6) and row["collapsed"] == 0
-    # the last kl/to_initial: 0.02, 0.04, 0.06 -> mean 0.04; entropy over the last 20% of 5 steps (1 step): 0.3;
+    # kl/to_initial over the last 20% of its 2 measurements (the last): 0.02, 0.04, 0.06 -> mean 0.04; entropy over the last 20% of 5 steps (1 step): 0.3;
     # response length likewise 6.0; KL to the anchor: 0.02
     assert row["kl_to_initial"]["mean"] == pytest.approx(0.04) and row["entropy"]["mean"] == pytest.approx(0.3)
     assert row["response_len"]["mean"] == pytest.approx(6.0) and row["kl_mean"]["mean"] == pytest.approx(0.02)

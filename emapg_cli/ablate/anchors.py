@@ -3,8 +3,8 @@
 Rows are the study's variants (anchor rules: none, fixed, ema, reset, mixup, bema, adaptive-eta), cells the
 combinations of its grid axes (the learning rate, and on the toy kl.coef, as multiples of the preset's). Per run:
 the held-out accuracy over training, the final, best and initial accuracies, collapse (final more than
-collapse_points below the run's best, or diverged: `stability.outcome`), the last `kl/to_initial`, the entropy and
-response length over the last tail_fraction of the steps, the mean KL to the anchor, and the final evaluation's
+collapse_points below the run's best, or diverged: `stability.outcome`), the KL to the initial model (`kl/to_initial`),
+the entropy and the response length, each a mean over the last tail_fraction of the run's measurements of it, the mean KL to the anchor, and the final evaluation's
 per-item outcomes (evals/step_<N>.jsonl).
 
 Each rule is compared with the baseline in every cell with `stats.paired_compare`, the implementation
@@ -25,6 +25,7 @@ Written as anchors.md and anchors.json; the figures are `plots.plot_anchors`.
 from __future__ import annotations
 
 import math
+from itertools import product
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -42,7 +43,7 @@ from emapg_cli.stats import PairedComparison, holm, paired_compare
 ANCHORS_MD = "anchors.md"
 ANCHORS_JSON = "anchors.json"
 #: Per-step metrics averaged over the last tail_fraction of a run: (report key, metrics.jsonl key).
-TAIL_METRICS = (("entropy", "entropy"), ("response_len", "rollout/response_len"))
+TAIL_METRICS = (("kl_to_initial", "kl/to_initial"), ("entropy", "entropy"), ("response_len", "rollout/response_len"))
 
 
 @dataclass
@@ -58,7 +59,7 @@ class AnchorRun:
     final: Optional[float] = None
     best: Optional[float] = None
     collapsed: Optional[bool] = None
-    kl_to_initial: Optional[float] = None  # the last kl/to_initial
+    kl_to_initial: Optional[float] = None  # kl/to_initial over the last tail_fraction of its measurements
     entropy: Optional[float] = None
     response_len: Optional[float] = None
     kl_mean: Optional[float] = None  # mean kl/value: the KL to the anchor
@@ -111,8 +112,6 @@ def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path) -
                     reason=o.reason)
     if not o.counted:
         return run, {}
-    kl0 = rec.curves.get("kl/to_initial", [])
-    run.kl_to_initial = kl0[-1][1] if kl0 else None
     for key, metric in TAIL_METRICS:
         setattr(run, key, last_fraction_mean(rec.curves.get(metric, []), sweep.analysis.tail_fraction))
     kl = [v for _, v in rec.curves.get("kl/value", [])]
@@ -152,10 +151,11 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
         items[(rule, label, run.seed)] = its
         if run.status == "done":
             curves.setdefault((rule, label), []).append(rec.curves.get("eval/accuracy", []))
-    report = Report(sweep.name, axes, a.baseline, a.settings(), CONFIDENCE, rules, list(cells.values()),
-                    runs=[asdict(r) for r in runs])
+    order = [cell_label(axes, dict(zip(axes, combo))) for combo in product(*([format_value(v) for v in sweep.grid[k]] for k in axes))]
+    ordered = [cells[c] for c in order if c in cells] + [c for label, c in cells.items() if label not in order]
+    report = Report(sweep.name, axes, a.baseline, a.settings(), CONFIDENCE, rules, ordered, runs=[asdict(r) for r in runs])
     for rule in rules:
-        for label in cells:
+        for label in (c["label"] for c in ordered):
             mine = [r for r in runs if r.rule == rule and r.cell == label]
             done = [r for r in mine if r.status in ("done", "diverged")]
             judged = [r for r in done if r.collapsed is not None]
@@ -236,8 +236,8 @@ def markdown(report: Report) -> str:
              f"Rules (the study's variants) × cells ({', '.join(f'`{x}`' for x in report.axes) or 'no grid'}); baseline "
              f"`{report.baseline}`. A run **collapses** when its final accuracy is more than {a['collapse_points']:g} points "
              f"below its own best evaluation, or it diverged. Entropy and response length are means over the last "
-             f"{a['tail_fraction']:.0%} of the logged steps; KL to initial is the last `kl/to_initial`; KL to anchor the "
-             "mean `kl/value`.", "",
+             f"{a['tail_fraction']:.0%} of the logged steps, and so is the KL to the initial model (of the steps that measured "
+             "`kl/to_initial`); KL to anchor is the mean `kl/value`.", "",
              "## (a) Per rule and cell", "",
              "| rule | cell | seeds | final accuracy [95% t CI] | best | collapsed | KL to initial | entropy | response length | KL to anchor |",
              "|---|---|---:|---|---|---|---|---|---|---|"]

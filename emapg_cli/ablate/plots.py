@@ -268,7 +268,7 @@ ANCHORS_KL_PNG = "anchors_kl_accuracy.png"
 
 def _cell_grid(n: int):
     """(rows, columns) of panels for n cells: up to 3 per row."""
-    cols = min(n, 3)
+    cols = n if n <= 3 else min(3, math.ceil(math.sqrt(n)))  # 4 cells: 2 x 2
     return -(-n // cols), cols
 
 
@@ -297,9 +297,9 @@ def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Pat
 
 def plot_anchors(out: Path, report) -> list[Path]:
     """anchors_accuracy.png: one panel per cell, eval accuracy vs RL step per rule (mean over seeds, a ± std band);
-    anchors_kl_accuracy.png: one panel per cell, final accuracy against the last KL to the initial model, a dot per
-    run and a larger marker at each rule's means (rules without kl/to_initial are left out there). `report`: an
-    anchors.Report. Returns the paths written."""
+    anchors_kl_accuracy.png: one panel per cell, final accuracy against the KL to the initial model (over the last
+    tail_fraction of its measurements), a dot per run and a larger marker at each rule's means (rules without
+    kl/to_initial are left out there). `report`: an anchors.Report. Returns the paths written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,9 +324,9 @@ def plot_anchors(out: Path, report) -> list[Path]:
             xs, ys = zip(*pts)
             ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
             ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
-        ax.set_xscale("symlog", linthresh=1e-3)
 
+    tail = f"the last {report.analysis['tail_fraction']:.0%} of the run"
     return [_cell_panels(report, curves, "RL step", "held-out accuracy", "held-out accuracy over training (mean ± std over seeds)",
                          out / ANCHORS_ACCURACY_PNG, title="rule (seeds)", title_fontsize=7),
-            _cell_panels(report, scatter, "KL to the initial model (last kl/to_initial)", "final held-out accuracy",
+            _cell_panels(report, scatter, f"KL to the initial model (kl/to_initial over {tail})", "final held-out accuracy",
                          "final accuracy against KL to the initial model (dots: runs; diamonds: rule means)", out / ANCHORS_KL_PNG)]
