@@ -73,6 +73,31 @@ def test_the_study_follows_the_preset(tmp_path, emapg_home):
     assert "anchor.rule reset: η 0 (set by the rule) every 10 steps" in " ".join(plan.stdout.split())
 
 
+def test_the_study_by_preset_name(tmp_path, monkeypatch):
+    """`--preset smol` by name, as it will be once presets/smol.yaml ships: a presets folder holding the stand-in
+    smol.yaml and the shipped anchors study; the sweep and its dry-run lines (`shell_command`, what --dry-run prints)."""
+    import shutil
+
+    from emapg_cli.ablate import study as study_mod
+    from emapg_cli.ablate.runner import launcher, shell_command
+    from emapg_cli.config import loading
+
+    presets = tmp_path / "presets"
+    (presets / "ablations").mkdir(parents=True)
+    shutil.copy(study_mod.studies_dir() / "anchors.yaml", presets / "ablations" / "anchors.yaml")
+    shutil.copy(study_mod.studies_dir().parent / "toy.yaml", presets / "toy.yaml")
+    (presets / "smol.yaml").write_text(yaml.safe_dump({"name": "smol", "optim": {"lr": 2.0e-6}, "kl": {"coef": 0.001},
+                                                       "ema": {"decay": 0.95, "update_period": 10}}))
+    monkeypatch.setattr(loading, "preset_dir", lambda: presets)
+    monkeypatch.setattr(study_mod, "preset_dir", lambda: presets)
+    sweep = build_sweep("anchors", "smol", None, [], None, [])
+    runs = sweep.runs()
+    assert (sweep.name, sweep.preset, len(runs)) == ("anchors", "smol", 42)
+    lines = [shell_command(sweep, r, Path("ablations/anchors-smol"), launcher()) for r in runs]
+    assert all(line.startswith("emapg train --preset smol ") for line in lines)
+    assert {r.values["optim.lr"] for r in runs} == {2e-6, 8e-6}
+
+
 # --- the analysis of a sweep folder written by hand ------------------------------------------------
 
 
