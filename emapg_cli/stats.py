@@ -191,3 +191,171 @@ def seeds_for_power(d_z: float, power: float = 0.8, alpha: float = 0.05) -> Opti
         return None
     z_a, z_b = normal_quantile(1 - alpha / 2), normal_quantile(power)
     return max(2, math.ceil(((z_a + z_b) / abs(d_z)) ** 2 + z_a ** 2 / 2))
+
+
+# --- paired comparisons of two systems on the same units (`emapg eval --compare`, ablate's reports) -------------
+
+#: The bootstrap of a paired comparison: resamples and the seed of its generator (fixed: reports are reproducible).
+PAIRED_RESAMPLES, PAIRED_SEED = 2000, 0
+#: The paired permutation test enumerates all 2^m sign flips up to m = EXACT_FLIPS nonzero differences, else draws
+#: MC_FLIPS random ones (generator seed PAIRED_SEED).
+EXACT_FLIPS, MC_FLIPS = 16, 20000
+
+
+def binomial_cdf_half(k: int, m: int) -> float:
+    """P(X <= k) for X ~ Binomial(m, 1/2), exactly (integer counts over 2^m)."""
+    if k < 0:
+        return 0.0
+    return min(1.0, sum(math.comb(m, i) for i in range(min(k, m) + 1)) / 2 ** m)
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar test (the binomial test on the discordant pairs): b pairs where A scored and B did not,
+    c the reverse; under H0 each discordant pair goes either way with probability 1/2, so
+
+        p = min(1, 2 P(X <= min(b, c))),  X ~ Binomial(b + c, 1/2)
+
+    (1 without discordant pairs). It equals the exact sign-flip permutation test on 0/1 differences, whose
+    statistic |b - c| has the same two-tailed distribution."""
+    m = b + c
+    return 1.0 if m == 0 else min(1.0, 2.0 * binomial_cdf_half(min(b, c), m))
+
+
+def sign_flip_test(diffs: Sequence[float], exact_max: int = EXACT_FLIPS, flips: int = MC_FLIPS,
+                   seed: int = PAIRED_SEED) -> tuple[float, str, Optional[int]]:
+    """Two-sided paired permutation test of mean(diffs) = 0: under H0 the sign of each difference is a fair coin, and
+    the statistic is |sum of the differences|. (p, method, random flips drawn or None):
+
+    - `exact`: with m <= `exact_max` nonzero differences, all 2^m sign patterns, p = #{|sum s_i d_i| >= |sum d_i|} / 2^m;
+    - `monte-carlo`: `flips` random patterns from random.Random(`seed`), p = (1 + #{>=}) / (1 + flips) (Phipson &
+      Smyth 2010: never 0, valid at any count).
+
+    Zero differences carry no sign and are left out; none left: p = 1. Sums are compared with a 1e-12 relative slack."""
+    d = [float(x) for x in diffs if float(x) != 0.0]
+    if not d:
+        return 1.0, "exact", None
+    observed = abs(sum(d))
+    slack = 1e-12 * max(1.0, sum(abs(x) for x in d))
+    if len(d) <= exact_max:
+        hits = 0
+        for mask in range(2 ** len(d)):
+            total = sum(-x if mask >> i & 1 else x for i, x in enumerate(d))
+            hits += abs(total) >= observed - slack
+        return hits / 2 ** len(d), "exact", None
+    rng = random.Random(seed)
+    hits = 0
+    for _ in range(flips):
+        total = sum(x if rng.random() < 0.5 else -x for x in d)
+        hits += abs(total) >= observed - slack
+    return (1 + hits) / (1 + flips), "monte-carlo", flips
+
+
+def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95, resamples: int = PAIRED_RESAMPLES,
+                      seed: int = PAIRED_SEED) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (the paired differences: pairs resampled with
+    replacement, `resamples` times, random.Random(`seed`)): the (1 - confidence)/2 and (1 + confidence)/2 quantiles
+    (`percentile`) of the resampled means. (nan, nan) without values."""
+    xs = [float(v) for v in values]
+    if not xs:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    means = [sum(rng.choices(xs, k=len(xs))) / len(xs) for _ in range(resamples)]
+    tail = (1.0 - confidence) / 2
+    return percentile(means, tail), percentile(means, 1.0 - tail)
+
+
+def pairs_for_power_mcnemar(p10: float, p01: float, power: float = 0.8, alpha: float = 0.05) -> Optional[int]:
+    """Pairs a two-sided McNemar test at level `alpha` needs for `power` when a pair is discordant one way with
+    probability p10 and the other way with p01 (Connor 1987, Biometrics 43:207):
+
+        n = ceil((z_{1-alpha/2} sqrt(psi) + z_power sqrt(psi - delta^2))^2 / delta^2),  psi = p10 + p01, delta = p10 - p01
+
+    None when delta = 0 (no effect: no number suffices)."""
+    delta, psi = p10 - p01, p10 + p01
+    if delta == 0 or not math.isfinite(delta):
+        return None
+    z_a, z_b = normal_quantile(1 - alpha / 2), normal_quantile(power)
+    return math.ceil((z_a * math.sqrt(psi) + z_b * math.sqrt(max(psi - delta * delta, 0.0))) ** 2 / delta ** 2)
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """Two systems A and B scored on the same units (items, or seeds), matched by key (`paired_compare`)."""
+
+    n: int  # pairs
+    mean_a: float
+    mean_b: float
+    diff: float  # mean of a - b over the pairs
+    lo: float  # percentile bootstrap interval of `diff`
+    hi: float
+    confidence: float
+    test: str  # "mcnemar" (every score 0 or 1) or "permutation"
+    method: str  # "exact" or "monte-carlo" (the permutation test's)
+    p: float  # two-sided
+    a_better: int  # pairs where a > b (the discordant counts, for 0/1 scores)
+    b_better: int
+    ties: int
+    pairs_for_power: Optional[int]  # pairs for 80% power at 5% against the observed effect (None: no effect)
+    resamples: int
+    seed: int
+    flips: Optional[int]  # random sign patterns drawn (monte-carlo); None: exact
+
+    @property
+    def binary(self) -> bool:
+        return self.test == "mcnemar"
+
+    def verdict(self, a: str = "A", b: str = "B", alpha: float = 0.05) -> str:
+        """One line: the difference, its interval, the test, and what it means at level `alpha`."""
+        how = (f"McNemar exact, {self.a_better} vs {self.b_better} discordant" if self.binary else
+               f"paired permutation, {self.method}" + (f" {self.flips} flips, seed {self.seed}" if self.flips else ""))
+        head = (f"{a} − {b} = {self.diff:+.4f} [{self.lo:+.4f}, {self.hi:+.4f}] over {self.n} pairs ({how}, p = {_p(self.p)}): ")
+        if self.n == 0:
+            return f"{a} and {b} share no pairs: nothing to compare"
+        if self.p < alpha:
+            return head + f"{a if self.diff > 0 else b} is better at the {alpha:g} level"
+        need = f"; {self.pairs_for_power} pairs would give 80% power at this effect" if self.pairs_for_power else ""
+        return head + f"no difference at the {alpha:g} level{need}"
+
+
+def _p(p: float) -> str:
+    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
+
+
+def paired_compare(a: Mapping[Any, float], b: Mapping[Any, float], confidence: float = 0.95,
+                   resamples: int = PAIRED_RESAMPLES, seed: int = PAIRED_SEED) -> PairedComparison:
+    """A against B on the keys they share (sorted): the mean paired difference a - b with its percentile bootstrap
+    interval (`bootstrap_mean_ci`), the discordant counts, and an exact paired test: McNemar's (`mcnemar_exact`) when
+    every score is 0 or 1, else the paired permutation test (`sign_flip_test`: exact up to 16 nonzero differences,
+    Monte Carlo beyond); the pairs for 80% power (McNemar: Connor's formula at the observed discordance;
+    otherwise the paired t approximation of `seeds_for_power` at d_z = mean / sd)."""
+    keys = sorted(set(a) & set(b), key=lambda k: (str(type(k)), k))
+    xs, ys = [float(a[k]) for k in keys], [float(b[k]) for k in keys]
+    diffs = [x - y for x, y in zip(xs, ys)]
+    n = len(diffs)
+    up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    binary = n > 0 and all(v in (0.0, 1.0) for v in xs + ys)
+    lo, hi = bootstrap_mean_ci(diffs, confidence, resamples, seed)
+    flips = None
+    if binary:
+        test, method, p = "mcnemar", "exact", mcnemar_exact(up, down)
+        power = pairs_for_power_mcnemar(up / n, down / n)
+    else:
+        test = "permutation"
+        p, method, flips = sign_flip_test(diffs, seed=seed)
+        iv = mean_ci(diffs)
+        power = seeds_for_power(iv.mean / iv.std) if n >= 2 and iv.std > 0 else None
+    mean = lambda v: sum(v) / len(v) if v else math.nan  # noqa: E731
+    return PairedComparison(n, mean(xs), mean(ys), mean(diffs), lo, hi, confidence, test, method, p, up, down,
+                            n - up - down, power, resamples, seed, flips)
+
+
+def holm(pvalues: Sequence[Optional[float]]) -> list[Optional[float]]:
+    """Holm's step-down adjustment of a family of p-values (Holm 1979), in the order given (None stays None): sorted
+    ascending, p_(i) becomes max over j <= i of min(1, (m - j + 1) p_(j)), m the number of p-values. Rejecting the
+    adjusted p < alpha keeps the family-wise error rate at alpha."""
+    idx = sorted((i for i, p in enumerate(pvalues) if p is not None), key=lambda i: pvalues[i])
+    m, out, running = len(idx), list(pvalues), 0.0
+    for rank, i in enumerate(idx):
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))
+        out[i] = running
+    return out

@@ -547,6 +547,29 @@ def eval_cases() -> list[Case]:
         case("eval", "reward-import-raises", *base, "--reward", "plug.py:score", "--out", "new",
              files={"plug.py": "raise RuntimeError('boom')\n"}),
         case("eval", "reward-module-missing", *base, "--reward", "no_such_module_xyz:score", "--out", "new"),
+        # --compare A B [--json FILE]: two finished evaluations of the same items, nothing else on the line
+        case("eval", "compare-one-folder", "eval", "--compare", "evalrun"),
+        case("eval", "compare-missing", "eval", "--compare", "evalrun", "missing"),
+        case("eval", "compare-file", "eval", "--compare", "evalrun", "afile"),
+        case("eval", "compare-foreign", "eval", "--compare", "evalrun", "foreign"),
+        case("eval", "compare-train-run-without-evals", "eval", "--compare", "evalrun", "trainrun"),
+        case("eval", "compare-markup", "eval", "--compare", "evalrun", "[/bold]"),
+        case("eval", "compare-other-items", "eval", "--compare", "evalrun", "cmp2",
+             files={"cmp2/results.jsonl": jsonl([{"id": "9", "correct": [True]}])}),
+        case("eval", "compare-corrupt-row", "eval", "--compare", "evalrun", "cmp2", files={"cmp2/results.jsonl": "{trunc\n"}),
+        case("eval", "compare-not-bools", "eval", "--compare", "evalrun", "cmp2",
+             files={"cmp2/results.jsonl": jsonl([{"id": "0", "correct": [1]}])}),
+        case("eval", "compare-empty-correct", "eval", "--compare", "evalrun", "cmp2",
+             files={"cmp2/results.jsonl": jsonl([{"id": "0", "correct": []}])}),
+        case("eval", "compare-repeated-id", "eval", "--compare", "evalrun", "cmp2",
+             files={"cmp2/results.jsonl": jsonl([{"id": "0", "correct": [True]}, {"id": "0", "correct": [False]}])}),
+        case("eval", "compare-empty-file", "eval", "--compare", "evalrun", "cmp2", files={"cmp2/results.jsonl": ""}),
+        case("eval", "compare-binary", "eval", "--compare", "evalrun", "cmp2", files={"cmp2/results.jsonl": b"\xff\xfe\x00"}),
+        case("eval", "compare-with-model", "eval", "--compare", "evalrun", "evalrun", "--model", "missing-model"),
+        case("eval", "compare-with-bench", "eval", "--compare", "evalrun", "evalrun", "--bench", "bench.jsonl"),
+        case("eval", "compare-json-is-dir", "eval", "--compare", "evalrun", "evalrun", "--json", "emptydir"),
+        case("eval", "compare-json-no-folder", "eval", "--compare", "evalrun", "evalrun", "--json", "nowhere/x.json"),
+        case("eval", "json-without-compare", "eval", "--json", "x.json"),
     ]
     for name, text in BAD_JSONL.items():
         cases.append(case("eval", f"bench-{name}", "eval", "--bench", "badbench.jsonl", "--responses", "resp.jsonl",
@@ -1026,7 +1049,7 @@ def _mutate_row(rng: random.Random, row: dict, kind: Optional[int] = None) -> tu
     if kind == 2:
         return kind, {**row, "question": rng.choice([None, 5, ["x"], {"a": 1}])}  # wrong type
     if kind == 3:
-        return kind, {**row, "answers": rng.choice([None, 5, {"a": 1}, [[1]], []])}
+        return kind, {**row, "answers": rng.choice([None, {"a": 1}, [[1]], []])}  # (a number is a valid answer: docs/eval.md)
     if kind == 4:
         return kind, rng.choice([None, 42, "text", True])
     return kind, {**row, "id": rng.choice([None, ["x"], {"a": 1}])}
@@ -1042,7 +1065,8 @@ def generated(seed: int, n: int) -> list[Case]:
         if pick == 0:  # a bench with one broken row among good ones
             rows: list = [dict(r) for r in BENCH_ROWS]
             j = rng.randrange(len(rows))
-            _, rows[j] = _mutate_row(rng, rows[j])
+            # kinds 0-4: an id that is null, a list or an object is taken (the row index, the text; docs/eval.md)
+            _, rows[j] = _mutate_row(rng, rows[j], rng.randrange(5))
             text = "".join(json.dumps(r) + "\n" for r in rows)
             cases.append(case("eval", f"gen{seed}-{i}", "eval", "--bench", "g.jsonl", "--responses", "resp.jsonl", "--out", "new",
                               files={"g.jsonl": text}))

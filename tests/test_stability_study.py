@@ -25,6 +25,7 @@ from emapg_cli.ablate.study import StudyAnalysis, build_sweep, read_sweep, save_
 from emapg_cli.config import load_config
 from emapg_cli.errors import UserError
 from emapg_cli.stats import bootstrap_within_best, median, paired_differences, percentile, seeds_for_power, within_best_fraction
+from train_helpers import tiny_sweep_sets
 
 
 def cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
@@ -254,7 +255,9 @@ def test_stability_report_by_hand(tmp_path):
     md = (out / "stability.md").read_text()
     assert "| ema | x1 (0.0003) | 3 | 0.733 |" in md
     assert "| fixed | x2 (0.0006) | 2 (+1 failed) | 0.000 | [0.000, 0.000] | 0.400 | 2/2, 2 diverged |" in md
-    assert "| ema | x1 (0.0003) | 3 | +0.083 * | [+0.012, +0.155] | +2.89 | 3 |" in md
+    # p: the exact permutation test over the 3 seeds, all differences positive: 2 of 8 sign patterns reach |sum| 0.25
+    assert "| ema | x1 (0.0003) | 3 | +0.083 * | [+0.012, +0.155] | +2.89 | 3 | 0.250 |" in md
+    assert d["p"] == 0.25 and d2["p"] == 0.5  # x2: +0.6 and +0.2, 2 of 4 patterns reach |sum| 0.8
     assert "| fixed | x2 (0.0006) |" in md and "| ema | none up to x2 |" in md
     assert json.loads((out / "stability.json").read_text())["baseline"] == "fixed"
     assert all(p.stat().st_size > 5000 for p in paths[2:])
@@ -324,16 +327,9 @@ def test_the_shipped_stability_study_reduced(tmp_path, tiny_qwen2):
     """The issue's acceptance: `emapg ablate --study stability` itself, reduced on the command line (`--seeds 2`, one
     learning rate, `--set` 2 steps on the tiny model), runs and writes the table and both heatmaps. All five methods,
     the adaptive ones included, train; the paired differences pair both seeds."""
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i % 7}+{i % 5}", "answers": [str(i % 7 + i % 5)]}) + "\n"
-                            for i in range(8)))
-    sets = {"model.path": str(tiny_qwen2), "data.train": str(data), "data.eval": str(data), "data.eval_limit": 4,
-            "rollout.prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 4, "eval.max_new_tokens": 4,
-            "train.steps": 2, "eval.every": 1, "train.mini_batch_prompts": 2, "train.micro_batch_size": 4, "kl.k": 4,
-            "ema.update_period": 1}
     out = tmp_path / "sweep"
     args = ["ablate", "--study", "stability", "--seeds", "2", "--grid", "optim.lr=x1", "--jobs", "2", "--out", str(out)]
-    r = cli(*args, *(w for k, v in sets.items() for w in ("--set", f"{k}={v}")), timeout=600)
+    r = cli(*args, *tiny_sweep_sets(tiny_qwen2, tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "10 done, 0 finished before, 0 failed" in r.stdout and "collapses from" in r.stdout
     report = json.loads((out / "stability.json").read_text())

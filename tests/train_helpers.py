@@ -191,3 +191,16 @@ def launch_machines(args: list[str], root: Path, port: int, machines: int = 2, e
         done.append(subprocess.CompletedProcess(proc.args, proc.returncode, (node / "stdout.txt").read_text(),
                                                 (node / "stderr.txt").read_text()))
     return done
+
+
+def tiny_sweep_sets(model: Path, folder: Path, **extra: object) -> list[str]:
+    """`--set` words for a study shrunk onto the tiny model: 8 addition questions (data.jsonl in `folder`), 2 RL steps
+    of 2 prompts x 2 responses of <= 4 tokens, an evaluation after each, the anchor updated every step."""
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "question": f"{i % 7}+{i % 5}", "answers": [str(i % 7 + i % 5)]}) + "\n"
+                            for i in range(8)))
+    sets = {"model.path": str(model), "data.train": str(data), "data.eval": str(data), "data.eval_limit": 4,
+            "rollout.prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 4, "eval.max_new_tokens": 4,
+            "train.steps": 2, "eval.every": 1, "train.mini_batch_prompts": 2, "train.micro_batch_size": 4, "kl.k": 4,
+            "ema.update_period": 1, **extra}
+    return [w for k, v in sets.items() for w in ("--set", f"{k}={v}")]

@@ -37,7 +37,8 @@ CONFIDENCE = 0.95
 
 #: Per-step metrics kept as curves for the plots (and the distillation analysis, ablate/distill.py).
 CURVES = ("eval/accuracy", "reward/mean", "kl/value", "ema/distance", "eval/teacher_accuracy", "distill/kl",
-          "distill/entropy", "distill/tail_mass", "grad/norm", "time/rollout", "time/update")
+          "distill/entropy", "distill/tail_mass", "grad/norm", "time/rollout", "time/update", "kl/to_initial", "entropy",
+          "rollout/response_len")
 #: results.csv columns after the grid keys.
 METRIC_COLUMNS = (
     "eval_accuracy_initial", "eval_accuracy_final", "eval_accuracy_best",
@@ -404,3 +405,16 @@ def aggregate(out: Path) -> tuple[Sweep, list[RunRecord], list[ConfigSummary]]:
     write_results_csv(out / RESULTS_FILE, records, columns)
     (out / SUMMARY_FILE).write_text(summary_markdown(sweep, summaries, records))
     return sweep, records, summaries
+
+
+def write_report_files(out: Path, md_name: str, json_name: str, markdown: str, report) -> list[Path]:
+    """An analysis's two files in the sweep folder: the markdown text and the report dataclass as JSON (`asdict`),
+    each written under a temporary name and renamed; returns their paths."""
+    from dataclasses import asdict
+
+    from emapg_cli.paths import write_text_atomic
+
+    md, js = out / md_name, out / json_name
+    write_text_atomic(md, markdown)
+    write_text_atomic(js, json.dumps(asdict(report), indent=1) + "\n")
+    return [md, js]

@@ -24,17 +24,15 @@ failed, running and pending ones are listed. Written as `distill.md` and `distil
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
 from emapg_cli.ablate.plots import mean_band
 from emapg_cli.ablate.stability import steps_to_target
 from emapg_cli.ablate.study import Sweep
-from emapg_cli.paths import write_text_atomic
 from emapg_cli.stats import mean_ci, paired_differences
 
 DISTILL_MD = "distill.md"
@@ -283,7 +281,4 @@ def markdown(report: Report) -> str:
 
 def write(out: Path, report: Report) -> list[Path]:
     """Write distill.md and distill.json into the sweep folder; return their paths."""
-    md, js = out / DISTILL_MD, out / DISTILL_JSON
-    write_text_atomic(md, markdown(report))
-    write_text_atomic(js, json.dumps(asdict(report), indent=1) + "\n")
-    return [md, js]
+    return write_report_files(out, DISTILL_MD, DISTILL_JSON, markdown(report), report)

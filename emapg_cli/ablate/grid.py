@@ -232,6 +232,20 @@ def config_id(variant: Optional[str], values: dict[str, Any], axes: list[Axis]) 
     return "_".join(parts) or "base"
 
 
+def _once(configs: list[tuple]) -> list[tuple]:
+    """The configurations with exact repeats dropped: two combinations that resolve to the same name and the same
+    overrides are one run (a relative value of a key that a variant sets to 0, e.g. `none`'s kl.coef=0 on a
+    kl.coef=x1,x10 axis, is 0 at every multiple); the first keeps its grid values as written."""
+    seen: dict[str, list[str]] = {}
+    out = []
+    for c in configs:
+        if c[0] in seen and seen[c[0]] == c[2]:
+            continue
+        seen.setdefault(c[0], c[2])
+        out.append(c)
+    return out
+
+
 def plan_runs(
     preset: Optional[str],
     config_file: Optional[str],
@@ -269,6 +283,7 @@ def plan_runs(
         values: dict[str, Any] = {"variant": variant} if variants else {}
         values.update({a.key: lookup(cfg, a.key) for a in axes})
         configs.append((config_id(variant, values, axes), values, overrides, written))
+    configs = _once(configs)
     ids = [c[0] for c in configs]
     if len(set(ids)) != len(ids):
         raise UserError("two configurations of the sweep resolve to the same name; check the grid values")

@@ -268,3 +268,75 @@ def plot_distill(out: Path, report) -> list[Path]:
         _save_atomic(fig, paths[-1])
         plt.close(fig)
     return paths
+
+
+# --- the anchor study (ablate/anchors.py) ----------------------------------------------------------
+
+ANCHORS_ACCURACY_PNG = "anchors_accuracy.png"
+ANCHORS_KL_PNG = "anchors_kl_accuracy.png"
+
+
+def _cell_grid(n: int):
+    """(rows, columns) of panels for n cells: up to 3 per row."""
+    cols = n if n <= 3 else min(3, math.ceil(math.sqrt(n)))  # 4 cells: 2 x 2
+    return -(-n // cols), cols
+
+
+def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Path, **legend) -> Path:
+    """One figure with a panel per cell of an anchors.Report: `draw(ax, cell)` fills each; saved to `path`."""
+    import matplotlib.pyplot as plt
+
+    cells = [c["label"] for c in report.cells]
+    rows, cols = _cell_grid(len(cells))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False, sharey=True)
+    for ax, cell in zip(axes.flat, cells):
+        draw(ax, cell)
+        ax.set_title(cell, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(cells):]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel(ylabel)
+    axes.flat[0].legend(fontsize=7, ncol=2, **legend)
+    fig.suptitle(f"{report.study}: {heading}", fontsize=11)
+    fig.tight_layout()
+    _save_atomic(fig, path)
+    plt.close(fig)
+    return path
+
+
+def plot_anchors(out: Path, report) -> list[Path]:
+    """anchors_accuracy.png: one panel per cell, eval accuracy vs RL step per rule (mean over seeds, a ± std band);
+    anchors_kl_accuracy.png: one panel per cell, final accuracy against the KL to the initial model (over the last
+    tail_fraction of its measurements), a dot per run and a larger marker at each rule's means (rules without
+    kl/to_initial are left out there). `report`: an anchors.Report. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    if not report.cells:
+        return []
+    colors = _colors(len(report.rules))
+    color = {r: colors(i % colors.N) for i, r in enumerate(report.rules)}
+
+    def curves(ax, cell):
+        for c in (c for c in report.curves if c["cell"] == cell and c["steps"]):
+            ax.plot(c["steps"], c["mean"], color=color[c["rule"]], lw=1.5, label=f"{c['rule']} ({c['runs']})",
+                    marker="o" if len(c["steps"]) < 15 else None, ms=3)
+            ax.fill_between(c["steps"], [m - s for m, s in zip(c["mean"], c["std"])], [m + s for m, s in zip(c["mean"], c["std"])],
+                            color=color[c["rule"]], alpha=0.12, lw=0)
+
+    def scatter(ax, cell):
+        for rule in report.rules:
+            pts = [(r["kl_to_initial"], r["final"]) for r in report.runs
+                   if r["rule"] == rule and r["cell"] == cell and r["kl_to_initial"] is not None and r["final"] is not None]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
+            ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
+
+    tail = f"the last {report.analysis['tail_fraction']:.0%} of the run"
+    return [_cell_panels(report, curves, "RL step", "held-out accuracy", "held-out accuracy over training (mean ± std over seeds)",
+                         out / ANCHORS_ACCURACY_PNG, title="rule (seeds)", title_fontsize=7),
+            _cell_panels(report, scatter, f"KL to the initial model (kl/to_initial over {tail})", "final held-out accuracy",
+                         "final accuracy against KL to the initial model (dots: runs; diamonds: rule means)", out / ANCHORS_KL_PNG)]

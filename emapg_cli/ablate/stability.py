@@ -22,18 +22,16 @@ percentile bootstrap interval; the collapse boundary. Written as `stability.md` 
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, write_report_files
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.study import StudyAnalysis, Sweep
-from emapg_cli.paths import write_text_atomic
-from emapg_cli.stats import bootstrap_within_best, mean_ci, median, paired_differences, seeds_for_power
+from emapg_cli.stats import bootstrap_within_best, mean_ci, median, paired_compare, paired_differences, seeds_for_power
 
 STABILITY_MD = "stability.md"
 STABILITY_JSON = "stability.json"
@@ -228,6 +226,8 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
                 "method": m, "column": label, "n": iv.n, "seeds": sorted(diffs), "mean": _num(iv.mean), "sd": _num(sd),
                 "lo": _num(iv.lo), "hi": _num(iv.hi), "excludes_zero": iv.n >= 2 and (iv.lo > 0 or iv.hi < 0),
                 "d_z": _num(d_z), "seeds_for_power": seeds_for_power(d_z) if math.isfinite(d_z) else None,
+                # the exact paired permutation test over the seeds (stats.paired_compare, as emapg eval --compare)
+                "p": paired_compare(finals[m][label], finals[analysis.baseline][label]).p if diffs else None,
             })
     # a value where no method ends above the runs' mean initial accuracy works for none (stats.within_best_fraction)
     starts = [o.initial for o in outcomes if o.counted and o.initial is not None]
@@ -305,14 +305,17 @@ def markdown(report: Report) -> str:
     lines += ["", f"## (b) Paired differences: method − {report.baseline}", "",
               f"Final accuracy of the method minus the baseline's, seed by seed (the same seeds in every cell), then the mean and "
               f"its {report.confidence:.0%} Student-t interval; `*`: the interval excludes 0. d_z = mean / sd of the differences; "
-              f"seeds for 80%: pairs a two-sided paired t-test at 5% needs for 80% power at this d_z (section e).", "",
-              f"| method | {report.axis} | pairs | mean difference | 95% CI | d_z | seeds for 80% power |", "|---|---|---:|---|---|---|---:|"]
+              f"seeds for 80%: pairs a two-sided paired t-test at 5% needs for 80% power at this d_z (section e). p: the exact "
+              "paired permutation test over all 2^n sign flips of the differences (two-sided; with n seeds its smallest value "
+              "is 2 / 2^n).", "",
+              f"| method | {report.axis} | pairs | mean difference | 95% CI | d_z | seeds for 80% power | p |", "|---|---|---:|---|---|---|---:|---:|"]
     for d in report.differences:
         head = heads[[c["label"] for c in report.columns].index(d["column"])]
         ci = f"[{_f(d['lo'], signed=True)}, {_f(d['hi'], signed=True)}]" if d["n"] >= 2 else "–"
         star = " *" if d["excludes_zero"] else ""
         power = "–" if d["seeds_for_power"] is None else str(d["seeds_for_power"])
-        lines.append(f"| {d['method']} | {head} | {d['n']} | {_f(d['mean'], signed=True)}{star} | {ci} | {_f(d['d_z'], 2, True)} | {power} |")
+        lines.append(f"| {d['method']} | {head} | {d['n']} | {_f(d['mean'], signed=True)}{star} | {ci} | {_f(d['d_z'], 2, True)} | {power} | "
+                     f"{_f(d.get('p'))} |")
     lines += ["", "## (c) Tuning sensitivity", "",
               f"The fraction of the {report.axis} values where the method's mean final accuracy is within {a['within_points']:g} points "
               f"of the best method's there, with a {report.confidence:.0%} percentile bootstrap interval ({report.bootstrap['resamples']} "
@@ -347,7 +350,4 @@ def markdown(report: Report) -> str:
 
 def write(out: Path, report: Report) -> list[Path]:
     """Write stability.md and stability.json into the sweep folder; return their paths."""
-    md, js = out / STABILITY_MD, out / STABILITY_JSON
-    write_text_atomic(md, markdown(report))
-    write_text_atomic(js, json.dumps(asdict(report), indent=1) + "\n")
-    return [md, js]
+    return write_report_files(out, STABILITY_MD, STABILITY_JSON, markdown(report), report)

@@ -13,6 +13,8 @@ A study file names a base preset, the seeds, study-wide overrides, and either na
 An optional `analysis:` section (`StudyAnalysis`) adds an analysis to aggregation. `kind: stability` (the default,
 `ablate/stability.py`): methods (the variants) x the values of the one grid axis (e.g. the learning rate).
 `kind: distill` (`ablate/distill.py`): the variants (distillation estimators) against the teacher, without a grid.
+`kind: anchors` (`ablate/anchors.py`): the variants (anchor rules) x the cells of the grid axes, paired comparisons by
+seed and by item.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ STUDY_FILE = "study.yaml"
 ANALYSIS_FIELDS = {
     "stability": ("baseline", "collapse_points", "target_gain", "within_points"),
     "distill": ("baseline", "teacher_fraction", "tail_fraction"),
+    "anchors": ("baseline", "collapse_points", "tail_fraction"),
 }
 
 
@@ -47,13 +50,13 @@ class StudyAnalysis(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["stability", "distill"] = Field("stability", description="Which analysis: `stability` (variants x one grid axis: collapse, steps to +target_gain, tuning sensitivity; stability.md/.json) or `distill` (variants against the teacher of a distillation run: gap closed, steps and wall time to teacher_fraction of the teacher's accuracy, entropy and tail mass; distill.md/.json).")
+    kind: Literal["stability", "distill", "anchors"] = Field("stability", description="Which analysis: `stability` (variants x one grid axis: collapse, steps to +target_gain, tuning sensitivity; stability.md/.json), `distill` (variants against the teacher of a distillation run: gap closed, steps and wall time to teacher_fraction of the teacher's accuracy, entropy and tail mass; distill.md/.json) or `anchors` (anchor rules x the cells of any grid axes: accuracy over training, KL to the initial model, entropy, response length, collapse, paired comparisons with the baseline by seed and by item; anchors.md/.json).")
     baseline: str = Field(description="The variant every other one is compared with (paired differences method - baseline per grid value); must be one of `variants`.")
     collapse_points: float = Field(10.0, gt=0, le=100, description="X: a run collapses when its final eval accuracy is more than X points (X/100 in accuracy) below its own best evaluation, or when it diverged (non-finite weights, too many skipped steps).")
     target_gain: float = Field(0.15, gt=0, le=1, description="Steps to target = the first evaluated step whose eval accuracy is >= the run's initial accuracy + target_gain (accuracy units: 0.15 = 15 points).")
     within_points: float = Field(5.0, ge=0, le=100, description="Tuning sensitivity: the fraction of grid values where a method's mean final accuracy is within this many points of the best method's in that cell.")
     teacher_fraction: float = Field(0.9, gt=0, le=1, description="kind distill: steps to target = the first evaluated step (> 0) whose eval accuracy is >= teacher_fraction x the run's teacher_accuracy (summary.json).")
-    tail_fraction: float = Field(0.2, gt=0, le=1, description="kind distill: the student's distill/entropy, distill/tail_mass, distill/kl and grad/norm are averaged over this last fraction of the run's logged steps (0.2: the last 20%).")
+    tail_fraction: float = Field(0.2, gt=0, le=1, description="kinds distill and anchors: the per-step metrics (distill: the student's distill/entropy, distill/tail_mass, distill/kl, grad/norm; anchors: entropy, rollout/response_len) are averaged over this last fraction of the run's logged steps (0.2: the last 20%).")
 
     @model_validator(mode="after")
     def _fields_of_kind(self) -> "StudyAnalysis":

@@ -14,7 +14,7 @@ from emapg_cli.outputs import claim_folder, config_sha256
 
 
 def ablate(
-    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability, distill) or a path to a study YAML file.")] = None,
+    study: Annotated[Optional[str], typer.Option("--study", help="Named study from presets/ablations (paper, topk-k, ema-decay, estimators, stability, distill, anchors) or a path to a study YAML file.")] = None,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size; `x2` = twice the key's value without this axis). Repeatable: the sweep is the cartesian product.")] = None,
@@ -29,7 +29,8 @@ def ablate(
     trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that the study, preset or --config file names; those named by --set / --grid on this command line always run (docs/reliability.md).")] = False,
 ) -> None:
     """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots (and, for a study
-    with `analysis:`, stability.md/.json and the stability heatmaps, or distill.md/.json and the distillation plots).
+    with `analysis:`, stability.md/.json and the stability heatmaps, distill.md/.json and the distillation plots, or
+    anchors.md/.json and the anchor study's plots).
 
     Finished runs (their folder holds summary.json) are skipped, so rerunning resumes a sweep; a
     run folder made with another config than the run's now is refused (exit 2), never mixed in;
@@ -163,6 +164,35 @@ def _distill(out: Path, sweep, records) -> list[Path]:
     return paths
 
 
+def _anchors(out: Path, sweep, records) -> list[Path]:
+    """The anchor study's analysis (study `analysis: {kind: anchors}`): write anchors.md/.json and the plots, print the
+    short table (per rule and cell: mean final accuracy, collapsed/runs, and rule − baseline with its seed and item p)."""
+    from rich.table import Table
+
+    from emapg_cli.ablate import anchors
+    from emapg_cli.ablate.plots import plot_anchors
+
+    report = anchors.analyze(sweep, records, out)
+    paths = [*anchors.write(out, report), *plot_anchors(out, report)]
+    table = Table(title=f"anchors: mean final accuracy · collapsed/runs; Δ = rule − {escape(report.baseline)} "
+                        "(p by seed | p by item, exact tests)")
+    table.add_column("rule")
+    for cell in report.cells:
+        table.add_column(escape(cell["label"]))
+    for rule in report.rules:
+        cells = []
+        for cell in report.cells:
+            r, c = report.row(rule, cell["label"]), report.comparison(rule, cell["label"])
+            text = "–" if r["final"]["mean"] is None else f"{r['final']['mean']:.3f} · {r['collapsed']}/{r['judged']}"
+            if c is not None and c["seeds"]["n"]:
+                item_p = f"{c['items']['p']:.2g}" if c["items"] else "–"
+                text += f" Δ{c['seeds']['diff']:+.3f} (p {c['seeds']['p']:.2g} | {item_p})"
+            cells.append(text)
+        table.add_row(escape(rule), *cells)
+    console.print(table)
+    return paths
+
+
 def _with_study_analysis(sweep, study: Optional[str]):
     """The recorded sweep with the named study's `analysis:` (--aggregate-only --study), checked against the record's
     variants and grid; unchanged without --study or when the study has none. The folder's study.yaml is not rewritten."""
@@ -204,6 +234,8 @@ def _report(out: Path, study: Optional[str] = None) -> None:
     if caveat:
         console.print(f"[yellow]caveat:[/] {escape(caveat)}", highlight=False)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
-    if sweep.analysis is not None:
+    if sweep.analysis is not None and sweep.analysis.kind == "anchors":
+        written += _anchors(out, sweep, records)
+    elif sweep.analysis is not None:
         written += (_distill if sweep.analysis.kind == "distill" else _stability)(out, sweep, records)
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)

@@ -247,6 +247,22 @@ def _run(settings, label: str) -> None:
     console.print(f"results in {out} ({plots})", markup=False, highlight=False)
 
 
+def _compare(ctx: typer.Context, folders: Optional[tuple[Path, Path]], json_out: Optional[Path]) -> None:
+    """--compare A B [--json FILE] (evaluation/compare.py): one report, no sampling; any other option is refused."""
+    from emapg_cli.evaluation.compare import compare, summary_lines, write_json
+
+    if folders is None:
+        raise UserError("--json writes the record of a comparison: give --compare A B")
+    other = sorted(_given(ctx) - {"compare", "json_out"})
+    if other:
+        raise UserError(f"--compare compares two finished evaluations and takes only --json, not --{other[0].rstrip('_').replace('_', '-')}")
+    result, record = compare(*folders)
+    for line in summary_lines(result, *(Path(record["a"]), Path(record["b"]))):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if json_out is not None:
+        write_json(json_out, record)
+
+
 def eval_(
     ctx: typer.Context,
     bench: Annotated[Optional[str], typer.Option("--bench", "-b", help="Benchmark: a dataset prepared with `emapg prepare NAME`, `toy` / `toy-search` / `toy-tools` (the test set of `emapg prepare --preset NAME`), or a JSONL file / folder in the canonical schema or any layout `emapg prepare` converts (e.g. the official OlympiadBench test.jsonl, MATH-style problem/answer). Default with --preset/--config: the config's data.eval.")] = None,
@@ -281,8 +297,11 @@ def eval_(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
+    compare: Annotated[Optional[tuple[Path, Path]], typer.Option("--compare", help="Compare two finished evaluations of the same items instead of evaluating: A B, each an `emapg eval` output folder or an `emapg train` run folder (its final evaluation). Prints the paired difference of the per-item scores with a bootstrap interval, McNemar's exact test (0/1 scores) or a paired permutation test, the discordant counts and a one-line verdict (docs/evaluation.md).", show_default=False)] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="With --compare: also write every number of the comparison to this JSON file.")] = None,
 ) -> None:
     """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md.
+    With --compare A B, compare two finished evaluations item by item instead (nothing is sampled).
 
     With --preset/--config/--set (resolved as `train` resolves them) the evaluation takes the run's settings: the
     environment (rollout.env, the search section's retriever, turns, topk, observation and context limits, prompt
@@ -295,6 +314,8 @@ def eval_(
     temperature 0, 500 tokens per turn). The settings line says where n, temperature, top_p and max tokens came from.
     The result passes the checks `train` runs on its config (one line, exit 2).
     """
+    if compare is not None or json_out is not None:
+        return _compare(ctx, compare, json_out)
     from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
     from emapg_cli.evaluation.runner import EvalSettings
     from emapg_cli.hf_quiet import quiet_transformers

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from emapg_cli.bounds import MAX_SECONDS, check_seconds
+from emapg_cli.config.anchor_rules import apply_rule
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
@@ -244,8 +245,23 @@ class KLConfig(Section):
         return self
 
 
+class BemaConfig(Section):
+    """anchor.rule=bema: BEMA's schedule (grpo/bema.py; Block & Zhang 2025, Algorithm 1). The defaults are TRL's
+    BEMACallback's; t counts RL steps."""
+
+    lag: float = Field(10.0, ge=0, description="rho, the lag: a virtual starting age of the averages; beta_t = (rho + gamma t)^-kappa and alpha_t = (rho + gamma t)^-eta_b.")
+    multiplier: float = Field(1.0, gt=0, description="gamma, the multiplier of the step count t in rho + gamma t.")
+    ema_power: float = Field(0.5, ge=0, description="kappa, the EMA power: the EMA's step beta_t = (rho + gamma t)^-kappa at RL step t (eta_t = 1 - beta_t; 0: beta_t = 1, the EMA is the policy).")
+    bias_power: float = Field(0.2, ge=0, description="eta_b, the bias power: the correction alpha_t (theta_t - theta_0) has alpha_t = (rho + gamma t)^-eta_b (0: alpha_t = 1).")
+    min_beta: float = Field(0.0, ge=0, le=1, description="The smallest beta_t (TRL's min_ema_multiplier): beta_t = max((rho + gamma t)^-kappa, min_beta).")
+
+
 class AnchorConfig(Section):
     """What the KL term pulls towards: the EMA of the policy (EMA-PG) or a fixed teacher model (on-policy distillation)."""
+
+    rule: Literal["ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema"] = Field("ema", description="How the EMA anchor moves (docs/anchors.md): ema (default): eta = ema.decay every ema.update_period steps (or ema.decay_schedule; adaptive with ema.target_distance); fixed: eta = 1, the initial policy (GRPO); reset: eta = 0, the anchor set to the policy every ema.update_period steps (ProRL); mixup: eta = 1 - anchor.mixup_alpha every ema.update_period steps (TR-DPO); previous: eta = 0 every step, the KL to the policy that sampled the step; adaptive: eta adapted to track ema.target_distance; bema: the bias-corrected EMA of anchor.bema every ema.update_period steps. fixed, reset, mixup and previous set ema.decay (previous also ema.update_period = 1) whatever it was; a key only another rule reads, set away from its default, is an error.")
+    mixup_alpha: float = Field(0.6, gt=0, le=1, description="anchor.rule=mixup: alpha in theta_anchor <- alpha theta + (1 - alpha) theta_anchor every ema.update_period steps (TR-DPO's alpha, TRL's ref_model_mixup_alpha; eta = 1 - alpha).")
+    bema: BemaConfig = Field(default_factory=BemaConfig, description="anchor.rule=bema: BEMA's schedule.")
 
     source: Literal["ema", "teacher"] = Field("ema", description="The anchor: `ema` (default), the EMA of the policy's own weights (the `ema` section); `teacher`, a fixed model loaded from anchor.path that is never updated, with the same tokenizer and vocabulary as the policy (checked before any weights load), not saved in checkpoints (they record its path and content hash, checked on resume). Needs kl.coef > 0; not with LoRA, ema.target_distance or ema.decay_schedule.")
     path: Optional[str] = Field(None, description="anchor.source=teacher: the teacher's local checkpoint folder in save_pretrained format, with its tokenizer (~ and $EMAPG_HOME expanded, as model.path). Not used with anchor.source=ema.")
@@ -268,7 +284,7 @@ class DecayStage(Section):
 
 
 class EMAConfig(Section):
-    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max]; with ema.decay_schedule: unused.")
+    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). Set by anchor.rule fixed (1), reset and previous (0) and mixup (1 - anchor.mixup_alpha). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max]; with ema.decay_schedule: unused.")
     update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the EMA anchor's weights are held and averaged in. float32 (default) keeps every EMA step; bfloat16 reproduces the official search run (its reference model is bf16 and updated with mul_().add_() in place, so small EMA steps round away).")
     anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
@@ -306,6 +322,7 @@ class EMAConfig(Section):
 class EvalConfig(Section):
     every: int = Field(0, ge=0, description="Evaluate the policy every this many RL steps (0: only before and after training).")
     anchor_every: int = Field(0, ge=0, description="Also evaluate the anchor's own weights every this many RL steps (0: never).")
+    initial_kl_every: int = Field(0, ge=0, description="Log kl/to_initial every this many RL steps: the k3 estimate of KL(policy || the initial model) per token of the step's own rollouts, the initial model loaded again from model.path (one more policy-sized model in memory, one no-grad forward on a measured step; docs/anchors.md). 0: never.")
     n: int = Field(1, ge=1, description="Samples per evaluation item.")
     temperature: float = Field(0.0, ge=0, le=10, description="Evaluation sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Evaluation nucleus sampling threshold.")
@@ -425,7 +442,8 @@ class Config(Section):
             for bad, why in ((t.parallel == "fsdp", "train.parallel=fsdp"),
                              (self.kl.coef > 0 and self.kl.estimator == "exact", "kl.estimator=exact"),
                              (self.kl.coef > 0 and self.eval.anchor_every > 0, "eval.anchor_every > 0"),
-                             (self.anchor.source == "teacher", "anchor.source=teacher")):
+                             (self.anchor.source == "teacher", "anchor.source=teacher"),
+                             (self.anchor.rule == "bema", "anchor.rule=bema")):
                 if bad:
                     raise ValueError(f"lora.r > 0 does not support {why} yet")
             from emapg_cli.engines.vllm import VLLM_LORA_RANKS  # vLLM's max_lora_rank values (vLLM is not imported)
@@ -446,6 +464,7 @@ class Config(Section):
             raise ValueError(f"kl.horizon ({self.kl.horizon}) must exceed the responses per step / 5 ({r.prompts_per_step * r.n} / 5), "
                              "or one step below the KL target could drive beta to 0 or below")
         self._check_teacher()
+        apply_rule(self)  # anchor.rule: its conflicts, and the (eta, N) it fixes written into the ema section (docs/anchors.md)
         mini = (r.prompts_per_step * r.n) // self.sequences_per_mini_batch
         self._derived = Derived(
             responses_per_step=r.prompts_per_step * r.n,

@@ -25,6 +25,8 @@ from emapg_cli.errors import UserError
 from emapg_cli.fileio import sha256_file
 
 CHECKPOINTS = "checkpoints"
+#: anchor.rule=bema's buffers (train/anchor_rule.BEMA_FILE): theta_0 and BEMA's EMA.
+ANCHOR_RULE_FILE = "anchor_rule.pt"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -117,8 +119,10 @@ def verify(folder: Path, required: tuple[str, ...]) -> None:
 
 # ---------------------------------------------------------------------------------- save
 def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, anchor, optimizer, scheduler,
-                    state: dict[str, Any], keep: int = 0) -> Path:
+                    state: dict[str, Any], keep: int = 0, extra=None) -> Path:
     """Write checkpoints/step_{step}/ atomically (every rank must call it); prune to the newest `keep` (0: all).
+    `extra`: the anchor rule's own tensors (anchor.rule=bema's `BemaBuffers`, a `state_dict()`), saved as
+    anchor_rule.pt; None: none.
 
     Model and optimizer states are whole (unsharded) whatever the `strategy` (train/parallel.py);
     gathering them is collective, so every rank takes part and the main process writes. The
@@ -144,6 +148,8 @@ def save_checkpoint(strategy, run_dir: Path, step: int, *, scorer, policy, ancho
         torch.save(policy_state, tmp / "policy.pt")
         if anchor_state is not None:
             torch.save(anchor_state, tmp / "anchor.pt")
+        if extra is not None:
+            torch.save(extra.state_dict(), tmp / ANCHOR_RULE_FILE)
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(json.dumps({**state, "step": step, "parallel": strategy.name}, indent=2))
@@ -188,7 +194,7 @@ def save_final(strategy, run_dir: Path, models: dict[str, Any], tokenizer, dtype
 
 
 # ---------------------------------------------------------------------------------- load
-def _read(folder: Path, rank: int, with_anchor: bool) -> dict[str, Any]:
+def _read(folder: Path, rank: int, with_anchor: bool, with_rule: bool = False) -> dict[str, Any]:
     """Every file this rank needs from a verified checkpoint, deserialised without running code
     (DamagedCheckpoint naming the file when one does not load)."""
     def tensors(name: str):
@@ -214,6 +220,8 @@ def _read(folder: Path, rank: int, with_anchor: bool) -> dict[str, Any]:
            "scheduler": tensors("scheduler.pt"), "rng": plain(f"rng_rank{rank}.json")}
     if with_anchor:
         out["anchor"] = tensors("anchor.pt")
+    if with_rule:
+        out["anchor_rule"] = tensors(ANCHOR_RULE_FILE)
     return out
 
 
@@ -222,13 +230,14 @@ def _one_line(e: BaseException) -> str:
 
 
 def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimizer, scheduler,
-                    notify=print) -> Optional[dict[str, Any]]:
+                    notify=print, extra=None) -> Optional[dict[str, Any]]:
     """Restore the newest intact checkpoint of `run_dir` into the live objects (every rank reads the files).
 
     Returns its state.json, or None when the run has no checkpoint. A damaged checkpoint (manifest
     check or a file that does not load) is passed over with one line through `notify`; none intact
     is a UserError. A checkpoint that does not fit this run's config (parallel strategy, no anchor,
-    other shapes) is a UserError too: an older checkpoint would not fit either.
+    other shapes) is a UserError too: an older checkpoint would not fit either. `extra`: the anchor rule's own
+    tensors to restore (`save_checkpoint`'s), which the checkpoint must hold.
     """
     from emapg_cli.train.teacher import check_same_teacher, teacher_record
 
@@ -242,7 +251,8 @@ def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimize
     for _, path in reversed(found):
         try:
             verify(path, ("state.json", "policy.pt", "optimizer.pt", "scheduler.pt", f"rng_rank{rank}.json"))
-            files = _read(path, rank, with_anchor=ema_anchor is not None and (path / "anchor.pt").is_file())
+            files = _read(path, rank, with_anchor=ema_anchor is not None and (path / "anchor.pt").is_file(),
+                          with_rule=extra is not None and (path / ANCHOR_RULE_FILE).is_file())
         except DamagedCheckpoint as e:
             damaged.append(f"{path.name} ({e})")
             continue
@@ -255,10 +265,15 @@ def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimize
         if ema_anchor is not None and "anchor" not in files:
             raise UserError(f"{path} holds no EMA anchor (the run was trained with kl.coef=0): resume with "
                             "kl.coef=0, or start a new run to train with a KL term")
+        if extra is not None and "anchor_rule" not in files:
+            raise UserError(f"{path} holds no {ANCHOR_RULE_FILE} (BEMA's theta_0 and EMA): it was trained with another "
+                            "anchor.rule; resume with that rule, or start a new run")
         try:
             strategy.load_model_state(policy, files["policy"])
             if ema_anchor is not None:
                 strategy.load_model_state(ema_anchor, files["anchor"])
+            if extra is not None:
+                extra.load_state_dict(files["anchor_rule"])
             strategy.load_optimizer_state(scorer, optimizer, files["optimizer"])
             scheduler.load_state_dict(files["scheduler"])
             set_rng_state(files["rng"])

@@ -220,6 +220,10 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
                    "on several processes does not support; use auto or never")
     if fsdp and cfg.anchor.source == "teacher":
         out.append("anchor.source=teacher is not supported with train.parallel=fsdp on several processes yet; use ddp")
+    if fsdp and cfg.anchor.rule == "bema" and cfg.derived.loads_anchor:
+        out.append("anchor.rule=bema is not supported with train.parallel=fsdp on several processes yet; use ddp")
+    if fsdp and cfg.eval.initial_kl_every:
+        out.append("eval.initial_kl_every is not supported with train.parallel=fsdp on several processes yet; use ddp")
     if r.engine_url is not None and processes > 1:
         out.append("rollout.engine_url with several training processes is not supported yet: launch one process")
     if r.max_staleness and processes > 1:

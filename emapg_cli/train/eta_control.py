@@ -37,17 +37,7 @@ def decay_for_update(ema, state: dict[str, Any], step: int, distance_now: Callab
 
 
 def describe(ema) -> str:
-    """How eta is chosen, for the settings line and the --dry-run plan: `adaptive η (target distance 0.01, [0.5,
-    0.999])`, `η schedule 0.9 (steps 1-100), 0.99 (from step 101)`, or `η 0.95`."""
-    if ema.target_distance is not None:
-        return f"adaptive η (target distance {ema.target_distance:g}, [{ema.decay_min:g}, {ema.decay_max:g}], from {ema.decay:g})"
-    if ema.decay_schedule:
-        parts, first = [], 1
-        for i, st in enumerate(ema.decay_schedule):
-            last = first + st.steps - 1
-            span = (f"from step {first}" if i == len(ema.decay_schedule) - 1 else
-                    f"step {first}" if first == last else f"steps {first}-{last}")
-            parts.append(f"{st.decay:g} ({span})")
-            first = last + 1
-        return "η schedule " + ", ".join(parts)
-    return f"η {ema.decay:g}"
+    """How eta is chosen, for the settings line and the --dry-run plan (config/anchor_rules.describe_decay)."""
+    from emapg_cli.config.anchor_rules import describe_decay
+
+    return describe_decay(ema)

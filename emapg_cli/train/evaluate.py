@@ -36,6 +36,7 @@ class EvalScores:
 
     accuracy: float
     by_source: dict[str, float] = field(default_factory=dict)
+    items: list[dict] = field(default_factory=list)  # per item, in the set's order: {id, correct: [bool], scores: [float]}
 
     def metrics(self, key: str) -> dict[str, float]:
         """{key: accuracy, key/<source>: each source's accuracy}, e.g. eval/accuracy and eval/accuracy/nq."""
@@ -56,6 +57,7 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
     counts = torch.zeros((1 + len(sources), 2))  # [1 + S, (correct, total)], float32 as before (exact below 2^24)
     # every rank calls generate, even with no items: a sharded engine gathers weights collectively
     groups = generate(engine, [prompts[i] for i in mine], params, [examples[i] for i in mine])
+    items: list[tuple[int, dict]] = []
     if mine:
         completions = [c for g in groups for c in g]
         exs = [examples[i] for i in mine for _ in range(params.n)]
@@ -64,9 +66,32 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
             for row in (0, slot[ex.source]):
                 counts[row, 0] += float(r > 0.5)
                 counts[row, 1] += 1.0
+        for j, i in enumerate(mine):
+            scores = [float(x) for x in rewards[j * params.n:(j + 1) * params.n]]
+            items.append((i, {"id": str(examples[i].id), "correct": [x > 0.5 for x in scores], "scores": scores}))
     counts = counts.to(accelerator.device)
     if world > 1:
         counts = accelerator.reduce(counts, reduction="sum")
+        from accelerate.utils import gather_object
+
+        items = gather_object(items)
     counts = counts.cpu()
     acc = [float(row[0] / row[1]) if row[1] > 0 else float("nan") for row in counts]  # float32 division, as before
-    return EvalScores(acc[0], {name: acc[slot[name]] for name in sources} if len(sources) > 1 else {})
+    return EvalScores(acc[0], {name: acc[slot[name]] for name in sources} if len(sources) > 1 else {},
+                      [row for _, row in sorted(items, key=lambda x: x[0])])
+
+
+#: A run's per-item outcomes of each policy evaluation: evals/step_<N>.jsonl (what `emapg eval --compare` reads).
+EVALS_DIR = "evals"
+
+
+def write_items(run_dir, step: int, items: list[dict]) -> None:
+    """evals/step_<step>.jsonl: one row per evaluation item {id, correct, scores}, written under a temporary name."""
+    from pathlib import Path
+
+    from emapg_cli.data.schema import json_line
+    from emapg_cli.paths import write_text_atomic
+
+    folder = Path(run_dir) / EVALS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(folder / f"step_{step}.jsonl", "".join(json_line(row) for row in items))

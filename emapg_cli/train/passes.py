@@ -95,6 +95,19 @@ def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, to
             out[rows, :r] = getattr(stats, name)
 
 
+def score_tokens(scorer, batch: RolloutBatch, settings: StepSettings) -> torch.Tensor:
+    """log pi(y) of `batch`'s response tokens under `scorer`'s model, a no-grad pass with the step's pass settings
+    (temperature, layouts, micro-batches): [B, R], zero at padding. Leaves the scorer in the mode it was in."""
+    b, r = batch.response_mask.shape
+    fill = {"logp": torch.zeros(b, r, dtype=torch.float32, device=batch.input_ids.device)}  # [B, R]
+    was = scorer.training
+    scorer.eval()
+    p = settings.passes
+    _run(scorer, batch.with_(q_index=None), p.micro_batch_size, p.max_tokens, fill, **p.scorer_args(entropy=False))
+    scorer.train(was)
+    return fill["logp"]
+
+
 def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, settings: StepSettings) -> RolloutBatch:
     """Fill old_logp / q_index (old-policy pass) and ref_logp / ref_logp_q (anchor pass) as `settings` say.
 

@@ -16,7 +16,7 @@ from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
 from emapg_cli.train.beta_control import kl_coef_text
 from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
-from emapg_cli.train.eta_control import describe as describe_decay
+from emapg_cli.config.anchor_rules import describe_rule
 
 GIB = 2**30
 
@@ -168,7 +168,7 @@ class Plan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     evaluation: str = ""  # how and when the run evaluates (`evaluation_line`)
     kl_coef: str = ""  # an adaptive beta's rule (`beta_control.kl_coef_text`); "" for a fixed beta
-    ema_decay: str = ""  # adaptive or scheduled eta (train/eta_control.describe); "" for a fixed eta
+    anchor_rule: str = ""  # the anchor and how it moves (config/anchor_rules.describe_rule); "" without an anchor
 
     @property
     def n_params(self) -> Optional[int]:
@@ -247,7 +247,15 @@ def _lora_terms(m: ModelShapes, cfg: Config) -> list[MemoryTerm]:
     if cfg.derived.loads_anchor:
         terms.append(MemoryTerm("EMA anchor", ap * FP32, "P_lora x 4 B (fp32 adapters only: adapter-sized)", "state"))
     terms.append(MemoryTerm("gradients", ap * FP32, "P_lora x 4 B (adapters only)", "update"))
-    return terms
+    return terms + _initial_terms(p, cfg)
+
+
+def _initial_terms(p: int, cfg: Config) -> list[MemoryTerm]:
+    """eval.initial_kl_every: the initial model kl/to_initial scores with (model.path in model.dtype, whole on every rank)."""
+    if not cfg.eval.initial_kl_every:
+        return []
+    wb = DTYPE_BYTES[cfg.model.dtype]
+    return [MemoryTerm("initial model", p * wb, f"P x {wb} B ({cfg.model.dtype}, eval.initial_kl_every)", "state")]
 
 
 def _state_terms(m: ModelShapes, cfg: Config, master_weights: bool, processes: int) -> list[MemoryTerm]:
@@ -288,6 +296,9 @@ def _state_terms(m: ModelShapes, cfg: Config, master_weights: bool, processes: i
     if cfg.derived.loads_anchor:
         terms.append(MemoryTerm("teacher anchor" if teacher else "EMA anchor", sharded(p * ab),
                                 f"P x {ab} B ({adt}, {'anchor.source=teacher, policy-sized' if teacher else 'kl.coef > 0'}){per}", "state"))
+    if cfg.derived.loads_anchor and cfg.anchor.rule == "bema" and not teacher:
+        terms.append(MemoryTerm("BEMA buffers", sharded(2 * p * ab), f"2 x P x {ab} B (theta_0 and BEMA's EMA, {adt}){per}", "state"))
+    terms += _initial_terms(p, cfg)
     terms.append(MemoryTerm("gradients", sharded(p * pb), f"P x {pb} B{' (fp32)' if master else ''}{per}", "update"))
     if master and shards == 1:
         terms.append(MemoryTerm("working copy", p * wb, f"P x {wb} B ({cfg.model.dtype} autocast copies of the weights)", "update"))
@@ -457,7 +468,8 @@ def make_plan(
         evaluation=evaluation_line(cfg),
         stages=stage_spans(cfg),
         kl_coef=kl_coef_text(cfg) if cfg.kl.coef > 0 and cfg.kl.target is not None else "",
-        ema_decay=describe_decay(cfg.ema) if cfg.ema.target_distance is not None or cfg.ema.decay_schedule else "",
+        anchor_rule=f"anchor.rule {describe_rule(cfg)}" if cfg.derived.loads_anchor and cfg.anchor.source == "ema" else
+        describe_rule(cfg) if cfg.derived.loads_anchor else "",
     )
     if model is None:
         return Plan(**plan, notes=tuple(notes))
@@ -576,7 +588,7 @@ def render_plan(plan: Plan):
         model += f"  ({plan.model_source})"
     run.add_row("model", escape(model))
     run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
-    for label, rule in (("EMA decay", plan.ema_decay), ("KL coefficient", plan.kl_coef)):  # adaptive / scheduled
+    for label, rule in (("anchor", plan.anchor_rule), ("KL coefficient", plan.kl_coef)):  # the anchor rule; adaptive beta
         if rule:
             run.add_row(label, escape(rule))
     run.add_row("rollout per step", f"{plan.prompts_per_step} prompts x {plan.n} responses = {plan.responses_per_step:,} sequences ({plan.engine})")

@@ -125,6 +125,10 @@ def config_line(cfg) -> str:
         from emapg_cli.train.eta_control import describe
 
         anchor = f"EMA anchor {describe(e)} every {e.update_period}"
+    if cfg.anchor.rule != "ema":  # a named rule (config/anchor_rules.py)
+        from emapg_cli.config.anchor_rules import describe_rule
+
+        anchor = f"anchor {describe_rule(cfg)}"
     if cfg.anchor.source == "teacher":
         anchor = f"teacher anchor {expand(cfg.anchor.path)} ({cfg.anchor.dtype or cfg.model.dtype})"
     if cfg.train.objective != "rl":

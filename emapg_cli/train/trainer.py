@@ -21,7 +21,6 @@ import torch
 from emapg_cli.config.models import Config
 from emapg_cli.engines.base import derive_seed
 from emapg_cli.errors import UserError
-from emapg_cli.grpo import ema_update_
 from emapg_cli.models.loading import DTYPES, load_tokenizer
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
@@ -30,9 +29,10 @@ from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, preflight
 from emapg_cli.train.distill import initial_evaluations
 from emapg_cli.train.engine_setup import make_rollout_engine
-from emapg_cli.train.eta_control import decay_for_update, decay_in_force
+from emapg_cli.train.anchor_rule import anchor_metrics, make_bema, move_anchor
 from emapg_cli.train.rollout import reward_failures
-from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate  # noqa: F401 - eval_max_new_tokens: re-exported
+from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate, write_items  # noqa: F401 - eval_max_new_tokens: re-exported
+from emapg_cli.train.initial_kl import initial_kl, make_initial
 from emapg_cli.train.loggers import METRICS_FILE, open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
 from emapg_cli.train.parallel import make_strategy
@@ -85,6 +85,8 @@ class Trainer:
             self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, with_eval=bool(cfg.data.eval))
         self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.settings = build_models(cfg, self.strategy)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
+        self.bema = make_bema(cfg, self.strategy, self.anchor)  # anchor.rule=bema: theta_0 and its EMA (train/anchor_rule.py)
+        self.initial = make_initial(cfg, self.acc.device)  # eval.initial_kl_every: the model kl/to_initial compares with
         last = self._resume()
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
         # what rollouts and evaluation sample from: the engine, or the environment's episodes on it
@@ -104,7 +106,7 @@ class Trainer:
         """The run's counters, from its newest intact checkpoint when resuming; returns the last finished step."""
         self.state: dict[str, Any] = {"skipped": 0, "elapsed_s": 0.0, "eval_accuracy_initial": None, "skip_window": []}
         saved = ckpt.load_checkpoint(self.strategy, self.run_dir, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
-                                     optimizer=self.optimizer, scheduler=self.scheduler, notify=self._warn) if self.resume else None
+                                     optimizer=self.optimizer, scheduler=self.scheduler, notify=self._warn, extra=self.bema) if self.resume else None
         self.state = {**self.state, **(saved or {})}
         return self.state.get("step", 0)
 
@@ -136,6 +138,8 @@ class Trainer:
         params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
         with eval_sampler(self, model, params, step) as (generator, params):  # `model`'s weights in the engine, or another
             scores = evaluate(generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
+        if key == "eval/accuracy" and self.acc.is_main_process:  # the policy's per-item outcomes: evals/step_<N>.jsonl
+            write_items(self.run_dir, step, scores.items)
         return scores.metrics(key)
 
     def _advantages(self, batch, pending) -> tuple[Any, Any, int, dict]:
@@ -190,14 +194,12 @@ class Trainer:
         return stats
 
     def _ema(self, step: int, skipped_now: bool) -> Optional[float]:
-        """EMA anchor update every ema.update_period steps (not after a skipped update: eta does not change then either);
-        returns ||theta - theta_ema|| / ||theta||."""
+        """The anchor update of anchor.rule every ema.update_period steps (not after a skipped update: eta does not change
+        then either); returns ||theta - theta_ema|| / ||theta||."""
         if self.anchor is None or self.cfg.anchor.source == "teacher":  # a teacher never moves: no EMA step, no distance
             return None
-        e = self.cfg.ema
-        if step % e.update_period == 0 and not skipped_now:  # eta: ema.decay, its schedule, or adaptive (train/eta_control.py)
-            decay = decay_for_update(e, self.state, step, lambda: self.strategy.ema_distance(self.policy, self.anchor))
-            ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), decay)
+        if step % self.cfg.ema.update_period == 0 and not skipped_now:  # the rule's eta, or BEMA (train/anchor_rule.py)
+            move_anchor(self.cfg, self.state, step, self.strategy, self.policy, self.anchor, self.bema)
         return self.strategy.ema_distance(self.policy, self.anchor)
 
     def _controllers(self, step: int, beta: float, metrics: dict[str, Any], trained: int) -> None:
@@ -205,7 +207,7 @@ class Trainer:
         (kl.target's adaptive beta, from the KL per token), the eta in force into the metrics."""
         beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/per_token"), trained)
         if self.anchor is not None and self.cfg.anchor.source == "ema":
-            metrics["ema/decay"] = decay_in_force(self.cfg.ema, self.state, step)
+            metrics.update(anchor_metrics(self.cfg, self.state, step))
 
     def step(self, step: int) -> StepResult:
         """One RL step: rollout (grading in the background), passes, advantages, update, EMA and weight push. Returns
@@ -220,6 +222,7 @@ class Trainer:
         with self.phases("update_total"):
             batch, diff = self._passes(batch)
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
+            extra.update(initial_kl(self.initial, self.cfg, step, batch, self.settings, self.acc.unwrap_model(self.scorer)))
             extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
             extra.update(roll.pop("filtering", {}))
             extra.update(roll.pop("pipeline"))  # rollout/staleness, waits (versioned engines)
@@ -308,7 +311,8 @@ class Trainer:
         t = self.cfg.train
         if (t.save_every and step % t.save_every == 0) or step == t.steps:
             ckpt.save_checkpoint(self.strategy, self.run_dir, step, scorer=self.scorer, policy=self.policy, anchor=self.anchor,
-                                 optimizer=self.optimizer, scheduler=self.scheduler, state=self.state, keep=t.keep_checkpoints)
+                                 optimizer=self.optimizer, scheduler=self.scheduler, state=self.state, keep=t.keep_checkpoints,
+                                 extra=self.bema)
 
     def _finish(self, logger, metrics: dict[str, Any], started: float) -> dict[str, Any]:
         """Final weights, summary.json (returned; wall time since `started`, earlier sessions included), and the

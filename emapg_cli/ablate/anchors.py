@@ -1,0 +1,276 @@
+"""The anchor study's analysis (`analysis: {kind: anchors}`; docs/ablate.md "The anchor study").
+
+Rows are the study's variants (anchor rules: none, fixed, ema, reset, mixup, bema, adaptive-eta), cells the
+combinations of its grid axes (the learning rate, and on the toy kl.coef, as multiples of the preset's). Per run:
+the held-out accuracy over training, the final, best and initial accuracies, collapse (final more than
+collapse_points below the run's best, or diverged: `stability.outcome`), the KL to the initial model (`kl/to_initial`),
+the entropy and the response length, each a mean over the last tail_fraction of the run's measurements of it, the mean KL to the anchor, and the final evaluation's
+per-item outcomes (evals/step_<N>.jsonl).
+
+Each rule is compared with the baseline in every cell with `stats.paired_compare`, the implementation
+`emapg eval --compare` uses, at two levels:
+
+- **seeds**: the final accuracies of the two rules paired by seed: mean difference, percentile bootstrap interval,
+  the exact paired permutation test (2^n sign flips; with 3 seeds its smallest two-sided p is 2/8 = 0.25), and the
+  seeds a paired t-test would need for 80% power at the observed effect. This is the test of the *rule*: the seed
+  is the unit the rule's effect varies over.
+- **items**: the final evaluations' per-item outcomes, paired by (seed, item) over the seeds both finished:
+  McNemar's exact test on the discordant pairs (greedy 0/1 scores). It asks whether the trained policies differ
+  on these items; pooling seeds treats their training noise as fixed, so it is not a test of the rule by itself.
+
+p-values are reported raw and Holm-adjusted within each family (seed tests; item tests) over every rule x cell.
+Written as anchors.md and anchors.json; the figures are `plots.plot_anchors`.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import product
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
+from emapg_cli.ablate.distill import interval, last_fraction_mean
+from emapg_cli.ablate.grid import format_value
+from emapg_cli.ablate.plots import mean_band
+from emapg_cli.ablate.runner import run_dir
+from emapg_cli.ablate.stability import outcome
+from emapg_cli.ablate.study import Sweep
+from emapg_cli.errors import UserError
+from emapg_cli.stats import PairedComparison, holm, paired_compare
+
+ANCHORS_MD = "anchors.md"
+ANCHORS_JSON = "anchors.json"
+#: Per-step metrics averaged over the last tail_fraction of a run: (report key, metrics.jsonl key).
+TAIL_METRICS = (("kl_to_initial", "kl/to_initial"), ("entropy", "entropy"), ("response_len", "rollout/response_len"))
+
+
+@dataclass
+class AnchorRun:
+    """One run of the study."""
+
+    run_id: str
+    rule: str
+    cell: str
+    seed: int
+    status: str  # done | diverged | failed | running | interrupted | pending
+    initial: Optional[float] = None
+    final: Optional[float] = None
+    best: Optional[float] = None
+    collapsed: Optional[bool] = None
+    kl_to_initial: Optional[float] = None  # kl/to_initial over the last tail_fraction of its measurements
+    entropy: Optional[float] = None
+    response_len: Optional[float] = None
+    kl_mean: Optional[float] = None  # mean kl/value: the KL to the anchor
+    items: int = 0  # items in its final per-item evaluation (0: none found)
+    reason: str = ""
+
+
+@dataclass
+class Report:
+    """Everything anchors.md and anchors.json say (JSON: `asdict`)."""
+
+    study: str
+    axes: list[str]
+    baseline: str
+    analysis: dict[str, Any]
+    confidence: float
+    rules: list[str]
+    cells: list[dict[str, Any]]  # {"label": "lr x4, coef x10", "values": {axis: typed value}}
+    rows: list[dict[str, Any]] = field(default_factory=list)  # per rule x cell
+    comparisons: list[dict[str, Any]] = field(default_factory=list)  # per non-baseline rule x cell: seeds, items
+    curves: list[dict[str, Any]] = field(default_factory=list)  # per rule x cell: eval accuracy {steps, mean, std, runs}
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def row(self, rule: str, cell: str) -> dict[str, Any]:
+        return next(r for r in self.rows if r["rule"] == rule and r["cell"] == cell)
+
+    def comparison(self, rule: str, cell: str) -> Optional[dict[str, Any]]:
+        return next((c for c in self.comparisons if c["rule"] == rule and c["cell"] == cell), None)
+
+
+def cell_label(axes: list[str], labels: dict[str, str]) -> str:
+    """`lr x4, coef x10`: each axis by its last key component and the value as written; `all` without axes."""
+    return ", ".join(f"{a.rsplit('.', 1)[-1]} {labels[a]}" for a in axes) or "all"
+
+
+def final_items(folder: Path) -> dict[str, float]:
+    """The per-item scores of a run's final evaluation ({} when the run wrote none: an older run)."""
+    from emapg_cli.evaluation.compare import item_scores, outcomes_file
+
+    try:
+        return item_scores(outcomes_file(folder))
+    except UserError:
+        return {}
+
+
+def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path) -> tuple[AnchorRun, dict[str, float]]:
+    """The AnchorRun of one record and its final per-item scores."""
+    o = outcome(rec, rule, cell, sweep.analysis)
+    run = AnchorRun(rec.spec.run_id, rule, cell, rec.spec.seed, o.status, o.initial, o.final, o.best, o.collapsed,
+                    reason=o.reason)
+    if not o.counted:
+        return run, {}
+    for key, metric in TAIL_METRICS:
+        setattr(run, key, last_fraction_mean(rec.curves.get(metric, []), sweep.analysis.tail_fraction))
+    kl = [v for _, v in rec.curves.get("kl/value", [])]
+    run.kl_mean = sum(kl) / len(kl) if kl else None
+    items = final_items(run_dir(out, rec.spec)) if o.status == "done" else {}
+    run.items = len(items)
+    return run, items
+
+
+def _comparison(result: PairedComparison, unit: str) -> dict[str, Any]:
+    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
+    return {"unit": unit, "n": result.n, "diff": finite(result.diff), "lo": finite(result.lo), "hi": finite(result.hi),
+            "test": result.test, "method": result.method, "p": result.p, "a_better": result.a_better,
+            "b_better": result.b_better, "ties": result.ties, "pairs_for_power": result.pairs_for_power,
+            "excludes_zero": result.n >= 2 and (result.lo > 0 or result.hi < 0)}
+
+
+def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
+    """The anchor study's report of the sweep in `out` (sweep.analysis of kind anchors)."""
+    a = sweep.analysis
+    assert a is not None
+    axes = list(sweep.grid)
+    rules = list(sweep.variants)
+    cells: dict[str, dict[str, Any]] = {}
+    runs: list[AnchorRun] = []
+    items: dict[tuple[str, str, int], dict[str, float]] = {}
+    curves: dict[tuple[str, str], list[list[tuple[int, float]]]] = {}
+    for rec in records:
+        rule = str(rec.spec.values.get("variant"))
+        if rule not in rules:
+            continue
+        labels = {k: rec.spec.grid.get(k) or format_value(rec.spec.values.get(k)) for k in axes}
+        label = cell_label(axes, labels)
+        cells.setdefault(label, {"label": label, "values": {k: rec.spec.values.get(k) for k in axes}})
+        run, its = run_numbers(rec, rule, label, sweep, out)
+        runs.append(run)
+        items[(rule, label, run.seed)] = its
+        if run.status == "done":
+            curves.setdefault((rule, label), []).append(rec.curves.get("eval/accuracy", []))
+    order = [cell_label(axes, dict(zip(axes, combo))) for combo in product(*([format_value(v) for v in sweep.grid[k]] for k in axes))]
+    ordered = [cells[c] for c in order if c in cells] + [c for label, c in cells.items() if label not in order]
+    report = Report(sweep.name, axes, a.baseline, a.settings(), CONFIDENCE, rules, ordered, runs=[asdict(r) for r in runs])
+    for rule in rules:
+        for label in (c["label"] for c in ordered):
+            mine = [r for r in runs if r.rule == rule and r.cell == label]
+            done = [r for r in mine if r.status in ("done", "diverged")]
+            judged = [r for r in done if r.collapsed is not None]
+            report.rows.append({
+                "rule": rule, "cell": label, "runs": len(done), "failed": sum(r.status == "failed" for r in mine),
+                "unfinished": sum(r.status not in ("done", "diverged", "failed") for r in mine),
+                "diverged": sum(r.status == "diverged" for r in mine),
+                "final": interval([r.final for r in done]), "best": interval([r.best for r in done]),
+                "initial": interval([r.initial for r in done]),
+                "collapsed": sum(bool(r.collapsed) for r in judged), "judged": len(judged),
+                **{k: interval([getattr(r, k) for r in done]) for k in ("kl_to_initial", "entropy", "response_len", "kl_mean")},
+            })
+            steps, mean, std = mean_band(curves.get((rule, label), []))
+            report.curves.append({"rule": rule, "cell": label, "steps": steps, "mean": mean, "std": std,
+                                  "runs": len(curves.get((rule, label), []))})
+    _compare_rules(report, runs, items)
+    return report
+
+
+def _compare_rules(report: Report, runs: list[AnchorRun], items: dict[tuple[str, str, int], dict[str, float]]) -> None:
+    """Every rule but the baseline against it, per cell, by seed and by (seed, item); Holm within each family."""
+    finals = {(r.rule, r.cell, r.seed): r.final for r in runs if r.status in ("done", "diverged") and r.final is not None}
+    for rule in report.rules:
+        if rule == report.baseline:
+            continue
+        for cell in (c["label"] for c in report.cells):
+            mine = {s: v for (ru, c, s), v in finals.items() if ru == rule and c == cell}
+            base = {s: v for (ru, c, s), v in finals.items() if ru == report.baseline and c == cell}
+            by_seed = paired_compare(mine, base, CONFIDENCE)
+            pooled_a: dict[tuple[int, str], float] = {}
+            pooled_b: dict[tuple[int, str], float] = {}
+            for seed in sorted(set(mine) & set(base)):
+                x, y = items.get((rule, cell, seed), {}), items.get((report.baseline, cell, seed), {})
+                if x and set(x) == set(y):  # both runs' final evaluations, of the same items
+                    pooled_a.update({(seed, k): v for k, v in x.items()})
+                    pooled_b.update({(seed, k): v for k, v in y.items()})
+            by_item = paired_compare(pooled_a, pooled_b, CONFIDENCE) if pooled_a else None
+            report.comparisons.append({"rule": rule, "cell": cell, "seeds": _comparison(by_seed, "seed"),
+                                       "items": _comparison(by_item, "seed x item") if by_item else None})
+    for unit in ("seeds", "items"):
+        family = [c[unit] for c in report.comparisons if c[unit] is not None and c[unit]["n"] > 0]
+        for c, p in zip(family, holm([c["p"] for c in family])):
+            c["p_holm"] = p
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+
+def _f(x: Optional[float], digits: int = 3, signed: bool = False) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def _p(p: Optional[float]) -> str:
+    return "–" if p is None else (f"{p:.1e}" if p < 0.001 else f"{p:.3f}")
+
+
+def _ci(iv: dict[str, Any]) -> str:
+    if iv["mean"] is None:
+        return "–"
+    return _f(iv["mean"]) + (f" [{_f(iv['lo'])}, {_f(iv['hi'])}]" if iv["lo"] is not None else "")
+
+
+def _cmp_text(c: Optional[dict[str, Any]], power_unit: str) -> str:
+    if c is None or c["n"] == 0:
+        return "–"
+    power = f"{c['pairs_for_power']} {power_unit}" if c["pairs_for_power"] else "–"
+    return (f"{_f(c['diff'], signed=True)} [{_f(c['lo'], signed=True)}, {_f(c['hi'], signed=True)}] · {c['a_better']}:{c['b_better']} · "
+            f"p {_p(c['p'])} (Holm {_p(c.get('p_holm'))}) · {power}")
+
+
+def markdown(report: Report) -> str:
+    """anchors.md: (a) per rule and cell, (b) the paired comparisons with the baseline by seed, (c) by item, then the
+    definitions and the runs not counted."""
+    a = report.analysis
+    lines = [f"# Anchor study: {report.study}", "",
+             f"Rules (the study's variants) × cells ({', '.join(f'`{x}`' for x in report.axes) or 'no grid'}); baseline "
+             f"`{report.baseline}`. A run **collapses** when its final accuracy is more than {a['collapse_points']:g} points "
+             f"below its own best evaluation, or it diverged. Entropy and response length are means over the last "
+             f"{a['tail_fraction']:.0%} of the logged steps, and so is the KL to the initial model (of the steps that measured "
+             "`kl/to_initial`); KL to anchor is the mean `kl/value`.", "",
+             "## (a) Per rule and cell", "",
+             "| rule | cell | seeds | final accuracy [95% t CI] | best | collapsed | KL to initial | entropy | response length | KL to anchor |",
+             "|---|---|---:|---|---|---|---|---|---|---|"]
+    for r in report.rows:
+        lines.append(f"| {r['rule']} | {r['cell']} | {r['runs']} | {_ci(r['final'])} | {_f(r['best']['mean'])} | "
+                     f"{r['collapsed']}/{r['judged']} | {_f(r['kl_to_initial']['mean'], 4)} | {_f(r['entropy']['mean'])} | "
+                     f"{_f(r['response_len']['mean'], 2)} | {_f(r['kl_mean']['mean'], 4)} |")
+    for unit, title, what, power in (
+            ("seeds", "(b) Rule − baseline, paired by seed (final accuracy)",
+             "Each cell: mean difference [95% percentile bootstrap over seeds] · seeds where the rule was higher : lower · exact "
+             "paired permutation p over all 2^n sign flips (Holm over every rule × cell) · seeds for 80% power (paired t, d_z = mean/sd)",
+             "seeds"),
+            ("items", "(c) Rule − baseline, paired by (seed, item) (final evaluations)",
+             "Each cell: mean difference [95% percentile bootstrap over the pairs] · discordant pairs rule-only : baseline-only · "
+             "McNemar exact p (a paired permutation test for non-0/1 scores; Holm over every rule × cell) · pairs for 80% power "
+             "(Connor 1987). Pools the seeds: a test of the trained policies on these items, not of the rule alone",
+             "pairs")):
+        lines += ["", f"## {title}", "", what + ".", "",
+                  "| rule | " + " | ".join(c["label"] for c in report.cells) + " |", "|---|" + "---|" * len(report.cells)]
+        for rule in report.rules:
+            if rule == report.baseline:
+                continue
+            cells = [_cmp_text((report.comparison(rule, c["label"]) or {}).get(unit), power) for c in report.cells]
+            lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    left = [r for r in report.runs if r["status"] not in ("done", "diverged")]
+    diverged = [r for r in report.runs if r["status"] == "diverged"]
+    if left or diverged:
+        lines += ["", "## Runs", ""]
+        lines += [f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged]
+        lines += [f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in left]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, report: Report) -> list[Path]:
+    """Write anchors.md and anchors.json into the sweep folder; return their paths."""
+    return write_report_files(out, ANCHORS_MD, ANCHORS_JSON, markdown(report), report)
