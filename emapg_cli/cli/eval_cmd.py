@@ -202,9 +202,10 @@ def _settings_line(s, what: str, origin: dict, threads_note: str) -> str:
     search = (f", retriever {s.retriever}, max turns {s.max_turns}, topk {s.topk}, observations {s.max_obs_tokens} "
               f"tokens, context {s.max_context_tokens} tokens" if s.retriever else "")
     user_env = f", env {s.env}" if s.env not in (None, "single", "search") else ""
+    prefix = f", {len(s.chat_prefix)} chat turns before each question (data.chat_prefix)" if s.chat_prefix else ""
     return (f"eval settings from {what}: bench {s.bench}, n {s.n}{src('n')}, temperature {s.temperature}"
             f"{src('temperature')}, top_p {s.top_p}{src('top_p')}, max tokens {s.max_tokens}{turn}{src('max_tokens')}, "
-            f"reward {s.reward}{user_env}{search}{threads_note}")
+            f"reward {s.reward}{user_env}{search}{prefix}{threads_note}")
 
 
 def _run(settings, label: str) -> None:
@@ -329,7 +330,8 @@ def eval_(
     settings = EvalSettings(
         bench=bench_ref(o["bench"]), out=out or default_out(label or o["bench"], model, responses), model=model,
         responses_file=responses, prompt_template=str(o["prompt_template"]) if o["prompt_template"] else None,
-        **{k: o[k] for k in keys}, **({"env_timeout_s": cfg.rollout.env_timeout_s} if cfg is not None else {}),
+        **{k: o[k] for k in keys},
+        **({"env_timeout_s": cfg.rollout.env_timeout_s, "chat_prefix": cfg.data.prefix_messages() or None} if cfg is not None else {}),
     )
     threads_note = ""
     if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)

@@ -37,11 +37,31 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
 
 
+class ChatTurn(Section):
+    role: Literal["system", "user", "assistant"] = Field(description="Who speaks: `system`, `user` or `assistant`.")
+    content: str = Field(min_length=1, max_length=100_000, description="The turn's text.")
+
+
 class DataConfig(Section):
     train: Optional[str] = Field(None, description="Training data: a dataset name prepared by `emapg prepare`, or a JSONL/JSON file with {id, question, answer(s)} rows.")
     eval: Optional[Union[str, list[str]]] = Field(None, description="Evaluation data, same forms as `train`, or a list of them (each scored on its own, as eval/accuracy/<source>, and together as eval/accuracy); null disables evaluation.")
     max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this many tokens (after the chat template) are skipped and counted.")
     eval_limit: Optional[int] = Field(None, ge=1, description="Evaluate on at most this many items (null: all).")
+    chat_prefix: list[ChatTurn] = Field(default_factory=list, max_length=64, description="Chat turns rendered, through the model's chat template, before every question's user message (in training, its evaluations and `emapg eval --preset/--config`): an optional system message first, then few-shot demonstrations as user/assistant pairs, e.g. [{role: user, content: 'What is the capital of France?'}, {role: assistant, content: '<answer>Paris</answer>'}]. A small instruct model follows a format it has seen itself answer in far more often than one it is told about (docs/smol.md). [] (default): the question alone.")
+
+    @field_validator("chat_prefix")
+    @classmethod
+    def _alternating(cls, turns: list[ChatTurn]) -> list[ChatTurn]:
+        roles = [t.role for t in turns]
+        rest = roles[1:] if roles[:1] == ["system"] else roles
+        if rest != ["user", "assistant"] * (len(rest) // 2) or len(rest) % 2:
+            raise ValueError("an optional system turn, then user/assistant pairs (the question follows as a user turn); "
+                             f"got roles {roles}")
+        return turns
+
+    def prefix_messages(self) -> list[dict[str, str]]:
+        """data.chat_prefix as chat-template messages ({role, content} dicts)."""
+        return [t.model_dump() for t in self.chat_prefix]
 
 
 class RolloutConfig(Section):

@@ -61,6 +61,7 @@ class EvalSettings:
     truncated: str = "zero"  # reward.truncated: a response cut at the token cap scores 0 (`zero`) or is graded (`grade`)
     env_timeout_s: float = 10.0  # rollout.env_timeout_s: seconds one call into a user environment may take
     think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
+    chat_prefix: Optional[list] = None  # data.chat_prefix: chat turns ({role, content}) before each question (None: none)
 
     @property
     def env_name(self) -> str:
@@ -226,7 +227,8 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
     size = s.chunk or default_chunk(backend, s.n)
     gen_seconds, tokens, truncated = 0.0, 0, 0
     pending: Optional[Future] = None
-    rendered = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix) for ex in todo]
+    rendered = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix, s.chat_prefix or ())
+                for ex in todo]
     if env.multi_turn:
         check_prompts_fit([len(p) for p in rendered], s.max_tokens, s.max_context_tokens)
     with ThreadPoolExecutor(max_workers=1) as background:
