@@ -13,7 +13,7 @@ import numpy as np
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 2, 1, 128
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 #: byte-level merges (GPT-2's byte-to-unicode alphabet): "Ġ" is the space byte
-MERGES = ["Ġ t", "h e", "Ġt he", "1 2"]
+MERGES = ["Ġ t", "h e", "Ġt he", "1 2", "> <"]  # "><": a merge across a tool call and its observation
 CHAT_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
                  "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
                  "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"

@@ -26,8 +26,8 @@ PRESET = "smol"
 #: The task mix: (task, config) pairs of reasoning-gym, configurations on which the base model's greedy
 #: accuracy is 10-40% (docs/smol.md, "Choosing the tasks").
 TASKS: list[tuple[str, dict[str, Any]]] = [
-    ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
-    ("gcd", {"min_value": 1, "max_value": 20}),
+    ("gcd", {"min_value": 1, "max_value": 50}),
+    ("letter_counting", {"min_words": 5, "max_words": 10}),
 ]
 TRAIN_SEED = 0
 TEST_SEED = 1
