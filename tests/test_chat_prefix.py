@@ -1,6 +1,6 @@
 """`data.chat_prefix`: chat turns (a system message, few-shot user/assistant pairs) rendered before every question, in
-training, its evaluations and `emapg eval --preset/--config`; recorded in eval's run.json (a resume with other turns
-is refused)."""
+training, its evaluations and `emapg eval --preset/--config` (which also stops on rollout.stop, as training's
+evaluation does); recorded in eval's run.json (a resume with other turns is refused)."""
 
 from __future__ import annotations
 
@@ -71,12 +71,15 @@ def test_eval_with_a_config_uses_and_records_the_prefix(tiny_llama, tmp_path, cl
     bench = tmp_path / "bench.jsonl"
     bench.write_text(json.dumps({"id": "0", "question": "1+1", "answers": ["2"]}) + "\n")
     config = tmp_path / "c.yaml"
-    config.write_text(f"data:\n  eval: {bench}\n  chat_prefix: {json.dumps(DEMO)}\neval:\n  max_new_tokens: 2\n")
+    config.write_text(f"data:\n  eval: {bench}\n  chat_prefix: {json.dumps(DEMO)}\nrollout:\n  stop: ['</answer>']\n"
+                      "eval:\n  max_new_tokens: 2\n")
     out = tmp_path / "ev"
     r = cli("eval", "--config", str(config), "--model", str(tiny_llama), "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "2 chat turns before each question (data.chat_prefix)" in r.stdout
-    assert json.loads((out / "run.json").read_text())["chat_prefix"] == DEMO
+    assert "stop strings ['</answer>'] (rollout.stop)" in r.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["chat_prefix"] == DEMO and run["stop"] == ["</answer>"]
     other = tmp_path / "c2.yaml"
     other.write_text(config.read_text().replace("Paris", "Lyon"))
     r = cli("eval", "--config", str(other), "--model", str(tiny_llama), "--out", str(out))
@@ -84,4 +87,5 @@ def test_eval_with_a_config_uses_and_records_the_prefix(tiny_llama, tmp_path, cl
     # without a config no prefix is used, and none is recorded (runs written before the key existed resume)
     r = cli("eval", "--bench", str(bench), "--model", str(tiny_llama), "--n", "1", "--max-tokens", "2", "--out", str(tmp_path / "plain"))
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "plain" / "run.json").read_text())["chat_prefix"] is None
+    plain = json.loads((tmp_path / "plain" / "run.json").read_text())
+    assert plain["chat_prefix"] is None and plain["stop"] is None

@@ -172,3 +172,29 @@ def test_training_uses_the_reward(tiny_llama, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["reward/errors"] == 0 and "eval/accuracy" in rows[1]
+
+
+def test_training_evaluation_counts_a_full_score_only():
+    """eval/accuracy during training counts what `emapg eval` counts (score >= 1), not a partial credit above 0.5."""
+    from types import SimpleNamespace
+
+    from emapg_cli.engines.base import Completion, SamplingParams
+    from emapg_cli.train.evaluate import evaluate, solved_rule
+
+    examples = [e for e in _examples("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}, size=40)
+                if len(e.answers[0]) == 2 and not e.answers[0].startswith("-")][:2]
+    gold = [e.answers[0] for e in examples]
+    # item 0: the gold answer (1.0); item 1: the gold with one digit after it, "<answer>{g}7</answer>": not a match,
+    # but the gold is inside it: partial credit 2 / 3 = 0.67 > 0.5
+    texts = [f"<answer>{gold[0]}</answer>", f"<answer>{gold[1]}7</answer>"]
+
+    class Engine:
+        def generate(self, prompts, params):
+            return [[Completion([1], t, "stop", [0.0])] for t in texts[:len(prompts)]]
+
+    reward = get_reward("reasoning-gym")
+    assert reward(texts, examples) == [1.0, pytest.approx(2 / 3)]
+    acc = SimpleNamespace(process_index=0, num_processes=1, device="cpu")
+    scores = evaluate(Engine(), [[1], [2]], examples, reward, SamplingParams(n=1, max_new_tokens=4), acc)
+    assert scores.accuracy == 0.5  # 1 of 2: the partial credit is not a solve
+    assert solved_rule(get_reward("f1"))(2 / 3) and not solved_rule(reward)(2 / 3)  # f1 keeps "above 0.5"

@@ -62,6 +62,7 @@ class EvalSettings:
     env_timeout_s: float = 10.0  # rollout.env_timeout_s: seconds one call into a user environment may take
     think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
     chat_prefix: Optional[list] = None  # data.chat_prefix: chat turns ({role, content}) before each question (None: none)
+    stop: Optional[list] = None  # rollout.stop: extra stop strings, as training's evaluation stops (None: EOS only)
 
     @property
     def env_name(self) -> str:
@@ -237,7 +238,7 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
             prompts = rendered[start : start + size]
             # Seeded by the chunk's first item: per-sample seeds never repeat across chunks.
             params = SamplingParams(
-                n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=tuple(s.stop or ()),
                 seed=derive_seed(s.seed, index_of[items[0].id]) % 2**31,
             )
             t0 = time.perf_counter()

@@ -6,8 +6,9 @@ For a response r to a row prepared by `emapg prepare reasoning-gym:TASK` (datase
     score  = dataset.score_answer(answer, entry)       # the task's scorer, on the entry the row's meta rebuilds
 
 The score is kept as reasoning-gym returns it: a float, with partial credit where the task gives some (most
-tasks give 1.0 for the exact answer, 0.0 for none, and some a fraction for a near miss). `emapg eval` counts a
-response correct when its score is >= 1 (`rewards.graders.FULL_SCORE`) and keeps every score in its results rows.
+tasks give 1.0 for the exact answer, 0.0 for none, and some a fraction for a near miss). A response counts as
+solved when its score is >= 1 (`solved`): in `emapg eval` (`rewards.graders.FULL_SCORE`, every score kept in its
+results rows) and in training's eval/accuracy.
 A row without a reasoning-gym entry in its meta, or whose entry no longer rebuilds (another reasoning-gym
 version), raises: `SafeReward` scores it 0 and counts it in reward/errors (and `emapg eval` stops with one
 line when a whole first batch fails).
@@ -45,3 +46,9 @@ class ReasoningGymReward:
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         return [score_one(r, e) for r, e in zip(responses, examples)]
+
+    @staticmethod
+    def solved(score: float) -> bool:
+        """A full score (partial credit is not a solve): training's eval/accuracy counts what `emapg eval` counts
+        (rewards.graders.FULL_SCORE)."""
+        return score >= 1.0

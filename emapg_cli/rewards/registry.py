@@ -92,6 +92,12 @@ class SafeReward:
         return self._errors + int(getattr(self.fn, "errors", 0))
 
     @property
+    def solved(self) -> Optional[Callable[[float], bool]]:
+        """The reward's own rule for a solved response (`fn.solved(score)`), None when it has none (the caller's
+        default applies: training's eval/accuracy counts a reward above 0.5)."""
+        return getattr(self.fn, "solved", None)
+
+    @property
     def last_error(self) -> str:
         """The last failure ("Type: message"; a plugin's pool keeps its own), "" when none."""
         return str(getattr(self.fn, "last_error", "") or self._last_error)
