@@ -51,7 +51,7 @@ def settings(preset: str, model: str | None) -> dict:
     if not (folder / "config.json").is_file():
         sys.exit(f"no model under {folder}: run `emapg prepare --preset {preset}` first (or pass --model)")
     r, t = cfg.rollout, cfg.train
-    prefix = cfg.data.prefix_messages() if hasattr(cfg.data, "prefix_messages") else []  # chat turns before the question
+    prefix = cfg.data.prefix_messages()  # chat turns before the question (data.chat_prefix)
     return dict(preset=preset, model=str(folder), data=str(expand(cfg.data.train)), prompts=r.prompts_per_step, n=r.n,
                 new_tokens=r.max_new_tokens, mini_prompts=t.mini_batch_prompts, lr=cfg.optim.lr, beta=cfg.kl.coef,
                 temperature=r.temperature, eta=cfg.ema.decay, period=cfg.ema.update_period, prefix=list(prefix))

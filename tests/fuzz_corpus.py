@@ -672,6 +672,34 @@ def prepare_cases() -> list[Case]:
         cases.append(case("prepare", f"jsonl-{name}", "prepare", "x", "--from", "t.jsonl", files={"t.jsonl": text}))
     for i, s in enumerate(ODD_STRINGS):
         cases.append(case("prepare", f"odd-from-{i}", "prepare", "x", "--from", s))
+    # issue 33: reasoning-gym tasks (--size, --task-config) and the smol preset
+    rg = "reasoning-gym:chain_sum"
+    cases += [
+        case("prepare", "rg-unknown-task", "prepare", "reasoning-gym:nope", "--size", "2", "--out", "new"),
+        case("prepare", "rg-no-task", "prepare", "reasoning-gym:", "--out", "new"),
+        case("prepare", "rg-empty-task", "prepare", "reasoning-gym:chain_sum,,gcd", "--out", "new"),
+        case("prepare", "rg-repeated-task", "prepare", "reasoning-gym:gcd,gcd", "--out", "new"),
+        case("prepare", "rg-size-zero", "prepare", rg, "--size", "0", "--out", "new"),
+        case("prepare", "rg-size-huge", "prepare", rg, "--size", "10000000", "--out", "new"),
+        case("prepare", "rg-size-text", "prepare", rg, "--size", "many", "--out", "new"),
+        case("prepare", "rg-config-broken", "prepare", rg, "--task-config", "{", "--out", "new"),
+        case("prepare", "rg-config-list", "prepare", rg, "--task-config", "[]", "--out", "new"),
+        case("prepare", "rg-config-nested", "prepare", rg, "--task-config", "[" * 100000 + "]" * 100000, "--out", "new"),
+        case("prepare", "rg-config-rejected", "prepare", rg, "--size", "2", "--task-config", '{"min_terms": 9}', "--out", "new"),
+        case("prepare", "rg-config-unknown-key", "prepare", rg, "--size", "2", "--task-config", '{"x": 1}', "--out", "new"),
+        case("prepare", "rg-config-wrong-type", "prepare", rg, "--size", "2", "--task-config", '{"min_terms": "two"}', "--out", "new"),
+        case("prepare", "rg-config-seed", "prepare", rg, "--task-config", '{"seed": 1}', "--out", "new"),
+        case("prepare", "rg-config-unkeyed-two", "prepare", "reasoning-gym:chain_sum,gcd", "--task-config", '{"max_value": 3}', "--out", "new"),
+        case("prepare", "rg-from", "prepare", rg, "--from", "bench.jsonl", "--out", "new"),
+        case("prepare", "rg-out-foreign", "prepare", rg, "--size", "2", "--out", "foreign"),
+        case("prepare", "size-not-rg", "prepare", "x", "--from", "bench.jsonl", "--size", "3"),
+        case("prepare", "task-config-not-rg", "prepare", "x", "--from", "bench.jsonl", "--task-config", "{}"),
+        case("prepare", "smol-seed", "prepare", "--preset", "smol", "--seed", "1"),
+        case("prepare", "smol-with-name", "prepare", "x", "--preset", "smol"),
+    ]
+    for i, s in enumerate(ODD_STRINGS):
+        cases.append(case("prepare", f"rg-odd-task-{i}", "prepare", "reasoning-gym:" + s, "--out", "new"))
+        cases.append(case("prepare", f"rg-odd-config-{i}", "prepare", rg, "--task-config", s, "--out", "new"))
     # issue 20 (readers): an id past Python's 4300-digit int <-> str limit
     cases += [
         case("prepare", "jsonl-id-5000-digits", "prepare", "x", "--from", "t.jsonl",

@@ -51,6 +51,7 @@ PURE_CACHES = (
     "emapg_cli.grading.verify:*",  # math-verify's parser, parsed gold answers
     "emapg_cli.kl.fused:_float32_out",  # whether this torch's CUDA GEMMs can return float32 (a property of the build)
     "emapg_cli.models.hub:*",  # whether a string is a hub id
+    "emapg_cli.datasets.reasoning_gym_data:_dataset",  # reasoning-gym datasets rebuilt from (task, config, size, seed): a function of its key
 )
 
 

@@ -246,3 +246,13 @@ def test_rollout_correction_default_is_none_where_vllm_cannot_record_the_trainer
     assert cfg.train.rollout_correction == "none"
     assert Config(rollout={"engine": "vllm", "temperature": 0.7}).train.rollout_correction == "token_truncate"  # top_p 1
     assert Config(rollout={"engine": "vllm", "top_p": 0.9}).train.rollout_correction == "token_truncate"  # T = 1
+
+
+def test_an_unknown_key_in_a_list_item_names_the_items_keys():
+    # before: the keys of the whole config were listed ("allowed in stages.0: name, model, data, ...")
+    from emapg_cli.config import load_config
+
+    with pytest.raises(UserError, match=r"unknown config key 'stages\.0\.x' \(allowed in stages\.0: steps, max_new_tokens, mask_truncated\)"):
+        load_config("toy", overrides=["stages=[{steps: 3, max_new_tokens: 4, x: 1}]"])
+    with pytest.raises(UserError, match=r"allowed in ema\.decay_schedule\.0: steps, decay\)"):
+        load_config("toy", overrides=["ema.decay_schedule=[{steps: 1, decay: 0.5, y: 2}]"])

@@ -15,7 +15,7 @@ def ex(*answers: str, **meta) -> Example:
 
 
 def test_unknown_reward_lists_the_known_ones():
-    with pytest.raises(UserError, match=r"unknown reward 'nope' \(known: em, exact_match, f1, math, toy"):
+    with pytest.raises(UserError, match=r"unknown reward 'nope' \(known: em, exact_match, f1, math, reasoning-gym, toy"):
         get_reward("nope")
 
 

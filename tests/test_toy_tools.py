@@ -293,7 +293,7 @@ def test_prepare_toy_tools_writes_the_task_the_model_and_a_manifest(tmp_path, mo
 
 def test_prepare_cli_names_the_toy_presets(cli, emapg_home):
     r = cli("prepare", "--preset", "toy-nope")
-    assert r.returncode != 0 and "'toy', 'toy-search', 'toy-tools' and 'toy-distill'" in r.stderr + r.stdout
+    assert r.returncode != 0 and "'toy', 'toy-search', 'toy-tools', 'toy-distill' and 'smol'" in r.stderr + r.stdout
 
 
 # ---------------------------------------------------------------- the bar (slow)

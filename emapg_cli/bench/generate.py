@@ -63,7 +63,8 @@ def bench_prompts(cfg, tokenizer, count: int) -> list[list[int]]:
         raise UserError("the preset has no data.train to take prompts from")
     env = make_env(cfg, tokenizer)
     try:
-        _, prompts, _ = prepare_prompts(tokenizer, load_examples(cfg.data.train), cfg.data.max_prompt_tokens, env.user_message())
+        _, prompts, _ = prepare_prompts(tokenizer, load_examples(cfg.data.train), cfg.data.max_prompt_tokens, env.user_message(),
+                                        cfg.data.prefix_messages())
     finally:
         env.close()
     if len(prompts) < count:

@@ -202,9 +202,11 @@ def _settings_line(s, what: str, origin: dict, threads_note: str) -> str:
     search = (f", retriever {s.retriever}, max turns {s.max_turns}, topk {s.topk}, observations {s.max_obs_tokens} "
               f"tokens, context {s.max_context_tokens} tokens" if s.retriever else "")
     user_env = f", env {s.env}" if s.env not in (None, "single", "search") else ""
+    prefix = f", {len(s.chat_prefix)} chat turns before each question (data.chat_prefix)" if s.chat_prefix else ""
+    prefix += f", stop strings {s.stop} (rollout.stop)" if s.stop else ""
     return (f"eval settings from {what}: bench {s.bench}, n {s.n}{src('n')}, temperature {s.temperature}"
             f"{src('temperature')}, top_p {s.top_p}{src('top_p')}, max tokens {s.max_tokens}{turn}{src('max_tokens')}, "
-            f"reward {s.reward}{user_env}{search}{threads_note}")
+            f"reward {s.reward}{user_env}{search}{prefix}{threads_note}")
 
 
 def _run(settings, label: str) -> None:
@@ -305,8 +307,8 @@ def eval_(
 
     With --preset/--config/--set (resolved as `train` resolves them) the evaluation takes the run's settings: the
     environment (rollout.env, the search section's retriever, turns, topk, observation and context limits, prompt
-    template), the reward, data.eval as --bench and the `eval` section's sampling (n, temperature, top_p,
-    max_new_tokens per turn), so `emapg eval --preset toy-search --model runs/RUN/final/policy` scores what the run's
+    template), the reward, data.eval as --bench, the chat turns before each question (data.chat_prefix), the stop
+    strings (rollout.stop) and the `eval` section's sampling (n, temperature, top_p, max_new_tokens per turn), so `emapg eval --preset toy-search --model runs/RUN/final/policy` scores what the run's
     final evaluation scored. Precedence: an eval option typed on the command line > --set > --config > --preset
     (there the config's defaults fill what the files leave out, e.g. the `eval` section's n, temperature, top_p).
     With --set alone (no --preset/--config) an option takes the config's value only when a --set item names its key;
@@ -353,7 +355,9 @@ def eval_(
         bench=bench_ref(o["bench"]), out=out or default_out(label or o["bench"], model, responses), model=model,
         responses_file=responses, prompt_template=str(o["prompt_template"]) if o["prompt_template"] else None,
         **{k: o[k] for k in keys},
-        **({"env_timeout_s": cfg.rollout.env_timeout_s, "plugin_memory_mib": cfg.reward.plugin_memory_mib} if cfg is not None else {}),
+        **({"env_timeout_s": cfg.rollout.env_timeout_s, "plugin_memory_mib": cfg.reward.plugin_memory_mib,
+            "chat_prefix": cfg.data.prefix_messages() or None, "stop": list(cfg.rollout.stop) or None}
+           if cfg is not None else {}),
     )
     threads_note = ""
     if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)

@@ -87,6 +87,25 @@ def _prepare_toy_distill(seed: int) -> None:
                                  f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")])
 
 
+def _prepare_smol(seed: int) -> None:
+    from emapg_cli.paths import emapg_home
+    from emapg_cli.toy.smol_prepare import PRESET, prepare_smol
+
+    from emapg_cli.hf_quiet import quiet_transformers
+
+    if seed != 0:
+        raise UserError("--preset smol takes no --seed: its tasks' seeds are fixed (train 0, test 1; docs/smol.md)")
+    quiet_transformers()
+    home = emapg_home()
+    with claim_folder(home / PRESET, "prepare"):
+        m = prepare_smol(home, say=lambda line: console.print(line, markup=False, highlight=False))
+    card = m["model_source"]
+    _print_prepared("prepared the smol task", home / PRESET, PRESET, m, [
+        ("model", f"SmolLM2-135M-Instruct, float32 ({PRESET}/model; from the {card}, see {PRESET}/model_card.json)"),
+        ("tasks", ", ".join(t["task"] for t in m["train"]["tasks"])),
+        ("time", f"{m['wall_s']:.0f} s")])
+
+
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
     """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
     import json
@@ -108,6 +127,18 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
         write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     console.print(f"{len(docs):,} paragraphs ({dups:,} duplicates dropped) -> {path}", markup=False, highlight=False)
     console.print(f"next: emapg retriever index {path} --out DIR", markup=False, highlight=False)
+
+
+def _prepare_reasoning_gym(name: str, size: Optional[int], seed: int, task_config: Optional[str], out: Optional[Path]) -> None:
+    from emapg_cli.datasets.prepare import dataset_dir
+    from emapg_cli.datasets.reasoning_gym_data import DEFAULT_SIZE, parse_reference, prepare_reasoning_gym
+
+    parse_reference(name)  # an unknown task: one line before any folder is made
+    out_dir = dataset_dir(name, out)
+    with claim_folder(out_dir, "prepare"):
+        manifest = prepare_reasoning_gym(name, size or DEFAULT_SIZE, seed, task_config, out_dir)
+    _show_manifest(out_dir, manifest)
+    console.print(f"train on it with rollout.reward=reasoning-gym (data.train: {escape(str(out_dir))})", highlight=False)
 
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
@@ -162,8 +193,10 @@ def prepare(
     names: Annotated[Optional[list[str]], typer.Argument(metavar="NAME [EVAL...]", help="Dataset to prepare (a registered name, or any name with --from; `hotpotqa-corpus --from FILE` turns HotpotQA context paragraphs into a retrieval corpus); with --decontaminate: TRAIN EVAL...")] = None,
     from_file: Annotated[Optional[Path], typer.Option("--from", help="Convert this local .json / .jsonl / .parquet file instead of downloading.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", help="Output folder (default: $EMAPG_HOME/data/NAME).")] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model; `toy-tools`: the multiplication task with a calculator and its warm-started model; `toy-distill`: the addition task with a teacher and a weaker student).")] = None,
-    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search | toy-tools | toy-distill).")] = 0,
+    preset: Annotated[Optional[str], typer.Option("--preset", help="Prepare a built-in task instead of a dataset (`toy`: the addition task and its warm-started model; `toy-search`: the toy search task, its corpus, BM25 index and warm-started model; `toy-tools`: the multiplication task with a calculator and its warm-started model; `toy-distill`: the addition task with a teacher and a weaker student; `smol`: SmolLM2-135M-Instruct and easy reasoning-gym tasks, docs/smol.md).")] = None,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of generated tasks (--preset toy | toy-search | toy-tools | toy-distill; reasoning-gym:TASK).")] = 0,
+    size: Annotated[Optional[int], typer.Option("--size", min=1, help="reasoning-gym:TASK[,TASK...] only: rows per task (default 500; each task's reasoning_gym.create_dataset(TASK, size=N, seed=S)).")] = None,
+    task_config: Annotated[Optional[str], typer.Option("--task-config", metavar="JSON", help="reasoning-gym:TASK[,TASK...] only: the task's config arguments as a JSON object, e.g. '{\"min_terms\": 2, \"max_terms\": 2}'; with several tasks {\"TASK\": {...}, ...}.")] = None,
     decontaminate: Annotated[bool, typer.Option("--decontaminate", help="Report training items (first NAME) that overlap the evaluation sets (the other NAMEs).")] = False,
     remove: Annotated[bool, typer.Option("--remove", help="With --decontaminate: also drop the overlapping items from the prepared training set.")] = False,
     ngram: Annotated[int, typer.Option("--ngram", min=1, help="With --decontaminate: word n-gram length of a partial match.")] = 13,
@@ -185,9 +218,9 @@ def prepare(
         return
     if preset is not None:
         toys = {"toy": _prepare_toy, "toy-search": _prepare_toy_search, "toy-tools": _prepare_toy_tools,
-                "toy-distill": _prepare_toy_distill}
+                "toy-distill": _prepare_toy_distill, "smol": _prepare_smol}
         if preset not in toys:
-            raise UserError(f"--preset supports 'toy', 'toy-search', 'toy-tools' and 'toy-distill' (got '{preset}')")
+            raise UserError(f"--preset supports 'toy', 'toy-search', 'toy-tools', 'toy-distill' and 'smol' (got '{preset}')")
         if names or from_file:
             raise UserError(f"--preset {preset} takes no NAME or --from")
         from emapg_cli.hf_quiet import quiet_transformers
@@ -202,6 +235,15 @@ def prepare(
         raise UserError("--remove only applies with --decontaminate")
     if len(names) != 1:
         raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
+    from emapg_cli.datasets.reasoning_gym_data import is_reference
+
+    if is_reference(names[0]):
+        if from_file is not None:
+            raise UserError("reasoning-gym tasks are generated: --from does not apply")
+        _prepare_reasoning_gym(names[0], size, seed, task_config, out)
+        return
+    if size is not None or task_config is not None:
+        raise UserError("--size and --task-config only apply to reasoning-gym:TASK[,TASK...]")
     if names[0] == "hotpotqa-corpus":
         _prepare_hotpotqa_corpus(from_file, out)
         return

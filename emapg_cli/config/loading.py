@@ -67,15 +67,28 @@ def _field_names(model: type[BaseModel]) -> list[str]:
 
 
 def _resolve_model(path: list[str]) -> Optional[type[BaseModel]]:
-    """The model class that owns the dotted key prefix `path` (None if it is not a group)."""
+    """The model class that owns the dotted key prefix `path` (None if it is not a group); an item of a list of
+    groups is named by its index (`stages.0`, `data.chat_prefix.1`)."""
+    import typing
+
     model: type[BaseModel] = Config
+    item: Optional[type[BaseModel]] = None  # the item class after a list-of-groups field, awaiting its index
     for part in path:
+        if item is not None:
+            if not part.isdigit():
+                return None
+            model, item = item, None
+            continue
         field = model.model_fields.get(part)
         ann = getattr(field, "annotation", None) if field else None
+        args = typing.get_args(ann)
+        if typing.get_origin(ann) is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+            item = args[0]
+            continue
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
         model = ann
-    return model
+    return None if item is not None else model
 
 
 def split_key_value(item: str, what: str, form: str) -> tuple[str, str]:

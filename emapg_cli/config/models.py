@@ -43,11 +43,31 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
 
 
+class ChatTurn(Section):
+    role: Literal["system", "user", "assistant"] = Field(description="Who speaks: `system`, `user` or `assistant`.")
+    content: str = Field(min_length=1, max_length=100_000, description="The turn's text.")
+
+
 class DataConfig(Section):
     train: Optional[str] = Field(None, description="Training data: a dataset name prepared by `emapg prepare`, or a JSONL/JSON file with {id, question, answer(s)} rows.")
     eval: Optional[Union[str, list[str]]] = Field(None, description="Evaluation data, same forms as `train`, or a list of them (each scored on its own, as eval/accuracy/<source>, and together as eval/accuracy); null disables evaluation.")
     max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this many tokens (after the chat template) are skipped and counted.")
     eval_limit: Optional[int] = Field(None, ge=1, description="Evaluate on at most this many items (null: all).")
+    chat_prefix: list[ChatTurn] = Field(default_factory=list, max_length=64, description="Chat turns rendered, through the model's chat template, before every question's user message (in training, its evaluations and `emapg eval --preset/--config`): an optional system message first, then few-shot demonstrations as user/assistant pairs, e.g. [{role: user, content: 'What is the capital of France?'}, {role: assistant, content: '<answer>Paris</answer>'}]. A small instruct model follows a format it has seen itself answer in far more often than one it is told about (docs/smol.md). [] (default): the question alone.")
+
+    @field_validator("chat_prefix")
+    @classmethod
+    def _alternating(cls, turns: list[ChatTurn]) -> list[ChatTurn]:
+        roles = [t.role for t in turns]
+        rest = roles[1:] if roles[:1] == ["system"] else roles
+        if rest != ["user", "assistant"] * (len(rest) // 2) or len(rest) % 2:
+            raise ValueError("an optional system turn, then user/assistant pairs (the question follows as a user turn); "
+                             f"got roles {roles}")
+        return turns
+
+    def prefix_messages(self) -> list[dict[str, str]]:
+        """data.chat_prefix as chat-template messages ({role, content} dicts)."""
+        return [t.model_dump() for t in self.chat_prefix]
 
 
 class RolloutConfig(Section):
@@ -61,7 +81,7 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
-    reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
+    reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent; `reasoning-gym` for rows of `emapg prepare reasoning-gym:TASK`, docs/smol.md), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
     hf_fast_decode: bool = Field(True, description="hf engine only: sample through emapg's own decode loop (a preallocated key/value cache; rows that end leave the batch; engines/hf_decode.py, docs/performance.md), which draws the same tokens as transformers' `generate`, faster; a model the loop does not support uses `generate`, with a warning naming why. false: always `generate`.")

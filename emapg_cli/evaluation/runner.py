@@ -62,6 +62,8 @@ class EvalSettings:
     env_timeout_s: float = 10.0  # rollout.env_timeout_s: seconds one call into a user environment may take
     plugin_memory_mib: Optional[int] = None  # reward.plugin_memory_mib: a reward plugin's worker memory cap (None: default)
     think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
+    chat_prefix: Optional[list] = None  # data.chat_prefix: chat turns ({role, content}) before each question (None: none)
+    stop: Optional[list] = None  # rollout.stop: extra stop strings, as training's evaluation stops (None: EOS only)
 
     @property
     def env_name(self) -> str:
@@ -227,7 +229,8 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
     size = s.chunk or default_chunk(backend, s.n)
     gen_seconds, tokens, truncated = 0.0, 0, 0
     pending: Optional[Future] = None
-    rendered = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix) for ex in todo]
+    rendered = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix, s.chat_prefix or ())
+                for ex in todo]
     if env.multi_turn:
         check_prompts_fit([len(p) for p in rendered], s.max_tokens, s.max_context_tokens)
     with ThreadPoolExecutor(max_workers=1) as background:
@@ -236,7 +239,7 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
             prompts = rendered[start : start + size]
             # Seeded by the chunk's first item: per-sample seeds never repeat across chunks.
             params = SamplingParams(
-                n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+                n=s.n, max_new_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, stop=tuple(s.stop or ()),
                 seed=derive_seed(s.seed, index_of[items[0].id]) % 2**31,
             )
             t0 = time.perf_counter()

@@ -18,7 +18,8 @@ RESULTS, RUN, SUMMARY, TABLE = "results.jsonl", "run.json", "summary.json", "sum
 
 #: Settings that must match for a rerun to resume (anything else may change between runs).
 RESUME_KEYS = ("bench", "model", "n", "temperature", "top_p", "max_tokens", "seed", "instruction", "responses_file",
-               "retriever", "max_turns", "topk", "max_obs_tokens", "max_context_tokens", "prompt_template", "env")
+               "retriever", "max_turns", "topk", "max_obs_tokens", "max_context_tokens", "prompt_template", "env", "chat_prefix",
+               "stop")
 
 
 def open_run(out_dir: Path, settings: dict[str, Any]) -> dict[str, dict[str, Any]]:

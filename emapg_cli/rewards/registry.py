@@ -1,6 +1,6 @@
 """Reward functions by name: `get_reward("math")(responses, examples) -> [0.0 | 1.0, ...]`.
 
-A name is a registered reward (`math`, `exact_match`, `toy`) or a plugin reference
+A name is a registered reward (`math`, `exact_match`, `toy`, `em`, `f1`, `reasoning-gym`) or a plugin reference
 `module:function` / `path/to/file.py:function` (rewards/plugin.py): a per-sample
 `fn(response: str, example: dict) -> float` run in the grading pool.
 
@@ -52,6 +52,12 @@ def _f1(**_) -> RewardFn:
     return QAReward("f1")
 
 
+def _reasoning_gym(**_) -> RewardFn:
+    from emapg_cli.rewards.reasoning_gym_reward import ReasoningGymReward
+
+    return ReasoningGymReward()
+
+
 #: name -> factory `factory(think=...)` (called once per `get_reward`, so each caller owns its
 #: reward's resources; `think` is the `grading.think` rule, which a factory may ignore). A factory
 #: that also accepts `workers` and `timeout` gets them (`emapg eval --grader-workers/--grader-timeout`).
@@ -61,6 +67,7 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "em": _em,  # search agent: Search-R1 exact match of the last <answer>
     "f1": _f1,  # search agent: SQuAD token F1 of the last <answer>
     "toy": _math,  # the toy task's answers are integers in \boxed{}: maths grading
+    "reasoning-gym": _reasoning_gym,  # rows of `emapg prepare reasoning-gym:TASK`: the task's own score_answer (partial credit)
 }
 
 
@@ -84,6 +91,12 @@ class SafeReward:
     def errors(self) -> int:
         """Items scored 0 because they raised (here, or inside the reward: a plugin's pool counts its own)."""
         return self._errors + int(getattr(self.fn, "errors", 0))
+
+    @property
+    def solved(self) -> Optional[Callable[[float], bool]]:
+        """The reward's own rule for a solved response (`fn.solved(score)`), None when it has none (the caller's
+        default applies: training's eval/accuracy counts a reward above 0.5)."""
+        return getattr(self.fn, "solved", None)
 
     @property
     def last_error(self) -> str:

@@ -1,8 +1,10 @@
-"""Accuracy of a model on the evaluation set during training: generate, score, count reward > 0.5, overall and per source."""
+"""Accuracy of a model on the evaluation set during training: generate, score, count the solved responses (reward > 0.5,
+or the reward's own `solved` rule), overall and per source."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -31,7 +33,7 @@ def eval_params(cfg, step: int, seed: int) -> SamplingParams:
 
 @dataclass
 class EvalScores:
-    """`accuracy`: fraction of (item, sample) pairs scoring > 0.5 over the whole evaluation set; `by_source`: the
+    """`accuracy`: fraction of (item, sample) pairs solved (`solved_rule`) over the whole evaluation set; `by_source`: the
     same per data source (`Example.source`), only when the set mixes several (data.eval as a list, or a merged file)."""
 
     accuracy: float
@@ -41,6 +43,14 @@ class EvalScores:
     def metrics(self, key: str) -> dict[str, float]:
         """{key: accuracy, key/<source>: each source's accuracy}, e.g. eval/accuracy and eval/accuracy/nq."""
         return {key: self.accuracy, **{f"{key}/{name}": acc for name, acc in self.by_source.items()}}
+
+
+def solved_rule(reward_fn) -> Callable[[float], bool]:
+    """When a response counts as solved: the reward's own rule (`reward_fn.solved(score)`, e.g. reasoning-gym's
+    partial credit counts only a full score, as `emapg eval` does), else a reward above 0.5 (a 0/1 reward's 1s; for
+    `f1`, the better half)."""
+    rule = getattr(reward_fn, "solved", None)
+    return rule if callable(rule) else (lambda r: r > 0.5)
 
 
 def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params: SamplingParams, accelerator,
@@ -62,9 +72,10 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
         completions = [c for g in groups for c in g]
         exs = [examples[i] for i in mine for _ in range(params.n)]
         rewards, _ = score(reward_fn, completions, exs, shaping={"truncated": truncated})
+        solved = solved_rule(reward_fn)
         for r, ex in zip(rewards, exs):
             for row in (0, slot[ex.source]):
-                counts[row, 0] += float(r > 0.5)
+                counts[row, 0] += float(solved(r))
                 counts[row, 1] += 1.0
         for j, i in enumerate(mine):
             scores = [float(x) for x in rewards[j * params.n:(j + 1) * params.n]]

@@ -18,12 +18,14 @@ from emapg_cli.models.prompts import max_chars_per_token, render_prompt
 
 
 def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: int,
-                    user_message: Optional[Callable[[str], str]] = None) -> tuple[list[Example], list[list[int]], int]:
+                    user_message: Optional[Callable[[str], str]] = None,
+                    prefix: Sequence[dict[str, str]] = ()) -> tuple[list[Example], list[list[int]], int]:
     """(kept examples, their prompt ids, number skipped for exceeding max_prompt_tokens).
 
     A question longer than max_prompt_tokens x `max_chars_per_token` characters cannot fit in the
     token budget and is skipped before it is tokenised (a huge question costs no tokenizer time or memory).
     `user_message(question)` builds the user message (the search agent's prompt template); default: the question.
+    `prefix`: the chat turns rendered before it (`data.chat_prefix`).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise UserError("the model's tokenizer has no chat template; prompts are rendered with it (set one in tokenizer_config.json)")
@@ -32,7 +34,7 @@ def prepare_prompts(tokenizer, examples: Sequence[Example], max_prompt_tokens: i
     for ex in examples:
         if len(ex.question) > char_bound:
             continue
-        p = render_prompt(tokenizer, user_message(ex.question) if user_message else ex.question)
+        p = render_prompt(tokenizer, user_message(ex.question) if user_message else ex.question, prefix)
         if len(p) <= max_prompt_tokens:
             kept.append(ex)
             ids.append(p)

@@ -36,16 +36,17 @@ def make_scheduler(optimizer, cfg):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / warmup) if warmup else 1.0)
 
 
-def run_prompts(tokenizer, inputs, max_prompt_tokens: int, message, with_eval: bool):
+def run_prompts(tokenizer, inputs, max_prompt_tokens: int, message, with_eval: bool, prefix=()):
     """The tokenised prompts of the training and evaluation examples (`inputs`, from `checks.preflight`), those
     longer than `max_prompt_tokens` left out: (train examples, train prompts, eval examples, eval prompts, skipped).
-    `message`: question -> user message (None: the question alone). No training prompt left is a UserError."""
-    train_ex, train_prompts, skipped = prepare_prompts(tokenizer, inputs.train, max_prompt_tokens, message)
+    `message`: question -> user message (None: the question alone); `prefix`: the chat turns before it
+    (data.chat_prefix). No training prompt left is a UserError."""
+    train_ex, train_prompts, skipped = prepare_prompts(tokenizer, inputs.train, max_prompt_tokens, message, prefix)
     if not train_ex:
         raise UserError(f"every training prompt is longer than data.max_prompt_tokens ({max_prompt_tokens})")
     eval_ex, eval_prompts, skipped_eval = [], [], 0
     if with_eval:  # data.eval_limit already applied, per source (train/checks.py)
-        eval_ex, eval_prompts, skipped_eval = prepare_prompts(tokenizer, inputs.eval, max_prompt_tokens, message)
+        eval_ex, eval_prompts, skipped_eval = prepare_prompts(tokenizer, inputs.eval, max_prompt_tokens, message, prefix)
     return train_ex, train_prompts, eval_ex, eval_prompts, skipped + skipped_eval
 
 

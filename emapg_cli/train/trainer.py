@@ -82,7 +82,7 @@ class Trainer:
         self.env = make_env(cfg, self.tokenizer)  # before the models load: a retriever that is down fails fast
         message = self.env.user_message()
         self.train_ex, self.train_prompts, self.eval_ex, self.eval_prompts, self.skipped_prompts = run_prompts(
-            self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, with_eval=bool(cfg.data.eval))
+            self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, bool(cfg.data.eval), cfg.data.prefix_messages())
         self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.settings = build_models(cfg, self.strategy)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         self.bema = make_bema(cfg, self.strategy, self.anchor)  # anchor.rule=bema: theta_0 and its EMA (train/anchor_rule.py)
