@@ -27,8 +27,10 @@ def serve(
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="vllm only: the rollouts' temperature, whose full-vocabulary log-probs the engine records exactly (the run's rollout.temperature).")] = 1.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="vllm only: the rollouts' top_p (the run's rollout.top_p).")] = 1.0,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Let transformers run the model folder's own code (model.trust_remote_code).")] = False,
+    openai: Annotated[bool, typer.Option("--openai", help="Also answer OpenAI's API on the same port: GET /v1/models, POST /v1/chat/completions (the model's chat template) and /v1/completions, with token ids, engine log-probs and the weights version in each reply (docs/agents.md).")] = False,
 ) -> None:
-    """Serve an engine over HTTP (GET /health, POST /generate, weight pushes over torch.distributed); Ctrl-C stops.
+    """Serve an engine over HTTP (GET /health, POST /generate, weight pushes over torch.distributed; with --openai
+    OpenAI's /v1 routes too); Ctrl-C stops.
 
     Prints one line `rollout server ready at http://HOST:PORT ...` once it listens.
     """
@@ -45,14 +47,20 @@ def serve(
     set_torch_threads(threads)
     served = load_served(engine, model, dtype=dtype, seed=seed, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
                          batch_size=batch_size, temperature=temperature, top_p=top_p)
+    rollouts = RolloutService(served)
+    api = None
+    if openai:
+        from emapg_cli.engines.openai_service import rollout_openai
+
+        api = rollout_openai(rollouts, model, max_model_len, trust_remote_code)
     try:
-        server = make_server(RolloutService(served), host, port)
+        server = make_server(rollouts, host, port, openai=api)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     h, p = server.server_address[:2]
     try:  # from the ready line on, Ctrl-C is a clean stop (a client may send it as soon as it reads the line)
         typer.echo(f"rollout server ready at http://{h}:{p} (engine {engine}, {served.fingerprint['architecture']}, "
-                   f"{served.device}; Ctrl-C stops)")
+                   f"{served.device}{f'; OpenAI API at http://{h}:{p}/v1' if api else ''}; Ctrl-C stops)")
         server.serve_forever()
     except KeyboardInterrupt:
         pass

@@ -33,8 +33,9 @@ class RolloutServer(ThreadingMixIn, HTTPServer):
     allow_reuse_address = True
 
     def __init__(self, address: tuple[str, int], service: RolloutService, max_body_bytes: int = MAX_BODY,
-                 io_timeout_s: float = IO_TIMEOUT_S):
+                 io_timeout_s: float = IO_TIMEOUT_S, openai: Any = None):
         self.service, self.max_body_bytes, self.io_timeout_s = service, max_body_bytes, io_timeout_s
+        self.openai = openai  # `--openai`: an OpenAIService answering /v1/... (engines/openai_http.py)
         super().__init__(address, _Handler)
 
     def handle_error(self, request, client_address) -> None:
@@ -67,7 +68,18 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # one line per request is noise here
         pass
 
+    def _openai(self, method: str) -> bool:
+        """`--openai`: answer a /v1/... request with OpenAI's wire format (engines/openai_http.py)."""
+        if self.server.openai is None or not self.path.startswith("/v1/"):
+            return False
+        from emapg_cli.engines.openai_http import answer
+
+        answer(self, self.server.openai, method)
+        return True
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if self._openai("GET"):
+            return
         if self.path == "/health":
             self._send(200, self.server.service.health())
         else:
@@ -93,6 +105,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ProtocolError(f"the body is not JSON: {_one_line(e)[:100]}") from None
 
     def do_POST(self) -> None:  # noqa: N802
+        if self._openai("POST"):
+            return
         route = {"/generate": self._generate, "/full_vocab_logprobs": self._full_vocab,
                  "/weights/connect": self._connect, "/weights/push": self._push}.get(self.path)
         if route is None:
@@ -151,6 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def make_server(service: RolloutService, host: str = "127.0.0.1", port: int = 8100, max_body_bytes: int = MAX_BODY,
-                io_timeout_s: float = IO_TIMEOUT_S) -> RolloutServer:
-    """A bound (not yet serving) server; call `serve_forever()` (port 0: a free one, in `server.server_address`)."""
-    return RolloutServer((host, port), service, max_body_bytes=max_body_bytes, io_timeout_s=io_timeout_s)
+                io_timeout_s: float = IO_TIMEOUT_S, openai: Any = None) -> RolloutServer:
+    """A bound (not yet serving) server; call `serve_forever()` (port 0: a free one, in `server.server_address`).
+    `openai`: an `OpenAIService` that also answers OpenAI's routes (`emapg rollout serve --openai`)."""
+    return RolloutServer((host, port), service, max_body_bytes=max_body_bytes, io_timeout_s=io_timeout_s, openai=openai)
