@@ -1,0 +1,375 @@
+"""Agents on an OpenAI client (docs/agents.md): the wire format, the real `openai` client against the rollout server's
+/v1 routes, an agent episode's hand-built trajectory token for token, the bad-agent cases, the endpoint's refusals,
+the lockstep rounds' reproducibility, and `emapg train` / `emapg eval --agent` end to end on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from emapg_cli.engines.base import Completion, EngineBase, SamplingParams
+from emapg_cli.engines.openai_wire import OpenAIError, parse_chat, parse_completion, parse_tool_calls
+from emapg_cli.errors import UserError
+
+openai = pytest.importorskip("openai")  # the dev extra installs it
+
+QUESTION = {"id": "q1", "question": "2+3", "answers": ["5"], "source": "t", "meta": {}}
+
+
+# ---------------------------------------------------------------------------------------------- the wire format
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": True}, "stream"), ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logit_bias": {"1": 3}}, "logit_bias"),
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": True}, "n"), ({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"),
+    ({"top_logprobs": 3}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"stop": [""]}, "stop"), ({"bogus": 1}, "bogus"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
+    ({"continue_final_message": True}, "continue_final_message"), ({"model": ""}, "model"),
+])
+def test_chat_requests_refused_with_the_field_named(extra, param):
+    with pytest.raises(OpenAIError) as e:
+        parse_chat({**CHAT, **extra})
+    assert e.value.status == 400 and e.value.param == param and "\n" not in str(e.value)
+
+
+def test_chat_and_completion_requests_read():
+    req = parse_chat({**CHAT, "n": 2, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "stop": "x", "seed": -5,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                                   {"role": "assistant", "content": None, "tool_calls": [
+                                       {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                                   {"role": "tool", "content": "2", "tool_call_id": "c1"}],
+                      "user": "u", "stream": False, "parallel_tool_calls": True})
+    assert (req.n, req.max_tokens, req.top_logprobs, req.stop, req.seed) == (2, 7, 3, ("x",), -5)
+    assert req.messages[0]["content"] == "ab" and req.messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    req = parse_completion({"model": "m", "prompt": [[1, 2], [3]], "logprobs": 2, "best_of": 1})
+    assert req.prompts == [[1, 2], [3]] and req.logprobs and req.top_logprobs == 2
+    for bad in ({"prompt": []}, {"prompt": [[-1]]}, {"prompt": "a", "echo": True}, {"prompt": "a", "suffix": "z"},
+                {"prompt": "a", "best_of": 2}, {"prompt": "a", "logprobs": 6}):
+        with pytest.raises(OpenAIError):
+            parse_completion({"model": "m", **bad})
+
+
+def test_tool_calls_parsed_from_hermes_blocks():
+    content, calls = parse_tool_calls('Let me add.<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    assert content == "Let me add." and calls[0]["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    assert parse_tool_calls("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    assert parse_tool_calls("plain") == ("plain", [])
+
+
+# ---------------------------------------------------------------------------------------------- rollout serve --openai
+@pytest.fixture(scope="module")
+def served(tiny_qwen2):
+    """A rollout server with --openai on the tiny model, in a thread of this process: (base url, its hf module)."""
+    from emapg_cli.engines.openai_service import rollout_openai
+    from emapg_cli.engines.rollout_server import make_server
+    from emapg_cli.engines.rollout_service import RolloutService, load_served
+
+    service = RolloutService(load_served("hf", str(tiny_qwen2)))
+    server = make_server(service, "127.0.0.1", 0, openai=rollout_openai(service, str(tiny_qwen2)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/v1", service.served.module
+    server.shutdown()
+    server.server_close()
+
+
+def test_real_client_chat_with_logprobs_equal_the_trainers(served, tiny_qwen2, one_torch_thread):
+    """models.list; chat with n=2, logprobs, top_logprobs=3: the token ids decode to the content and their log-probs
+    are the trainer's own (log softmax of a forward pass over prompt + completion) to 1e-5."""
+    from emapg_cli.models.loading import load_tokenizer
+    from emapg_cli.models.prompts import render_prompt
+
+    url, module = served
+    tok = load_tokenizer(str(tiny_qwen2))
+    client = openai.OpenAI(base_url=url, api_key="any", max_retries=0)
+    assert [m.id for m in client.models.list()] == [str(tiny_qwen2)]
+    r = client.chat.completions.create(model=str(tiny_qwen2), messages=[{"role": "user", "content": "2+3"}], n=2, logprobs=True,
+                                       top_logprobs=3, max_tokens=8, seed=11)
+    prompt = r.model_extra["prompt_token_ids"]
+    assert prompt == render_prompt(tok, "2+3")  # the trainer's own rendering of the question
+    assert len(r.choices) == 2 and r.model_extra["weights_version"] == -1
+    for c in r.choices:
+        ids = c.model_extra["token_ids"]
+        assert tok.decode(ids, skip_special_tokens=True) == c.message.content
+        with torch.no_grad():
+            logits = module(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()  # [C, V]
+        own = torch.log_softmax(logits, -1)  # [C, V]: temperature 1
+        engine = torch.tensor([e.logprob for e in c.logprobs.content])
+        torch.testing.assert_close(engine, own.gather(-1, torch.tensor(ids)[:, None])[:, 0], atol=1e-5, rtol=0)
+        for i, e in enumerate(c.logprobs.content):
+            top = [t.logprob for t in e.top_logprobs]
+            assert len(top) == 3 and top == sorted(top, reverse=True)
+            torch.testing.assert_close(torch.tensor(top), own[i].topk(3).values, atol=1e-5, rtol=0)
+    again = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "2+3"}], n=2, max_tokens=8, seed=11)
+    assert [c.model_extra["token_ids"] for c in again.choices] == [c.model_extra["token_ids"] for c in r.choices]  # seeded
+
+
+def test_real_client_completions_and_errors(served, one_torch_thread):
+    url, _ = served
+    client = openai.OpenAI(base_url=url, api_key="any", max_retries=0)
+    r = client.completions.create(model="x", prompt=["ab", [5, 6, 7]], n=2, max_tokens=3, logprobs=2, seed=1)
+    assert len(r.choices) == 4 and r.choices[3].model_extra["prompt_token_ids"] == [5, 6, 7]
+    assert len(r.choices[0].logprobs.token_logprobs) == len(r.choices[0].model_extra["token_ids"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], presence_penalty=1)
+    assert e.value.body["param"] == "presence_penalty" and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
+        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], max_tokens=1020)
+    with pytest.raises(openai.NotFoundError):
+        client.post("/embeddings", body={}, cast_to=dict)
+
+
+# ---------------------------------------------------------------------------------------------- agent episodes
+class Scripted(EngineBase):
+    """An engine that answers each prompt, in call order, with the next scripted text (+ EOS), log-prob -0.5 per token."""
+
+    def __init__(self, tok, texts):
+        self.tok, self.texts, self.prompts = tok, list(texts), []
+
+    def generate(self, prompts, params):
+        out = []
+        for p in prompts:
+            self.prompts.append(list(p))
+            ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            out.append([Completion(ids, self.tok.decode(ids, skip_special_tokens=True), "stop", [-0.5] * len(ids))
+                        for _ in range(params.n)])
+        return out
+
+    def load_weights(self, model):
+        pass
+
+    def full_vocab_logprobs(self, params):
+        return True
+
+
+_FILES = iter(range(1 << 30))
+
+
+def agent_file(tmp_path: Path, body: str, name: str = "agent") -> str:
+    """`body` saved as a new file (a file is imported once per process), referenced as FILE.py:name."""
+    path = tmp_path / f"agent_{next(_FILES)}.py"
+    path.write_text(body)
+    return f"{path}:{name}"
+
+
+def run_agent(tok, ref, engine, n=1, examples=(QUESTION,), **settings):
+    from emapg_cli.agents.agent import AgentRunner, AgentSettings
+    from emapg_cli.models.prompts import render_prompt
+
+    runner = AgentRunner(tok, AgentSettings(ref=ref, **{"timeout_s": 20, **settings}), 512)
+    try:
+        return runner.generate(engine, [render_prompt(tok, e["question"]) for e in examples],
+                               SamplingParams(n=n, max_new_tokens=16, seed=3), list(examples))
+    finally:
+        runner.close()
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_qwen2):
+    from emapg_cli.models.loading import load_tokenizer
+
+    return load_tokenizer(str(tiny_qwen2))
+
+
+THREE_CALLS = '''
+def agent(client, example):
+    msgs = [{"role": "user", "content": example["question"]}]
+    first = client.chat.completions.create(model="policy", messages=msgs).choices[0].message.content
+    msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "<result>5</result>"}]
+    second = client.chat.completions.create(model="policy", messages=msgs).choices[0].message.content
+    fresh = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "again"}])
+    return {"reward": float(second == "5"), "turns": 3}
+'''
+
+
+def test_multi_call_trajectory_equals_the_hand_built_one(tmp_path, tok):
+    """Call 2 extends call 1 (one trajectory, the template's tokens and the tool result masked); call 3 does not (a
+    sequence of its own, one prefix break). Every id, mask and log-prob is the hand-built one."""
+    engine = Scripted(tok, ["12", "5", "zz"])
+    (ep,), = run_agent(tok, agent_file(tmp_path, THREE_CALLS), engine)
+    eos = tok.eos_token_id
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    p1 = enc("<|im_start|>user\n2+3<|im_end|>\n<|im_start|>assistant\n")  # the tiny model's ChatML template
+    a1, a2 = enc("12") + [eos], enc("5") + [eos]  # what the engine sampled (EOS = <|im_end|>)
+    between = enc("\n<|im_start|>user\n<result>5</result><|im_end|>\n<|im_start|>assistant\n")  # template + tool result
+    p3, a3 = enc("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"), enc("zz") + [eos]
+    assert engine.prompts == [p1, p1 + a1 + between, p3]  # call 2's prompt reuses call 1's ids, then the rest
+    (s1, s2) = ep.segments
+    assert s1.prompt == p1 and s1.episode.token_ids == a1 + between + a2
+    assert s1.episode.policy_mask == [True] * len(a1) + [False] * len(between) + [True] * len(a2)
+    assert s1.episode.logprobs == [-0.5] * len(a1) + [0.0] * len(between) + [-0.5] * len(a2)
+    assert s2.prompt == p3 and s2.episode.token_ids == a3 and s2.episode.policy_mask == [True] * len(a3)
+    assert (ep.requests, ep.prefix_breaks, ep.env_reward, ep.counters, ep.error) == (3, 1, 1.0, {"turns": 3.0}, "")
+
+    from emapg_cli.train.rollout import padded_batch
+
+    batch, _ = padded_batch([p1], [ep], 1, False, tok.pad_token_id, "cpu")
+    assert batch.episode.tolist() == [0, 0] and batch.keep.tolist() == [True, True]
+    row0 = batch.input_ids[0, batch.attention_mask[0].bool()].tolist()
+    assert row0 == p1 + a1 + between + a2 and batch.loss_mask[0, :len(s1.episode.token_ids)].tolist() == s1.episode.policy_mask
+    adv = batch.with_advantages(torch.tensor([0.7])).advantages
+    assert adv.tolist() == pytest.approx([0.7, 0.7])  # both sequences carry the episode's advantage
+    assert batch.rows_of(torch.tensor([0])).tolist() == [0, 1]
+
+
+SIBLINGS = '''
+def agent(client, example):
+    r = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}], n=2)
+    return 1.0
+'''
+
+
+def test_n_choices_are_sibling_sequences_not_breaks(tmp_path, tok):
+    (ep,), = run_agent(tok, agent_file(tmp_path, SIBLINGS), Scripted(tok, ["ab"]))
+    assert len(ep.segments) == 2 and ep.prefix_breaks == 0 and ep.requests == 1
+
+
+@pytest.mark.parametrize("body, error", [
+    ("def agent(client, example):\n    raise ValueError('boom')\n", "raised ValueError: boom"),
+    ("def agent(client, example):\n    return 1.0\n", "made no model call"),
+    (THREE_CALLS.replace('"turns": 3', '"calls": 3'), "the metric 'calls', a name the runner logs itself"),
+    (THREE_CALLS.replace('return {"reward": float(second == "5"), "turns": 3}', 'return "1.0"'), "returned str '1.0', not a number"),
+    (THREE_CALLS.replace('return {"reward": float(second == "5"), "turns": 3}', 'return {"score": 1}'), "without 'reward'"),
+    (THREE_CALLS.replace('return {"reward": float(second == "5"), "turns": 3}', 'return float("nan")'), "not finite"),
+    ("import sys\ndef agent(client, example):\n    sys.exit(3)\n", "called sys.exit(3)"),
+])
+def test_bad_agents_score_zero_with_one_line(tmp_path, tok, body, error):
+    (ep,), = run_agent(tok, agent_file(tmp_path, body), Scripted(tok, ["12", "5", "zz"]))
+    assert error in ep.error and "\n" not in ep.error and ep.env_reward == 0.0 and ep.outcome == "error"
+
+
+def test_caps_and_timeout(tmp_path, tok):
+    """A call past rollout.agent_max_calls is refused (400, code episode_limit) and the agent that does not catch it
+    fails; a caught refusal is the agent's business; an episode past its time is given up on."""
+    (ep,), = run_agent(tok, agent_file(tmp_path, THREE_CALLS), Scripted(tok, ["12", "5"]), max_calls=2)
+    assert "BadRequestError" in ep.error and "rollout.agent_max_calls" in ep.error and len(ep.segments) == 1
+    caught = THREE_CALLS.replace('    fresh = client', '    import openai\n    try:\n        client').replace(
+        '[{"role": "user", "content": "again"}])', '[{"role": "user", "content": "again"}])\n    except openai.BadRequestError:\n        pass')
+    (ep,), = run_agent(tok, agent_file(tmp_path, caught, "agent"), Scripted(tok, ["12", "5"]), max_calls=2)
+    assert ep.error == "" and ep.env_reward == 1.0
+    slow = "import time\ndef agent(client, example):\n    time.sleep(30)\n    return 1.0\n"
+    (ep,), = run_agent(tok, agent_file(tmp_path, slow, "agent"), Scripted(tok, []), timeout_s=0.5)
+    assert ep.error == "did not return within rollout.agent_timeout_s = 0.5 s"
+
+
+def test_failure_rate_stops_above_the_limit(tmp_path, tok, capsys):
+    from emapg_cli.agents.agent import AgentEpisode, agent_metrics
+
+    eps = [AgentEpisode(token_ids=[], text="", finish_reason="stop", requests=2, seconds=1.0, error=e) for e in ("", "", "x", "")]
+    out = agent_metrics(eps, 0.5, "a.py:f", "of this step")
+    assert out["agent/errors"] == 1.0 and out["agent/calls"] == 2.0 and "warning: rollout.agent a.py:f failed on 1 of 4" in capsys.readouterr().err
+    with pytest.raises(UserError, match=r"failed on 1 of 4 episodes of this step \(25% > reward.max_failure_rate 0.2\); first failure: x"):
+        agent_metrics(eps, 0.2, "a.py:f", "of this step")
+
+
+def test_endpoint_refuses_what_the_run_does_not_sample(tmp_path, tok):
+    body = '''
+import openai
+def agent(client, example):
+    out = []
+    for kw in ({"temperature": 0.5}, {"max_tokens": 17}, {"max_tokens": 600}, {"top_p": 0.9}):
+        try:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}], **kw)
+        except openai.BadRequestError as e:
+            out.append(e.body["param"])
+    bad = openai.OpenAI(base_url=client.base_url, api_key="stolen", max_retries=0)
+    try:
+        bad.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}])
+    except openai.AuthenticationError:
+        out.append("key")
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}], temperature=1.0)
+    return {"reward": float(out == ["temperature", "max_tokens", "max_tokens", "top_p", "key"])}
+'''
+    (ep,), = run_agent(tok, agent_file(tmp_path, body), Scripted(tok, ["a"]))
+    assert ep.error == "" and ep.env_reward == 1.0 and ep.requests == 1
+
+
+def test_concurrent_episodes_are_reproducible(tmp_path, tiny_qwen2, tok, one_torch_thread):
+    """Three prompts x n=3 episodes of a two-call agent, at most 4 running at once: run twice, the same samples."""
+    from emapg_cli.engines.hf import HFEngine
+    from emapg_cli.models.loading import load_causal_lm
+
+    engine = HFEngine(load_causal_lm(str(tiny_qwen2), "float32"), tok)
+    two = THREE_CALLS.replace('    fresh = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "again"}])\n', "")
+    exs = [dict(QUESTION, id=str(i), question=f"{i}+{i}") for i in range(3)]
+    ref = agent_file(tmp_path, two)
+    runs = [run_agent(tok, ref, engine, n=3, examples=exs, workers=4) for _ in range(2)]
+    ids = [[[s.episode.token_ids for s in e.segments] for g in r for e in g] for r in runs]
+    assert ids[0] == ids[1] and all(e.requests == 2 and not e.error for g in runs[0] for e in g)
+    assert len({tuple(x[0]) for x in ids[0]}) > 1  # the episodes are sampled apart (own rows, seeds per round)
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+TWO_CALLS = '''
+def two_calls(client, example):
+    """Two chat calls; 1 when the second answer holds a digit (random tiny models do, now and then)."""
+    msgs = [{"role": "user", "content": example["question"]}]
+    r = client.chat.completions.create(model="policy", messages=msgs)
+    msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Sure?"}]
+    r = client.chat.completions.create(model="policy", messages=msgs)
+    return {"reward": float(any(ch.isdigit() for ch in r.choices[0].message.content)), "chars": len(r.choices[0].message.content)}
+'''
+
+
+def agent_opts(tiny, data, ref, steps=2, **extra):
+    from train_helpers import tiny_overrides
+
+    return tiny_overrides(tiny, data, steps=steps, **{"rollout.agent": ref, "rollout.max_context_tokens": 256,
+                                                      "data.max_prompt_tokens": 64, **extra})
+
+
+def test_two_call_agent_trains_and_eval_grades_with_it(tiny_llama, tmp_path):
+    """`emapg train --set rollout.agent=...`: agent/calls = 2 at every step, the agent's own metric logged; and
+    `emapg eval --agent` grades the model with the same code (run beside it)."""
+    from train_helpers import run_many, train_cmd, write_dataset
+
+    data = write_dataset(tmp_path / "d.jsonl")
+    ref = agent_file(tmp_path, TWO_CALLS, "two_calls")
+    out = tmp_path / "run"
+    evaluate = [sys.executable, "-m", "emapg_cli", "eval", "--bench", str(data), "--model", str(tiny_llama), "--backend", "hf",
+                "--agent", ref, "--n", "2", "--max-tokens", "6", "--max-context-tokens", "256", "--limit", "3",
+                "--out", str(tmp_path / "ev")]
+    p, e = run_many([train_cmd(*agent_opts(tiny_llama, data, ref), "--out", str(out)), evaluate])  # side by side
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("step", 0) >= 1 and "agent/calls" in r]
+    assert [r["agent/calls"] for r in steps] == [2.0, 2.0] and all(r["agent/errors"] == 0 for r in steps)
+    assert all("agent/chars" in r and "agent/prefix_breaks" in r for r in steps)
+    assert e.returncode == 0, e.stderr[-2000:]
+    summary = json.loads((tmp_path / "ev" / "summary.json").read_text())
+    assert summary["env"]["calls"] == 2.0 and summary["reward"] == f"rollout.agent {ref}"
+
+
+def test_failing_agent_stops_training_with_one_line(tiny_llama, tmp_path):
+    from train_helpers import run, train_cmd, write_dataset
+
+    data = write_dataset(tmp_path / "d.jsonl")
+    ref = agent_file(tmp_path, "def agent(client, example):\n    raise RuntimeError('no tools here')\n")
+    out = tmp_path / "run"
+    p = run(train_cmd(*agent_opts(tiny_llama, data, ref, steps=1), "--out", str(out)))
+    assert p.returncode == 2
+    last = p.stderr.strip().splitlines()[-1]
+    assert "failed on 16 of 16 episodes of this step (100% > reward.max_failure_rate 0.5); first failure: raised " \
+           "RuntimeError: no tools here" in last, p.stderr[-2000:]
+
+
+def test_agent_config_errors_are_one_line(tiny_llama, tmp_path):
+    from conftest import run_cli
+
+    fn = agent_file(tmp_path, "def agent(response):\n    return 1\n")
+    for value, words in ((fn, "must accept (client, example)"), (f"{tmp_path}/nope.py:f", "file not found"),
+                         (agent_file(tmp_path, "class agent:\n    pass\n", "agent"), "is a class; an agent is a function fn(client, example)")):
+        p = run_cli("train", "--preset", "toy", "--set", f"rollout.agent={value}", "--dry-run")
+        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = run_cli("train", "--preset", "toy-tools", "--set", f"rollout.agent={agent_file(tmp_path, TWO_CALLS, 'two_calls')}",
+                "--dry-run")
+    assert p.returncode == 2 and "contradicts rollout.env=calc" in p.stderr
