@@ -373,3 +373,52 @@ def test_agent_config_errors_are_one_line(tiny_llama, tmp_path):
     p = run_cli("train", "--preset", "toy-tools", "--set", f"rollout.agent={agent_file(tmp_path, TWO_CALLS, 'two_calls')}",
                 "--dry-run")
     assert p.returncode == 2 and "contradicts rollout.env=calc" in p.stderr
+
+
+MARKING = TWO_CALLS.replace('''    msgs = [{"role": "user", "content": example["question"]}]''', '''    import os
+
+    if os.environ.get("AGENT_MARK"):  # the test kills the run while an episode is in its calls
+        with open(os.environ["AGENT_MARK"], "a") as f:
+            f.write("call\\n")
+    msgs = [{"role": "user", "content": example["question"]}]''')
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_agent_step_then_resume_is_bit_identical(tiny_llama, tmp_path):
+    """A run killed (SIGKILL) while its agents are in step 2's calls, resumed from its step-1 checkpoint, ends with the
+    same policy and anchor weights, bit for bit, and the same metrics as an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from train_helpers import env, load_weights, run, train_cmd, write_dataset
+
+    data = write_dataset(tmp_path / "d.jsonl")
+    opts = agent_opts(tiny_llama, data, agent_file(tmp_path, MARKING, "two_calls"), steps=3)
+    a, b, mark = tmp_path / "a", tmp_path / "b", tmp_path / "mark"
+    reference = subprocess.Popen(train_cmd(*opts, "--out", str(a)), env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    victim = subprocess.Popen(train_cmd(*opts, "--out", str(b)), env={**env(), "AGENT_MARK": str(mark)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (b / "checkpoints" / "step_1" / "state.json").exists():
+        assert victim.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    seen = mark.stat().st_size
+    while mark.stat().st_size == seen:  # an episode of step 2 has made a call
+        assert victim.poll() is None and time.time() < deadline
+        time.sleep(0.005)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert reference.wait(timeout=300) == 0, reference.stderr.read()[-2000:]
+    assert not (b / "checkpoints" / "step_2").exists(), "killed too late: step 2 was checkpointed"
+    resumed = run(train_cmd("--resume", str(b), "--trust-code"), timeout=300)  # the agent comes from config.yaml
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    for part in ("policy", "anchor"):
+        wa, wb = load_weights(a / "final" / part), load_weights(b / "final" / part)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa), part
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "agent/episode_s"))}  # noqa: E731
+                          for r in rows]
+    rows = {p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()] for p in (a, b)}
+    assert strip(rows[a])[-1] == strip(rows[b])[-1]
+    assert os.path.exists(mark)
