@@ -40,10 +40,10 @@ def _read_json(handler: BaseHTTPRequestHandler, max_body: int) -> Any:
         raise OpenAIError(411, "send the body with a Content-Length (no Transfer-Encoding)")
     declared = handler.headers.get_all("Content-Length") or []
     text = declared[0].strip() if len(declared) == 1 else ""
-    if not (text.isascii() and text.isdigit()) or len(text) > 12:
+    if not (text.isascii() and text.isdigit()):
         handler.close_connection = True
         raise OpenAIError(411, "one Content-Length header with the body's length is required")
-    length = int(text)
+    length = int(text[:16])
     if length > max_body:
         handler.close_connection = True
         raise OpenAIError(413, f"body of {length} bytes: at most {max_body}")
