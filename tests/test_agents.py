@@ -139,7 +139,9 @@ class Scripted(EngineBase):
         out = []
         for p in prompts:
             self.prompts.append(list(p))
-            ids = self.tok(self.texts.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+            text = self.texts.pop(0)  # a (text, False) pair: no EOS (the turn ended on a stop string)
+            text, eos = text if isinstance(text, tuple) else (text, True)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id] * eos
             out.append([Completion(ids, self.tok.decode(ids, skip_special_tokens=True), "stop", [-0.5] * len(ids))
                         for _ in range(params.n)])
         return out
@@ -422,3 +424,61 @@ def test_sigkill_during_an_agent_step_then_resume_is_bit_identical(tiny_llama, t
     rows = {p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()] for p in (a, b)}
     assert strip(rows[a])[-1] == strip(rows[b])[-1]
     assert os.path.exists(mark)
+
+
+# ---------------------------------------------------------------------------------------------- docs/agents.md
+def doc_block(name: str) -> str:
+    """The ```python block of docs/agents.md whose first line is `# name`."""
+    import re
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "agents.md").read_text()
+    for block in re.findall(r"```python\n(.*?)```", text, re.DOTALL):
+        if block.startswith(f"# {name}\n"):
+            return block
+    raise AssertionError(f"docs/agents.md has no block {name}")
+
+
+def test_doc_self_check_agent(tmp_path, tok):
+    engine = Scripted(tok, ["\\boxed{4}", "\\boxed{5}"])
+    (ep,), = run_agent(tok, agent_file(tmp_path, doc_block("self_check.py"), "self_check"), engine)
+    assert (ep.error, ep.env_reward, ep.counters, ep.requests, ep.prefix_breaks, len(ep.segments)) == ("", 1.0, {"changed": 1.0}, 2, 0, 1)
+
+
+#: A Qwen2.5-style chat template with tools (Hermes <tool_call> blocks), for the doc's tool-calling agent.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_doc_tool_agents(tmp_path, tok):
+    """OpenAI's tool-call format (a template with tools): the call comes back as tool_calls, its result goes back as a
+    tool message; JSON in text (a template without): the same adder, parsed by the agent."""
+    import copy
+
+    tools_tok = copy.deepcopy(tok)
+    tools_tok.chat_template = TOOLS_TEMPLATE
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    (ep,), = run_agent(tools_tok, agent_file(tmp_path, doc_block("add_tool.py"), "add_tool"), Scripted(tools_tok, [call, "5"]))
+    assert (ep.error, ep.env_reward, ep.requests) == ("", 1.0, 2)
+    assert ep.prefix_breaks == 0 and len(ep.segments) == 1  # the template wrote the call back as the model did
+    (ep,), = run_agent(tok, agent_file(tmp_path, doc_block("add_json.py"), "add_json"),
+                       Scripted(tok, ['{"tool": "add", "a": 2, "b": 3}', "5"]))
+    assert (ep.error, ep.env_reward, ep.requests, ep.prefix_breaks) == ("", 1.0, 2, 0)
+
+
+def test_doc_calculator_agent_is_the_calc_environment_token_for_token(tmp_path, tok):
+    """The doc's calculator agent gives the calc environment's trajectory: the prompt, the turn that ended at
+    </calc> (no EOS), `<result>5</result>` masked (tokenized as the environment tokenizes observations), the answer."""
+    from emapg_cli.models.prompts import render_prompt
+
+    engine = Scripted(tok, [("<calc>2+3</calc>", False), "\\boxed{5}"])
+    (ep,), = run_agent(tok, agent_file(tmp_path, doc_block("calc_agent.py"), "calculator"), engine)
+    enc = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    turn1, obs, turn2 = enc("<calc>2+3</calc>"), enc("<result>5</result>"), enc("\\boxed{5}") + [tok.eos_token_id]
+    (seg,) = ep.segments
+    assert seg.prompt == render_prompt(tok, "2+3") and seg.episode.token_ids == turn1 + obs + turn2
+    assert seg.episode.policy_mask == [True] * len(turn1) + [False] * len(obs) + [True] * len(turn2)
+    assert (ep.error, ep.env_reward, ep.counters, ep.prefix_breaks) == ("", 1.0, {"tool_calls": 1.0}, 0)
