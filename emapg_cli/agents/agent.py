@@ -101,6 +101,11 @@ class AgentRunner:
         from emapg_cli.engines.openai_service import OpenAIService
         from emapg_cli.engines.openai_wire import WireLimits
 
+        try:
+            import openai  # noqa: F401 - the client each episode is given
+        except ImportError:
+            raise UserError("rollout.agent gives each episode an openai.OpenAI client: pip install 'emapg[agent]' "
+                            "(or openai)") from None
         self.tokenizer, self.settings, self.max_context_tokens = tokenizer, settings, max_context_tokens
         self.fn = load_agent(settings.ref)
         self.backend = EpisodeBackend(tokenizer)
