@@ -14,7 +14,6 @@ import json
 import re
 import select
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from typing import Optional
 
 from . import probe
 from .common import base_env
+from .server import _connect, _read_reply
 
 _CACHE: dict[str, object] = {}
 
@@ -57,28 +57,13 @@ def _server(ws: Path) -> int:
 def _request(port: int, head: str, body: bytes = b"", timeout: float = 30) -> tuple[int, object, float]:
     """(status, parsed JSON body, seconds) of one raw request."""
     t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+    with _connect(port, timeout) as s:
         try:
             s.sendall(head.encode() + b"\r\n" + body)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server refused before reading it all: its reply is still there
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = s.recv(65536)
-            assert chunk, f"connection closed without a reply (got {data[:80]!r})"
-            data += chunk
-        top, _, rest = data.partition(b"\r\n\r\n")
-        m = re.search(rb"content-length:\s*(\d+)", top, re.I)
-        assert m, f"reply without Content-Length: {top[:200]!r}"
-        while len(rest) < int(m.group(1)):
-            chunk = s.recv(65536)
-            assert chunk, "connection closed in the reply's body"
-            rest += chunk
-    status = int(top.split(b" ", 2)[1])
-    try:
-        return status, json.loads(rest), time.monotonic() - t0
-    except ValueError:
-        raise AssertionError(f"HTTP {status} with a body that is not JSON: {rest[:120]!r}") from None
+        status, reply = _read_reply(s)
+    return status, reply, time.monotonic() - t0
 
 
 def _post(port: int, path: str, obj: object = None, raw: Optional[bytes] = None, headers: Optional[dict] = None):
