@@ -112,15 +112,22 @@ class AgentRunner:
         self.service = OpenAIService(tokenizer, MODEL_ID, self.backend, WireLimits(max_sample_tokens=1 << 40))
         self.server: Any = None
         self.url = ""
+        self._http: Any = None  # one connection pool for every episode's client (a client of its own costs ~0.1 s)
 
     def _endpoint(self) -> str:
         if self.server is None:
+            import openai
+
             from emapg_cli.engines.openai_http import start_server
 
             self.server, self.url = start_server(self.service, "127.0.0.1", 0)
+            self._http = openai.DefaultHttpxClient()
         return self.url
 
     def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -191,13 +198,12 @@ class AgentRunner:
         import openai
 
         t0 = time.monotonic()
-        client = openai.OpenAI(base_url=url, api_key=session.key, max_retries=0, timeout=self.settings.timeout_s)
+        client = openai.OpenAI(base_url=url, api_key=session.key, max_retries=0, timeout=self.settings.timeout_s,
+                               http_client=self._http)  # not closed here: the pool is the runner's
         try:
             value, error = self.fn(client, example), ""
         except BaseException as e:  # noqa: BLE001 - the agent's failure: scored 0 and counted
             value, error = None, _one_line(e)
-        finally:
-            client.close()
         return value, error, time.monotonic() - t0
 
     def _result(self, session: Session, prompt: list[int], value: Any, error: str, seconds: float) -> AgentEpisode:

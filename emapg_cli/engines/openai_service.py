@@ -81,8 +81,8 @@ class OpenAIService:
 
     # ------------------------------------------------------------------ routes
     def chat(self, body: Any, api_key: Optional[str]) -> dict[str, Any]:
+        session = self.backend.session(api_key)  # a caller the backend refuses learns nothing else
         req = parse_chat(body, self.limits)
-        session = self.backend.session(api_key)
         policy = self.backend.policy(session)
         text = self._render(req, policy)
         ids = self.backend.tokenize(session, text, False)
@@ -90,8 +90,8 @@ class OpenAIService:
         return chat_reply(req, self.model_id, ids, choices, version)
 
     def completions(self, body: Any, api_key: Optional[str]) -> dict[str, Any]:
-        req = parse_completion(body, self.limits)
         session = self.backend.session(api_key)
+        req = parse_completion(body, self.limits)
         policy = self.backend.policy(session)
         prompts, texts = [], []
         for p in req.prompts:
