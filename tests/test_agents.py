@@ -464,6 +464,13 @@ def test_doc_tool_agents(tmp_path, tok):
     (ep,), = run_agent(tools_tok, agent_file(tmp_path, doc_block("add_tool.py"), "add_tool"), Scripted(tools_tok, [call, "5"]))
     assert (ep.error, ep.env_reward, ep.requests) == ("", 1.0, 2)
     assert ep.prefix_breaks == 0 and len(ep.segments) == 1  # the template wrote the call back as the model did
+    # the model wrote the call in another form than the template writes it back: still one trajectory, the endpoint
+    # gives the template the text the model wrote for the turn it returned
+    other = '<tool_call>{"arguments": {"b": 3, "a": 2}, "name": "add"}</tool_call>'
+    engine = Scripted(tools_tok, [other, "5"])
+    (ep,), = run_agent(tools_tok, agent_file(tmp_path, doc_block("add_tool.py"), "add_tool"), engine)
+    assert (ep.error, ep.env_reward, ep.prefix_breaks, len(ep.segments)) == ("", 1.0, 0, 1)
+    assert tools_tok.decode(engine.prompts[1]).count(other) == 1
     (ep,), = run_agent(tok, agent_file(tmp_path, doc_block("add_json.py"), "add_json"),
                        Scripted(tok, ['{"tool": "add", "a": 2, "b": 3}', "5"]))
     assert (ep.error, ep.env_reward, ep.requests, ep.prefix_breaks) == ("", 1.0, 2, 0)

@@ -10,6 +10,8 @@ not know or an episode that has ended (401). Per episode:
   added to every call's stop strings;
 * caps: at most `max_calls` calls, and no call once the episode's calls have sampled `max_tokens` tokens (400 with
   code `episode_limit`, which an agent may catch);
+* an assistant turn with tool calls that the endpoint returned, sent back unchanged, is rendered as the text the
+  model wrote (not as the template's own JSON of the calls);
 * tokenization reuses the episode's own ids: a prompt text that starts with the text of an earlier call's prompt and
   one of its completions (the completion decoded in context) is tokenized as those exact ids plus the rest (without
   added special tokens), so a chat loop's next prompt extends the previous one token for token (no re-tokenization of
@@ -45,6 +47,7 @@ class Session:
     requests: int = 0  # model calls (requests) made
     sampled: int = 0  # tokens the episode's calls sampled
     known: list[tuple[str, list[int]]] = field(default_factory=list)  # (text, ids) of prompt + completion, for reuse
+    turns: dict = field(default_factory=dict)  # its tool-calling turns as sampled (engines/openai_wire.own_turns)
     over: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -79,6 +82,9 @@ class EpisodeBackend:
 
     def policy(self, session: Session) -> Policy:
         return session.policy
+
+    def memory(self, session: Session) -> dict:
+        return session.turns
 
     def tokenize(self, session: Session, text: str, special: bool) -> list[int]:
         """`text`'s ids, reusing the longest earlier prompt + completion of the episode that `text` starts with."""

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.engines.openai_wire import (Choice, OpenAIError, Request, WireLimits, chat_reply, check_budget, completion_reply,
-                                           models_reply, parse_chat, parse_completion)
+                                           models_reply, own_turns, parse_chat, parse_completion, remember_turns)
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class Backend(Protocol):
 
     def policy(self, session: Any) -> Policy:
         ...
+
+    def memory(self, session: Any) -> Optional[dict]:
+        """Where the service keeps a session's own tool-calling turns (`openai_wire.own_turns`); None: it does not."""
 
     def tokenize(self, session: Any, text: str, special: bool) -> list[int]:
         """`text`'s token ids (`special`: add the tokenizer's BOS/EOS as a plain `tokenizer(text)` does)."""
@@ -84,10 +87,16 @@ class OpenAIService:
         session = self.backend.session(api_key)  # a caller the backend refuses learns nothing else
         req = parse_chat(body, self.limits)
         policy = self.backend.policy(session)
+        memory = self.backend.memory(session)
+        if memory:  # its own tool-calling turns, rendered as the model wrote them
+            req.messages = own_turns(req.messages, memory)
         text = self._render(req, policy)
         ids = self.backend.tokenize(session, text, False)
         choices, version = self._sample(req, session, policy, [ids], [text])
-        return chat_reply(req, self.model_id, ids, choices, version)
+        reply = chat_reply(req, self.model_id, ids, choices, version)
+        if memory is not None:
+            remember_turns(memory, reply, [c.text for c in choices])
+        return reply
 
     def completions(self, body: Any, api_key: Optional[str]) -> dict[str, Any]:
         session = self.backend.session(api_key)
@@ -222,6 +231,9 @@ class RolloutBackend:
 
     def policy(self, session: Any) -> Policy:
         return self._policy
+
+    def memory(self, session: Any) -> None:
+        return None
 
     def tokenize(self, session: Any, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"]

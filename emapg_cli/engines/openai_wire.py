@@ -334,6 +334,43 @@ def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
     return content or None, calls
 
 
+def _args(value: Any) -> Any:
+    """Tool-call arguments compared as data: a JSON string decoded (else kept as it is)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+    return value
+
+
+def _calls_key(calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    return [(c["function"]["name"], _args(c["function"].get("arguments"))) for c in calls]
+
+
+def remember_turns(memory: dict, reply: dict[str, Any], raw: Sequence[str]) -> None:
+    """After a chat reply: each choice that called tools, by its calls' ids -> (content, calls, the text the model
+    wrote), so that `own_turns` can give that text back to the template."""
+    for choice, text in zip(reply["choices"], raw):
+        calls = choice["message"].get("tool_calls")
+        if calls:
+            memory[tuple(c["id"] for c in calls)] = (choice["message"]["content"] or "", _calls_key(calls), text)
+
+
+def own_turns(messages: list[dict[str, Any]], memory: dict) -> list[dict[str, Any]]:
+    """`messages` with each assistant turn that this endpoint sampled (its tool calls' ids, content and calls as they
+    were returned) given back as the text the model wrote: the template then renders what was sampled, not its own
+    JSON of the calls, and the next prompt extends the previous one (docs/agents.md)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        known = memory.get(tuple(c["id"] for c in calls)) if calls else None
+        if known is not None and known[0] == (m.get("content") or "") and known[1] == _calls_key(calls):
+            m = {"role": "assistant", "content": known[2]}
+        out.append(m)
+    return out
+
+
 @dataclass
 class Choice:
     """One sampled choice as the endpoint returns it: ids, text, reason, the engine's log-probs, each token's text
