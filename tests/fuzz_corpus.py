@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config", "retriever", "rollout")
+COMMANDS = ("prepare", "train", "eval", "ablate", "kl-check", "config", "retriever", "rollout", "bench")
 FileContent = Union[str, bytes]
 
 
@@ -962,11 +962,37 @@ def retriever_cases() -> list[Case]:
     return cases
 
 
+# ------------------------------------------------------------------------------------------- bench
+
+def bench_cases() -> list[Case]:
+    """`emapg bench` (issue 34's `bench generate` and the older subcommands): every bad option is one line before any
+    model loads (the workspace's toy preset is not prepared, so no case reaches a measurement)."""
+    gen = ("bench", "generate")
+    cases = [case("bench", f"generate-{name}", *gen, *argv) for name, argv in (
+        ("no-preset", ()), ("preset-unknown", ("--preset", "nosuch")), ("preset-markup", ("--preset", "[/bold]")),
+        ("toy-unprepared", ("--preset", "toy")), ("engine-unknown", ("--preset", "toy", "--engine", "sglang")),
+        ("sequences-zero", ("--preset", "toy", "--sequences", "0")), ("sequences-text", ("--preset", "toy", "--sequences", "many")),
+        ("sequences-huge", ("--preset", "toy", "--sequences", "99999999")),
+        ("sequences-not-a-multiple", ("--preset", "toy", "--sequences", "3")),
+        ("max-new-tokens-zero", ("--preset", "toy", "--max-new-tokens", "0")),
+        ("threads-zero", ("--preset", "toy", "--threads", "0")), ("rounds-zero", ("--preset", "toy", "--rounds", "0")),
+        ("model-empty", ("--preset", "toy", "--model", "")), ("model-missing", ("--preset", "toy", "--model", "nomodel")),
+        ("model-is-a-file", ("--preset", "toy", "--model", "good.yaml")),
+        ("set-unknown-key", ("--preset", "toy", "--set", "rollout.nope=1")),
+        ("set-fast-decode-text", ("--preset", "toy", "--set", "rollout.hf_fast_decode=maybe")))]
+    cases += [case("bench", f"update-{name}", "bench", "update", *argv) for name, argv in (
+        ("dtype-float16", ("--dtype", "float16")), ("estimator-unknown", ("--estimator", "k5")),
+        ("device-tpu", ("--device", "tpu")), ("tokens-zero", ("--tokens", "0")))]
+    cases += [case("bench", f"step-{name}", "bench", "step", *argv) for name, argv in (
+        ("no-preset", ()), ("preset-unknown", ("--preset", "nosuch")))]
+    return cases
+
+
 # ------------------------------------------------------------------------------------ all of them
 
 def all_cases() -> list[Case]:
     cases = prepare_cases() + train_cases() + eval_cases() + ablate_cases() + kl_check_cases() + config_cases()
-    cases += retriever_cases()
+    cases += retriever_cases() + bench_cases()
     seen: set[str] = set()
     for c in cases:
         assert c.id not in seen, f"duplicate case id {c.id}"

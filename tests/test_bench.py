@@ -30,3 +30,29 @@ def test_bench_rejects_bad_input(cli):
     assert r.returncode == 2 and "k5" in r.stderr and "Traceback" not in r.stderr
     r = cli("bench", "update", "--dtype", "float16")
     assert r.returncode == 2 and "--dtype" in r.stderr
+
+
+def test_bench_generate_json(cli, tiny_llama, tmp_path):
+    """The tiny Llama (hidden 64, 2 layers, 4 heads of 16, 2 key/value heads, MLP 128, tied output layer over the
+    byte vocabulary) on 2 prompts x 4 samples: the documented keys, and the limit's arithmetic by hand."""
+    from transformers import AutoTokenizer
+
+    from train_helpers import write_dataset
+
+    out = tmp_path / "g.json"
+    r = cli("bench", "generate", "--preset", "toy", "--set", f"model.path={tiny_llama}",
+            "--set", f"data.train={write_dataset(tmp_path / 'd.jsonl')}", "--set", "rollout.n=4", "--sequences", "8",
+            "--max-new-tokens", "4", "--rounds", "2", "--threads", "1", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    for key in ("tokens_per_s", "limit_tokens_per_s", "ratio", "gemm_gflops"):
+        assert isinstance(res[key], float) and res[key] > 0, key
+    vocab = len(AutoTokenizer.from_pretrained(tiny_llama))
+    # per layer q 64x64, k 64x32, v 64x32, o 64x64, gate and up 64x128, down 128x64 = 36,864; 2 layers; the output layer
+    assert res["params"] == 2 * 36_864 + vocab * 64
+    assert (res["prompts"], res["n"], res["gemm_rows"], res["decode_path"]) == (2, 4, 8, "fast")
+    assert len(res["runs"]) == 2 and all(run["tokens"] <= 8 * 4 for run in res["runs"])
+    for run in res["runs"]:  # limit = GEMM FLOP/s / (2 x params); ratio = tokens/s / limit
+        assert abs(run["limit_tokens_per_s"] - 8 / run["gemm_s"]) < 1e-6 * run["limit_tokens_per_s"]
+        assert abs(run["ratio"] - run["tokens"] / run["generate_s"] / run["limit_tokens_per_s"]) < 1e-9
+    assert abs(res["ratio"] - res["tokens_per_s"] / res["limit_tokens_per_s"]) < 1e-12

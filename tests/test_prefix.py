@@ -108,8 +108,9 @@ def test_sharing_check_accepts_a_sharing_model_and_refuses_a_wrong_cache(monkeyp
         check_layouts(TokenScorer(model), batch, 1.0, "never", "always")
 
 
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_generation_with_shared_prompts_samples_what_it_would_without(arch):
+def test_generation_with_shared_prompts_samples_what_it_would_without(arch, fast):
     # 3 prompts of different lengths (left padding), 4 samples each: the shared prefill must leave every row's
     # distribution as it was, so the seeded samples (tokens) are the same and their log-probs agree
     from emapg_cli.engines.base import SamplingParams
@@ -129,14 +130,15 @@ def test_generation_with_shared_prompts_samples_what_it_would_without(arch):
         return calls[-1]
 
     import emapg_cli.engines.hf as hf
+    import emapg_cli.engines.hf_decode as hf_decode
 
-    hf.prompt_cache = counted
+    hf.prompt_cache = hf_decode.prompt_cache = counted  # the generate path's and the decode loop's
     try:
-        shared = HFEngine(model, tok).generate(prompts, params)
+        shared = HFEngine(model, tok, fast_decode=fast).generate(prompts, params)
     finally:
-        hf.prompt_cache = real
+        hf.prompt_cache = hf_decode.prompt_cache = real
     assert len(calls) == 1 and calls[0] is not None  # the shared prefill ran
-    plain = HFEngine(model, tok, share_prompts=False).generate(prompts, params)
+    plain = HFEngine(model, tok, share_prompts=False, fast_decode=fast).generate(prompts, params)
     for ga, gb in zip(shared, plain):
         for a, b in zip(ga, gb):
             assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason

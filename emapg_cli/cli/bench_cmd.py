@@ -12,7 +12,8 @@ from emapg_cli.cli.common import PresetOpt, SetOpt, console
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS  # torch-free: `emapg --help` must not import torch
 
-app = typer.Typer(help="Benchmarks: the fused output layer against its GEMM floor, the no-grad passes, one RL step.",
+app = typer.Typer(help="Benchmarks: rollout generation against its compute-bound limit, the fused output layer against its GEMM "
+                       "floor, the no-grad passes, one RL step.",
                   no_args_is_help=True)
 
 TokensOpt = Annotated[int, typer.Option("--tokens", "-T", help="Response tokens T (rows of the hidden states), at most 2^20.", min=1, max=2**20)]
@@ -26,6 +27,7 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or cuda:N."
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 or bfloat16.")]
 PeakOpt = Annotated[Optional[float], typer.Option("--peak-tflops", help="The device's dense peak for --dtype (TFLOP/s); adds pct_of_peak (e.g. 989 for an H100/H200 in bf16).", min=0, max=1e9)]
 ThreadsOpt = Annotated[Optional[int], typer.Option("--threads", help="torch intra-op threads (default: torch's). On a shared machine 1 thread gives the steadiest CPU seconds: idle OpenMP threads spin and count as CPU time.", min=1, max=4096)]
+TrustOpt = Annotated[bool, typer.Option("--trust-code", help="Run the reward plugin / user environment (rollout.reward, rollout.env = FILE.py:NAME or module:NAME) or the model's own code (model.trust_remote_code) that the preset file names; without it only those given by --set on this command line run (docs/reliability.md).")]
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Also write the result to this JSON file.")]
 
 
@@ -62,6 +64,16 @@ def _check_memory(tokens: int, hidden: int, vocab: int, k: int, chunk: Optional[
     if free is not None and need > free:
         raise UserError(f"T {tokens} x H {hidden} x V {vocab:,} in {dtype} needs at least {need / 2**30:.1f} GiB on {device}, "
                         f"but {free / 2**30:.1f} GiB are free; lower --tokens, --hidden or --vocab")
+
+
+def _trust(preset: str, sets: list[str], trust_code: bool) -> None:
+    """The preset's plugins and environments run here as in `emapg train`: train's trust rule (docs/reliability.md)."""
+    from emapg_cli.config.loading import load_config
+    from emapg_cli.config.trust import code_refs, load_code, named_refs, require_trust
+
+    refs = code_refs(load_config(preset, None, sets))
+    require_trust(refs, named_refs(sets), trust_code, f"--preset {preset}")
+    load_code(refs)
 
 
 def _emit(result: dict[str, Any], json_path: Optional[Path], rows: list[tuple[str, str]]) -> None:
@@ -148,7 +160,7 @@ def step(
     steps: Annotated[int, typer.Option("--steps", help="Timed RL steps (medians are reported).", min=1, max=100_000)] = 3,
     warmup: Annotated[int, typer.Option("--warmup", help="Untimed RL steps first.", min=0, max=100_000)] = 1,
     json_path: JsonOpt = None,
-    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run the reward plugin / user environment (rollout.reward, rollout.env = FILE.py:NAME or module:NAME) or the model's own code (model.trust_remote_code) that the preset file names; without it only those given by --set on this command line run (docs/reliability.md).")] = False,
+    trust_code: TrustOpt = False,
 ) -> None:
     """Whole RL steps of a preset (e.g. --preset toy), broken into generation, reward, batch, passes, update, EMA; tokens/s.
 
@@ -160,18 +172,56 @@ def step(
     quiet_transformers()  # transformers' own "Loading weights" bar stays out of the table
     if preset is None:
         raise UserError("pass --preset (e.g. --preset toy)")
-    from emapg_cli.config.loading import load_config
-    from emapg_cli.config.trust import code_refs, load_code, named_refs, require_trust
-
-    refs = code_refs(load_config(preset, None, set_ or []))  # the steps run the preset's plugins: train's trust rule
-    require_trust(refs, named_refs(set_ or []), trust_code, f"--preset {preset}")
-    load_code(refs)
+    _trust(preset, set_ or [], trust_code)
     r = bench_step(preset, set_ or [], steps=steps, warmup=warmup)
     rows = [(p, f"{r[p + '_s']:.3f} s ({100 * r[p + '_s'] / r['step_s']:.0f}%)") for p in (*PHASES, "other")]
     rows += [("step", f"{r['step_s']:.3f} s (median of {steps})"), ("tokens/s", f"{r['tokens_per_s']:.0f}")]
     _emit(r, json_path, rows)
 
 
+def generate(
+    preset: PresetOpt = None, set_: SetOpt = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="A saved model folder to sample from instead of the preset's model.path (the preset's prompts, rendered with this model's chat template).")] = None,
+    sequences: Annotated[int, typer.Option("--sequences", help="Responses per generation: rollout.n per prompt, over the preset's first training prompts; at most 2^16.", min=1, max=2**16)] = 64,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Tokens per response at most (default: rollout.max_new_tokens), at most 2^16.", min=1, max=2**16)] = None,
+    threads: ThreadsOpt = None,
+    engine: Annotated[Optional[str], typer.Option("--engine", help="Rollout engine: hf or vllm (default: rollout.engine).")] = None,
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds, each a GEMM measurement then a generation (after one warm-up); medians are reported.", min=1, max=1000)] = 3,
+    json_path: JsonOpt = None, trust_code: TrustOpt = False,
+) -> None:
+    """Generated tokens/s of the rollout engine on the preset's prompts against the compute-bound limit.
+
+    The limit is the model's GEMMs measured in the same run: the GEMM FLOP/s of x @ W^T for every linear layer's
+    weight W, x holding one row per sequence (a decode step), over 2 x (the linear layers' parameters) FLOPs
+    per token (docs/performance.md). JSON keys: tokens_per_s, limit_tokens_per_s, ratio, gemm_gflops, params, decode_path,
+    every round's values (runs).
+    """
+    from emapg_cli.bench.generate import bench_generate
+    from emapg_cli.hf_quiet import quiet_transformers
+
+    quiet_transformers()
+    if preset is None:
+        raise UserError("pass --preset (its training prompts are sampled; --model swaps the model)")
+    if engine is not None and engine not in ("hf", "vllm"):
+        raise UserError(f"--engine must be hf or vllm, not '{engine}'")
+    if model is not None and not model.strip():
+        raise UserError("--model is empty: pass a saved model folder")
+    _check("cpu", "float32", threads)
+    _trust(preset, set_ or [], trust_code)
+    r = bench_generate(preset, set_ or [], model=model, sequences=sequences, max_new_tokens=max_new_tokens, engine=engine,
+                       rounds=rounds)
+    ratios = ", ".join(f"{x:.2f}" for x in r["ratio_runs"])
+    rows = [("model", f"{r['model']} ({r['params'] / 1e6:.1f}M linear parameters, {r['engine']} engine, {r['decode_path']})"),
+            ("work", f"{r['prompts']} prompts x {r['n']} samples, <= {r['max_new_tokens']} new tokens, {r['threads']} threads"),
+            ("generated", f"{r['tokens_per_s']:.1f} tokens/s ({r['tokens_mean']:.0f} tokens per round, median of {r['rounds']})"),
+            ("GEMMs", f"{r['gemm_gflops']:.1f} GFLOP/s at [{r['gemm_rows']}, in] x the model's weights"),
+            ("limit", f"{r['limit_tokens_per_s']:.1f} tokens/s (GEMM FLOP/s / {r['flops_per_token'] / 1e6:.4g} MFLOP per token)"),
+            ("ratio", f"{r['ratio']:.2f} of the limit (rounds: {ratios})"),
+            ("load average", f"{r['load_average_before']:.1f} before, {r['load_average_after']:.1f} after")]
+    _emit(r, json_path, rows)
+
+
+app.command("generate")(generate)
 app.command("update")(update)
 app.command("passes")(passes)
 app.command("step")(step)

@@ -11,11 +11,18 @@ top_p is (the nucleus only decides which tokens can be drawn), so they are what 
 log-prob passes compute. A response ends on any of `end_token_ids` (the tokenizer's EOS and the
 generation config's EOS ids, `engines.base.end_token_ids`, the set the vLLM engine stops on too)
 or on a stop string, and holds only tokens the sampler drew (see `HFEngine._completion`).
+
+Two decode paths draw the same tokens: emapg's own loop (`engines/hf_decode.py`: a preallocated key/value
+cache, finished rows leave the batch; the default wherever the model supports it) and transformers'
+`generate` with the sampler as a logits processor (`fast_decode=False`, or a model the loop does not
+support: the engine then warns once, naming why). `HFEngine.decode_path` says which one runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
@@ -24,6 +31,8 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
 from emapg_cli.models.prefix import cache_kwarg, prompt_cache
+
+log = logging.getLogger(__name__)
 
 
 def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top_p: float) -> tuple[Tensor, Tensor]:
@@ -39,7 +48,7 @@ def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top
     if temperature == 0:
         tokens = scores.argmax(-1)  # [B]
         return tokens, torch.log_softmax(scores, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    logp = torch.log_softmax(scores / temperature, -1)  # [B, V]
+    logp = torch.log_softmax(scores / temperature if temperature != 1.0 else scores, -1)  # [B, V] (x / 1 is x: skipped)
     probs = logp.exp()
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)  # [B, V]
@@ -68,13 +77,20 @@ class SeededSampler(LogitsProcessor):
         self.tokens: list[Tensor] = []  # one [B] per generated position: the token drawn for each row
         self.topk_index: list[Tensor] = []  # one [B, k] per generated position (topk > 0)
 
+    def draw(self, scores: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """One step's tokens [B] and log-probs [B] drawn from scores [B, V] with uniforms [B], and the top-k ids
+        [B, k] of softmax(scores / T) (the top-k of the scores) when `topk` > 0, else None."""
+        tokens, logp = sample_from_logits(scores, uniforms, self.temperature, self.top_p)
+        top = scores.topk(min(self.topk, scores.shape[-1]), -1).indices if self.topk else None  # [B, k]
+        return tokens, logp, top
+
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         t = input_ids.shape[1] - self.prompt_len
-        tokens, logp = sample_from_logits(scores, self.uniforms[:, t], self.temperature, self.top_p)
+        tokens, logp, top = self.draw(scores, self.uniforms[:, t])
         self.logprobs.append(logp)
         self.tokens.append(tokens)
-        if self.topk:  # the top-k of softmax(scores / T) is the top-k of the scores
-            self.topk_index.append(scores.topk(min(self.topk, scores.shape[-1]), -1).indices)  # [B, k]
+        if top is not None:
+            self.topk_index.append(top)
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, tokens[:, None], 0.0)
         return out
@@ -90,21 +106,44 @@ class HFEngine(EngineBase):
 
     def __init__(self, model, tokenizer, batch_size: int = 256,
                  weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None, share_prompts: bool = True,
-                 end_token_ids: Optional[Sequence[int]] = None):
+                 end_token_ids: Optional[Sequence[int]] = None, fast_decode: bool = True):
         """`weights_context(model)` is entered around each generate call (default: nothing); the trainer
         passes one that gathers a sharded model's full weights for the duration (train/parallel.py).
         `share_prompts`: prefill each distinct prompt of a batch once (`emapg_cli.models.prefix.prompt_cache`).
         `end_token_ids`: the tokens a response ends on; default the tokenizer's EOS plus `model.generation_config`'s
-        EOS ids (`engines.base.end_token_ids`)."""
+        EOS ids (`engines.base.end_token_ids`). `fast_decode`: emapg's decode loop (`engines/hf_decode.py`) where the
+        model supports it; False: transformers' `generate` (the same samples, slower)."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.share_prompts = share_prompts
+        self.fast_decode = fast_decode
         self.weights_context = weights_context or (lambda model: contextlib.nullcontext())
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. the EOS token) before generating")
         self.end_ids = tuple(end_token_ids) if end_token_ids is not None else \
             _end_ids_of(tokenizer, getattr(model, "generation_config", None))
+        self._paths: dict[type, str] = {}  # decode path per model class, decided (and said) once
+        self._stops: dict[tuple[str, ...], Any] = {}  # StopStringCriteria per stop-string set (its tables cost)
+
+    @property
+    def decode_path(self) -> str:
+        """`fast` (engines/hf_decode.py) or `generate: <why>` for the model sampled from now."""
+        return self._path_for(_forward_model(self.model))
+
+    def _path_for(self, model) -> str:
+        kind = type(model)
+        if kind not in self._paths:
+            from emapg_cli.engines.hf_decode import unsupported_reason
+
+            reason = unsupported_reason(model) if self.fast_decode else "fast_decode is off"
+            self._paths[kind] = "fast" if reason is None else f"generate: {reason}"
+            if reason is None:
+                log.info("hf engine: %s samples through emapg's decode loop", kind.__name__)
+            elif self.fast_decode:
+                warnings.warn(f"hf engine: {kind.__name__} samples through transformers' generate (slower): {reason}",
+                              stacklevel=2)
+        return self._paths[kind]
 
     def full_vocab_logprobs(self, params: SamplingParams) -> bool:
         """Whether the recorded log-probs are log softmax(logits / T) over the full vocabulary for `params`
@@ -134,10 +173,10 @@ class HFEngine(EngineBase):
 
     @torch.inference_mode()
     def _generate_chunk(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
-        tok, model = self.tokenizer, self.model
+        model = self.model
         device = next(model.parameters()).device
         plen = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), plen), tok.pad_token_id, dtype=torch.long)  # [B, P]
+        input_ids = torch.full((len(prompts), plen), self.tokenizer.pad_token_id, dtype=torch.long)  # [B, P]
         attention = torch.zeros((len(prompts), plen), dtype=torch.long)  # [B, P]
         for r, p in enumerate(prompts):
             input_ids[r, plen - len(p):] = torch.tensor(p, dtype=torch.long)
@@ -146,6 +185,38 @@ class HFEngine(EngineBase):
             torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds
         ]).to(device)  # [B, max_new_tokens]
         sampler = SeededSampler(uniforms, plen, params.temperature, params.top_p, params.topk)
+        was_training = model.training
+        model.eval()
+        try:
+            input_ids, attention = input_ids.to(device), attention.to(device)
+            if self._path_for(_forward_model(model)) == "fast":
+                rows = self._decode_rows(input_ids, attention, uniforms, sampler, params)
+            else:
+                rows = self._generate_rows(input_ids, attention, sampler, params)
+        finally:
+            model.train(was_training)
+        return [self._completion(*row, params) for row in rows]
+
+    def _decode_rows(self, input_ids: Tensor, attention: Tensor, uniforms: Tensor, sampler: SeededSampler,
+                     params: SamplingParams) -> list[tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
+        """emapg's decode loop: each row's (tokens, drawn, log-probs, top-k) through its last step."""
+        from emapg_cli.engines.hf_decode import decode
+
+        stop = self._stop_criteria(params.stop)
+        out = decode(_forward_model(self.model), input_ids, attention, uniforms, sampler.draw, self.end_ids,
+                     (lambda seqs: stop(seqs, None)) if stop is not None else None, share_prompts=self.share_prompts)
+        rows = []
+        for r, n in enumerate(out.steps.tolist()):
+            ids = out.tokens[r, :n]
+            rows.append((ids, ids, out.logprobs[r, :n], out.topk[r, :n] if out.topk is not None else None))
+        return rows
+
+    def _generate_rows(self, input_ids: Tensor, attention: Tensor, sampler: SeededSampler,
+                       params: SamplingParams) -> list[tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
+        """transformers' `generate` with the sampler as its logits processor: each row's (tokens as generate returned
+        them, the sampler's draws, log-probs, top-k)."""
+        tok, model = self.tokenizer, self.model
+        plen, b = input_ids.shape[1], input_ids.shape[0]
         end = list(self.end_ids)  # rows finish on any of these (generate fills finished rows with pad_token_id)
         gen_cfg = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=False, num_beams=1,
@@ -155,11 +226,9 @@ class HFEngine(EngineBase):
         # `generate` fills every field we leave unset from model.generation_config (a checkpoint's
         # repetition_penalty, min_new_tokens, ...), which would silently change the distribution
         # sampled from; a neutral config in its place for the call keeps sampling = softmax(logits / T).
-        saved_cfg, was_training = model.generation_config, model.training
+        saved_cfg = model.generation_config
         model.generation_config = GenerationConfig(eos_token_id=end, pad_token_id=tok.pad_token_id)
-        model.eval()
         try:
-            input_ids, attention = input_ids.to(device), attention.to(device)
             shared = {}  # the repeated prompts' key/value cache, prefilled once each
             if self.share_prompts:
                 decoder = model.get_decoder()
@@ -172,16 +241,24 @@ class HFEngine(EngineBase):
             )
         finally:
             model.generation_config = saved_cfg
-            model.train(was_training)
         generated = out[:, plen:].cpu()  # [B, T']
-        logprobs = torch.stack(sampler.logprobs, 1).cpu() if sampler.logprobs else torch.zeros(len(prompts), 0)  # [B, T']
-        drawn = torch.stack(sampler.tokens, 1).cpu() if sampler.tokens else torch.zeros(len(prompts), 0, dtype=torch.long)  # [B, T']
+        logprobs = torch.stack(sampler.logprobs, 1).cpu() if sampler.logprobs else torch.zeros(b, 0)  # [B, T']
+        drawn = torch.stack(sampler.tokens, 1).cpu() if sampler.tokens else torch.zeros(b, 0, dtype=torch.long)  # [B, T']
         topk = torch.stack(sampler.topk_index, 1).cpu() if sampler.topk_index else None  # [B, T', k]
-        return [self._completion(generated[r], drawn[r], logprobs[r], params, topk[r] if topk is not None else None)
-                for r in range(len(prompts))]
+        return [(generated[r], drawn[r], logprobs[r], topk[r] if topk is not None else None) for r in range(b)]
 
-    def _completion(self, tokens: Tensor, drawn: Tensor, logprobs: Tensor, params: SamplingParams,
-                    topk: Optional[Tensor] = None) -> Completion:
+    def _stop_criteria(self, stop: tuple[str, ...]):
+        """generate's own StopStringCriteria for `stop` (None without stop strings), built once per set."""
+        if not stop:
+            return None
+        if stop not in self._stops:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            self._stops[stop] = StopStringCriteria(self.tokenizer, list(stop))
+        return self._stops[stop]
+
+    def _completion(self, tokens: Tensor, drawn: Tensor, logprobs: Tensor, topk: Optional[Tensor],
+                    params: SamplingParams) -> Completion:
         """Cut one row at its first end token (kept) or at the token completing a stop string, whichever
         comes first, keeping only tokens the sampler drew.
 
@@ -229,6 +306,11 @@ class HFEngine(EngineBase):
             else:
                 lo = mid + 1
         return lo
+
+
+def _forward_model(model):
+    """The module whose forward runs the decode loop: a peft model's base model (its adapters are injected there)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _end_ids_of(tokenizer, generation_config) -> tuple[int, ...]:
