@@ -100,7 +100,10 @@ def main() -> None:
                  f"{summary['eval_accuracy_final']:.1%} ({100 * (summary['eval_accuracy_final'] - summary['eval_accuracy_initial']):+.1f} points)",
         "eval": (f"{evals[0].relative_to(clone)}: n={ev.get('n')}, pass@1 {ev.get('pass@1', float('nan')):.1%}, "
                  f"maj@n {ev.get('maj@n', float('nan')):.1%}") if ev else "no eval folder",
-        "plots": ", ".join(sorted(p.name for p in (clone / run / "plots").glob("*.png"))),
+        "plots": ", ".join(sorted(p.name for p in (clone / "plots").glob("*.png"))),  # `emapg plot` writes ./plots
+        # what the documented commands left in the clone that git would list (.gitignore covers .venv, runs, plots)
+        "untracked": subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=clone,
+                                    capture_output=True, text=True).stdout.strip().replace("\n", "; ") or "none",
     })
 
 

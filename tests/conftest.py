@@ -11,6 +11,22 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _leave_no_global_state():
+    """Every test leaves the process as it found it (tests/process_state.py): registries (rewards, environments,
+    estimators, ...), plugin caches, the environment, the working directory and torch's threads are put back after
+    it, so a serial `pytest -q` gives each test what it would get alone. A module-level container of emapg_cli that
+    the test changed and the restore does not cover fails the test, naming it (add it to process_state.REGISTRIES)."""
+    import process_state
+
+    state, before = process_state.snapshot(), process_state.containers()
+    yield
+    process_state.restore(state)
+    leaked = process_state.changed_containers(before, process_state.containers())
+    if leaked:
+        pytest.fail(f"the test changed process-wide state that tests/process_state.py does not restore: {', '.join(leaked)}")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """A tiny random Llama model + byte tokenizer with a chat template, saved locally (built once)."""
@@ -88,6 +104,25 @@ def cli():
 def cli_many():
     """The `run_cli_many` helper as a fixture: independent CLI runs two at a time."""
     return run_cli_many
+
+
+def pytest_addoption(parser):
+    parser.addoption("--shuffle-seed", type=int, default=None, metavar="SEED",
+                     help="run the collected tests in a random order drawn from SEED, across files (.ci/run: a test "
+                          "that depends on what an earlier one left behind fails; the seed replays the order)")
+
+
+def pytest_collection_modifyitems(config, items):
+    seed = config.getoption("--shuffle-seed")
+    if seed is not None:
+        import random
+
+        random.Random(seed).shuffle(items)
+
+
+def pytest_report_header(config):
+    seed = config.getoption("--shuffle-seed")
+    return None if seed is None else f"test order shuffled: --shuffle-seed {seed}"
 
 
 def pytest_configure(config):

@@ -185,8 +185,8 @@ def test_aggregate_writes_results_summary_and_plots(tmp_path):
     assert (acc.mean, acc.std, acc.half_width) == (pytest.approx(0.6), pytest.approx(0.141421, abs=1e-6), pytest.approx(1.27062, abs=1e-4))
     assert (summaries[1].runs, summaries[1].failed) == (1, 1)
     md = (out / "summary.md").read_text()
-    assert "| 1 | kl.k=1 | 2 | 0.600 ± 0.141 | [-0.671, 1.871] |" in md
-    assert "| 2 | kl.k=8 | 1 (+1 failed) | 0.400 | – |" in md
+    assert "| 1 | kl.k=1 | 2 | 60.0 ± 14.1 | [-67.1, 187.1] |" in md  # in % (issue 32), as every accuracy emapg prints
+    assert "| 2 | kl.k=8 | 1 (+1 failed) | 40.0 | – |" in md
     assert "`kl.k=8/seed1`: failed — RuntimeError: boom" in md
     # the eval curve gains the initial evaluation at step 0 and the final one at the last step (10)
     k1 = records[0].curves["eval/accuracy"]

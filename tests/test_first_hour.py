@@ -187,10 +187,12 @@ def test_plot_overlays_runs_and_skips_absent_metrics(tmp_path):
     names = sorted(p.name for p in (tmp_path / "figs").iterdir())
     assert names == sorted(["eval_accuracy.png", "reward.png", "kl.png", "ema_distance.png", "entropy.png",
                             "clip_fraction.png", "throughput.png", "training.png"])
-    one = cli("plot", str(tmp_path / "b"))  # one run: into its own plots/, the metric it lacks is skipped
+    (tmp_path / "work").mkdir()
+    one = cli("plot", str(tmp_path / "b"), cwd=tmp_path / "work")  # one run: into ./plots, the metric it lacks skipped
     assert one.returncode == 0, one.stderr
-    assert not (tmp_path / "b" / "plots" / "entropy.png").exists()
-    assert (tmp_path / "b" / "plots" / "training.png").stat().st_size > 0
+    assert not (tmp_path / "work" / "plots" / "entropy.png").exists()
+    assert (tmp_path / "work" / "plots" / "training.png").stat().st_size > 0
+    assert not (tmp_path / "b" / "plots").exists()  # issue 32: the run's own plots/ (train's) is left alone
 
 
 def test_plot_refuses_what_it_cannot_draw(tmp_path):

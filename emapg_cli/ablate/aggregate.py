@@ -59,6 +59,7 @@ class ConfigSummary:
     runs: int
     failed: int
     stats: dict[str, Interval]
+    order: int = 0  # position in the sweep's natural order (`natural_order`): variants as planned, numbers by value
 
 
 def save_plan(out: Path, runs: list[RunSpec]) -> None:
@@ -175,27 +176,61 @@ def _trainer_status(rdir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def label_of(values: dict[str, Any], columns: list[str]) -> str:
-    """Human name of a configuration: the variant, then `key=value` of each grid key."""
+def label_of(values: dict[str, Any], columns: list[str], written: Optional[dict[str, str]] = None) -> str:
+    """Human name of a configuration: the variant, then `key=value` of each grid key; a value written as `|V|` (the
+    vocabulary size: the exact KL) reads `kl.k=|V| (259)`, not a bare 259."""
+    from emapg_cli.ablate.grid import VOCAB
+
+    def value(k: str) -> str:
+        as_written = str((written or {}).get(k, "")).strip('"')
+        return f"{VOCAB} ({values[k]})" if as_written == VOCAB else str(values[k])
+
     parts = [str(values["variant"])] if "variant" in columns else []
-    parts += [f"{k}={values[k]}" for k in columns if k != "variant"]
+    parts += [f"{k}={value(k)}" for k in columns if k != "variant"]
     return ", ".join(parts) or "base"
+
+
+def natural_order(specs: list[RunSpec], columns: list[str]) -> dict[str, int]:
+    """config_id -> position: variants in the order the sweep plans them, then each grid key's values by number
+    (k = 1, 8, 259, not the strings' 1, 259, 8), other values by their text."""
+    first: dict[str, int] = {}
+    for spec in specs:
+        first.setdefault(str(spec.values.get("variant")), len(first))
+
+    def key(spec: RunSpec) -> tuple:
+        grid = [(0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
+                for v in (spec.values.get(c) for c in columns if c != "variant")]
+        return (first[str(spec.values.get("variant"))], *grid)
+
+    ordered = sorted({s.config_id: s for s in specs}.values(), key=key)
+    return {spec.config_id: i for i, spec in enumerate(ordered)}
 
 
 def summarize(records: list[RunRecord], columns: list[str]) -> list[ConfigSummary]:
     """Per configuration: mean/std/CI of every metric over its finished seeds, ranked by mean final
-    eval accuracy (highest first; configurations with no finished run last)."""
+    eval accuracy (highest first; ties in `natural_order`; configurations with no finished run last)."""
     groups: dict[str, list[RunRecord]] = {}
     for rec in records:
         groups.setdefault(rec.spec.config_id, []).append(rec)
+    order = natural_order([r.spec for r in records], columns)
     out = []
     for cid, recs in groups.items():
         done = [r for r in recs if r.status == "done"]
         stats = {m: mean_ci([r.metrics.get(m) for r in done], CONFIDENCE) for m in METRIC_COLUMNS}
         values = recs[0].spec.values
-        out.append(ConfigSummary(cid, label_of(values, columns), values, len(done), sum(r.status == "failed" for r in recs), stats))
+        out.append(ConfigSummary(cid, label_of(values, columns, recs[0].spec.grid), values, len(done),
+                                 sum(r.status == "failed" for r in recs), stats, order[cid]))
     key = lambda c: -c.stats["eval_accuracy_final"].mean if c.runs and not math.isnan(c.stats["eval_accuracy_final"].mean) else math.inf  # noqa: E731
-    return sorted(out, key=key)
+    return sorted(sorted(out, key=lambda c: c.order), key=key)
+
+
+def one_seed_caveat(summaries: list[ConfigSummary]) -> Optional[str]:
+    """A warning for a ranking with no seed-to-seed spread to judge it by (no configuration has 2 finished seeds),
+    None otherwise."""
+    if any(c.runs >= 2 for c in summaries):
+        return None
+    return ("one seed per configuration: the ranking is one draw each, with no confidence interval, and seeds of one "
+            "configuration can differ by several points (run --seeds 3 or more before reading an order into it)")
 
 
 def write_results_csv(path: Path, records: list[RunRecord], columns: list[str]) -> None:
@@ -209,18 +244,26 @@ def write_results_csv(path: Path, records: list[RunRecord], columns: list[str]) 
             w.writerow([r.spec.run_id, r.spec.config_id, *(r.spec.values.get(c) for c in columns), r.spec.seed, r.status, *nums, err])
 
 
-def format_mean_std(iv: Interval, digits: int = 3) -> str:
-    """'mean ± std' over seeds ('–' with none, the mean alone with one)."""
+def format_mean_std(iv: Interval, digits: int = 3, percent: bool = False) -> str:
+    """'mean ± std' over seeds ('–' with none, the mean alone with one); `percent`: a fraction shown in %, one
+    decimal (0.841 ± 0.026 -> 84.1 ± 2.6)."""
+    scale, digits = (100.0, 1) if percent else (1.0, digits)
     if iv.n == 0:
         return "–"
     if iv.n == 1:
-        return f"{iv.mean:.{digits}f}"
-    return f"{iv.mean:.{digits}f} ± {iv.std:.{digits}f}"
+        return f"{scale * iv.mean:.{digits}f}"
+    return f"{scale * iv.mean:.{digits}f} ± {scale * iv.std:.{digits}f}"
 
 
-def format_ci(iv: Interval, digits: int = 3) -> str:
-    """'[lo, hi]' of the t interval ('–' with fewer than two seeds)."""
-    return f"[{iv.lo:.{digits}f}, {iv.hi:.{digits}f}]" if iv.n >= 2 else "–"
+def format_ci(iv: Interval, digits: int = 3, percent: bool = False) -> str:
+    """'[lo, hi]' of the t interval ('–' with fewer than two seeds); `percent` as in `format_mean_std`."""
+    scale, digits = (100.0, 1) if percent else (1.0, digits)
+    return f"[{scale * iv.lo:.{digits}f}, {scale * iv.hi:.{digits}f}]" if iv.n >= 2 else "–"
+
+
+def _md_cell(text: str) -> str:
+    """`text` inside a markdown table cell (a `|`, as in `kl.k=|V|`, would end the cell)."""
+    return text.replace("|", "\\|")
 
 
 def _sci(iv: Interval) -> str:
@@ -238,20 +281,26 @@ def summary_markdown(sweep: Sweep, summaries: list[ConfigSummary], records: list
         base += "; every run also sets " + ", ".join(f"`{s}`" for s in sweep.set)
     lines += [base + ".", ""]
     lines += [
-        f"Ranked by mean final eval accuracy. `mean ± std` is over seeds (sample std); CI is the "
+        f"Ranked by mean final eval accuracy. Accuracies in %; `mean ± std` is over seeds (sample std); CI is the "
         f"{CONFIDENCE:.0%} Student-t interval of the mean (needs ≥ 2 finished seeds). "
         "Mean KL is averaged over training steps; EMA distance is the last logged one.",
         "",
-        "| rank | configuration | seeds | final accuracy | 95% CI | initial | best | mean KL | final EMA distance | wall time (s) |",
+    ]
+    caveat = one_seed_caveat(summaries)
+    if caveat:
+        lines += [f"**Caveat**: {caveat}.", ""]
+    lines += [
+        "| rank | configuration | seeds | final accuracy (%) | 95% CI | initial (%) | best (%) | mean KL | final EMA distance | wall time (s) |",
         "|---:|---|---:|---|---|---|---|---|---|---:|",
     ]
+    pct = lambda iv: format_mean_std(iv, percent=True)  # noqa: E731
     for i, c in enumerate(summaries, 1):
         s = c.stats
         seeds = f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else "")
         wall = "–" if s["wall_time_s"].n == 0 else f"{s['wall_time_s'].mean:.0f}"
         lines.append(
-            f"| {i} | {c.label} | {seeds} | {format_mean_std(s['eval_accuracy_final'])} | {format_ci(s['eval_accuracy_final'])} | "
-            f"{format_mean_std(s['eval_accuracy_initial'])} | {format_mean_std(s['eval_accuracy_best'])} | {_sci(s['kl_mean'])} | "
+            f"| {i} | {_md_cell(c.label)} | {seeds} | {pct(s['eval_accuracy_final'])} | {format_ci(s['eval_accuracy_final'], percent=True)} | "
+            f"{pct(s['eval_accuracy_initial'])} | {pct(s['eval_accuracy_best'])} | {_sci(s['kl_mean'])} | "
             f"{_sci(s['ema_distance_final'])} | {wall} |"
         )
     unfinished = [r for r in records if r.status != "done"]

@@ -187,6 +187,23 @@ def _tail(path: Path, lines: int) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def auto_jobs(pending: int, processes: int) -> tuple[int, str]:
+    """(runs at once, why) when `--jobs` is left out: on a CPU machine the cores idle now (`train.threads`: a short
+    sample of /proc/stat), at most the runs still to do; one at a time when each run takes GPUs (`--processes` > 1)
+    or the machine has a CUDA GPU (two runs would share its memory)."""
+    if processes > 1:
+        return 1, f"one at a time: each run takes {processes} processes"
+    import torch
+
+    if torch.cuda.is_available():
+        return 1, "one at a time on a GPU machine (--jobs N to share it)"
+    from emapg_cli.train.threads import auto_threads, available_cores, measure_busy
+
+    cores = available_cores()
+    free = auto_threads(len(cores), 1, measure_busy(cores)[0])
+    return max(1, min(free, pending)), f"auto: {free} of {len(cores)} cores free"
+
+
 def child_env(jobs: int) -> dict[str, str]:
     """The environment of each run: with several runs at once, split the cores between them
     (OMP/MKL threads = cores // jobs) unless the user already chose a thread count."""

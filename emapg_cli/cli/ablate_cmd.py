@@ -20,7 +20,7 @@ def ablate(
     grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="Grid axis KEY=V1,V2,... (values typed by the config model; `|V|` = the model's vocabulary size; `x2` = twice the key's value without this axis). Repeatable: the sweep is the cartesian product.")] = None,
     seeds: Annotated[Optional[int], typer.Option("--seeds", help="Seeds per configuration (train.seed = 0..N-1); default: the study's, or 1.", min=1)] = None,
     set_: SetOpt = None,
-    jobs: Annotated[int, typer.Option("--jobs", "-j", help="Runs at once (each a subprocess; the CPU threads are split between them).", min=1)] = 1,
+    jobs: Annotated[Optional[int], typer.Option("--jobs", "-j", help="Runs at once (each a subprocess; the CPU threads are split between them). Default: on a CPU machine the cores idle as the sweep starts, at most the runs left; 1 with a GPU or --processes above 1.", min=1)] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder of the sweep (default: ablations/<study>-<preset>, e.g. ablations/paper-toy; ablations/<study> without a preset). Rerunning with the same folder resumes.")] = None,
     processes: Annotated[int, typer.Option("--processes", min=1, help="Processes (GPUs) per run: above 1, each run starts with the launcher (default `accelerate launch --multi_gpu --num_processes N -m emapg_cli train ...`).")] = 1,
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="Command that starts one run, before `train ...`; {processes} is replaced by --processes (e.g. 'torchrun --nproc_per_node {processes} -m emapg_cli').")] = None,
@@ -67,8 +67,13 @@ def ablate(
         save_sweep(sweep, out)
         save_plan(out, runs)
         configs = len({r.config_id for r in runs})
+        how = "--jobs"
+        if jobs is None:
+            from emapg_cli.ablate.runner import auto_jobs, is_finished
+
+            jobs, how = auto_jobs(sum(not is_finished(out, r) for r in runs), processes)
         console.print(f"ablate [bold]{escape(sweep.name)}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = "
-                      f"{len(runs)} runs -> {escape(str(out))}")
+                      f"{len(runs)} runs -> {escape(str(out))}, {jobs} at once ({escape(how)})")
         results = run_sweep(sweep, runs, out, jobs=jobs, prefix=prefix, train_flags=flags)
         counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
         console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
@@ -178,7 +183,8 @@ def _with_study_analysis(sweep, study: Optional[str]):
 
 def _report(out: Path, study: Optional[str] = None) -> None:
     """Aggregate the sweep in `out`, draw the plots and print the ranked table (`study`: see _with_study_analysis)."""
-    from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std
+    from emapg_cli.ablate.aggregate import (RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std,
+                                            one_seed_caveat)
     from emapg_cli.ablate.plots import plot_all
 
     sweep, records, summaries = aggregate(out)
@@ -186,14 +192,17 @@ def _report(out: Path, study: Optional[str] = None) -> None:
     plots = plot_all(out, summaries, records, sweep.name)
     from rich.table import Table
 
-    table = Table(title=f"{escape(sweep.name)}: final eval accuracy (mean ± std over seeds, 95% CI)")
-    for col in ("rank", "configuration", "seeds", "final accuracy", "95% CI"):
+    table = Table(title=f"{escape(sweep.name)}: final eval accuracy in % (mean ± std over seeds, 95% CI)")
+    for col in ("rank", "configuration", "seeds", "final accuracy (%)", "95% CI"):
         table.add_column(col)
     for i, c in enumerate(summaries, 1):
         iv = c.stats["eval_accuracy_final"]
         table.add_row(str(i), escape(c.label), f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
-                      format_mean_std(iv), format_ci(iv))
+                      format_mean_std(iv, percent=True), format_ci(iv, percent=True))
     console.print(table)
+    caveat = one_seed_caveat(summaries)
+    if caveat:
+        console.print(f"[yellow]caveat:[/] {escape(caveat)}", highlight=False)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
     if sweep.analysis is not None:
         written += (_distill if sweep.analysis.kind == "distill" else _stability)(out, sweep, records)

@@ -155,8 +155,10 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         from click import exceptions as click
 
+    from emapg_cli.cli.help_format import tidy
+
     try:
-        rv = app(standalone_mode=False, prog_name="emapg")
+        rv = tidy(typer.main.get_command(app))(standalone_mode=False, prog_name="emapg")
     except UserError as e:
         _fail(str(e))
     except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help

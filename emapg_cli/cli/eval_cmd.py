@@ -241,12 +241,12 @@ def _run(settings, label: str) -> None:
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-    from emapg_cli.evaluation.report import markdown
+    from emapg_cli.evaluation.report import text_summary
     from emapg_cli.evaluation.runner import run_eval
     from emapg_cli.evaluation.store import RESULTS, RESUME_KEYS
     from emapg_cli.outputs import claim_folder, config_sha256
     from emapg_cli.plots.common import PLOTS_DIR
-    from emapg_cli.plots.eval import plot_evals
+    from emapg_cli.plots.eval import no_curve, plot_evals
     from emapg_cli.progress import Progress
 
     bar = Progress(
@@ -264,13 +264,14 @@ def _run(settings, label: str) -> None:
     digest = config_sha256(json.dumps({k: record.get(k) for k in RESUME_KEYS}, sort_keys=True, default=str))
     with claim_folder(out, "eval", digest, keep=(RESULTS,)), bar:
         summary = run_eval(settings, progress)
-    console.print(markdown(summary), markup=False, highlight=False)
+    console.print(text_summary(summary), markup=False, highlight=False, soft_wrap=True, end="")
     failed = {k: summary.get(f"grader_{k}") or 0 for k in ("errors", "timeouts", "crashes", "out_of_memory")}
     if any(failed.values()):  # each counted response scored 0: say so, not only in summary.json
         counts = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in failed.items() if v)
         typer.echo(f"warning: some responses could not be graded and scored 0 ({counts}; see summary.json grader_*)", err=True)
-    plot_evals([(out.name, summary)], out / PLOTS_DIR)
-    console.print(f"results in {out} (plots in {out / PLOTS_DIR})", markup=False, highlight=False)
+    drawn = plot_evals([(out.name, summary)], out / PLOTS_DIR)
+    plots = f"plots in {out / PLOTS_DIR}" if drawn else no_curve([(out.name, summary)])
+    console.print(f"results in {out} ({plots})", markup=False, highlight=False)
 
 
 def eval_(
@@ -285,11 +286,11 @@ def eval_(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Maximum response length in tokens; with --retriever, per turn. Default 28000, or 500 with --retriever.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Base sampling seed.")] = 429,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N problems.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<run name> for a run's final/policy, e.g. runs/eval/toy-toy-20260101-120000; <bench>-<folder name> otherwise); rerunning with the same folder resumes.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<run name> for a run's final/policy, runs/eval/<bench>-<folder name> otherwise); rerunning with the same folder resumes.")] = None,
     instruction: Annotated[Optional[str], typer.Option("--instruction", help="Text appended to each problem (default: none, the problem alone is the user message).")] = None,
     chunk: Annotated[Optional[int], typer.Option("--chunk", min=1, help="Problems per generate call; results are saved after each (default: 512 for vllm, 64/n for hf).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1, help="vLLM: prompt + response token limit (default: the model's).")] = None,
-    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", help="Model dtype (default: bfloat16 on GPU, float32 on CPU).")] = None,
+    dtype: Annotated[Optional[Literal["float32", "bfloat16", "float16"]], typer.Option("--dtype", metavar="DTYPE", help="Model dtype: float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU).")] = None,
     gpu_memory_utilization: Annotated[float, typer.Option("--gpu-memory-utilization", min=0.05, max=1.0, help="vLLM on a GPU: fraction of GPU memory to use (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")] = 0.9,
     grader_workers: Annotated[Optional[int], typer.Option("--grader-workers", min=1, help="Grading processes (default: one per CPU core, at most 8).")] = None,
     reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,

@@ -17,8 +17,6 @@ from emapg_cli.estimator_names import ESTIMATORS, KL_CHECK_DEFAULT
 from emapg_cli.outputs import writable_file
 from emapg_cli.paths import write_text_atomic
 
-ESTIMATOR_NAMES = ",".join(ESTIMATORS)
-
 
 def parse_list(text: str, kind: type, option: str) -> list:
     """'1,8,32' -> [1, 8, 32]; UserError naming the option on anything unparsable."""
@@ -67,7 +65,8 @@ def kl_check(
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples N per position.")] = 4096,
     batches: Annotated[int, typer.Option("--batches", help="Batches M the samples are split into for the t-tests.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic distributions, the anchor noise and the sampling.")] = 0,
-    estimators: Annotated[str, typer.Option("--estimators", help=f"Comma-separated estimators to measure (from {ESTIMATOR_NAMES}); each in the directions it supports. The default leaves out the distillation estimators (docs/distill.md).")] = ",".join(KL_CHECK_DEFAULT),
+    estimators: Annotated[str, typer.Option("--estimators", help=f"Comma-separated estimators to measure (from {', '.join(ESTIMATORS)}); each in the directions it supports. The default leaves out the distillation estimators (docs/distill.md).",
+                                                show_default=", ".join(KL_CHECK_DEFAULT))] = ",".join(KL_CHECK_DEFAULT),
     directions: Annotated[str, typer.Option("--directions", help="Comma-separated KL directions: reverse = KL(policy || anchor), forward = KL(anchor || policy).")] = "reverse,forward",
     confidence: Annotated[float, typer.Option("--confidence", help="Confidence level of every bias test, in (0.5, 1).")] = 0.999,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write every number (and the settings) to this JSON file.")] = None,

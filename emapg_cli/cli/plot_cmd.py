@@ -12,7 +12,7 @@ from emapg_cli.cli.common import console
 
 def plot(
     folders: Annotated[list[Path], typer.Argument(metavar="DIR...", help="Training run directories (metrics.jsonl), overlaid one colour each; or `emapg eval` output folders (summary.json).")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNGs (default: DIR/plots for one folder, ./plots for several).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Folder for the PNGs (default: ./plots, for one folder as for several; `train` and `eval` draw their own into the run's plots/).")] = None,
 ) -> None:
     """Plot training curves (eval accuracy, reward, KL to the anchor, EMA distance, entropy, clip fraction,
     throughput vs step; metrics a run did not log are skipped) or evaluations (pass@k, accuracy per subset / source).

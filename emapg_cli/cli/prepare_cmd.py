@@ -35,9 +35,6 @@ def _prepare_toy(seed: int) -> None:
     from emapg_cli.paths import emapg_home
     from emapg_cli.toy.prepare import prepare_toy
 
-    from emapg_cli.hf_quiet import quiet_transformers
-
-    quiet_transformers()
     home = emapg_home()
     with claim_folder(home / "toy", "prepare"):
         manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
@@ -67,9 +64,6 @@ def _prepare_toy_tools(seed: int) -> None:
     from emapg_cli.paths import emapg_home
     from emapg_cli.toy.tools_prepare import PRESET, prepare_toy_tools
 
-    from emapg_cli.hf_quiet import quiet_transformers
-
-    quiet_transformers()
     home = emapg_home()
     with claim_folder(home / PRESET, "prepare"):
         m = prepare_toy_tools(home, seed, progress=True)
@@ -84,9 +78,6 @@ def _prepare_toy_distill(seed: int) -> None:
     from emapg_cli.paths import emapg_home
     from emapg_cli.toy.distill_prepare import PRESET, prepare_toy_distill
 
-    from emapg_cli.hf_quiet import quiet_transformers
-
-    quiet_transformers()
     home = emapg_home()
     with claim_folder(home / PRESET, "prepare"):
         m = prepare_toy_distill(home, seed, say=lambda line: console.print(line, markup=False, highlight=False))
@@ -199,6 +190,9 @@ def prepare(
             raise UserError(f"--preset supports 'toy', 'toy-search', 'toy-tools' and 'toy-distill' (got '{preset}')")
         if names or from_file:
             raise UserError(f"--preset {preset} takes no NAME or --from")
+        from emapg_cli.hf_quiet import quiet_transformers
+
+        quiet_transformers()  # every toy saves and loads models: transformers' own bars stay out of the output
         toys[preset](seed)
         return
     if decontaminate:

@@ -156,8 +156,10 @@ def train(
 
         from emapg_cli.plots.folders import plot_folders
 
-        _, plots_dir, pngs = plot_folders([run_dir])
+        from emapg_cli.plots.common import PLOTS_DIR
+
+        _, plots_dir, pngs = plot_folders([run_dir], run_dir / PLOTS_DIR)
         table = Table(title="[bold green]done[/]", show_header=False, title_justify="left")
-        for label, value in summary_rows(summary, run_dir, (plots_dir, len(pngs))):
+        for label, value in summary_rows(summary, run_dir, (plots_dir, len(pngs)), cfg.train.objective):
             table.add_row(label, escape(value))
         console.print(table)

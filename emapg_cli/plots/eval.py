@@ -46,12 +46,30 @@ def _bars(evals: list[tuple[str, dict[str, Any]]], field: str, what: str, out: P
     return save(fig, out)
 
 
+def no_curve(evals: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """Why there is no pass@k curve (every evaluation drew one sample per problem: pass@1 alone is one dot, and it
+    is the accuracy the summary prints), or None when there is one."""
+    if any(len(pass_at_k(s)) > 1 for _, s in evals):
+        return None
+    return "no pass@k curve: one sample per problem (n = 1), so pass@1 is the accuracy in summary.md"
+
+
 def plot_evals(evals: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]:
-    """Write pass_at_k.png (and the per-subset / per-source bars where the benches have them) into `out`
-    for `evals` ((label, summary.json contents) pairs); returns the paths written."""
-    plt = pyplot()
+    """Write pass_at_k.png (unless `no_curve`) and the per-subset / per-source bars where the benches have them into
+    `out` for `evals` ((label, summary.json contents) pairs); returns the paths written (maybe none)."""
     palette = colors(len(evals))
     paths = []
+    if no_curve(evals) is None:
+        paths.append(_pass_at_k_curve(evals, out / PASS_AT_K_PNG, palette))
+    for field, what, name in (("subsets", "subset", SUBSETS_PNG), ("sources", "data source", SOURCES_PNG)):
+        path = _bars(evals, field, what, out / name, palette)
+        if path is not None:
+            paths.append(path)
+    return paths
+
+
+def _pass_at_k_curve(evals: list[tuple[str, dict[str, Any]]], path: Path, palette) -> Path:
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for i, (label, s) in enumerate(evals):
         pts = pass_at_k(s)
@@ -73,9 +91,4 @@ def plot_evals(evals: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    paths.append(save(fig, out / PASS_AT_K_PNG))
-    for field, what, name in (("subsets", "subset", SUBSETS_PNG), ("sources", "data source", SOURCES_PNG)):
-        path = _bars(evals, field, what, out / name, palette)
-        if path is not None:
-            paths.append(path)
-    return paths
+    return save(fig, path)

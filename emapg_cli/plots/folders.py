@@ -31,12 +31,14 @@ def labels(folders: list[Path]) -> list[str]:
 
 
 def default_out(folders: list[Path]) -> Path:
-    """One folder: its own `plots/`; several: `plots/` in the working directory."""
-    return folders[0] / PLOTS_DIR if len(folders) == 1 else Path(PLOTS_DIR)
+    """`plots/` in the working directory, for one folder as for several (issue 32: one run's figures went into the
+    run's own `plots/`, overwriting what `train` drew there, while the README said `./plots`)."""
+    return Path(PLOTS_DIR)
 
 
 def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, Path, list[Path]]:
-    """Plot `folders` (all training runs, or all evaluations) overlaid into `out` (default: `default_out`).
+    """Plot `folders` (all training runs, or all evaluations) overlaid into `out` (default: `default_out`, ./plots;
+    `train` passes its run's own plots/).
 
     Returns (kind, output folder, PNG paths). Every folder is checked before anything is drawn.
     """
@@ -65,5 +67,10 @@ def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, 
         return "train", out, paths
     from emapg_cli.plots.eval import plot_evals
 
+    from emapg_cli.plots.eval import no_curve
+
     evals = [(name, read_summary(f / EVAL_SUMMARY)) for name, f in zip(names, folders)]
-    return "eval", out, plot_evals(evals, out)
+    paths = plot_evals(evals, out)
+    if not paths:
+        raise UserError(f"nothing to plot: {no_curve(evals)}, and no subsets or data sources to compare")
+    return "eval", out, paths

@@ -3,6 +3,8 @@
 One PNG per metric that any run logged (absent metrics are skipped) plus `training.png`, every
 panel on one page. Per-step metrics are noisy: each is drawn faint, with a centred moving average
 over ~5% of the run on top; evaluations (every `eval.every` steps) are drawn as they are, with markers.
+A distillation run's teacher accuracy (`eval/teacher_accuracy`, step 0) is a dashed reference line on the eval
+accuracy panel (`drawn_series` says which series are left out).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from emapg_cli.plots.common import colors, pyplot, save
 #: (metric key, panel title, file name, smoothed) in page order.
 PANELS = (
     ("eval/accuracy", "greedy eval accuracy, eval/accuracy", "eval_accuracy.png", False),
+    # what each toy is about (drawn when a run logged it): the search agent's searches, a tool environment's calls
+    # (a distillation run's KL to the teacher is kl/value: its anchor is the teacher)
+    ("search/calls_per_episode", "searches per episode, search/calls_per_episode", "searches.png", True),
+    ("env/calls", "tool calls per episode, env/calls", "tool_calls.png", True),
     ("reward/mean", "train reward, reward/mean", "reward.png", True),
     ("kl/value", "KL to the anchor, kl/value", "kl.png", True),
     ("ema/distance", "policy-anchor distance ||θ-θ_ema||/||θ||, ema/distance", "ema_distance.png", True),
@@ -24,6 +30,8 @@ PANELS = (
     ("throughput/tokens_per_s", "throughput, throughput/tokens_per_s", "throughput.png", True),
 )
 OVERVIEW_PNG = "training.png"
+#: A distillation run's teacher accuracy (logged at step 0): a reference line on the eval accuracy panel.
+TEACHER = "eval/teacher_accuracy"
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -34,6 +42,18 @@ def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
         if step is not None and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             out.append((int(step), float(v)))
     return sorted(out)
+
+
+def drawn_series(rows: list[dict], key: str) -> list[tuple[int, float]]:
+    """`series(rows, key)`, except where it would only repeat or mislead: `env/calls` of the search agent (the same
+    number as its `search/calls_per_episode`) and the reward of a distillation run without a verifier (every
+    reward 0: `distill/kl` logged, no reward above 0)."""
+    if key == "env/calls" and series(rows, "search/calls_per_episode"):
+        return []
+    pts = series(rows, key)
+    if key == "reward/mean" and series(rows, "distill/kl") and not any(v for _, v in pts):
+        return []
+    return pts
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -49,9 +69,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
 def _draw(ax, runs: list[tuple[str, list[dict]]], key: str, title: str, smoothed: bool, palette) -> bool:
     drawn = False
     for i, (label, rows) in enumerate(runs):
-        pts = series(rows, key)
+        pts = drawn_series(rows, key)
         if not pts:
             continue
+        teacher = series(rows, TEACHER) if key == "eval/accuracy" else []
+        if teacher:
+            ax.axhline(teacher[0][1], color=palette(i % palette.N), ls="--", lw=1.2,
+                       label=f"teacher {100 * teacher[0][1]:.1f}%" + (f" ({label})" if len(runs) > 1 else ""))
         drawn = True
         steps, values = [s for s, _ in pts], [v for _, v in pts]
         color = palette(i % palette.N)
@@ -71,7 +95,7 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, title: Optional[str
     one-page overview into `out`; returns the paths written (none when no run logged a step)."""
     plt = pyplot()
     palette = colors(len(runs))
-    present = [p for p in PANELS if any(series(rows, p[0]) for _, rows in runs)]
+    present = [p for p in PANELS if any(drawn_series(rows, p[0]) for _, rows in runs)]
     if not present:
         return []
     if title is None:  # the run names, or their count when they would not fit on one line (the legend names them)
@@ -81,7 +105,7 @@ def plot_runs(runs: list[tuple[str, list[dict]]], out: Path, title: Optional[str
     for key, panel, name, smoothed in present:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         _draw(ax, runs, key, panel, smoothed, palette)
-        if len(runs) > 1:
+        if len(runs) > 1 or (key == "eval/accuracy" and ax.get_legend_handles_labels()[1]):  # several runs, a teacher
             ax.legend(fontsize=8)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()

@@ -43,6 +43,9 @@ DEFAULT_CHUNK_ROWS = 10_000
 #: would take minutes; `emapg retriever index` wrote them and the manifest lists every hash for a manual check).
 VERIFY_MAX_BYTES = 2 << 30
 HASH_ALWAYS_BYTES = 256 << 20
+#: The one-line error without bm25s (the README's toy-search section quotes it: tests/test_first_hour_third_pass.py).
+MISSING_EXTRA = ("the bm25 retriever needs bm25s, in emapg's search extra: pip install \".[search]\" in a clone of emapg, "
+                 "or pip install \"emapg[search]\"")
 
 
 def _bm25s():
@@ -50,7 +53,7 @@ def _bm25s():
     try:
         import bm25s
     except ImportError:
-        raise UserError("the bm25 retriever needs bm25s: pip install 'emapg[search]'") from None
+        raise UserError(MISSING_EXTRA) from None
     return bm25s
 
 

@@ -498,6 +498,19 @@ def _model_shapes(cfg: Config, model_config: Optional[dict[str, Any]], notes: li
     return None, source
 
 
+def _rollout_fit(cfg: Config, terms: list[MemoryTerm], state: int, rollout_peak: int, device: int) -> str:
+    """The note for a rollout peak above the device: the largest rollout.gpu_memory_utilization, in steps of 0.05,
+    whose engine share fits beside the state (the README's advice for `search-qa` on one GPU is this number)."""
+    engine = sum(x.bytes for x in terms if x.name == "vLLM engine")
+    room = (device - (rollout_peak - engine)) / device  # the share of the device left for the engine
+    fits = math.floor(room * 20 + 1e-9) / 20
+    if engine == 0 or fits < 0.05:
+        return "the rollout peak exceeds the device, and the state alone leaves no room for a rollout engine"
+    peak = (rollout_peak - engine + int(fits * device)) / 2**30
+    return (f"the rollout peak exceeds the device: rollout.gpu_memory_utilization <= {fits:g} fits "
+            f"(rollout peak {peak:.1f} GiB; now {cfg.rollout.gpu_memory_utilization:g})")
+
+
 def _memory_plan(plan: dict[str, Any], cfg: Config, model: ModelShapes, seq_len: int, device: int, master_weights: bool,
                  processes: int, notes: list[str]) -> Plan:
     """The plan with its memory estimate: terms, update and rollout peaks, the largest micro-batch that fits, notes."""
@@ -517,7 +530,7 @@ def _memory_plan(plan: dict[str, Any], cfg: Config, model: ModelShapes, seq_len:
     else:
         notes.append(f"the update fits with micro_batch_size up to {fit}")
     if rollout_peak > device:
-        notes.append("the rollout peak exceeds the device: lower rollout.gpu_memory_utilization")
+        notes.append(_rollout_fit(cfg, terms, state, rollout_peak, device))
     if r.engine_url is not None:
         notes.append(f"rollouts on the rollout server at {r.engine_url}: its engine's memory is not on this device "
                      "(the trainer holds its policy and pushes it there after each update)")

@@ -48,15 +48,21 @@ class PhaseTimer:
 
 
 class TrainProgress:
-    """The progress bar of `emapg train` (main process only): steps done, reward, KL and tokens/s of the last step,
-    elapsed time and the smoothed ETA (evaluation steps included)."""
+    """The progress bar of `emapg train` (main process only): steps done, what the last step says (`step_info`),
+    elapsed time and the smoothed ETA (evaluation steps included).
 
-    def __init__(self, steps: int, done: int, show: bool):
+    `objective`: train.objective; `held_out`: the held-out accuracy known when the bar starts (the initial
+    evaluation; None without an evaluation set); `teacher`: the teacher's accuracy of a distillation run."""
+
+    def __init__(self, steps: int, done: int, show: bool, objective: str = "rl", held_out: Optional[float] = None,
+                 teacher: Optional[float] = None):
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
         from emapg_cli.progress import Progress
 
         self.steps, self.timer = steps, StepTimer()
+        self.objective, self.teacher = objective, teacher
+        self.held_out = None if held_out is None else (done, held_out)  # (step, accuracy) of the last evaluation
         self.bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                             TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"), disable=not show)
         self.task = self.bar.add_task("train", total=steps, completed=done, info="", eta=clock(None))
@@ -70,9 +76,31 @@ class TrainProgress:
 
     def advance(self, step: int, metrics: dict[str, Any], seconds: float) -> None:
         """Step `step` finished in `seconds` with `metrics`."""
-        info = f"reward {metrics['reward/mean']:.3f}  kl {metrics.get('kl/value', 0.0):.2e}  {metrics['throughput/tokens_per_s']:.0f} tok/s"
+        if isinstance(metrics.get("eval/accuracy"), (int, float)):
+            self.held_out = (step, float(metrics["eval/accuracy"]))
         self.timer.add(seconds)
-        self.bar.update(self.task, advance=1, info=info, eta=clock(self.timer.eta(self.steps - step)))
+        self.bar.update(self.task, advance=1, info=step_info(metrics, self.objective, self.held_out, self.teacher),
+                        eta=clock(self.timer.eta(self.steps - step)))
+
+
+def step_info(metrics: dict[str, Any], objective: str = "rl", held_out: Optional[tuple[int, float]] = None,
+              teacher: Optional[float] = None) -> str:
+    """What a progress line says after a step, short enough that the bar keeps its place at 80 columns: the train
+    reward (not for `distill`, which has no verifier: every reward is 0) or the distillation KL, the last held-out
+    accuracy and the step it was evaluated at, then the KL to the anchor, or for distillation the teacher's accuracy
+    minus the held-out one in points: `reward 0.412  eval 45.2%@10  kl 2.1e-02`,
+    `distill kl 3.1e-02  eval 45.2%@100  teacher gap 37.6`. Throughput is in metrics.jsonl and throughput.png."""
+    distills = objective != "rl" and "distill/kl" in metrics
+    parts = [] if objective == "distill" else [f"reward {metrics['reward/mean']:.3f}"]
+    if distills:
+        parts.append(f"distill kl {metrics['distill/kl']:.1e}")
+    if held_out is not None:
+        parts.append(f"eval {100 * held_out[1]:.1f}%@{held_out[0]}")
+    if distills and teacher is not None and held_out is not None:
+        parts.append(f"teacher gap {100 * (teacher - held_out[1]):.1f}")
+    elif not distills:
+        parts.append(f"kl {metrics.get('kl/value', 0.0):.1e}")
+    return "  ".join(parts)
 
 
 def clock(seconds: Optional[float]) -> str:
@@ -106,17 +134,23 @@ def config_line(cfg) -> str:
             + (f" at {r.engine_url}" if r.engine_url else ""))
 
 
-def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None) -> list[tuple[str, str]]:
-    """The closing table of a run: (label, rounded value) rows."""
+def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None,
+                 objective: str = "rl") -> list[tuple[str, str]]:
+    """The closing table of a run: (label, rounded value) rows (a distillation run: the teacher's accuracy and the gap
+    left to it; no train reward when `objective` is `distill`, which has no verifier)."""
     rows = [("run", str(run_dir))]
     init, final = summary.get("eval_accuracy_initial"), summary.get("eval_accuracy_final")
     if init is not None and final is not None:
         rows.append(("eval accuracy", f"{100 * init:.1f}% -> {100 * final:.1f}% ({100 * (final - init):+.1f} points)"))
+    teacher = summary.get("teacher_accuracy")
+    if teacher is not None:
+        gap = f" (gap left {100 * (teacher - final):.1f} points)" if final is not None else ""
+        rows.append(("teacher accuracy", f"{100 * teacher:.1f}%{gap}"))
     steps = f"{summary.get('steps')}"
     if summary.get("steps_skipped"):
         steps += f" ({summary['steps_skipped']} skipped: non-finite loss or gradient)"
     rows.append(("steps", steps))
-    if summary.get("reward_mean_last") is not None:
+    if summary.get("reward_mean_last") is not None and objective != "distill":
         rows.append(("last train reward", f"{summary['reward_mean_last']:.3f}"))
     rows.append(("wall time", clock(summary.get("wall_time_s"))))
     if plots is not None:

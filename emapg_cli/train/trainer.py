@@ -251,7 +251,10 @@ class Trainer:
         last = self._setup()  # nothing is written before the data, models and checkpoint loaded
         logger = self._start(last)
         elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
-        with TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process) as progress, self.pipeline:
+        progress = TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process, objective=self.cfg.train.objective,
+                                 held_out=self.state.get("eval_accuracy_initial") if last == 0 else None,
+                                 teacher=self.state.get("teacher_accuracy"))
+        with progress, self.pipeline:
             for step in range(last + 1, self.cfg.train.steps + 1):
                 t0 = time.time()
                 # ---------------------------------------------- rollout, grading, passes, update, EMA anchor

@@ -102,7 +102,8 @@ def plot_metrics_odd_values_and_repeats(ws: Path) -> None:
     _write(ws / "run" / "metrics.jsonl", text)
     r = ok(emapg(ws, "plot", "run"))
     assert "repeat an earlier step" in r.err, f"repeated step not reported: {r.show()}"
-    assert not (ws / "run" / "plots" / "clip_fraction.png").exists(), f"a boolean was drawn as a number: {r.show()}"
+    assert (ws / "plots" / "training.png").is_file(), f"no plots in ./plots: {r.show()}"  # `emapg plot RUN` writes ./plots
+    assert not (ws / "plots" / "clip_fraction.png").exists(), f"a boolean was drawn as a number: {r.show()}"
 
 
 @probe("plot_metrics_bom")
@@ -145,7 +146,7 @@ def plot_summary_malformed(ws: Path) -> None:
         _write(ws / name / "summary.json", content if isinstance(content, bytes) else content.encode())
         _write(ws / name / "results.jsonl", "")
         one_line_error(emapg(ws, "plot", name), f"{name}/summary.json", needle)
-        assert not (ws / name / "plots").exists(), f"{name}: plots written for a refused summary"
+        assert not (ws / name / "plots").exists() and not (ws / "plots").exists(), f"{name}: plots written for a refused summary"
 
 
 # ------------------------------------------------------------------------------------- kl-check npz
