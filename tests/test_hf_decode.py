@@ -131,3 +131,26 @@ def test_preallocated_layer_returns_what_cat_would(one_torch_thread):
     assert torch.equal(fixed.update(k[:2], v[:2])[0], torch.cat([before[[2, 1]], k[:2]], 2))  # column 8 of 8
     with pytest.raises(RuntimeError, match="full"):
         fixed.update(k[:2], v[:2])
+
+
+@pytest.mark.parametrize("kind", ["lora", "bfloat16", "autocast"])
+def test_the_trainers_other_policies_sample_the_same(tok, kind, one_torch_thread):
+    """A LoRA policy (peft: the loop runs its base model, where the adapters are injected), a bfloat16 model, and a
+    float32 model under bfloat16 autocast (the trainer's master weights computing in bf16) sample what generate does."""
+    import contextlib
+
+    lm = build_tiny_model(tok, arch="llama", seed=0).eval()
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lm = get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    elif kind == "bfloat16":
+        lm = lm.to(torch.bfloat16)
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if kind == "autocast" else contextlib.nullcontext()
+    prompts = [list(p) for p in PROMPTS]
+    params = SamplingParams(n=8, max_new_tokens=16, seed=2, topk=3)
+    fast = HFEngine(lm, tok, end_token_ids=ends(tok))
+    assert fast.decode_path == "fast"
+    with context:
+        assert_same(HFEngine(lm, tok, end_token_ids=ends(tok), fast_decode=False).generate(prompts, params),
+                    fast.generate(prompts, params))

@@ -122,8 +122,9 @@ def test_engine_url_config_and_refusals():
         assert Config.model_validate(dumped).rollout.engine_url == dumped["rollout"]["engine_url"]
     refusals = [
         ({"rollout": {"engine_url": "127.0.0.1:8100"}}, "must be the http://HOST:PORT of a rollout server"),
-        ({"rollout": {"engine_url": "http://h:1", "gpu_memory_utilization": 0.3}}, "rollout.gpu_memory_utilization sizes an engine"),
-        ({"rollout": {"engine_url": "http://h:1", "hf_batch_size": 8}}, "rollout.hf_batch_size sizes an engine"),
+        ({"rollout": {"engine_url": "http://h:1", "gpu_memory_utilization": 0.3}}, "rollout.gpu_memory_utilization sets up an engine"),
+        ({"rollout": {"engine_url": "http://h:1", "hf_batch_size": 8}}, "rollout.hf_batch_size sets up an engine"),
+        ({"rollout": {"engine_url": "http://h:1", "hf_fast_decode": False}}, "rollout.hf_fast_decode sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
         ({"rollout": {"engine_weights_backend": "gloo"}}, "rollout.engine_weights_backend applies to a rollout server"),

@@ -73,9 +73,12 @@ def bench_prompts(cfg, tokenizer, count: int) -> list[list[int]]:
 
 def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optional[str] = None, sequences: int = 64,
                    max_new_tokens: Optional[int] = None, engine: Optional[str] = None, rounds: int = 3,
-                   seed: int = 0) -> dict[str, Any]:
+                   until_end: bool = False, seed: int = 0) -> dict[str, Any]:
     """Generate `sequences` responses (rollout.n per prompt) `rounds` times with the preset's rollout engine, each
-    after a measurement of the model's GEMMs at the decode batch; returns the medians, the runs and the ratio."""
+    after a measurement of the model's GEMMs at the decode batch; returns the medians, the runs and the ratio.
+
+    `until_end` False: every response runs to `max_new_tokens` (no end token, no stop string: a fixed amount of work,
+    as throughput benchmarks ignore EOS); True: responses end as in training (hf only: vLLM always ends on EOS)."""
     from emapg_cli.config.loading import load_config
     from emapg_cli.engines import make_engine, resolve_backend
     from emapg_cli.engines.base import SamplingParams
@@ -102,14 +105,16 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
     eng = make_engine(backend, cfg.model.path, seed=cfg.train.seed, dtype=cfg.model.dtype,
                       max_model_len=max(len(p) for p in prompts) + new, trust_remote_code=cfg.model.trust_remote_code,
                       batch_size=r.hf_batch_size, share_prompts=cfg.train.share_prompts != "never",
-                      fast_decode=r.hf_fast_decode, temperature=r.temperature, top_p=r.top_p)
+                      fast_decode=r.hf_fast_decode, temperature=r.temperature, top_p=r.top_p,
+                      end_token_ids=None if until_end else ())
     lm = getattr(eng, "model", None)
     if lm is None:  # an engine with weights of its own: the same model's GEMMs, loaded here
         lm = load_causal_lm(cfg.model.path, cfg.model.dtype, trust_remote_code=cfg.model.trust_remote_code)
     weights = linear_weights(lm)
     params_n = sum(w.numel() for w in weights)
     rows = min(sequences, r.hf_batch_size) if backend == "hf" else sequences
-    params = SamplingParams(n=n, max_new_tokens=new, temperature=r.temperature, top_p=r.top_p, stop=tuple(r.stop), seed=seed)
+    params = SamplingParams(n=n, max_new_tokens=new, temperature=r.temperature, top_p=r.top_p,
+                            stop=tuple(r.stop) if until_end else (), seed=seed)
     load_before = os.getloadavg()
     eng.generate(prompts, SamplingParams(n=n, max_new_tokens=min(2, new), temperature=r.temperature, seed=seed))  # warm-up
     gemm_seconds(weights, rows, passes=1)
@@ -123,7 +128,7 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
         runs.append({"gemm_s": g, "generate_s": wall, "tokens": tokens})
     return _summary(runs, rows, params_n, dict(
         preset=preset, model=str(expand(cfg.model.path)), engine=backend, decode_path=getattr(eng, "decode_path", backend),
-        sequences=sequences, prompts=len(prompts), n=n, max_new_tokens=new, temperature=r.temperature, top_p=r.top_p,
+        sequences=sequences, until_end=until_end, prompts=len(prompts), n=n, max_new_tokens=new, temperature=r.temperature, top_p=r.top_p,
         prompt_tokens_mean=statistics.mean(len(p) for p in prompts), rounds=rounds, threads=_threads(),
         load_average_before=load_before[0], load_average_after=os.getloadavg()[0]))
 

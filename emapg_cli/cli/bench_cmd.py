@@ -187,6 +187,7 @@ def generate(
     threads: ThreadsOpt = None,
     engine: Annotated[Optional[str], typer.Option("--engine", help="Rollout engine: hf or vllm (default: rollout.engine).")] = None,
     rounds: Annotated[int, typer.Option("--rounds", help="Rounds, each a GEMM measurement then a generation (after one warm-up); medians are reported.", min=1, max=1000)] = 3,
+    until_end: Annotated[bool, typer.Option("--until-end", help="Responses end as in training (end tokens, rollout.stop); default: every response runs to --max-new-tokens, a fixed amount of work (hf engine; vLLM always ends on EOS).")] = False,
     json_path: JsonOpt = None, trust_code: TrustOpt = False,
 ) -> None:
     """Generated tokens/s of the rollout engine on the preset's prompts against the compute-bound limit.
@@ -209,10 +210,11 @@ def generate(
     _check("cpu", "float32", threads)
     _trust(preset, set_ or [], trust_code)
     r = bench_generate(preset, set_ or [], model=model, sequences=sequences, max_new_tokens=max_new_tokens, engine=engine,
-                       rounds=rounds)
+                       rounds=rounds, until_end=until_end)
     ratios = ", ".join(f"{x:.2f}" for x in r["ratio_runs"])
     rows = [("model", f"{r['model']} ({r['params'] / 1e6:.1f}M linear parameters, {r['engine']} engine, {r['decode_path']})"),
-            ("work", f"{r['prompts']} prompts x {r['n']} samples, <= {r['max_new_tokens']} new tokens, {r['threads']} threads"),
+            ("work", f"{r['prompts']} prompts x {r['n']} samples, {'<= ' if until_end else ''}{r['max_new_tokens']} new tokens, "
+                     f"{r['threads']} threads"),
             ("generated", f"{r['tokens_per_s']:.1f} tokens/s ({r['tokens_mean']:.0f} tokens per round, median of {r['rounds']})"),
             ("GEMMs", f"{r['gemm_gflops']:.1f} GFLOP/s at [{r['gemm_rows']}, in] x the model's weights"),
             ("limit", f"{r['limit_tokens_per_s']:.1f} tokens/s (GEMM FLOP/s / {r['flops_per_token'] / 1e6:.4g} MFLOP per token)"),

@@ -471,7 +471,7 @@ class Config(Section):
             return
         local_keys = [k for k in changed if not k.startswith("engine_")]
         if local_keys:
-            raise ValueError(f"rollout.{local_keys[0]} sizes an engine in the trainer's process; with rollout.engine_url "
+            raise ValueError(f"rollout.{local_keys[0]} sets up an engine in the trainer's process; with rollout.engine_url "
                              f"the server's engine is sized by `emapg rollout serve`'s options: drop rollout.{local_keys[0]}")
         if self.lora.r > 0:
             raise ValueError("lora.r > 0 with rollout.engine_url is not supported yet (the server takes full weights, "

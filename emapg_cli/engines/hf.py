@@ -217,7 +217,7 @@ class HFEngine(EngineBase):
         them, the sampler's draws, log-probs, top-k)."""
         tok, model = self.tokenizer, self.model
         plen, b = input_ids.shape[1], input_ids.shape[0]
-        end = list(self.end_ids)  # rows finish on any of these (generate fills finished rows with pad_token_id)
+        end = list(self.end_ids) or None  # rows finish on any of these (generate fills finished rows with pad_token_id)
         gen_cfg = GenerationConfig(
             max_new_tokens=params.max_new_tokens, do_sample=False, num_beams=1,
             eos_token_id=end, pad_token_id=tok.pad_token_id,

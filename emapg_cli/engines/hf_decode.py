@@ -15,13 +15,13 @@ for the sampler's token around every step. This loop calls the model's own forwa
   the batch: its cache slot is refilled from the batch's last live row, so the GEMMs shrink with the live
   rows; never below `MIN_ROWS` (or the chunk), where a GEMM costs what it costs at one row (the weights'
   memory traffic) and where CPU BLAS kernels may round a row differently than in a larger batch;
-- each step's token is drawn by the engine's seeded sampler (`hf.draw`) from the same float32 logits.
+- each step's token is drawn by the engine's seeded sampler (`SeededSampler.draw`) from the same float32 logits.
 
 Every row sees the same operations on the same values as under `generate`; what can differ is how a
 kernel rounds a row when the batch around it has another size (a finished row left it). On CPU, MKL's
-GEMM gives each row the same bits at any batch of 10 rows or more (measured: docs/performance.md), and
-attention, norms and the sampler work row by row, so the samples and their log-probs are bit-identical to
-`generate`'s there (tests/test_hf_decode.py).
+GEMM gives each row the same bits at every batch from 12 to 256 rows, in any row order (measured at the 135M
+model's shapes, 1 and 2 threads: docs/performance.md), and attention, norms and the sampler work row by row, so
+the samples and their log-probs are bit-identical to `generate`'s there (tests/test_hf_decode.py).
 
 Supported: decoder-only models whose forward takes `cache` (or `past_key_values`), `position_ids`,
 `attention_mask` and `logits_to_keep`, and whose cache for this config is made of plain full-attention
@@ -43,7 +43,8 @@ from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache
 
 #: A batch never shrinks below this many rows (or the chunk's rows, when fewer): below it a step costs about
 #: the same (the weights are read from memory once per step whatever the rows), and MKL's small-batch GEMM
-#: kernels round some batch sizes (1-3, 7, 9 rows on an AVX2 machine) differently than larger batches.
+#: kernels round some batch sizes (1-3 rows at 1 thread, 1-11 but 4 and 8 at 2 threads, on an AVX2 machine)
+#: differently than larger batches.
 MIN_ROWS = 16
 
 
@@ -141,11 +142,11 @@ Draw = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Tensor]]]
 @torch.inference_mode()
 def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: Draw, end_ids: tuple[int, ...],
            stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True,
-           min_rows: int = MIN_ROWS) -> Decoded:
+           min_rows: Optional[int] = None) -> Decoded:
     """Sample up to N = uniforms.shape[1] tokens for each left-padded prompt row (input_ids, attention [B, P]).
 
     `stop(sequences [b, P + t]) -> [b] bool`: rows that end on a stop string (generate's StopStringCriteria).
-    Step t of row r draws with uniforms[r, t]."""
+    Step t of row r draws with uniforms[r, t]. `min_rows`: the batch's floor (None: `MIN_ROWS`)."""
     b, plen = input_ids.shape
     n = uniforms.shape[1]
     dev = input_ids.device
@@ -179,13 +180,13 @@ def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: 
         start = plen + t
         if done.any():
             out.steps[live[done].cpu()] = torch.minimum(out.steps[live[done].cpu()], torch.tensor(t + 1))
-            live = _compact(cache, live, done, min(min_rows, b), out.steps, t + 1)
+            live = _compact(cache, live, min(MIN_ROWS if min_rows is None else min_rows, b), out.steps, t + 1)
         if not len(live) or bool((out.steps[live.cpu()] <= t + 1).all()):
             break
     return out
 
 
-def _compact(cache: DynamicCache, live: Tensor, done: Tensor, floor: int, steps: Tensor, t: int) -> Tensor:
+def _compact(cache: DynamicCache, live: Tensor, floor: int, steps: Tensor, t: int) -> Tensor:
     """Drop finished rows from the batch (keeping at least `floor` rows: some finished ones stay and their draws are
     ignored); a dropped row's slot takes a live row from the end of the batch. Returns the new `live`."""
     still = (steps[live.cpu()] > t).to(live.device)  # [b'] rows not finished yet
