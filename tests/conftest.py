@@ -162,8 +162,10 @@ def pytest_terminal_summary(terminalreporter):
     results = _WORKER_FUZZ + (fuzz.RESULTS if fuzz is not None else Counter())
     if not results:
         return
+    import fuzz_corpus  # (tests/ is on sys.path, as for the test modules)
+
     terminalreporter.section("fuzz cases per command")
-    for command in ("prepare", "train", "eval", "ablate", "kl-check", "config"):
+    for command in fuzz_corpus.COMMANDS:
         parts = []
         for how in ("in-process", "subprocess", "generated"):
             counts = {o: results[(command, how, o)] for o in ("ok", "xfail", "fail")}

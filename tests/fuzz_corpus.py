@@ -393,6 +393,17 @@ def train_cases() -> list[Case]:
         case("train", "async-engine-old-logprobs", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=1",
              "--set", "rollout.engine_url=http://127.0.0.1:9", "--set", "train.old_logprobs=engine", "--dry-run"),
         case("train", "async-negative-staleness", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=-1", "--dry-run"),
+        # issue 32: what cannot train, refused in one line (train and --dry-run)
+        case("train", "float16", "train", "--config", "good.yaml", "--set", "model.dtype=float16"),
+        case("train", "float16-dry-run", "train", "--config", "good.yaml", "--set", "model.dtype=float16", "--dry-run"),
+        case("train", "teacher-support-raw", "train", "--config", "good.yaml", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=emptydir", "--set", "kl.topk_from=anchor", "--set", "kl.estimator=teacher_support_raw", "--dry-run"),
+        case("train", "support-renorm-false", "train", "--config", "good.yaml", "--set", "anchor.source=teacher",
+             "--set", "anchor.path=emptydir", "--set", "kl.topk_from=anchor", "--set", "kl.estimator=teacher_support",
+             "--set", "kl.support_renorm=false", "--dry-run"),
+        case("train", "async-vllm-nucleus-no-correction", "train", "--config", "good.yaml", "--set", "rollout.max_staleness=1",
+             "--set", "rollout.engine_url=http://127.0.0.1:9", "--set", "rollout.engine=vllm", "--set", "rollout.temperature=0.7",
+             "--set", "rollout.top_p=0.9", "--dry-run"),
         case("train", "anchor-teacher-no-path", "train", "--config", "good.yaml", "--set", "anchor.source=teacher", "--dry-run"),
         case("train", "anchor-teacher-lora", "train", "--config", "good.yaml", "--set", "anchor.source=teacher",
              "--set", "anchor.path=emptydir", "--set", "lora.r=2", "--dry-run"),
@@ -447,8 +458,13 @@ def train_cases() -> list[Case]:
                                  ("with-lora", ["rollout.engine_url=http://127.0.0.1:8100", "lora.r=4"]),
                                  ("timeout-alone", ["rollout.engine_timeout_s=5"]),
                                  ("timeout-zero", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=0"]),
-                                 ("backend-alone", ["rollout.engine_weights_backend=gloo"]),
-                                 ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]))]
+                                 ("backend-alone", ["rollout.engine_weights_backend=http"]),
+                                 ("backend-unknown", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=mpi"]),
+                                 # issue 32: gloo is no longer a weight backend (http took its place); a timeout past
+                                 # a day used to pass the config and overflow a socket timeout in training
+                                 ("backend-gloo", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_weights_backend=gloo"]),
+                                 ("timeout-huge", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=1e15"]),
+                                 ("timeout-inf", ["rollout.engine_url=http://127.0.0.1:8100", "rollout.engine_timeout_s=inf"]))]
     # issue 24: search.url may be a list (every URL checked, not empty); the server's pool/queue/cache options
     cases += [case("train", f"search-url-list-{name}", "train", "--config", "good.yaml", "--set", f"search.url={url}", "--dry-run")
               for name, url in (("empty", "[]"), ("one-file", "[http://127.0.0.1:1/retrieve, file:///etc/passwd]"),
@@ -470,7 +486,21 @@ def train_cases() -> list[Case]:
                                  ("top-p-zero", ("--model", "nomodel", "--top-p", "0")),
                                  # issue 36: OpenAI's routes on the same server; a flag, not an option with a value
                                  ("openai-model-missing", ("--model", "nomodel", "--openai")),
-                                 ("openai-with-value", ("--model", "nomodel", "--openai", "yes")))]
+                                 ("openai-with-value", ("--model", "nomodel", "--openai", "yes")),
+                                 # issue 32: the secret, the connection and request limits (checked before any model
+                                 # loads or any socket listens: --host 0.0.0.0 without a secret never binds)
+                                 ("host-all-no-secret", ("--model", "nomodel", "--host", "0.0.0.0")),
+                                 ("host-name-no-secret", ("--model", "nomodel", "--host", "example.org")),
+                                 ("secret-short", ("--model", "nomodel", "--secret", "short")),
+                                 ("secret-empty", ("--model", "nomodel", "--secret", "")),
+                                 ("max-connections-zero", ("--model", "nomodel", "--max-connections", "0")),
+                                 ("timeout-zero", ("--model", "nomodel", "--timeout", "0")),
+                                 ("timeout-huge", ("--model", "nomodel", "--timeout", "1e15")),
+                                 ("timeout-nan", ("--model", "nomodel", "--timeout", "nan")),
+                                 ("max-body-zero", ("--model", "nomodel", "--max-body-bytes", "0")),
+                                 ("max-sequences-zero", ("--model", "nomodel", "--max-sequences", "0")),
+                                 ("max-new-tokens-negative", ("--model", "nomodel", "--max-new-tokens", "-1")),
+                                 ("max-request-tokens-text", ("--model", "nomodel", "--max-request-tokens", "many")))]
     cases += [case("rollout", "serve-rollouts-alias-model-missing", "serve-rollouts", "--model", "nomodel")]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
@@ -810,6 +840,9 @@ def kl_check_cases() -> list[Case]:
     stab = ("kl-check", "--stability", "--steps", "80", "--alphas", "0.1", "--etas", "0.9", "--period", "1")
     cases += [
         case("kl-check", "target-distance-without-stability", "kl-check", "--target-distance", "0.01"),
+        # issue 32: --top-p in (0, 1]
+        *(case("kl-check", f"top-p-{name}", *small, "--top-p", value)
+          for name, value in (("zero", "0"), ("above-one", "1.5"), ("negative", "-0.1"), ("nan", "nan"), ("text", "most"))),
         case("kl-check", "stability-decay-max-without-target", *stab, "--decay-max", "0.9"),
         case("kl-check", "stability-target-distance-zero", *stab, "--target-distance", "0"),
         case("kl-check", "stability-target-distance-nan", *stab, "--target-distance", "nan"),
@@ -817,6 +850,27 @@ def kl_check_cases() -> list[Case]:
         case("kl-check", "stability-decay-max-one", *stab, "--target-distance", "0.01", "--decay-max", "1"),
         case("kl-check", "stability-decay-min-above-max", *stab, "--target-distance", "0.01", "--decay-min", "0.99",
              "--decay-max", "0.9"),
+    ]
+    return cases
+
+
+# ------------------------------------------------------------------------------------------- bench
+
+def bench_cases() -> list[Case]:
+    """`emapg bench`: bad values of every option are one line before anything is allocated (issue 32: --confident)."""
+    small = ("bench", "update", "--tokens", "4", "--hidden", "4", "--vocab", "20", "--k", "2")
+    cases = [case("bench", f"update-confident-{name}", *small, "--check", "--confident", value)
+             for name, value in (("zero", "0"), ("one", "1"), ("above-one", "1.5"), ("negative", "-0.5"), ("nan", "nan"),
+                                 ("text", "sure"))]
+    cases += [
+        case("bench", "update-check-too-big", "bench", "update", "--tokens", "1048576", "--hidden", "65536", "--vocab",
+             "16777216", "--check"),
+        case("bench", "update-dtype-float16", *small, "--dtype", "float16"),
+        case("bench", "update-estimator-unknown", *small, "--estimator", "k9"),
+        case("bench", "update-device-unknown", *small, "--device", "tpu"),
+        case("bench", "update-tokens-zero", "bench", "update", "--tokens", "0"),
+        case("bench", "passes-dtype-unknown", "bench", "passes", "--tokens", "4", "--hidden", "4", "--vocab", "20", "--dtype", "int8"),
+        case("bench", "step-no-preset", "bench", "step"),
     ]
     return cases
 

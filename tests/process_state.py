@@ -49,6 +49,7 @@ CACHES = (
 PURE_CACHES = (
     "emapg_cli.agents.protocol:*",  # compiled tag patterns
     "emapg_cli.grading.verify:*",  # math-verify's parser, parsed gold answers
+    "emapg_cli.kl.fused:_float32_out",  # whether this torch's CUDA GEMMs can return float32 (a property of the build)
     "emapg_cli.models.hub:*",  # whether a string is a hub id
 )
 

@@ -135,7 +135,7 @@ class Scripted(EngineBase):
     def __init__(self, tok, texts):
         self.tok, self.texts, self.prompts = tok, list(texts), []
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, cancelled=None):
         out = []
         for p in prompts:
             self.prompts.append(list(p))

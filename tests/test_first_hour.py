@@ -17,7 +17,8 @@ from conftest import run_cli as cli
 def test_config_keys_keeps_text_in_square_brackets():
     r = cli("config", "keys", env={"COLUMNS": "400"})
     assert r.returncode == 0, r.stderr
-    assert "Clip the importance weight s to [lo, hi] (null: no clipping)." in r.stdout
+    assert "importance weight s = pi_theta / pi_sampling to [lo, hi] (null: no clipping)." in r.stdout
+    assert "[0, train.rollout_correction_cap]" in r.stdout
     assert "[chunk, V]" in r.stdout
 
 

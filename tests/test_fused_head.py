@@ -170,3 +170,43 @@ def test_auto_chunk_from_budget():
     assert auto_chunk(151_936, 256, buffers=8) == 55
     assert auto_chunk(10**9, 1) == 1
 
+
+
+def test_float64_weights_with_a_bias_and_the_entropy():
+    # issue 32: a float64 head with a bias and entropy=True failed (the bias part of sum_j p_j z_j was cast to float32
+    # against float64 logits). The value, the entropy and the gradients equal plain autograd in float64 to 1e-12.
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(N, H, dtype=torch.float64, generator=g).requires_grad_()  # [N, H]
+    w = torch.randn(V, H, dtype=torch.float64, generator=g).requires_grad_()  # [V, H]
+    b = torch.randn(V, dtype=torch.float64, generator=g).requires_grad_()  # [V]
+    targets = torch.randint(0, V, (N,), generator=g)
+
+    def loss_fn(s, e, logp, logp_q, logits=None, ref_logits=None):
+        return -logp, {}
+
+    out = fused_head_loss(h, w, b, targets, loss_fn, temperature=TAU, chunk=4, entropy=True)
+    got = torch.autograd.grad(out.loss, (h, w, b))
+    z = (h @ w.t() + b) / TAU  # [N, V]
+    logp = torch.log_softmax(z, -1)
+    ref = -logp.gather(1, targets[:, None]).sum()
+    want = torch.autograd.grad(ref, (h, w, b))
+    assert abs(float(out.loss) - float(ref)) <= 1e-6 * abs(float(ref))  # the value is returned in float32
+    assert rel_err(out.entropy.double(), -(logp.exp() * logp).sum(-1).detach()) <= 1e-6  # entropy kept in float32
+    for a, c in zip(got, want):
+        assert a.dtype == torch.float64 and rel_err(a, c) <= 1e-12
+
+
+def test_half_gemm_with_a_float32_result_is_a_valid_call():
+    # The CUDA branch of mm_float32 (torch.mm's out_dtype) cannot run on a CPU-only test machine; on the meta device
+    # the same call checks that this torch accepts it and returns a float32 [3, 5] result from bfloat16 operands.
+    from emapg_cli.kl.fused import mm_float32
+
+    a = torch.empty(3, 4, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(4, 5, dtype=torch.bfloat16, device="meta")
+    out = mm_float32(a, b, None)
+    assert out.dtype == torch.float32 and out.shape == (3, 5)
+    buf = torch.empty(8, 5, device="meta")  # written into a reused float32 buffer, as _logits does
+    assert mm_float32(a, b, None, out=buf[:3]).dtype == torch.float32
+    # the CPU branch: the float32 GEMM of the widened operand, exact products of bfloat16 values
+    a, b = torch.randn(3, 4).bfloat16(), torch.randn(4, 5).bfloat16()
+    assert torch.equal(mm_float32(a, b, b.float()), a.float() @ b.float())

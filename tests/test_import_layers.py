@@ -6,6 +6,8 @@ Every module under emapg_cli is parsed with `ast` (nothing is imported). Each `i
   * an import cycle between modules over the module-level edges (what runs at import time), and any new cycle
     once imports inside functions count too (`KNOWN_FUNCTION_LEVEL_CYCLES` lists the ones left);
   * a same-floor import the design forbids (`FORBIDDEN`: evaluation never reaches into train);
+  * two packages that import each other, one way and the other (module- or function-level edges, however many
+    modules apart: e.g. rewards/qa.py importing agents/protocol.py while agents/ imports rewards/plugin.py);
   * `typer` imported anywhere outside `cli/`.
 FLOORS below is the one table of floors; docs/architecture.md describes it.
 """
@@ -23,7 +25,7 @@ PACKAGE = Path(emapg_cli.__file__).resolve().parent
 FLOORS: dict[str, int] = {
     # 0: helpers every floor may use
     "emapg_cli": 0, "errors": 0, "paths": 0, "fileio": 0, "estimator_names": 0, "stats": 0, "outputs": 0,
-    "hf_quiet": 0, "progress": 0, "http_reply": 0,
+    "hf_quiet": 0, "progress": 0, "http_reply": 0, "http_server": 0, "http_client": 0,
     # 1: pure maths (tensors in, tensors out) and answer grading
     "kl": 1, "grpo": 1, "grading": 1,
     # 2: the canonical example schema
@@ -168,6 +170,30 @@ def test_no_new_import_cycle_through_function_imports():
             graph.setdefault(src, set()).add(dst)
     new = [c for c in find_cycles(graph) if c not in KNOWN_FUNCTION_LEVEL_CYCLES]
     assert not new, f"import cycles (counting imports inside functions): {new}"
+
+
+def mutual_package_imports(pairs: list[tuple[str, str, str]]) -> list[str]:
+    """Pairs of top-level packages that import each other, one line each with an example edge per direction.
+    `pairs`: (importer package, imported package, "module:line imports module") per edge."""
+    seen: dict[tuple[str, str], str] = {}
+    for a, b, where in pairs:
+        if a != b:
+            seen.setdefault((a, b), where)
+    return sorted(f"{a} <-> {b}: {seen[(a, b)]}; {seen[(b, a)]}" for a, b in seen if a < b and (b, a) in seen)
+
+
+def test_mutual_package_imports_are_found():
+    # rewards -> agents and agents -> rewards (through other modules) is one pair; a one-way edge is none
+    pairs = [("rewards", "agents", "r.qa:1 imports a.protocol"), ("agents", "rewards", "a.env:9 imports r.plugin"),
+             ("agents", "grading", "a.protocol:2 imports g.extract"), ("rewards", "rewards", "r.qa:3 imports r.x")]
+    assert mutual_package_imports(pairs) == ["agents <-> rewards: a.env:9 imports r.plugin; r.qa:1 imports a.protocol"]
+    assert mutual_package_imports(pairs[1:]) == []
+
+
+def test_no_two_packages_import_each_other():
+    pairs = [(top_name(src), top_name(dst), f"{src}:{line} imports {dst}") for src, dst, _, line in edges()]
+    both = mutual_package_imports(pairs)
+    assert not both, "packages that import each other (move the shared part below both):\n" + "\n".join(both)
 
 
 def test_only_cli_imports_typer():

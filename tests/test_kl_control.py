@@ -3,9 +3,11 @@ checks, how the trainer's state carries beta, and the lines that describe it."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+import torch
 
 from emapg_cli.config import load_config
 from emapg_cli.errors import UserError
@@ -13,6 +15,7 @@ from emapg_cli.grpo.kl_control import adaptive_kl_coef
 from emapg_cli.train import beta_control
 from emapg_cli.train.loss import PolicyLoss
 from emapg_cli.train.settings import StepSettings
+from train_helpers import tiny_overrides
 
 
 def test_adaptive_kl_coef_hand_computed_sequence():
@@ -64,17 +67,23 @@ def test_beta_in_the_state_and_the_step_settings():
     fixed = load_config(overrides=["kl.coef=0.1"])
     state: dict = {}
     assert beta_control.current_beta(fixed, state) == 0.1
-    beta_control.update_state(fixed, state, 0.1, 5.0)
+    beta_control.update_state(fixed, state, 0.1, 5.0, 1024)
     assert state == {}  # a fixed beta writes nothing into state.json
     assert beta_control.current_beta(fixed, {beta_control.STATE_KEY: 0.3}) == 0.1  # and ignores a stale value
 
     # target 0.05, 1024 responses per step, horizon 10240: n / horizon = 0.1
     adaptive = load_config(overrides=["kl.coef=0.1", "kl.target=0.05", "kl.horizon=10240"])
     assert beta_control.current_beta(adaptive, state) == 0.1  # before the first step: kl.coef
-    beta_control.update_state(adaptive, state, 0.1, 0.1)  # e = 0.2 -> 0.1 * 1.02 = 0.102
+    beta_control.update_state(adaptive, state, 0.1, 0.1, 1024)  # e = 0.2 -> 0.1 * 1.02 = 0.102
     assert state[beta_control.STATE_KEY] == pytest.approx(0.102, abs=1e-15)
-    beta_control.update_state(adaptive, state, state[beta_control.STATE_KEY], None)  # no KL measured: unchanged
+    beta_control.update_state(adaptive, state, state[beta_control.STATE_KEY], None, 1024)  # no KL measured: unchanged
     assert beta_control.current_beta(adaptive, state) == pytest.approx(0.102, abs=1e-15)
+    # n is the responses the step trained on, not the configured 1024 (issue 32): 512 trained (the rest dropped by
+    # train.mask_truncated) moves beta half as far, 0.102 * (1 + 0.2 * 512 / 10240) = 0.102 * 1.01 = 0.10302; none: unchanged
+    beta_control.update_state(adaptive, state, state[beta_control.STATE_KEY], 0.1, 512)
+    assert state[beta_control.STATE_KEY] == pytest.approx(0.10302, abs=1e-15)
+    beta_control.update_state(adaptive, state, state[beta_control.STATE_KEY], 0.1, 0)
+    assert state[beta_control.STATE_KEY] == pytest.approx(0.10302, abs=1e-15)
 
     settings = StepSettings(k=1, topk=False, q_from=None, old_from_engine=False, engine_required=False, single_on_policy=True,
                             correction_old_pass=False, old_pass_fallback=False, old_pass=False, anchor_pass=True,
@@ -95,3 +104,57 @@ def test_settings_line_and_dry_run_plan_name_the_rule():
     assert make_plan(cfg).kl_coef == f"adaptive β (target KL 0.05, horizon 2560, from {cfg.kl.coef:g})"
     fixed = load_config(preset="toy")
     assert f"KL β {fixed.kl.coef:g} " in config_line(fixed) and make_plan(fixed).kl_coef == ""
+
+
+def test_sequence_token_means_by_hand():
+    from emapg_cli.train.update import sequence_token_means
+
+    # rows [1, 2 | nan], [3 | 9, 9], [no token]: means 1.5 and 3 over the 2 rows with a token (masked values ignored)
+    values = torch.tensor([[1.0, 2.0, float("nan")], [3.0, 9.0, 9.0], [5.0, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    assert sequence_token_means(values, mask) == (4.5, 2.0)
+
+
+def test_adaptive_beta_measures_the_kl_per_token_on_the_trained_responses(tiny_qwen2, tmp_path):
+    """issue 32, through the trainer. (a) kl/per_token is per token whatever train.loss_agg (verl's current_kl: the mean
+    over sequences of each one's token mean): a teacher anchor (the tiny model with noise on its weights, so the KL
+    is not 0 at step 1) and one mini-batch per step, so step 1's KL is measured before any update and two runs
+    differing only in loss_agg measure the same numbers; with seq-mean-token-mean kl/value is that same mean, with
+    seq-mean-token-sum it is a per-sequence sum (larger). (b) n is the trained responses: with train.mask_truncated
+    the truncated ones are dropped, and beta moves by e * n / horizon with that n."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train_helpers import run_many, train_cmd, write_dataset  # noqa: I001
+
+    teacher = tmp_path / "teacher"
+    lm = AutoModelForCausalLM.from_pretrained(tiny_qwen2)
+    with torch.no_grad():
+        for i, p in enumerate(lm.parameters()):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    lm.save_pretrained(teacher)
+    AutoTokenizer.from_pretrained(tiny_qwen2).save_pretrained(teacher)
+    data = write_dataset(tmp_path / "train.jsonl")
+    common = {"data.eval": "null", "eval.anchor_every": 0, "train.mini_batch_prompts": 4, "train.save_every": 0}
+    taught = {**common, "anchor.source": "teacher", "anchor.path": teacher}
+    runs = {
+        "mean": tiny_overrides(tiny_qwen2, data, steps=1, **taught, **{"train.loss_agg": "seq-mean-token-mean"}),
+        "sum": tiny_overrides(tiny_qwen2, data, steps=1, **taught, **{"train.loss_agg": "seq-mean-token-sum"}),
+        # the tiny byte-level model rarely draws EOS in 6 tokens: stop strings on 36 of its 259 tokens end some early
+        "drop": tiny_overrides(tiny_qwen2, data, steps=2, **common, **{"kl.target": 0.01, "kl.horizon": 16,
+                                                                       "train.mask_truncated": "true",
+                                                                       "rollout.stop": "[" + ",".join(f"'{c}'" for c in "abcdefghijklmnopqrstuvwxyz0123456789") + "]"}),
+    }
+    done = run_many([train_cmd(*opts, "--out", str(tmp_path / name)) for name, opts in runs.items()])
+    for r in done:
+        assert r.returncode == 0, r.stderr[-2000:]
+    rows = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in runs}
+    mean, total = rows["mean"][-1], rows["sum"][-1]
+    assert mean["kl/per_token"] == pytest.approx(total["kl/per_token"], rel=1e-6)
+    assert mean["kl/value"] == pytest.approx(mean["kl/per_token"], rel=1e-5)  # seq-mean-token-mean: the same mean
+    assert total["kl/value"] > 1.5 * total["kl/per_token"]  # responses of up to 6 tokens: a sum per sequence
+    # (b) step 1: 16 responses, truncated_frac of them dropped; beta_2 = 0.1 * (1 + clip(KL / 0.01 - 1, +-0.2) * n / 16)
+    first, second = rows["drop"][-2], rows["drop"][-1]
+    n = round(16 * (1 - first["rollout/truncated_frac"]))
+    assert 0 < n < 16, first["rollout/truncated_frac"]  # some dropped, some trained: n differs from the configured 16
+    e = min(max(first["kl/per_token"] / 0.01 - 1, -0.2), 0.2)
+    assert first["kl/coef"] == 0.1 and second["kl/coef"] == pytest.approx(0.1 * (1 + e * n / 16), rel=1e-12)

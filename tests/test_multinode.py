@@ -91,7 +91,7 @@ def test_a_lost_peer_is_one_line_not_a_bug(monkeypatch, capsys):
         raise RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35732: Connection "
                            "reset by peer. This is typically caused by a remote worker hanging or bugs in the application.")
 
-    monkeypatch.setattr(cli, "app", lose_peer)
+    monkeypatch.setattr(cli, "_command", lambda: lose_peer)  # the command tree main() runs
     with pytest.raises(SystemExit) as stop:
         cli.main()
     assert stop.value.code == 1

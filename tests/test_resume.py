@@ -48,20 +48,21 @@ def test_adaptive_beta_and_eta_sigkill_and_resume_is_bit_identical(tiny_qwen2, t
     _killed_resumed_and_uninterrupted(opts, tmp_path)
     rows = {name: _rows(tmp_path / name)[1:] for name in "ab"}
     assert [r["step"] for r in rows["b"]] == [1, 2, 3, 4]
-    for key in ("kl/coef", "kl/value", "ema/decay"):
+    for key in ("kl/coef", "kl/value", "kl/per_token", "ema/decay"):
         assert [r[key] for r in rows["b"]] == [r[key] for r in rows["a"]], key
-    # beta, from the logged numbers: beta_1 = kl.coef = 0.1, beta_t+1 = beta_t * (1 + clip(KL_t / 0.01 - 1, +-0.2) * 16/16)
+    # beta, from the logged numbers: beta_1 = kl.coef = 0.1, beta_t+1 = beta_t * (1 + clip(KL_t / 0.01 - 1, +-0.2) * 16/16),
+    # KL_t the step's kl/per_token (16 responses trained: nothing is dropped)
     betas = [r["kl/coef"] for r in rows["a"]]
     assert betas[0] == 0.1
     for t in range(3):
-        e = min(max(rows["a"][t]["kl/value"] / 0.01 - 1, -0.2), 0.2)
+        e = min(max(rows["a"][t]["kl/per_token"] / 0.01 - 1, -0.2), 0.2)
         assert e != 0 and betas[t + 1] == pytest.approx(betas[t] * (1 + e), rel=1e-12), (t, betas)
     # eta: H grows by the step limit 1.2 per update from 1 / (1 - 0.5) = 2: 2.4 -> 2.88 -> 3.456 -> 4.1472
     decays = [r["ema/decay"] for r in rows["a"]]
     assert decays == pytest.approx([1 - 1 / (2 * 1.2**k) for k in (1, 2, 3, 4)], abs=1e-12)
     # the newest checkpoint holds the beta a fifth step would use and the eta in force (JSON floats: exact)
     state = json.loads((tmp_path / "b" / "checkpoints" / "step_4" / "state.json").read_text())
-    e = min(max(rows["a"][3]["kl/value"] / 0.01 - 1, -0.2), 0.2)
+    e = min(max(rows["a"][3]["kl/per_token"] / 0.01 - 1, -0.2), 0.2)
     assert state["kl_coef"] == pytest.approx(betas[3] * (1 + e), rel=1e-12)
     assert state["ema_decay"] == decays[-1]
 

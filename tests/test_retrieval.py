@@ -371,8 +371,9 @@ def test_client_cuts_long_queries_and_splits_by_characters(monkeypatch):
 
 
 def test_server_busy_drain_is_bounded():
-    """The accept loop's 503 drops at most _LINGER_BYTES of what a client sends (it used to read until the client
+    """The accept loop's 503 drops at most LINGER_BYTES of what a client sends (it used to read until the client
     stopped: a client sending without end held the accept loop, so nobody else was even refused)."""
+    from emapg_cli import http_server
     from emapg_cli.retrieval import server as srv
 
     class Flood:  # a client that always has 64 KiB more to send
@@ -380,7 +381,7 @@ def test_server_busy_drain_is_bounded():
 
         def recv(self, n):
             self.read += n
-            if self.read > 64 * srv._LINGER_BYTES:
+            if self.read > 64 * http_server.LINGER_BYTES:
                 raise OSError("stop: unbounded")
             return b"x" * n
 
@@ -391,10 +392,10 @@ def test_server_busy_drain_is_bounded():
         def close(self): pass
 
     server = srv.RetrieverServer.__new__(srv.RetrieverServer)
-    server.limits = srv.Limits()
+    server.max_connections = srv.Limits().max_connections
     flood = Flood()
     server._busy(flood)
-    assert flood.read <= srv._LINGER_BYTES
+    assert flood.read <= http_server.LINGER_BYTES
 
 
 def test_server_parses_and_searches_one_request_at_a_time(index):

@@ -150,6 +150,23 @@ def test_trust_rule():
         require_trust(refs, named_refs(["rollout.reward=/x/other.py:score"]), False)
 
 
+def test_dry_run_says_the_run_will_need_trust_code(plugin, tmp_path):
+    """A --config file naming a reward plugin: the real run refuses it without --trust-code (exit 2), so the dry-run
+    (which runs no plugin code) says so in one line; named by --set, or with --trust-code, it says nothing."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"rollout:\n  reward: {plugin}:score\n")
+    base = ("train", "--preset", "toy", "--config", str(cfg), "--dry-run")
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda extra: emapg(*base, *extra), ((), ("--trust-code",), ("--set", f"rollout.reward={plugin}:score"))))
+    warned, trusted, named = runs
+    assert warned.returncode == 0, warned.stderr[-2000:]
+    lines = [line for line in warned.stdout.splitlines() if "--trust-code" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: the run will need --trust-code"), warned.stdout[-2000:]
+    assert f"{plugin.resolve()}:score" in lines[0] and f"--config {cfg}" in lines[0]
+    for r in (trusted, named):
+        assert r.returncode == 0 and "--trust-code" not in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
 def test_train_cli_logs_the_plugin_reward_and_the_truncation_rules(plugin, tiny_qwen2, tmp_path):
     data = write_dataset(tmp_path / "train.jsonl", n=4)  # 4 prompts per step: every step holds q1
     common = dict(**{"rollout.reward": f"{plugin}:score", "rollout.max_new_tokens": 1, "train.steps": 2, "data.eval": "null"})

@@ -212,12 +212,43 @@ def test_sequence_weights_act_as_scaled_advantages(sampled, mode):
 
 def test_kl_importance_weight_uses_the_sampling_log_probs(sampled):
     """With a correction on, the Top-k tail's s = pi_theta / pi_sampling reads the engine's log-probs: its KL equals
-    the uncorrected loss's KL when that loss's old policy is the engine's records (and differs from the default)."""
+    the uncorrected loss's KL when that loss's old policy is the engine's records (and differs from the default).
+    (kl.iw_clip=null: the correction's default cap on s is tested below.)"""
     lm, anchor, batch = sampled
-    on, _ = _loss(lm, anchor, batch, _cfg("token_truncate"))
+    on, _ = _loss(lm, anchor, batch, _cfg("token_truncate", "kl.iw_clip=null"))
     as_engine, _ = _loss(lm, anchor, batch.with_(old_logp=batch.sampling_logp), _cfg("none"))
     off, _ = _loss(lm, anchor, batch, _cfg("none"))
     assert on.kl == pytest.approx(as_engine.kl, rel=1e-6) and abs(on.kl - off.kl) > 1e-3 * abs(off.kl)
+
+
+def test_kl_importance_weight_is_capped_with_a_correction():
+    """issue 32: kl.iw_clip defaults to [0, train.rollout_correction_cap] when a correction is on, so a token the engine
+    under-weights cannot multiply the KL term without bound. One token by hand (kl.estimator=k1, token-mean over 1
+    token: w = 1): pi_theta = 0.5, pi_engine = 0.05, pi_anchor = 0.25, so s = 0.5 / 0.05 = 10, capped at C = 2, and
+    k1 = log(0.5 / 0.25) = log 2: the KL part of the loss is s k1 = 2 log 2 = 1.386294 (10 log 2 = 6.931472 uncapped)."""
+    from emapg_cli.train.rollout import RolloutBatch
+    from emapg_cli.train.settings import policy_loss
+
+    one = torch.ones(1, 1)
+    batch = RolloutBatch(input_ids=torch.tensor([[0, 7]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                         response_mask=one.bool(), prompt_len=1, advantages=torch.zeros(1),
+                         sampling_logp=one * math.log(0.05), ref_logp=one * math.log(0.25))
+    base = ["rollout.engine=vllm", "train.old_logprobs=pass", "kl.estimator=k1", "kl.coef=0.1", "train.loss_agg=token-mean"]
+    for extra, s in (([], 2.0), (["kl.iw_clip=null"], 10.0), (["train.rollout_correction_cap=4"], 4.0)):
+        cfg = load_config(overrides=base + extra)
+        assert cfg.train.rollout_correction == "token_truncate"
+        loss = policy_loss(cfg)
+        _, extras = loss.per_token(batch, 1.0, 1.0, batch.response_mask)(0, 1, torch.tensor([math.log(0.5)]), None)
+        assert float(extras["kl"][0]) == pytest.approx(s * math.log(2), rel=1e-6), extra
+    # without a correction s = pi_theta / pi_old stays unclipped (kl.iw_clip null) unless set
+    assert load_config(overrides=["rollout.engine=hf"]).kl.iw_clip is None
+    assert load_config(overrides=["rollout.engine=vllm", "kl.iw_clip=[0.5,3]"]).kl.iw_clip == (0.5, 3.0)
+
+
+def test_config_show_prints_the_kl_weight_cap(cli):
+    r = cli("config", "show", "--set", "rollout.engine=vllm", "--set", "train.rollout_correction_cap=3")
+    assert r.returncode == 0, r.stderr
+    assert "iw_clip:\n  - 0.0\n  - 3.0\n" in r.stdout and "rollout_correction: token_truncate" in r.stdout
 
 
 def _head_loss_fn(cfg, mb, num_tokens, num_seqs, loss_mask):
@@ -370,5 +401,16 @@ def test_defaults_per_engine_and_launch_checks():
     with pytest.raises(UserError, match="search.retokenize"):
         config_checks(load_config(overrides=search + ["train.rollout_correction=sequence_mask"]))
     config_checks(load_config(overrides=["rollout.engine=hf", "train.old_logprobs=pass", "train.rollout_correction=token_mask"]))
+    # issue 32, per engine: with stale samples (rollout.max_staleness >= 1) an hf rollout server records the full-vocabulary
+    # log-probs at any temperature and top_p, so the correction is on; vLLM at T != 1 with top_p < 1 cannot: refused
+    stale = ["rollout.max_staleness=1", "rollout.engine_url=http://127.0.0.1:8100", "rollout.temperature=0.7", "rollout.top_p=0.9"]
+    assert load_config(overrides=stale).train.rollout_correction == "token_truncate"
+    with pytest.raises(UserError, match="rollout.max_staleness=1 samples from older weights, and vLLM at rollout.temperature=0.7 "
+                                        "with rollout.top_p=0.9 records no full-vocabulary log-probs"):
+        load_config(overrides=stale + ["rollout.engine=vllm"])
+    assert load_config(overrides=stale + ["rollout.engine=vllm", "train.rollout_correction=none"]).train.rollout_correction == "none"
+    assert load_config(overrides=stale[2:] + ["rollout.engine=vllm"]).train.rollout_correction == "none"  # synchronous: as before
+    for fine in (["rollout.temperature=1"], ["rollout.top_p=1"]):  # vLLM records the full distribution at T = 1 or top_p = 1
+        assert load_config(overrides=stale + ["rollout.engine=vllm"] + fine).train.rollout_correction == "token_truncate"
     with pytest.raises(Exception, match="rollout_correction_cap"):
         load_config(overrides=["train.rollout_correction_cap=0.5"])

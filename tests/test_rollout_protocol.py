@@ -127,7 +127,7 @@ def test_engine_url_config_and_refusals():
         ({"rollout": {"engine_url": "http://h:1", "hf_fast_decode": False}}, "rollout.hf_fast_decode sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
-        ({"rollout": {"engine_weights_backend": "gloo"}}, "rollout.engine_weights_backend applies to a rollout server"),
+        ({"rollout": {"engine_weights_backend": "http"}}, "rollout.engine_weights_backend applies to a rollout server"),
     ]
     for data, message in refusals:
         with pytest.raises(ValidationError, match=message):
@@ -194,3 +194,117 @@ def test_plan_puts_no_engine_on_the_trainers_device_with_a_server():
     remote = make_plan(load_config("olympiad", overrides=["rollout.engine_url=http://10.0.0.2:8100"]))
     assert "vLLM engine" in {t.name for t in local.memory} and "vLLM engine" not in {t.name for t in remote.memory}
     assert any(n.startswith("rollouts on the rollout server at http://10.0.0.2:8100") for n in remote.notes)
+
+
+# ---------------------------------------------------------------------------------------------- issue 32
+
+def test_a_hostile_servers_ids_are_refused_against_the_vocabulary():
+    """Token ids and top-k ids outside [0, vocab), NaN or positive log-probs, and more tokens than max_new_tokens are
+    refused (they used to reach the trainer, which indexed its embedding with them: IndexError, or a device-side
+    assert on a GPU). The vocabulary here is 259 (the tiny models'): 258 is the last id."""
+    def reply(**fields):
+        c = {**completion_to_json(Completion([5, 258], "ab", "stop", [-1.0, -2.0], torch.tensor([[1, 2], [3, 258]]))), **fields}
+        return {"completions": [[c]], "weights_version": 0}
+
+    completions_from_json(reply(), 1, 1, vocab=259, max_tokens=2)  # every id in [0, 259), 2 tokens: accepted
+    cases = [(reply(token_ids=[5, 259]), "token_ids"), (reply(token_ids=[-1, 5]), "token_ids"),
+             (reply(topk=completion_to_json(Completion([5, 6], "", "stop", None, torch.tensor([[1, 259], [0, 0]])))["topk"]),
+              r"top-k ids outside \[0, 259\)"),
+             (reply(logprobs=completion_to_json(Completion([5, 6], "", "stop", [float("nan"), -1.0]))["logprobs"]), "NaN"),
+             (reply(logprobs=completion_to_json(Completion([5, 6], "", "stop", [0.5, -1.0]))["logprobs"]), "above 0")]
+    for bad, message in cases:
+        with pytest.raises(ProtocolError, match=message):
+            completions_from_json(bad, 1, 1, vocab=259, max_tokens=2)
+    with pytest.raises(ProtocolError, match="a completion of 2 tokens for max_new_tokens 1"):
+        completions_from_json(reply(), 1, 1, vocab=259, max_tokens=1)
+
+
+@pytest.mark.parametrize("params, code, message", [
+    (SamplingParams(temperature=float("inf")), 400, "temperature"), (SamplingParams(temperature=-1.0), 400, "temperature"),
+    (SamplingParams(temperature=float("-inf")), 400, "temperature"), (SamplingParams(top_p=0.0), 400, "top_p"),
+    (SamplingParams(top_p=1.5), 400, "top_p"), (SamplingParams(top_p=float("nan")), 400, "top_p"),
+    (SamplingParams(seed=2 ** 63), 400, "seed"), (SamplingParams(stop=("",)), 400, "stop"),
+    (SamplingParams(topk=1025), 413, "topk 1025: at most 1024"),
+    (SamplingParams(n=64, max_new_tokens=10 ** 8), 413, "max_new_tokens 100000000: at most 32768"),
+    (SamplingParams(n=200_000, max_new_tokens=16), 413, "200000 sequences: at most 65536"),
+])
+def test_generation_requests_are_checked_against_the_limits(params, code, message):
+    from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+
+    with pytest.raises(Refused, match=message) as e:
+        check_generation([[1, 2, 3]], params, RequestLimits())
+    assert e.value.code == code
+
+
+def test_request_tokens_count_prompts_and_new_tokens_per_sample():
+    from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+
+    limits = RequestLimits(max_request_tokens=100)
+    # n 2 x ((3 + 2) prompt tokens + 2 prompts x 20 new tokens) = 2 x 45 = 90 <= 100: accepted
+    check_generation([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_new_tokens=20), limits)
+    # n 2 x (5 + 2 x 23) = 102 > 100
+    with pytest.raises(Refused, match="= 102 tokens: at most 100"):
+        check_generation([[1, 2, 3], [4, 5]], SamplingParams(n=2, max_new_tokens=23), limits)
+    with pytest.raises(Refused, match=r"prompts\[1\] is empty"):
+        check_generation([[1], []], SamplingParams(), limits)
+
+
+def test_push_header_round_trip_and_bounds():
+    from emapg_cli.engines.rollout_protocol import header_length, parse_push_header, push_header, tensor_bytes
+
+    rows = [["w", "float32", [2, 3]], ["b", "bfloat16", [5]]]
+    raw = push_header(7, "tok", rows)
+    n = header_length(raw[:8], 1000)
+    assert n == len(raw) - 8 and parse_push_header(raw[8:]) == (7, "tok", rows)
+    assert tensor_bytes([("w", "float32", [2, 3]), ("b", "bfloat16", [5])]) == 2 * 3 * 4 + 5 * 2  # = 34
+    with pytest.raises(ProtocolError, match="at most 10"):
+        header_length(raw[:8], 10)
+    for bad in (b"[]", b'{"version": 1, "token": "t"}', b"not json", b'{"version": true, "token": "t", "tensors": []}'):
+        with pytest.raises(ProtocolError):
+            parse_push_header(bad)
+
+
+@pytest.mark.parametrize("host, secret, message", [
+    ("0.0.0.0", None, "--host 0.0.0.0 listens beyond this machine"), ("::", None, "listens beyond"),
+    ("192.0.2.1", None, "listens beyond"), ("myhost", None, "listens beyond"),
+    ("127.0.0.1", "short", "at least 16 characters"), ("0.0.0.0", "x" * 15, "at least 16 characters"),
+])
+def test_a_server_off_loopback_needs_a_secret(host, secret, message):
+    from emapg_cli.engines.rollout_server import check_exposure
+
+    with pytest.raises(ValueError, match=message):
+        check_exposure(host, secret)
+
+
+def test_loopback_needs_no_secret():
+    from emapg_cli.engines.rollout_server import check_exposure
+
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        check_exposure(host, None)
+    check_exposure("0.0.0.0", "x" * 16)
+
+
+def test_engine_timeout_is_bounded_naming_the_key():
+    """rollout.engine_timeout_s=1e15 used to pass the config and stop training with an OverflowError (a socket timeout
+    that does not fit); it is refused at config time, naming the key."""
+    from emapg_cli.config.models import Config
+
+    with pytest.raises(ValueError, match="engine_timeout_s"):
+        Config.model_validate({"rollout": {"engine_url": "http://h:1", "engine_timeout_s": 1e15}})
+    Config.model_validate({"rollout": {"engine_url": "http://h:1", "engine_timeout_s": 86400}})
+
+
+def test_staging_finds_nan_and_inf_but_not_a_sum_that_overflowed():
+    """A pushed version is refused when a tensor holds NaN or Inf; one whose values are finite but sum past float32's
+    range (10 x 3e38 = 3e39 > 3.4e38) is not: the fast check (the sum) falls back to the elementwise one."""
+    from emapg_cli.engines.rollout_weights import Staging
+
+    staging = Staging({}, lambda *a: None)
+    staging.tensors = {"a": torch.full((10,), 3e38), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    assert staging.not_finite() is None
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        staging.tensors["b"][2] = bad
+        assert staging.not_finite() == "b"
+    staging.tensors["b"][2] = 0.0
+    staging.tensors["a"][9] = float("inf")
+    assert staging.not_finite() == "a"

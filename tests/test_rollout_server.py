@@ -51,7 +51,7 @@ def test_health_generation_and_versioned_pushes(served, tiny_qwen2, one_torch_th
 
     engine = RemoteEngine(served, timeout_s=60)
     h = engine.health
-    assert (h["protocol"], h["engine"], h["weights_version"], h["records_topk"], h["dtype"]) == (1, "hf", -1, True, "float32")
+    assert (h["protocol"], h["engine"], h["weights_version"], h["records_topk"], h["dtype"]) == (2, "hf", -1, True, "float32")
     assert h["model"]["num_hidden_layers"] == 2 and len(h["tokenizer"]) == 64
     model, tokenizer = load_causal_lm(str(tiny_qwen2), "float32"), load_tokenizer(str(tiny_qwen2))
     engine.check_compatible(model, tokenizer)  # the same folder: accepted

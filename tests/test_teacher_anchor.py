@@ -228,8 +228,9 @@ def test_fsdp_on_several_processes_is_refused_at_launch():
     assert launch_problems(cfg, 1) == []  # one process: plain single-device training
 
 
-def test_support_renorm_false_trains_the_raw_support_estimator():
-    """kl.support_renorm is the renormalisation flag of teacher_support: false trains teacher_support_raw's function."""
+def test_support_renorm_false_names_the_raw_support_estimator():
+    """kl.support_renorm is the renormalisation flag of teacher_support: false names teacher_support_raw's function
+    (which `train` refuses: tests/test_training_numerics.py)."""
     from emapg_cli.train.settings import policy_loss
 
     base = ["kl.estimator=teacher_support", "kl.topk_from=anchor"]

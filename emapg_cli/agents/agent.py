@@ -99,7 +99,7 @@ class AgentRunner:
 
     def __init__(self, tokenizer, settings: AgentSettings, max_context_tokens: int):
         from emapg_cli.engines.openai_service import OpenAIService
-        from emapg_cli.engines.openai_wire import WireLimits
+        from emapg_cli.engines.request_limits import MAX_NEW_TOKENS, RequestLimits
 
         try:
             import openai  # noqa: F401 - the client each episode is given
@@ -109,7 +109,9 @@ class AgentRunner:
         self.tokenizer, self.settings, self.max_context_tokens = tokenizer, settings, max_context_tokens
         self.fn = load_agent(settings.ref)
         self.backend = EpisodeBackend(tokenizer)
-        self.service = OpenAIService(tokenizer, MODEL_ID, self.backend, WireLimits(max_sample_tokens=1 << 40))
+        # each call is bounded by the run's caps (Policy: rollout.max_new_tokens within rollout.max_context_tokens)
+        limits = RequestLimits(max_new_tokens=max(MAX_NEW_TOKENS, max_context_tokens))
+        self.service = OpenAIService(tokenizer, MODEL_ID, self.backend, request_limits=limits)
         self.server: Any = None
         self.url = ""
         self._http: Any = None  # one connection pool for every episode's client (a client of its own costs ~0.1 s)
@@ -167,9 +169,11 @@ class AgentRunner:
             threading.Thread(target=run, args=(slot,), name=f"emapg-agent-{slot}", daemon=True).start()
 
         rounds = Rounds(_Versioned(engine, params.min_version), params.seed, len(rows), s.workers, launch)
-        sessions = [self.backend.open(Session(slot, policy, rounds, s.max_calls, s.max_tokens)) for slot in range(len(rows))]
+        sessions = [self.backend.open(Session(slot, policy, rounds, s.max_calls, s.max_tokens, s.timeout_s))
+                    for slot in range(len(rows))]
         rounds.begin()
         self._wait(results, started, done, sessions, rounds)
+        rounds.wait_idle()  # a round of given-up episodes is cancelled: no engine call outlives the step's rollouts
         if rounds.engine_error is not None:  # the engine failed (a rollout server that went away): the run's error
             raise rounds.engine_error
         episodes = [self._result(sessions[slot], prompts[rows[slot]], *results[slot]) for slot in range(len(rows))]
@@ -244,10 +248,10 @@ class _Versioned:
     def __init__(self, engine, min_version: Optional[int]):
         self.engine, self.min_version = engine, min_version
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, cancelled=None):
         from dataclasses import replace
 
-        return self.engine.generate(prompts, replace(params, min_version=self.min_version))
+        return self.engine.generate(prompts, replace(params, min_version=self.min_version), cancelled=cancelled)
 
 
 def agent_metrics(episodes: Sequence[AgentEpisode], max_failure_rate: float, ref: str, where: str) -> dict[str, float]:

@@ -16,6 +16,9 @@ not know or an episode that has ended (401). Per episode:
   one of its completions (the completion decoded in context) is tokenized as those exact ids plus the rest (without
   added special tokens), so a chat loop's next prompt extends the previous one token for token (no re-tokenization of
   what the model sampled, no BPE merge across the boundary; agents/trajectory.py);
+* each call within the episode's `timeout_s` of its arrival, and cancelled once its client has left or the episode
+  has ended (`Rounds`: a call still waiting for its round is withdrawn; a round whose calls are all cancelled stops at
+  the engine's next decode step), answered 504 / 499;
 * every call is recorded (`Call`: the prompt's ids and each choice's completion with the engine's log-probs and the
   weights version), and sampled in the runner's lockstep `Rounds`.
 """
@@ -24,13 +27,16 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from emapg_cli.agents.rounds import EpisodeOver, Rounds
 from emapg_cli.agents.trajectory import Call
+from emapg_cli.engines.base import Cancelled
 from emapg_cli.engines.openai_service import Policy
 from emapg_cli.engines.openai_wire import OpenAIError
+from emapg_cli.http_server import Refused
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Session:
     rounds: Rounds
     max_calls: int
     max_tokens: int
+    timeout_s: float = 300.0  # a call's deadline from its arrival (the episode's own time limit)
     key: str = field(default_factory=lambda: "emapg-episode-" + secrets.token_urlsafe(24))
     calls: list[Call] = field(default_factory=list)  # one per prompt of each request, in call order
     requests: int = 0  # model calls (requests) made
@@ -95,7 +102,7 @@ class EpisodeBackend:
         rest = text[len(best[0]):]
         return best[1] + (self.tokenizer(rest, add_special_tokens=False)["input_ids"] if rest else [])
 
-    def generate(self, session: Session, prompts, params, seed, texts):
+    def generate(self, session: Session, prompts, params, seed, texts, caller):
         with session.lock:
             if session.requests >= session.max_calls:
                 raise OpenAIError(400, f"this episode has made its {session.max_calls} calls (rollout.agent_max_calls)",
@@ -106,13 +113,19 @@ class EpisodeBackend:
             session.requests += 1
             placeholder = Call([], [])  # this call's place in call order (an agent may call from several threads)
             session.calls.append(placeholder)
+        deadline = caller.arrival + session.timeout_s
         try:
-            rows = session.rounds.generate(session.slot, prompts, params, 0 if seed is None else seed % (1 << 63))
+            rows = session.rounds.generate(session.slot, prompts, params, 0 if seed is None else seed % (1 << 63),
+                                           cancelled=lambda: session.over or caller.left() or time.monotonic() > deadline)
         except BaseException as e:
             with session.lock:
                 session.calls = [c for c in session.calls if c is not placeholder]
             if isinstance(e, EpisodeOver):
                 raise OpenAIError(401, "this episode has ended", "authentication_error", code="invalid_api_key") from None
+            if isinstance(e, Cancelled):
+                late = time.monotonic() > deadline
+                raise Refused(504 if late else 499, f"the call passed the episode's {session.timeout_s:g} s" if late
+                              else "the client left or the episode ended: the call was cancelled") from None
             raise
         calls = [Call(list(p), list(row)) for p, row in zip(prompts, rows)]
         known = [(t + self._completion_text(p, c.token_ids), list(p) + list(c.token_ids))

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 from emapg_cli.errors import UserError
+from emapg_cli.grading.extract import ANSWER_CLOSE, ANSWER_OPEN, last_answer  # noqa: F401 - the protocol's answer tags
 from emapg_cli.retrieval.base import Hit
 
 PACKAGED_TEMPLATE = Path(__file__).parent / "prompts" / "search_r1.txt"
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
-ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 #: Each turn stops at the first closing tag (the engines keep the token that completes it).
 STOP = (SEARCH_CLOSE, ANSWER_CLOSE)
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
@@ -77,9 +77,3 @@ def information(hits: list[Hit]) -> str:
     """The observation after a search."""
     return f"\n\n<information>{format_passages(hits).strip()}</information>\n\n"
 
-
-def last_answer(text: str) -> Optional[str]:
-    """Content of the last complete `<answer>...</answer>` in `text` (stripped), None when there is none."""
-    end = text.rfind(ANSWER_CLOSE)
-    start = text.rfind(ANSWER_OPEN, 0, end) if end >= 0 else -1
-    return text[start + len(ANSWER_OPEN):end].strip() if start >= 0 else None

@@ -10,6 +10,11 @@ request's own `seed`): the same episodes give the same samples on a rerun or a r
 "Reproducibility"). Episodes are admitted in order, at most `width` at once; one that ends admits the next before
 the round condition is looked at again.
 
+A request may carry a `cancelled` hook (its client left, its deadline passed, its episode ended): while it waits for
+its round it is polled, and once true the request is withdrawn (`Cancelled`); a round's engine call is given a hook
+that is true once every request of its group is cancelled (the hf engine stops at its next decode step), so a round
+no one waits for anymore does not run on. `wait_idle()` returns once no round runs.
+
 An engine that fails (a rollout server that went away) fails the round's requests and is kept in `engine_error`,
 which the runner raises once the episodes are over: a dead engine stops the run, it is not an agent's failure.
 """
@@ -20,7 +25,10 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from emapg_cli.engines.base import SamplingParams, derive_seed
+from emapg_cli.engines.base import Cancelled, SamplingParams, derive_seed
+
+#: Seconds between two polls of a waiting request's `cancelled` hook.
+POLL_S = 0.1
 
 
 class EpisodeOver(Exception):
@@ -33,6 +41,7 @@ class _Request:
     prompts: list[list[int]]
     params: SamplingParams
     seed: int
+    cancelled: Optional[Callable[[], bool]] = None
     rows: Optional[list] = None
     error: Optional[BaseException] = None
     done: bool = False
@@ -67,10 +76,12 @@ class Rounds:
         self._running.add(slot)
         self.start(slot)
 
-    def generate(self, slot: int, prompts: list[list[int]], params: SamplingParams, seed: int) -> list:
+    def generate(self, slot: int, prompts: list[list[int]], params: SamplingParams, seed: int,
+                 cancelled: Optional[Callable[[], bool]] = None) -> list:
         """`params.n` completions per prompt for episode `slot`, sampled in the next round; EpisodeOver when the
-        episode has ended, the engine's error when the round failed."""
-        req = _Request(slot, prompts, params, seed)
+        episode has ended, `Cancelled` once `cancelled()` (withdrawn before its round, or its round stopped), the
+        engine's error when the round failed."""
+        req = _Request(slot, prompts, params, seed, cancelled)
         with self._cond:
             if slot not in self._running:
                 raise EpisodeOver(f"episode {slot} is over")
@@ -78,7 +89,10 @@ class Rounds:
         self._maybe_run()
         with self._cond:
             while not req.done:
-                self._cond.wait()
+                if cancelled is not None and req in self._pending and cancelled():
+                    self._pending.remove(req)  # the others' rounds go on without it
+                    raise Cancelled("the request was cancelled before its round")
+                self._cond.wait(timeout=POLL_S if cancelled is not None else None)
         if req.error is not None:
             raise req.error
         return req.rows
@@ -97,6 +111,12 @@ class Rounds:
                 self._admit()
             self._cond.notify_all()
         self._maybe_run()
+
+    def wait_idle(self) -> None:
+        """Until no round runs (a round whose requests are all cancelled stops at the engine's next decode step)."""
+        with self._cond:
+            while self._busy:
+                self._cond.wait()
 
     def _maybe_run(self) -> None:
         """Run rounds while every running episode is waiting (in this thread: it is waiting too, or has ended)."""
@@ -124,7 +144,11 @@ class Rounds:
             try:
                 if self.engine_error is not None:
                     raise self.engine_error
-                rows = self.engine.generate(prompts, replace(params, seed=derive_seed(self.seed, self.rounds, g, seed)))
+                rows = self.engine.generate(prompts, replace(params, seed=derive_seed(self.seed, self.rounds, g, seed)),
+                                            cancelled=_all_cancelled(reqs))
+            except Cancelled as e:  # no one waits for this group's samples anymore: not an engine failure
+                for r in reqs:
+                    r.error = e
             except Exception as e:  # noqa: BLE001 - kept, and raised by the runner once the episodes are over
                 self.engine_error = self.engine_error or e
                 for r in reqs:
@@ -135,3 +159,8 @@ class Rounds:
                     r.rows, at = rows[at:at + len(r.prompts)], at + len(r.prompts)
             for r in reqs:
                 r.done = True
+
+
+def _all_cancelled(reqs: list[_Request]) -> Callable[[], bool]:
+    """The `cancelled` hook of a group's engine call: true once every one of its requests is cancelled."""
+    return lambda: all(r.cancelled is not None and r.cancelled() for r in reqs)

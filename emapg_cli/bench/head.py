@@ -57,15 +57,21 @@ def _interleaved(work: Callable[[], object], floor: Callable[[], object], reset:
     return runs, floors
 
 
-def least_bytes(tokens: int, hidden: int, vocab: int, k: int, chunk: int, dtype: str, *, update: bool) -> int:
+def least_bytes(tokens: int, hidden: int, vocab: int, k: int, chunk: int, dtype: str, *, update: bool,
+                check_chunk: int = 0) -> int:
     """Bytes `bench_update` (`update`) or `bench_passes` allocates at least, before any timing: the inputs
     h [T, H] and W [V, H] (made in float32, then cast), for update their gradients and the floor's dH, dW,
     one [min(chunk, T), V] logits buffer, q [T, k] (int64) and the anchor's log-probs at q [T, k] (float32).
+    `check_chunk` > 0 (`--check`, `--confident`): the float64 reference's copies of h, W and their gradients and its
+    [check_chunk, V] float64 buffers (`bench.check.REFERENCE_BUFFERS`).
     A lower bound (the fused path's own buffers come on top): a shape past it cannot run here."""
+    from emapg_cli.bench.check import REFERENCE_BUFFERS
+
     s = DTYPES[dtype].itemsize
     k = min(k, vocab)
     weights = (tokens + vocab) * hidden * (4 + s + (3 * s if update else 0))  # h, W (+ h.grad, W.grad, dH, dW)
-    return weights + min(chunk, tokens) * vocab * s + tokens * k * (8 + 4)
+    reference = (2 * (tokens + vocab) * hidden + REFERENCE_BUFFERS * min(check_chunk, tokens) * vocab) * 8 if check_chunk else 0
+    return weights + min(chunk, tokens) * vocab * s + tokens * k * (8 + 4) + reference
 
 
 def _chunks(n: int, chunk: int):
@@ -75,8 +81,12 @@ def _chunks(n: int, chunk: int):
 def bench_update(tokens: int, hidden: int, vocab: int, k: int, *, chunk: Optional[int] = None,
                  budget_mib: float = 256.0, estimator: str = "topk", direction: str = "reverse", repeats: int = 1,
                  device: str = "cpu", dtype: str = "float32", peak_tflops: Optional[float] = None,
-                 seed: int = 0) -> dict[str, Any]:
-    """Time the fused output layer + loss + backward at [T, H] x [V, H] against its three-GEMM floor."""
+                 seed: int = 0, check: bool = False, confident: Optional[float] = None) -> dict[str, Any]:
+    """Time the fused output layer + loss + backward at [T, H] x [V, H] against its three-GEMM floor.
+
+    `confident`: every target token's probability is at least this (`bench.check.confident_hidden`); `check`: also
+    the relative errors of dH and dW against the float64 reference of the same loss (`bench.check`)."""
+    from emapg_cli.bench.check import REFERENCE_BUFFERS, confident_hidden
     from emapg_cli.config.loading import load_config
     from emapg_cli.kl import check_estimator
     from emapg_cli.kl.fused import EXACT_BUFFERS, auto_chunk, fused_head_loss
@@ -91,9 +101,13 @@ def bench_update(tokens: int, hidden: int, vocab: int, k: int, *, chunk: Optiona
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device=dev, dtype=dt)
 
-    h = rand(tokens, hidden).requires_grad_()  # [T, H]
+    h = rand(tokens, hidden)  # [T, H]
     w = rand(vocab, hidden, scale=hidden ** -0.5).requires_grad_()  # [V, H]
     targets = torch.randint(0, vocab, (tokens,), generator=g).to(dev)  # [T]
+    ref_chunk = auto_chunk(vocab, budget_mib, 2 * REFERENCE_BUFFERS)  # float64 [chunk, V] buffers
+    if confident is not None:  # built on the CPU in float64 from the rounded W, then rounded to dtype
+        h = confident_hidden(h.cpu(), w.detach().cpu(), targets.cpu(), confident, ref_chunk).to(dev)
+    h.requires_grad_()
     q = torch.randint(0, vocab, (tokens, k), generator=g).to(dev)  # [T, k]
     f32 = dict(device=dev, dtype=torch.float32)
     batch = RolloutBatch(
@@ -132,7 +146,28 @@ def bench_update(tokens: int, hidden: int, vocab: int, k: int, *, chunk: Optiona
     w_grad_mib = vocab * hidden * w.element_size() / 2**20
     out.update(w_grad_mib=w_grad_mib, beyond_w_grad_mib=out["peak_growth_mib"] - w_grad_mib, chunk=c, tokens=tokens,
                hidden=hidden, vocab=vocab, k=k, estimator=estimator, direction=direction, device=str(dev), dtype=dtype,
-               threads=torch.get_num_threads(), repeats=repeats)
+               threads=torch.get_num_threads(), repeats=repeats, confident=confident)
+    if check:
+        out.update(_check(work, reset, h, w, targets, loss_fn, q if info.uses_topk else None, ref_chunk, ref))
+    return out
+
+
+def _check(work: Callable[[], object], reset: Callable[[], None], h, w, targets, loss_fn, q, chunk: int,
+           ref: dict) -> dict[str, Any]:
+    """`--check`: one more fused pass, its dH and dW against the float64 reference (`bench.check`), and the smallest
+    probability of a target token (float64, on the rounded inputs)."""
+    from emapg_cli.bench.check import reference_grads, rel_err
+
+    reset()
+    work()
+    cpu = lambda t: t.detach().cpu() if t is not None else None  # noqa: E731
+    ref_h, ref_w = cpu(ref.get("ref_hidden")), cpu(ref.get("ref_weight"))
+    dh, dw = reference_grads(cpu(h), cpu(w), cpu(targets), loss_fn, cpu(q), chunk, ref_h, ref_w)
+    with torch.no_grad():
+        z = cpu(h).double() @ cpu(w).double().t()  # [T, V]
+        p_min = float(torch.exp(z.gather(1, cpu(targets)[:, None])[:, 0] - torch.logsumexp(z, -1)).min())
+    out = {"dh_rel_err": rel_err(cpu(h.grad), dh), "dw_rel_err": rel_err(cpu(w.grad), dw), "target_prob_min": p_min}
+    reset()
     return out
 
 

@@ -142,6 +142,13 @@ def _internal_error(e: BaseException) -> None:
     _fail(f"internal error (a bug in emapg, please report it): {summary}; {where}", code=1)
 
 
+def _command():
+    """The Click command tree Typer builds from `app`, its help tidied (cli/help_format.py)."""
+    from emapg_cli.cli.help_format import tidy
+
+    return tidy(typer.main.get_command(app))
+
+
 def main() -> None:
     """Console-script entry point, the one error path of every command.
 
@@ -155,10 +162,8 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         from click import exceptions as click
 
-    from emapg_cli.cli.help_format import tidy
-
     try:
-        rv = tidy(typer.main.get_command(app))(standalone_mode=False, prog_name="emapg")
+        rv = _command()(standalone_mode=False, prog_name="emapg")
     except UserError as e:
         _fail(str(e))
     except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help

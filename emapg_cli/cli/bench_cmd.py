@@ -45,15 +45,22 @@ def _check(device: str, dtype: str, threads: Optional[int] = None) -> None:
 
 
 def _check_memory(tokens: int, hidden: int, vocab: int, k: int, chunk: Optional[int], budget_mib: float, dtype: str,
-                  device: str, *, update: bool) -> None:
-    """UserError (one line) when the shape cannot fit in the device's free memory: said before allocating."""
+                  device: str, *, update: bool, reference: bool = False) -> None:
+    """UserError (one line) when the shape cannot fit in the device's free memory: said before allocating.
+    `reference`: the float64 reference of --check / --confident too (on the CPU, beside a CPU run's own buffers)."""
     import torch
 
+    from emapg_cli.bench.check import REFERENCE_BUFFERS
     from emapg_cli.bench.head import least_bytes
     from emapg_cli.kl.fused import auto_chunk
     from emapg_cli.klcheck.measure import available_memory
 
-    need = least_bytes(tokens, hidden, vocab, k, chunk or auto_chunk(vocab, budget_mib), dtype, update=update)
+    check_chunk = auto_chunk(vocab, budget_mib, 2 * REFERENCE_BUFFERS) if reference else 0
+    if reference and device.startswith("cuda"):  # the reference runs on the CPU: its bytes are checked there
+        _check_memory(tokens, hidden, vocab, k, chunk, budget_mib, dtype, "cpu", update=False, reference=True)
+        check_chunk = 0
+    need = least_bytes(tokens, hidden, vocab, k, chunk or auto_chunk(vocab, budget_mib), dtype, update=update,
+                       check_chunk=check_chunk)
     if device.startswith("cuda"):
         try:
             free = torch.cuda.mem_get_info(torch.device(device))[0]
@@ -109,13 +116,16 @@ def update(
     direction: Annotated[str, typer.Option("--direction", help="KL direction: reverse or forward.")] = "reverse",
     budget_mib: BudgetOpt = 256.0, repeats: RepeatsOpt = 1, device: DeviceOpt = "cpu", dtype: DtypeOpt = "float32",
     peak_tflops: PeakOpt = None, threads: ThreadsOpt = None, json_path: JsonOpt = None,
+    check: Annotated[bool, typer.Option("--check", help="Also compare the fused layer's dH and dW with a float64 reference of the same loss on the same rounded inputs (on the CPU): JSON keys dh_rel_err, dw_rel_err (||fused - reference|| / ||reference||), target_prob_min.")] = False,
+    confident: Annotated[Optional[float], typer.Option("--confident", help="Make every target token's probability at least P, in (0, 1) (the hidden states are moved towards the target's row of W): the confident tokens where a half-precision layer's gradient is the small difference of two large terms.")] = None,
 ) -> None:
     """The output layer's part of the update (log-probs, PPO-clip + KL, backward) against its three GEMMs (logits, dH, dW).
 
     Random hidden states [T, H] and head [V, H], random q and anchor log-probs; one warm-up, then the
     fused path (`emapg_cli.kl.fused`) and the floor alternate --repeats times. JSON keys: cpu_s, wall_s,
     peak_growth_mib (peak RSS, or CUDA memory, above the set-up; includes the new W.grad), floor_cpu_s,
-    floor_wall_s, ratio, w_grad_mib, beyond_w_grad_mib, tflops, per-run lists.
+    floor_wall_s, ratio, w_grad_mib, beyond_w_grad_mib, tflops, per-run lists, confident; with --check also
+    dh_rel_err, dw_rel_err and target_prob_min.
     """
     from emapg_cli.bench.head import bench_update
     from emapg_cli.kl import check_estimator
@@ -125,13 +135,20 @@ def update(
         check_estimator(estimator, direction)
     except ValueError as e:
         raise UserError(str(e)) from None
-    _check_memory(tokens, hidden, vocab, k, chunk, budget_mib, dtype, device, update=True)
+    if confident is not None and not 0 < confident < 1:  # also refuses nan
+        raise UserError(f"--confident must be a probability in (0, 1), not {confident}")
+    _check_memory(tokens, hidden, vocab, k, chunk, budget_mib, dtype, device, update=True,
+                  reference=check or confident is not None)
     r = bench_update(tokens, hidden, vocab, k, chunk=chunk, budget_mib=budget_mib, estimator=estimator, direction=direction,
-                     repeats=repeats, device=device, dtype=dtype, peak_tflops=peak_tflops)
+                     repeats=repeats, device=device, dtype=dtype, peak_tflops=peak_tflops, check=check, confident=confident)
     rows = [("shape", f"T {tokens}, H {hidden}, V {vocab:,}, k {r['k']}, chunk {r['chunk']}, {estimator}/{direction}, "
-                      f"{dtype} on {device}, {r['threads']} threads")]
+                      f"{dtype} on {device}, {r['threads']} threads"
+                      + (f", target tokens' p >= {confident:g}" if confident is not None else ""))]
     rows += _ratio_rows(r, "update")
     rows.append(("beyond W.grad", f"{r['beyond_w_grad_mib']:.0f} MiB (W.grad {r['w_grad_mib']:.0f} MiB)"))
+    if check:
+        rows += [("dH rel err", f"{r['dh_rel_err']:.3e} (against float64 on the same rounded inputs)"),
+                 ("dW rel err", f"{r['dw_rel_err']:.3e}"), ("min target p", f"{r['target_prob_min']:.6f}")]
     _emit(r, json_path, rows)
 
 

@@ -65,6 +65,7 @@ def kl_check(
     samples: Annotated[int, typer.Option("--samples", help="Monte-Carlo samples N per position.")] = 4096,
     batches: Annotated[int, typer.Option("--batches", help="Batches M the samples are split into for the t-tests.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Seed for the synthetic distributions, the anchor noise and the sampling.")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling, in (0, 1]: tokens are drawn from the smallest set of the sampling policy's most likely tokens whose mass reaches P (rollout.top_p; the hf engine's rule), while the estimators' importance weight reads the full-vocabulary distribution, as in training. 1: the whole vocabulary.")] = 1.0,
     estimators: Annotated[str, typer.Option("--estimators", help=f"Comma-separated estimators to measure (from {', '.join(ESTIMATORS)}); each in the directions it supports. The default leaves out the distillation estimators (docs/distill.md).",
                                                 show_default=", ".join(KL_CHECK_DEFAULT))] = ",".join(KL_CHECK_DEFAULT),
     directions: Annotated[str, typer.Option("--directions", help="Comma-separated KL directions: reverse = KL(policy || anchor), forward = KL(anchor || policy).")] = "reverse,forward",
@@ -109,7 +110,7 @@ def kl_check(
         ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
         estimators=tuple(parse_list(estimators, str, "--estimators")),
         directions=tuple(parse_list(directions, str, "--directions")), confidence=confidence, seed=seed,
-        topk_from=topk_from,
+        topk_from=topk_from, top_p=top_p,
     )
     try:
         check_settings(settings)

@@ -100,16 +100,21 @@ def train(
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
 
-    from emapg_cli.train.checks import config_checks
+    from emapg_cli.config.trust import code_refs, load_code, named_refs, untrusted
+    from emapg_cli.train.checks import config_checks, config_warnings
 
     config_checks(cfg)  # optional packages and the reward name: before a plan or any work
-    if not dry_run:  # the run starts: its plugins run if this command line named them, or with --trust-code
-        from emapg_cli.config.trust import code_refs, load_code, named_refs, require_trust
-
-        refs = code_refs(cfg)
-        source = (f"the run's saved {resume / 'config.yaml'}" if resume is not None
-                  else " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])]))
-        require_trust(refs, named_refs(set_ or []), trust_code, source)
+    if _is_main_process():  # e.g. a sampled-tail KL estimator under nucleus sampling: its measured bias
+        for note in config_warnings(cfg):
+            console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False, soft_wrap=True)
+    # the run's plugins run if this command line named them, or with --trust-code; a dry-run says what the run will need
+    refs = code_refs(cfg)
+    source = (f"the run's saved {resume / 'config.yaml'}" if resume is not None
+              else " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])]))
+    trust_problem = untrusted(refs, named_refs(set_ or []), trust_code, source)
+    if not dry_run:
+        if trust_problem is not None:
+            raise UserError(trust_problem)
         load_code(refs)  # imported now, before the run folder is claimed: a broken plugin is one line, nothing written
     if not dry_run and cfg.model.path:  # a hub id offline and not cached: one line naming it, before torch loads
         from emapg_cli.models.hub import check_model_source
@@ -123,6 +128,9 @@ def train(
         console.print(render_plan(make_plan(cfg, load_model_config(cfg.model.path), processes=n)))
         for note in missing_inputs(cfg):
             console.print(f"[yellow]warning:[/] {escape(note)} (needed where the run starts)", highlight=False)
+        if trust_problem is not None:  # the plan reads the config only; the run would refuse (exit 2) without the flag
+            console.print(f"[yellow]warning:[/] the run will need --trust-code: {escape(trust_problem)}", highlight=False,
+                          soft_wrap=True)
         return
 
     from emapg_cli.hf_quiet import quiet_transformers

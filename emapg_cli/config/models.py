@@ -31,8 +31,8 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: Optional[str] = Field(None, description="Local directory (or hub id, for users with network) of the policy's transformers causal LM.")
     trust_remote_code: bool = Field(False, description="Allow the model's repository to run its own Python code when loading.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the policy: its forward and backward passes, and what the rollout engine samples with. With model.master_weights the parameters, gradient accumulation and optimizer state stay float32 (the EMA anchor is float32 unless ema.dtype says otherwise).")
-    master_weights: bool = Field(True, description="Keep float32 master weights when model.dtype is bfloat16/float16: parameters, gradients and AdamW state in float32, forward/backward in model.dtype (autocast; FSDP2 casts its float32 shards to model.dtype). false: train the model.dtype weights in place, which is lossy (an AdamW step of about optim.lr is below half a bfloat16 ulp of any weight above about 256 x lr and rounds away), for memory-starved runs only. No effect with float32.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the policy: its forward and backward passes, and what the rollout engine samples with. float16 does not train (`train` and `--dry-run` refuse it: nothing scales the loss, so its gradients underflow); use bfloat16. With model.master_weights the parameters, gradient accumulation and optimizer state stay float32 (the EMA anchor is float32 unless ema.dtype says otherwise).")
+    master_weights: bool = Field(True, description="Keep float32 master weights when model.dtype is bfloat16: parameters, gradients and AdamW state in float32, forward/backward in model.dtype (autocast; FSDP2 casts its float32 shards to model.dtype). false: train the model.dtype weights in place, which is lossy (an AdamW step of about optim.lr is below half a bfloat16 ulp of any weight above about 256 x lr and rounds away), for memory-starved runs only. No effect with float32.")
     save_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="Dtype of final/policy and final/anchor (save_pretrained); null: model.dtype (the transformers convention). Checkpoints under checkpoints/ always hold the master weights at full precision, so a resume is exact.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in the backward pass to save memory.")
 
@@ -65,9 +65,9 @@ class RolloutConfig(Section):
     hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
     hf_fast_decode: bool = Field(True, description="hf engine only: sample through emapg's own decode loop (a preallocated key/value cache; rows that end leave the batch; engines/hf_decode.py, docs/performance.md), which draws the same tokens as transformers' `generate`, faster; a model the loop does not support uses `generate`, with a warning naming why. false: always `generate`.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
-    engine_weights_backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="rollout.engine_url only: the torch.distributed backend that carries the weights to the rollout server: nccl (GPU to GPU; both sides on CUDA, on different GPUs), gloo (through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else gloo).")
-    engine_timeout_s: float = Field(1800.0, gt=0, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take before the run stops with a one-line error.")
-    max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
+    engine_weights_backend: Literal["auto", "http", "nccl"] = Field("auto", description="rollout.engine_url only: how the weights travel to the rollout server: nccl (GPU to GPU over a torch.distributed NCCL group; both sides on CUDA, on different GPUs), http (the tensors' bytes in the push request's own body, through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else http).")
+    engine_timeout_s: float = Field(1800.0, gt=0, le=86400, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take, all of it, before the run stops with a one-line error (at most a day).")
+    max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; refused where no correction is valid: vLLM at rollout.temperature != 1 with rollout.top_p < 1; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
     @model_validator(mode="before")
     @classmethod
@@ -133,7 +133,7 @@ class SearchConfig(Section):
     final_turn: bool = Field(True, description="After search.max_turns turns, give episodes without an answer one more turn with search disabled.")
     retokenize: bool = Field(False, description="Compatibility with Search-R1: decode each turn, cut after the first </search> or </answer>, re-tokenise (drops EOS, may shift token boundaries; no engine log-probs). Default: keep the sampled token ids.")
     invalid_message: str = Field("\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n", description="Observation after a turn with neither a <search> nor an <answer> action.")
-    timeout_s: float = Field(120.0, gt=0, description="http only: seconds per request (a request carries at most 256 queries; the wait for the reply's head is bounded by it, the whole reply by 3x it). 120 s: 256 queries of bm25 over 10^6 passages take ~14 s of CPU (21-37 s measured on a shared 2-core machine), with room for another trainer's request ahead in the server's queue; raise it for a larger bm25 index or a server shared by many trainers.")
+    timeout_s: float = Field(120.0, gt=0, description="http only: seconds per request, all of it from connecting to the reply's last byte (a request carries at most 256 queries; a slower try goes to the next search.url). 120 s: 256 queries of bm25 over 10^6 passages take ~14 s of CPU (21-37 s measured on a shared 2-core machine), with room for another trainer's request ahead in the server's queue; raise it for a larger bm25 index or a server shared by many trainers.")
     retries: int = Field(3, ge=0, description="http only: rounds of retries after a failed request, each resending only the requests that failed on every URL (back-off doubles each round).")
     backoff_s: float = Field(1.0, ge=0, description="http only: wait before the first retry round, in seconds.")
 
@@ -188,7 +188,7 @@ class TrainConfig(Section):
     logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
     logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
     old_logprobs: Literal["auto", "engine", "pass"] = Field("auto", description="Where the old-policy log-probs (and, for reverse Top-k, the sampling policy's top-k set q) come from: `engine` uses what the rollout engine recorded while sampling (no old-policy pass), `pass` recomputes them with the trainer's forward; `auto` is `engine` for the hf engine (the trainer's own model and numerics) and `pass` for vLLM (whose numerics differ; the mismatch is logged as rollout/logprob_diff_*).")
-    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field("none", description="Rollout/trainer mismatch correction (TRL's vllm_importance_sampling_mode, verl's algorithm.rollout_correction): the policy-gradient term is weighted by sg(rho), rho = pi_old(y) / pi_engine(y) between the trainer's old-policy log-probs and the engine's sampling log-probs, per token or per sequence (geometric mean over its tokens), truncated (min(rho, cap)) or masked (rho outside [1/cap, cap] -> 0). Unset: none for rollout.engine=hf (the trainer's own numerics), token_truncate for vllm (none there too with train.old_logprobs=engine, whose old policy is the engine's records, or search.retokenize, which drops them, or rollout.temperature != 1 with rollout.top_p < 1, where vLLM cannot record the full-vocabulary log-probs). See docs/rollout_correction.md.")
+    rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field("none", description="Rollout/trainer mismatch correction (TRL's vllm_importance_sampling_mode, verl's algorithm.rollout_correction): the policy-gradient term is weighted by sg(rho), rho = pi_old(y) / pi_engine(y) between the trainer's old-policy log-probs and the engine's sampling log-probs, per token or per sequence (geometric mean over its tokens), truncated (min(rho, cap)) or masked (rho outside [1/cap, cap] -> 0). Unset: none for rollout.engine=hf (the trainer's own numerics), token_truncate for vllm and for rollout.max_staleness >= 1 on either engine (none with train.old_logprobs=engine, whose old policy is the engine's records, or search.retokenize, which drops them; vLLM at rollout.temperature != 1 with rollout.top_p < 1 cannot record the full-vocabulary log-probs: none there, and refused with rollout.max_staleness >= 1). See docs/rollout_correction.md.")
     rollout_correction_cap: float = Field(2.0, ge=1, description="train.rollout_correction's cap: *_truncate weights are min(rho, cap); *_mask keep tokens (sequences) with rho in [1/cap, cap].")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process on CPU (null: the cores idle as the command starts, sampled from /proc/stat, split between local processes; the environment variable EMAPG_TORCH_THREADS or OMP_NUM_THREADS wins).")
     keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
@@ -215,17 +215,17 @@ class TrainConfig(Section):
 
 
 class KLConfig(Section):
-    estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only); for distillation (reverse only unless noted, docs/distill.md): topk_tail (top-k plus one tail token carrying the leftover mass, both directions; value <= exact KL), topk_tail_sc (its sample-corrected, unbiased form), topk_resid (topk_mass with ResOPD's tail control variate), teacher_support / teacher_support_raw (KL on the anchor's top-k set, renormalised or not; need kl.topk_from=anchor).")
+    estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only); for distillation (reverse only unless noted, docs/distill.md): topk_tail (top-k plus one tail token carrying the leftover mass, both directions; value <= exact KL), topk_tail_sc (its sample-corrected, unbiased form), topk_resid (topk_mass with ResOPD's tail control variate), teacher_support / teacher_support_raw (KL on the anchor's top-k set, renormalised or not; need kl.topk_from=anchor; teacher_support_raw is for kl-check: `train` refuses it, docs/distill.md).")
     direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
     k: int = Field(32, ge=1, description="Size of the exact head (the set q) for the Top-k family: topk / topk_paper / topk_mass / truncated / topk_tail / topk_tail_sc / topk_resid / teacher_support(_raw) (at most the model's vocabulary size).")
     coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
     iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
-    iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the importance weight s to [lo, hi] (null: no clipping).")
+    iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the KL estimators' importance weight s = pi_theta / pi_sampling to [lo, hi] (null: no clipping). Unset with a train.rollout_correction on: [0, train.rollout_correction_cap], the cap of the policy gradient's weight (s then uses the engine's log-probs, which can under-weight a token without bound); unset without one: null.")
     log_ratio_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp the log-ratio log(pi_anchor / pi_theta) to [-c, c] before use (the paper's K3 and verl's low_var_kl use 20; null: only the +-80 overflow guard).")
     estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
-    target: Optional[float] = Field(None, gt=0, description="Adaptive beta: the KL to the anchor (kl/value) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the step's responses (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
+    target: Optional[float] = Field(None, gt=0, description="Adaptive beta: the KL to the anchor per token (kl/per_token: each trained response's mean KL estimate over its tokens, averaged over the responses, as verl measures it, whatever train.loss_agg) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the responses the step trained on (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
     horizon: int = Field(10000, ge=1, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
-    support_renorm: bool = Field(True, description="kl.estimator=teacher_support: renormalise the student and the teacher over the teacher's top-k set q before the KL (true: Revisiting OPD's top-K support matching) or take their raw probabilities on q (false: the same as kl.estimator=teacher_support_raw). Only with teacher_support.")
+    support_renorm: bool = Field(True, description="kl.estimator=teacher_support: renormalise the student and the teacher over the teacher's top-k set q before the KL (true: Revisiting OPD's top-K support matching) or take their raw probabilities on q (false: the same as kl.estimator=teacher_support_raw, which `train` refuses). Only with teacher_support.")
     topk_from: Optional[Literal["sampling", "anchor"]] = Field(None, description="Top-k estimators: whose top-k ids form the set q: `sampling` (the sampling policy's, recorded by the engine or from the old-policy pass) or `anchor` (the anchor's own top-k, gathered in the anchor's pass: a teacher's top-k for distillation). null (default): sampling for kl.direction=reverse, anchor for forward (the paper's Algorithms 1 and 2).")
 
     @model_validator(mode="after")
@@ -515,20 +515,41 @@ class Config(Section):
 
     def _resolve_defaults(self) -> None:
         """Fill the defaults that depend on other sections, when the key was not given: train.old_logprobs auto -> pass
-        with rollout.max_staleness >= 1, train.rollout_correction (token_truncate for vllm or rollout.max_staleness >= 1,
-        none for hf) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
+        with rollout.max_staleness >= 1, train.rollout_correction (`_default_correction`), kl.iw_clip ([0, the
+        correction's cap] when a correction is on) and, for search runs, eval.max_new_tokens (the per-turn rollout cap).
         The resolved values are written into the config, so config.yaml and `config show` print them."""
         if self.rollout.max_staleness and self.train.old_logprobs == "auto":  # async rollouts: the engine's log-probs
             self.train.old_logprobs = "pass"  # are of older weights, PPO's ratio needs the current ones (docs/async_rollouts.md)
         if "rollout_correction" not in self.train.model_fields_set:
-            # none where the engine's records would be the old policy (ratio 1) or are dropped (search.retokenize)
-            usable = self.train.old_logprobs != "engine" and not (self.search.enabled and self.search.retokenize)
-            # and where vLLM can record the full-vocabulary distribution at all (T = 1 or top_p = 1; docs/vllm.md)
-            usable = usable and (self.rollout.temperature == 1 or self.rollout.top_p >= 1)
-            off_policy = self.rollout.engine == "vllm" or self.rollout.max_staleness > 0  # another engine, or older weights
-            self.train.rollout_correction = "token_truncate" if off_policy and usable else "none"
-        if (self.rollout.env != "single" or self.rollout.agent) and "max_new_tokens" not in self.eval.model_fields_set:  # per turn
+            self.train.rollout_correction = self._default_correction()
+        if self.train.rollout_correction != "none" and "iw_clip" not in self.kl.model_fields_set:
+            # the KL's importance weight pi_theta / pi_engine is capped like the policy gradient's (docs/rollout_correction.md)
+            self.kl.iw_clip = (0.0, self.train.rollout_correction_cap)
+        if (self.rollout.env != "single" or self.rollout.agent) and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
             self.eval.max_new_tokens = self.rollout.max_new_tokens
+
+    def _default_correction(self) -> str:
+        """train.rollout_correction when unset: token_truncate where the samples are off-policy (rollout.engine=vllm,
+        whose numerics differ, or rollout.max_staleness >= 1, older weights) and the engine records the trainer's
+        full-vocabulary log-probs: the hf engine always (in-process or a rollout server; any temperature and top_p),
+        vLLM at temperature 1 or top_p 1 (docs/vllm.md). none on-policy, with train.old_logprobs=engine (the old
+        policy is then the engine's records: ratio 1) and with search.retokenize (it drops them); with
+        rollout.max_staleness >= 1 those two are refused by the launch checks (train/async_rollouts.py). Where no
+        valid correction exists for stale samples (vLLM at T != 1 with top_p < 1) the config is refused, not trained
+        uncorrected; an explicit train.rollout_correction=none is the way to do that on purpose."""
+        r, t = self.rollout, self.train
+        if not (r.engine == "vllm" or r.max_staleness > 0) or t.old_logprobs == "engine" or (self.search.enabled and self.search.retokenize):
+            return "none"
+        from emapg_cli.engines.vllm import logprobs_mode_for, records_full_vocab  # pure functions: vLLM is not imported
+
+        if r.engine == "hf" or records_full_vocab(logprobs_mode_for(r.temperature, r.top_p), r.temperature, r.top_p):
+            return "token_truncate"
+        if r.max_staleness:
+            raise ValueError(f"rollout.max_staleness={r.max_staleness} samples from older weights, and vLLM at rollout.temperature="
+                             f"{r.temperature:g} with rollout.top_p={r.top_p:g} records no full-vocabulary log-probs to correct "
+                             "them with: set rollout.temperature=1 or rollout.top_p=1, use an hf rollout server, or set "
+                             "train.rollout_correction=none to train uncorrected on purpose")
+        return "none"
 
     @property
     def sequences_per_mini_batch(self) -> int:

@@ -90,19 +90,28 @@ def named_refs(overrides: Iterable[str] = (), **options: str | None) -> dict[str
     return named
 
 
-def require_trust(refs: Mapping[str, str], named: Mapping[str, str], trust_code: bool, source: str = "a config file") -> None:
-    """Refuse (one-line UserError) a plugin reference of `refs` that `named` (this command line) does not hold,
-    unless `trust_code` (`--trust-code`). `source` says where the configuration came from, for the message."""
+def untrusted(refs: Mapping[str, str], named: Mapping[str, str], trust_code: bool, source: str = "a config file") -> str | None:
+    """The one line refusing the first plugin reference of `refs` that `named` (this command line) does not hold,
+    None when every one may run (`trust_code`: `--trust-code`). `source` says where the configuration came from."""
     if trust_code:
-        return
+        return None
     for key, ref in refs.items():
         if named.get(key) != ref and key == REMOTE_CODE_KEY:
-            raise UserError(f"{key} = true comes from {source}, not from this command line: the model's folder or "
-                            f"repository may run its own Python code only with --trust-code (or give --set {key}=true)")
+            return (f"{key} = true comes from {source}, not from this command line: the model's folder or "
+                    f"repository may run its own Python code only with --trust-code (or give --set {key}=true)")
         if named.get(key) != ref:
             file = ref.rpartition(":")[0]
-            raise UserError(f"{key} = {ref} comes from {source}, not from this command line: its code ({file}) runs "
-                            f"only with --trust-code (or name it with --set {key}=...)")
+            return (f"{key} = {ref} comes from {source}, not from this command line: its code ({file}) runs "
+                    f"only with --trust-code (or name it with --set {key}=...)")
+    return None
+
+
+def require_trust(refs: Mapping[str, str], named: Mapping[str, str], trust_code: bool, source: str = "a config file") -> None:
+    """Refuse (one-line UserError, `untrusted`) a plugin reference of `refs` that `named` (this command line) does
+    not hold, unless `trust_code` (`--trust-code`)."""
+    problem = untrusted(refs, named, trust_code, source)
+    if problem is not None:
+        raise UserError(problem)
 
 
 def load_code(refs: Mapping[str, str]) -> None:

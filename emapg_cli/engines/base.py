@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 
 def derive_seed(*parts: int) -> int:
@@ -36,6 +36,15 @@ def end_token_ids(tokenizer, generation_config: Any = None) -> tuple[int, ...]:
         if t is not None and int(t) not in ids:
             ids.append(int(t))
     return tuple(ids)
+
+
+class Cancelled(Exception):
+    """A generation stopped because its `cancelled()` said so (the rollout server's client left, or its request's
+    deadline passed): nothing is returned."""
+
+
+#: A generation's `cancelled` hook: polled between decode steps (hf) or before the engine's call (vLLM).
+CancelHook = Optional[Callable[[], bool]]
 
 
 @dataclass(frozen=True)
@@ -90,8 +99,9 @@ class Engine(Protocol):
     records_topk: bool
     versioned: bool
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions for each prompt, in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order; `Cancelled` once `cancelled()` (polled as each
+        engine can: between decode steps, or before its call)."""
         ...
 
     def load_weights(self, model) -> None:

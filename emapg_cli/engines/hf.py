@@ -27,9 +27,10 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import Tensor
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
-from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
+from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams, derive_seed, end_token_ids
+from emapg_cli.kl.common import nucleus_keep
 from emapg_cli.models.prefix import cache_kwarg, prompt_cache
 
 log = logging.getLogger(__name__)
@@ -52,9 +53,7 @@ def sample_from_logits(scores: Tensor, uniforms: Tensor, temperature: float, top
     probs = logp.exp()
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)  # [B, V]
-        keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-        keep[:, 0] = True
-        sorted_p = sorted_p * keep
+        sorted_p = sorted_p * nucleus_keep(sorted_p, top_p)
     else:
         sorted_p, order = probs, None
     cdf = sorted_p.cumsum(-1)  # [B, V]
@@ -94,6 +93,18 @@ class SeededSampler(LogitsProcessor):
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, tokens[:, None], 0.0)
         return out
+
+
+class _CancelCheck(StoppingCriteria):
+    """Raises `Cancelled` out of `generate` at the first decode step after `cancelled()` turned true."""
+
+    def __init__(self, cancelled: Callable[[], bool]):
+        self.cancelled = cancelled
+
+    def __call__(self, input_ids: Tensor, scores: Tensor, **kwargs: Any) -> Tensor:
+        if self.cancelled():
+            raise Cancelled("the generation was cancelled")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)  # [B]: no row stops here
 
 
 class HFEngine(EngineBase):
@@ -160,19 +171,23 @@ class HFEngine(EngineBase):
     def resume_memory(self) -> None:
         """Nothing to take back."""
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
+        """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j).
+        `cancelled`: polled at every decode step; once it returns True, `Cancelled` is raised (nothing returned)."""
         rows = [(i, p) for i, p in enumerate(prompts) for _ in range(params.n)]
         flat: list[Completion] = []
         with self.weights_context(self.model):
             for start in range(0, len(rows), self.batch_size):
+                if cancelled is not None and cancelled():
+                    raise Cancelled("the generation was cancelled")
                 chunk = rows[start:start + self.batch_size]
                 seeds = [derive_seed(params.seed, start + j) for j in range(len(chunk))]
-                flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params))
+                flat.extend(self._generate_chunk([p for _, p in chunk], seeds, params, cancelled))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
     @torch.inference_mode()
-    def _generate_chunk(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
+    def _generate_chunk(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams,
+                        cancelled: CancelHook = None) -> list[Completion]:
         model = self.model
         device = next(model.parameters()).device
         plen = max(len(p) for p in prompts)
@@ -190,29 +205,30 @@ class HFEngine(EngineBase):
         try:
             input_ids, attention = input_ids.to(device), attention.to(device)
             if self._path_for(_forward_model(model)) == "fast":
-                rows = self._decode_rows(input_ids, attention, uniforms, sampler, params)
+                rows = self._decode_rows(input_ids, attention, uniforms, sampler, params, cancelled)
             else:
-                rows = self._generate_rows(input_ids, attention, sampler, params)
+                rows = self._generate_rows(input_ids, attention, sampler, params, cancelled)
         finally:
             model.train(was_training)
         return [self._completion(*row, params) for row in rows]
 
     def _decode_rows(self, input_ids: Tensor, attention: Tensor, uniforms: Tensor, sampler: SeededSampler,
-                     params: SamplingParams) -> list[tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
+                     params: SamplingParams, cancelled: CancelHook = None) -> list[tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
         """emapg's decode loop: each row's (tokens, drawn, log-probs, top-k) through its last step."""
         from emapg_cli.engines.hf_decode import decode
 
         stop = self._stop_criteria(params.stop)
         out = decode(_forward_model(self.model), input_ids, attention, uniforms, sampler.draw, self.end_ids,
-                     (lambda seqs: stop(seqs, None)) if stop is not None else None, share_prompts=self.share_prompts)
+                     (lambda seqs: stop(seqs, None)) if stop is not None else None, share_prompts=self.share_prompts,
+                     cancelled=cancelled)
         rows = []
         for r, n in enumerate(out.steps.tolist()):
             ids = out.tokens[r, :n]
             rows.append((ids, ids, out.logprobs[r, :n], out.topk[r, :n] if out.topk is not None else None))
         return rows
 
-    def _generate_rows(self, input_ids: Tensor, attention: Tensor, sampler: SeededSampler,
-                       params: SamplingParams) -> list[tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
+    def _generate_rows(self, input_ids: Tensor, attention: Tensor, sampler: SeededSampler, params: SamplingParams,
+                       cancelled: CancelHook = None) -> list[tuple[Tensor, Tensor, Tensor, Optional[Tensor]]]:
         """transformers' `generate` with the sampler as its logits processor: each row's (tokens as generate returned
         them, the sampler's draws, log-probs, top-k)."""
         tok, model = self.tokenizer, self.model
@@ -237,7 +253,8 @@ class HFEngine(EngineBase):
                     shared[cache_kwarg(decoder)] = cache
             out = model.generate(
                 input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg,
-                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None, **shared,
+                logits_processor=LogitsProcessorList([sampler]), tokenizer=tok if params.stop else None,
+                stopping_criteria=StoppingCriteriaList([_CancelCheck(cancelled)] if cancelled is not None else []), **shared,
             )
         finally:
             model.generation_config = saved_cfg

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from emapg_cli.engines.base import Cancelled
 from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache
 
 #: A batch never shrinks below this many rows (or the chunk's rows, when fewer): below it a step costs about
@@ -142,11 +143,12 @@ Draw = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Tensor]]]
 @torch.inference_mode()
 def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: Draw, end_ids: tuple[int, ...],
            stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True,
-           min_rows: Optional[int] = None) -> Decoded:
+           min_rows: Optional[int] = None, cancelled: Optional[Callable[[], bool]] = None) -> Decoded:
     """Sample up to N = uniforms.shape[1] tokens for each left-padded prompt row (input_ids, attention [B, P]).
 
     `stop(sequences [b, P + t]) -> [b] bool`: rows that end on a stop string (generate's StopStringCriteria).
-    Step t of row r draws with uniforms[r, t]. `min_rows`: the batch's floor (None: `MIN_ROWS`)."""
+    Step t of row r draws with uniforms[r, t]. `min_rows`: the batch's floor (None: `MIN_ROWS`). `cancelled`: polled
+    before every step; once it returns True, `engines.base.Cancelled` is raised (the rollout server's client left)."""
     b, plen = input_ids.shape
     n = uniforms.shape[1]
     dev = input_ids.device
@@ -163,6 +165,8 @@ def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: 
     live = torch.arange(b, device=dev)  # [b'] the original row of each live batch row
     ends = torch.tensor(end_ids, device=dev)
     for t in range(n):
+        if cancelled is not None and cancelled():
+            raise Cancelled("the generation was cancelled")
         cols = slice(start, plen + t)
         logits = model(input_ids=seqs[live, cols], attention_mask=mask[live, : plen + t], position_ids=pos[live, cols],
                        use_cache=True, logits_to_keep=1, **{key: cache}).logits

@@ -13,6 +13,11 @@ special tokens (the template writes them), as the trainer renders its prompts (m
 string prompt is tokenized with them (vLLM's rule), a token-id prompt is taken as it is. A backend may tokenize a
 session's text itself (`Backend.tokenize`: the agent endpoint reuses an episode's earlier ids, docs/agents.md).
 
+What a request may make the engine sample is checked by engines/request_limits.py, as every route of the rollout
+server that generates is (the server's `--max-new-tokens`, `--max-sequences`, `--max-request-tokens`: 413 above),
+after the per-caller checks of `Policy` (the context's room, the per-call cap: 400). A request's `Caller` carries its
+arrival, from which its deadline counts, and whether its client has left, which stops its generation.
+
 `top_logprobs` needs the model's full distribution at each sampled position, which the `Engine` interface does not
 return: it is computed by a `scorer` (`module_scorer`, one forward pass of the served module over prompt +
 completion, softmax(logits / T), T = 1 when greedy as the engines record it); a backend without one refuses it.
@@ -22,12 +27,27 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from emapg_cli.engines.base import Completion, SamplingParams
-from emapg_cli.engines.openai_wire import (Choice, OpenAIError, Request, WireLimits, chat_reply, check_budget, completion_reply,
+from emapg_cli.engines.openai_wire import (Choice, OpenAIError, Request, WireLimits, chat_reply, completion_reply,
                                            models_reply, own_turns, parse_chat, parse_completion, remember_turns)
+from emapg_cli.engines.request_limits import RequestLimits, check_generation
+
+
+def _stays() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request and when: its API key (None: none), its arrival (time.monotonic(); its deadline counts from
+    here) and `left()`, whether its client has closed the connection (its generation is then cancelled)."""
+
+    api_key: Optional[str] = None
+    arrival: float = field(default_factory=time.monotonic)
+    left: Callable[[], bool] = _stays
 
 
 @dataclass(frozen=True)
@@ -62,19 +82,21 @@ class Backend(Protocol):
         """`text`'s token ids (`special`: add the tokenizer's BOS/EOS as a plain `tokenizer(text)` does)."""
 
     def generate(self, session: Any, prompts: list[list[int]], params: SamplingParams, seed: Optional[int],
-                 texts: Sequence[Optional[str]]) -> tuple[list[list[Completion]], Optional[int]]:
+                 texts: Sequence[Optional[str]], caller: Caller) -> tuple[list[list[Completion]], Optional[int]]:
         """(`params.n` completions per prompt, the weights version that sampled them); `seed` is the request's
-        (None: not given), `texts` each prompt's text as the caller sent or the template rendered it (None: ids)."""
+        (None: not given), `texts` each prompt's text as the caller sent or the template rendered it (None: ids).
+        Within the backend's deadline from `caller.arrival`, cancelled once `caller.left()` (`Refused` 504 / 499)."""
 
 
 class OpenAIService:
     """The routes of engines/openai_wire.py over `backend` (see the module's docstring)."""
 
     def __init__(self, tokenizer, model_id: str, backend: Backend, limits: WireLimits = WireLimits(),
-                 scorer: Optional[Callable] = None):
+                 scorer: Optional[Callable] = None, request_limits: RequestLimits = RequestLimits()):
         from emapg_cli.models.prompts import max_chars_per_token
 
         self.tokenizer, self.model_id, self.backend, self.limits, self.scorer = tokenizer, model_id, backend, limits, scorer
+        self.request_limits = request_limits
         self.created = int(time.time())
         self.chars_per_token = max_chars_per_token(tokenizer)
         self.vocab = len(tokenizer)
@@ -83,8 +105,8 @@ class OpenAIService:
         return models_reply(self.model_id, self.created)
 
     # ------------------------------------------------------------------ routes
-    def chat(self, body: Any, api_key: Optional[str]) -> dict[str, Any]:
-        session = self.backend.session(api_key)  # a caller the backend refuses learns nothing else
+    def chat(self, body: Any, caller: Caller) -> dict[str, Any]:
+        session = self.backend.session(caller.api_key)  # a caller the backend refuses learns nothing else
         req = parse_chat(body, self.limits)
         policy = self.backend.policy(session)
         memory = self.backend.memory(session)
@@ -92,14 +114,14 @@ class OpenAIService:
             req.messages = own_turns(req.messages, memory)
         text = self._render(req, policy)
         ids = self.backend.tokenize(session, text, False)
-        choices, version = self._sample(req, session, policy, [ids], [text])
+        choices, version = self._sample(req, session, policy, [ids], [text], caller)
         reply = chat_reply(req, self.model_id, ids, choices, version)
         if memory is not None:
             remember_turns(memory, reply, [c.text for c in choices])
         return reply
 
-    def completions(self, body: Any, api_key: Optional[str]) -> dict[str, Any]:
-        session = self.backend.session(api_key)
+    def completions(self, body: Any, caller: Caller) -> dict[str, Any]:
+        session = self.backend.session(caller.api_key)
         req = parse_completion(body, self.limits)
         policy = self.backend.policy(session)
         prompts, texts = [], []
@@ -113,7 +135,7 @@ class OpenAIService:
                     raise OpenAIError(400, f"prompt holds token ids outside the vocabulary [0, {self.vocab})", param="prompt")
                 prompts.append(list(p))
                 texts.append(None)
-        choices, version = self._sample(req, session, policy, prompts, texts)
+        choices, version = self._sample(req, session, policy, prompts, texts, caller)
         return completion_reply(req, self.model_id, choices, version)
 
     # ------------------------------------------------------------------ pieces
@@ -140,7 +162,7 @@ class OpenAIService:
         return text
 
     def _params(self, req: Request, policy: Policy, prompts: list[list[int]]) -> SamplingParams:
-        """The request's sampling within `policy` and the limits (400/413 on what it may not ask)."""
+        """The request's sampling within `policy` (400 on what it may not ask) and the request limits (400/413)."""
         for key, asked, own in (("temperature", req.temperature, policy.temperature), ("top_p", req.top_p, policy.top_p)):
             if policy.fixed and asked is not None and asked != own:
                 raise OpenAIError(400, f"{key} {asked:g}: this endpoint samples the policy at {key} {own:g} (the run's); "
@@ -160,21 +182,24 @@ class OpenAIService:
                                        f"requested {longest + req.max_tokens} tokens ({longest} in the prompt, "
                                        f"{req.max_tokens} in the completion).", param="max_tokens", code="context_length_exceeded")
             max_tokens = req.max_tokens
-        else:  # as much as fits: the context's room, the per-call cap and the request's share of the sampling budget
-            max_tokens = max(1, min(room, cap or room, self.limits.max_sample_tokens // (len(prompts) * req.n)))
-        check_budget(req, len(prompts), max_tokens, self.limits)
+        else:  # as much as fits: the context's room, the per-call cap and the request limits (what they leave per prompt)
+            limits = self.request_limits
+            share = (limits.max_request_tokens // req.n - sum(map(len, prompts))) // len(prompts)
+            max_tokens = max(1, min(room, cap or room, limits.max_new_tokens, share))
         temperature = policy.temperature if req.temperature is None else req.temperature
         top_p = policy.top_p if req.top_p is None else req.top_p
         stop = tuple(dict.fromkeys((*req.stop, *policy.stop)))
-        return SamplingParams(n=req.n, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop)
+        params = SamplingParams(n=req.n, max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop)
+        check_generation(prompts, params, self.request_limits)  # `Refused` 400/413, as the rollout server's /generate
+        return params
 
     def _sample(self, req: Request, session: Any, policy: Policy, prompts: list[list[int]],
-                texts: list[Optional[str]]) -> tuple[list[Choice], Optional[int]]:
+                texts: list[Optional[str]], caller: Caller) -> tuple[list[Choice], Optional[int]]:
         params = self._params(req, policy, prompts)
         if req.top_logprobs and self.scorer is None:
             raise OpenAIError(400, "top_logprobs is not available from this engine (the hf engine computes them)",
                               param="top_logprobs")
-        rows, version = self.backend.generate(session, prompts, params, req.seed, texts)
+        rows, version = self.backend.generate(session, prompts, params, req.seed, texts, caller)
         choices = []
         for prompt, row in zip(prompts, rows):
             tops = self.scorer(prompt, [c.token_ids for c in row], params.temperature, req.top_logprobs) \
@@ -220,7 +245,9 @@ def module_scorer(module: Any, context: Optional[Callable[[Any], Any]] = None) -
 
 class RolloutBackend:
     """`emapg rollout serve --openai`: every request sampled on its own by the server's engine (under its lock, from
-    the weights it holds now), any API key accepted, sampling as the request asks (OpenAI's defaults otherwise)."""
+    the weights it holds now), any API key accepted (the server's secret, when it has one, is checked before), sampling
+    as the request asks (OpenAI's defaults otherwise); each request within `timeout_s` of its arrival, waiting for the
+    lock included, and cancelled once its client left (the decode loop's `cancelled` hook)."""
 
     def __init__(self, service: Any, tokenizer, max_context: int, timeout_s: float = 600.0):
         self.service, self.tokenizer, self.timeout_s = service, tokenizer, timeout_s
@@ -238,17 +265,19 @@ class RolloutBackend:
     def tokenize(self, session: Any, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"]
 
-    def generate(self, session, prompts, params, seed, texts):
+    def generate(self, session, prompts, params, seed, texts, caller):
         params = replace(params, seed=secrets.randbits(62) if seed is None else seed % (1 << 63))
-        rows, version, _ = self.service.generate(prompts, params, None, self.timeout_s)
+        rows, version, _ = self.service.generate(prompts, params, None, self.timeout_s, caller.arrival,
+                                                 cancelled=caller.left, anyone=True)
         return rows, version
 
 
-def rollout_openai(service: Any, model_path: str, max_model_len: Optional[int] = None,
-                   trust_remote_code: bool = False) -> OpenAIService:
+def rollout_openai(service: Any, model_path: str, max_model_len: Optional[int] = None, trust_remote_code: bool = False,
+                   request_limits: RequestLimits = RequestLimits(), timeout_s: float = 600.0) -> OpenAIService:
     """The `OpenAIService` of `emapg rollout serve --openai` over a `RolloutService`: the served model's tokenizer
-    and chat template, its context (`--max-model-len`, else the config's `max_position_embeddings`), and
-    top_logprobs from the hf engine's module (scored under the server's generation lock)."""
+    and chat template, its context (`--max-model-len`, else the config's `max_position_embeddings`), the server's
+    request limits, each request's `timeout_s` from its arrival, and top_logprobs from the hf engine's module (scored
+    under the server's generation lock)."""
     import contextlib
 
     from transformers import AutoConfig
@@ -265,5 +294,5 @@ def rollout_openai(service: Any, model_path: str, max_model_len: Optional[int] =
             yield
 
     module = service.served.module
-    return OpenAIService(tokenizer, model_path, RolloutBackend(service, tokenizer, context),
-                         scorer=module_scorer(module, locked) if module is not None else None)
+    return OpenAIService(tokenizer, model_path, RolloutBackend(service, tokenizer, context, timeout_s),
+                         scorer=module_scorer(module, locked) if module is not None else None, request_limits=request_limits)

@@ -56,14 +56,26 @@ def error_body(e: OpenAIError) -> dict[str, Any]:
     return {"error": {"message": str(e), "type": e.type, "param": e.param, "code": e.code}}
 
 
+#: OpenAI's error type of an HTTP status (any other 4xx: invalid_request_error; 5xx: server_error).
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 409: "conflict_error",
+               429: "rate_limit_error"}
+
+
+def error_json(code: int, message: str) -> dict[str, Any]:
+    """OpenAI's error body of a refusal that only has a status and a line (the HTTP server's own: a body too large,
+    a missing secret, a busy server, a deadline passed)."""
+    default = "server_error" if code >= 499 else "invalid_request_error"
+    return error_body(OpenAIError(code, message, ERROR_TYPES.get(code, default)))
+
+
 @dataclass(frozen=True)
 class WireLimits:
-    """What one request may ask for (the endpoint's caps; the server adds size, connections and deadlines)."""
+    """What one request may ask in OpenAI's format (the sampling it asks is bounded by engines/request_limits.py; the
+    server adds size, connections and deadlines)."""
 
     max_n: int = 16  # choices per request
     max_prompts: int = 64  # /v1/completions: prompts per request
     max_messages: int = 1024  # chat: messages per request
-    max_sample_tokens: int = 65536  # prompts x n x max_tokens: the tokens one request may make the engine sample
     max_chars: int = 4 << 20  # characters of all messages / prompts together (the tokenizer's work)
 
 
@@ -302,14 +314,6 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
 
 def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
-
-
-def check_budget(req: Request, prompts: int, max_tokens: int, limits: WireLimits) -> None:
-    """prompts x n x max_tokens within `limits.max_sample_tokens` (413 otherwise)."""
-    total = prompts * req.n * max_tokens
-    if total > limits.max_sample_tokens:
-        raise OpenAIError(413, f"{prompts} prompt(s) x n {req.n} x max_tokens {max_tokens} = {total} tokens to sample: "
-                               f"at most {limits.max_sample_tokens} per request", param="max_tokens")
 
 
 def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict[str, Any]]]:

@@ -1,28 +1,33 @@
 """`RemoteEngine`: the `Engine` of a rollout server (`emapg rollout serve`) in another process, at `rollout.engine_url`.
 
-Control is JSON over HTTP (engines/rollout_protocol.py); weights go as raw tensors over a two-process
-torch.distributed group (engines/weight_channel.py: gloo, or NCCL when both sides have CUDA), opened at the first
-push. It is a versioned engine (engines/base.py): `push_weights(model, version)` sends every parameter (cast to the
-server's dtype, one tensor at a time) and returns once sent; the server applies it between generations. A
-`generate` without `SamplingParams.min_version` asks for exactly the version pushed last, so the synchronous loop
-never samples from older weights; with `min_version` it takes any version at least that (the asynchronous
-pipeline) and each `Completion.weights_version` says which one sampled it. Every failure is one line (UserError):
-a server that is down, is not a rollout server, speaks another protocol, serves another model or tokenizer, does
-not answer within `timeout_s`, or drops the weight channel.
+Control is JSON over HTTP (engines/rollout_protocol.py), each request within `timeout_s` from its start to its last
+byte (emapg_cli/http_client.py: a server that drips its reply is abandoned at the deadline). Weights go as raw tensor
+bytes in the body of `/weights/push` (backend http), or over a two-process NCCL group (engines/weight_channel.py,
+both sides on CUDA). It is a versioned engine (engines/base.py): `push_weights(model, version)` connects at the first
+push (the server's token then goes with every request), sends every parameter (cast to the server's dtype, one
+tensor at a time) and returns once the server received and checked it; the server applies it between generations.
+A `generate` without `SamplingParams.min_version` asks for exactly the version pushed last, so the synchronous loop
+never samples from older weights; with `min_version` it takes any version at least that (the asynchronous pipeline)
+and each `Completion.weights_version` says which one sampled it. The reply's token ids are checked against the
+model's vocabulary. With `EMAPG_ROLLOUT_SECRET` set, every request carries it. Every failure is one line
+(UserError): a server that is down, is not a rollout server, speaks another protocol, serves another model or
+tokenizer, does not answer within `timeout_s`, refuses a push, or sends ids outside the vocabulary.
 """
 
 from __future__ import annotations
 
 import json
-import socket
+import os
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
-from typing import Any, Optional
+from http.client import HTTPException
+from typing import Any, Iterator, Optional
 
-from emapg_cli.engines.base import Completion, EngineBase, SamplingParams
-from emapg_cli.engines.rollout_protocol import PROTOCOL, ProtocolError, completions_from_json, params_to_json
+from emapg_cli import http_client
+from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams
+from emapg_cli.engines.rollout_protocol import (
+    PROTOCOL, SECRET_ENV, ProtocolError, completions_from_json, params_to_json, push_header,
+)
 from emapg_cli.errors import UserError
 
 #: Largest reply read (bytes): completions with top-k ids can be large, but not unbounded.
@@ -60,14 +65,14 @@ class RemoteEngine(EngineBase):
 
     def __init__(self, url: str, timeout_s: float = 1800.0, weights_backend: str = "auto"):
         """Reads the server's /health (one-line UserError when it is down or not a rollout server of this
-        protocol); `check_compatible` then compares the model and the tokenizer. `weights_backend`: the weight
-        channel's torch.distributed backend, gloo, nccl, or auto (nccl when both sides are on CUDA, else gloo)."""
+        protocol); `check_compatible` then compares the model and the tokenizer. `weights_backend`: how the weights
+        travel, http, nccl, or auto (nccl when both sides are on CUDA, else http)."""
         try:
             self.url = check_engine_url(url)
         except ValueError as e:
             raise UserError(f"rollout.engine_url {e}, got {url!r:.100}") from None
         self.timeout_s, self.weights_backend = timeout_s, weights_backend
-        self._opener = urllib.request.build_opener(_NoRedirect)
+        self._secret = os.environ.get(SECRET_ENV) or None
         health = self._request("GET", "/health")
         if not isinstance(health, dict) or "protocol" not in health or not isinstance(health.get("model"), dict):
             raise UserError(f"rollout server {self.url}: /health answers, but not as an emapg rollout server")
@@ -78,47 +83,53 @@ class RemoteEngine(EngineBase):
         self.records_topk = bool(health.get("records_topk"))
         self.engine_name = str(health.get("engine"))
         self.weights_version: int = int(health.get("weights_version", -1))
+        vocab = health["model"].get("vocab_size")
+        self._vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
         self.wait_s = 0.0
         self._pushed = False
-        self._channel: Any = None
-        self._session: Any = None  # the server's number of this client's weight channel
+        self._channel: Any = None  # nccl: this end of the group
+        self._token: Optional[str] = None  # what the server's /weights/connect returned
+        self._backend: Optional[str] = None
         self._lock = threading.Lock()  # one push at a time
         self._wait_lock = threading.Lock()  # wait_s updates
         self._full_vocab: dict[tuple, bool] = {}
 
     # ------------------------------------------------------------------ HTTP
-    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout_s: Optional[float] = None,
+                 raw: Optional[Iterator[Any]] = None, raw_length: int = 0) -> Any:
+        """The parsed JSON reply of one request (all of it within the timeout); one-line UserError otherwise. `raw`:
+        buffers sent in order as an octet-stream body of `raw_length` bytes instead of `body`."""
+        headers = {"Content-Type": "application/octet-stream" if raw is not None else "application/json"}
+        if self._secret:
+            headers["Authorization"] = f"Bearer {self._secret}"
         timeout = timeout_s or self.timeout_s
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
         try:
-            with self._opener.open(request, timeout=timeout) as response:
-                raw = response.read(MAX_REPLY_BYTES + 1)
-        except urllib.error.HTTPError as e:
-            said = self._server_says(e)
-            if e.code == 404 and path == "/health":
-                raise UserError(f"rollout server {self.url}: no /health route there (not an emapg rollout server?)") from None
-            raise UserError(f"rollout server {self.url}{path}: HTTP {e.code}{': ' + said if said else ''}") from None
-        except (TimeoutError, socket.timeout):
+            reply = http_client.request(self.url + path, method, data, timeout_s=timeout, max_reply_bytes=MAX_REPLY_BYTES,
+                                        headers=headers, body_length=raw_length)
+        except http_client.Deadline:
             raise UserError(f"rollout server {self.url}{path}: no reply within {timeout:g} s (rollout.engine_timeout_s)") from None
-        except (urllib.error.URLError, ConnectionError, OSError, ValueError) as e:
-            reason = getattr(e, "reason", e)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise UserError(f"rollout server {self.url}{path}: no reply within {timeout:g} s (rollout.engine_timeout_s)") from None
-            raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(reason, 120)}); is `emapg rollout "
-                            "serve` running there?") from None
-        if len(raw) > MAX_REPLY_BYTES:
-            raise UserError(f"rollout server {self.url}{path}: reply over {MAX_REPLY_BYTES} bytes")
+        except http_client.ReplyTooLarge:
+            raise UserError(f"rollout server {self.url}{path}: reply over {MAX_REPLY_BYTES} bytes") from None
+        except (OSError, HTTPException, ValueError) as e:
+            raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(e, 120) or type(e).__name__}); is "
+                            "`emapg rollout serve` running there?") from None
+        if reply.status != 200:
+            said = self._server_says(reply.body)
+            if reply.status == 404 and path == "/health":
+                raise UserError(f"rollout server {self.url}: no /health route there (not an emapg rollout server?)")
+            if reply.status == 401 and not self._secret:
+                said += f" ({SECRET_ENV} is not set here)"
+            raise UserError(f"rollout server {self.url}{path}: HTTP {reply.status}{': ' + said if said else ''}")
         try:
-            return json.loads(raw)
+            return json.loads(reply.body)
         except (ValueError, RecursionError):
             raise UserError(f"rollout server {self.url}{path}: the reply is not JSON (not an emapg rollout server?)") from None
 
     @staticmethod
-    def _server_says(e: urllib.error.HTTPError) -> str:
+    def _server_says(body: bytes) -> str:
         try:
-            said = json.loads(e.read(4096).decode("utf-8"))["error"]
+            said = json.loads(body[:4096].decode("utf-8"))["error"]
             return _one_line(said) if isinstance(said, str) else ""
         except Exception:  # any other body: the status alone says enough
             return ""
@@ -137,17 +148,20 @@ class RemoteEngine(EngineBase):
                             "template differ): start it with the run's model.path")
 
     # ------------------------------------------------------------------ Engine
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
         """`params.n` completions per prompt from the server: exactly the version pushed last (no `min_version`),
-        or any version >= `params.min_version`."""
+        or any version >= `params.min_version`. `cancelled` is polled before the request is sent (as vLLM's)."""
         if not prompts:
             return []
+        if cancelled is not None and cancelled():
+            raise Cancelled("the generation was cancelled")
         exact = self.weights_version if params.min_version is None and self._pushed else None
         reply = self._request("POST", "/generate", {"prompts": [list(map(int, p)) for p in prompts], "params": params_to_json(params),
-                                                    # the server gives up waiting first: its 504 says which version
-                                                    "version": exact, "timeout_s": WAIT_SHARE * self.timeout_s})
+                                                    # the server gives up first: its 504 says which version
+                                                    "version": exact, "timeout_s": WAIT_SHARE * self.timeout_s,
+                                                    "token": self._token})
         try:
-            rows, _, waited = completions_from_json(reply, len(prompts), params.n)
+            rows, _, waited = completions_from_json(reply, len(prompts), params.n, self._vocab, params.max_new_tokens)
         except ProtocolError as e:
             raise UserError(f"rollout server {self.url}/generate: unexpected reply ({e})") from None
         with self._wait_lock:  # not the push's lock: a background generate returns while a push runs
@@ -167,69 +181,76 @@ class RemoteEngine(EngineBase):
         self.push_weights(model, self.weights_version + 1)
 
     def push_weights(self, model, version: int) -> None:
-        """Send `model`'s parameters as `version` (opening the weight channel at the first push); returns once sent."""
+        """Send `model`'s parameters as `version` (connecting at the first push); returns once the server received
+        and checked them (backend http) or once sent (nccl)."""
         from emapg_cli.engines.rollout_protocol import manifest
 
         dtype = self.health.get("dtype")
         with self._lock:
-            channel = self._channel or self._connect()
+            backend = self._backend or self._connect()
             named = named_tensors(model)
-            rows = manifest([(n, _Shape(t, dtype)) for n, t in named])
-            self._request("POST", "/weights/push", {"version": int(version), "session": self._session, "tensors": rows})
-            try:
-                for _, t in named:
-                    channel.send(_cast(t, dtype, channel.backend))
-            except Exception as e:  # gloo/NCCL errors are long and multi-line: one line, the channel dropped
-                self._channel = None
-                raise UserError(f"rollout server {self.url}: the weight push of version {version} failed "
-                                f"({_one_line(e, 160)})") from None
+            head = push_header(int(version), self._token, manifest([(n, _Shape(t, dtype)) for n, t in named]))
+            if backend == "http":  # the tensors in the body, cast one at a time as they are sent
+                size = sum(_Shape(t, dtype).nbytes for _, t in named)
+                self._request("POST", "/weights/push", raw=_body(head, named, dtype), raw_length=len(head) + size)
+            else:
+                self._request("POST", "/weights/push", raw=iter([memoryview(head)]), raw_length=len(head))
+                try:
+                    for _, t in named:
+                        self._channel.send(_cast(t, dtype, "nccl"))
+                except Exception as e:  # NCCL errors are long and multi-line: one line, the channel dropped
+                    self._backend = self._channel = None
+                    raise UserError(f"rollout server {self.url}: the weight push of version {version} failed "
+                                    f"({_one_line(e, 160)})") from None
             self.weights_version, self._pushed = int(version), True
 
-    def _connect(self):
-        """Host the store, ask the server to join, build this end of the group (rank 0)."""
+    def _connect(self) -> str:
+        """Ask the server for a session (its token); nccl: join the store the server hosts for it and build this end
+        of the group (rank 0). The backend chosen."""
         import torch
 
-        from emapg_cli.engines.weight_channel import TRAINER, WeightChannel, host_store
-
-        parsed = urllib.parse.urlsplit(self.url)
-        try:  # the address this machine reaches the server from is one the server can reach back
-            with socket.create_connection((parsed.hostname, parsed.port or 80), timeout=10) as s:
-                host = s.getsockname()[0]
-        except OSError as e:
-            raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(e, 120)})") from None
         backend = self.weights_backend
-        if backend == "auto":  # two processes on one GPU cannot form an NCCL group: set gloo there
-            backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "gloo"
-        store = host_store(host, self.timeout_s)
-        reply = self._request("POST", "/weights/connect", {"host": host, "port": store.port, "backend": backend, "timeout_s": self.timeout_s})
-        self._session = reply.get("session") if isinstance(reply, dict) else None
-        try:
-            self._channel = WeightChannel(store, TRAINER, backend, self.timeout_s)
-        except Exception as e:
-            raise UserError(f"rollout server {self.url}: the weight channel ({backend}) did not open ({_one_line(e, 160)})") from None
-        return self._channel
+        if backend == "auto":  # two processes on one GPU cannot form an NCCL group: set http there
+            backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "http"
+        reply = self._request("POST", "/weights/connect", {"backend": backend})
+        self._token = reply.get("token") if isinstance(reply, dict) else None
+        if backend == "nccl":
+            from emapg_cli.engines.weight_channel import TRAINER, WeightChannel, join_store
+
+            try:
+                store = join_store(urllib.parse.urlsplit(self.url).hostname, int(reply["port"]), self.timeout_s)
+                self._channel = WeightChannel(store, TRAINER, backend, self.timeout_s)
+                self._channel.handshake()
+            except Exception as e:
+                raise UserError(f"rollout server {self.url}: the weight channel ({backend}) did not open "
+                                f"({_one_line(e, 160)})") from None
+        self._backend = backend
+        return backend
+
+
+def _body(head: bytes, named: list[tuple[str, Any]], dtype: Optional[str]) -> Iterator[Any]:
+    """A push's body: its header, then each tensor's bytes in the server's dtype (cast on CPU one at a time)."""
+    import torch
+
+    yield memoryview(head)
+    for _, t in named:
+        yield memoryview(_cast(t, dtype, "http").reshape(-1).view(torch.uint8).numpy())
 
 
 class _Shape:
-    """A tensor's name-less (dtype, shape) as the push's manifest reads it (`dtype` the server's)."""
+    """A tensor's name-less (dtype, shape) as the push's manifest reads it (`dtype` the server's), and its bytes."""
 
     def __init__(self, t: Any, dtype: Optional[str]):
         import torch
 
         self.shape = t.shape
         self.dtype = getattr(torch, dtype) if dtype else t.dtype
+        self.nbytes = t.numel() * torch.empty((), dtype=self.dtype).element_size()
 
 
 def _cast(t: Any, dtype: Optional[str], backend: str) -> Any:
-    """`t` in the server's dtype, on the device the channel's backend sends from."""
+    """`t` in the server's dtype, contiguous, on the device the backend sends from (nccl: CUDA; http: CPU)."""
     import torch
 
     t = t.to(getattr(torch, dtype)) if dtype else t
-    return t.to("cuda") if backend == "nccl" else t.cpu()
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is reported as the HTTP error it is, never followed."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
+    return (t.to("cuda") if backend == "nccl" else t.cpu()).contiguous()

@@ -1,171 +1,257 @@
 """`emapg rollout serve`'s HTTP front: the routes of engines/rollout_protocol.py over a `RolloutService`.
 
-The standard library's threading `http.server` (no web framework): a trainer sends a few requests per RL step.
-Bodies are read only up to a declared `Content-Length` of at most `max_body_bytes`; each socket read and write has
-`io_timeout_s`; every refusal is a status with a one-line JSON `{"error": "..."}` (no traceback reaches a client; an
-unexpected failure is a 500 naming its type and message). Generation and weight updates are ordered by the
-service's lock, not here.
+A `BoundedServer` (emapg_cli/http_server.py, as the retriever server): at most `max_connections` connections, each
+request read within `timeout_s` (idle and half-sent connections are dropped), a JSON body read only up to its one
+`Content-Length`, at most `max_body_bytes`, and parsed one at a time; running out of file descriptors pauses
+accepting. What a generation may ask is checked by engines/request_limits.py (every route that generates calls it).
+A weight push's body is read exactly as its manifest declares (engines/rollout_weights.py). With a `secret`, every
+request must carry `Authorization: Bearer <secret>` (401 otherwise). Every refusal is a status with a one-line JSON
+`{"error": "..."}` (no traceback reaches a client; an unexpected failure is a 500 naming its type and message).
+With `openai` (`--openai`), the `/v1/...` paths are OpenAI's routes (engines/openai_http.py), on the same limits,
+secret and deadlines; their refusals are OpenAI's error body.
+Generation and weight updates are ordered by the service's lock, not here.
 """
 
 from __future__ import annotations
 
-import json
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from socketserver import ThreadingMixIn
-from typing import Any
+import hmac
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
 
-from emapg_cli.engines.rollout_protocol import ProtocolError, params_from_json, token_lists
-from emapg_cli.engines.rollout_service import RolloutService, Unavailable
-from emapg_cli.http_reply import write_json
+from emapg_cli.engines.request_limits import RequestLimits, check_generation
+from emapg_cli.engines.rollout_protocol import (
+    HEADER_BYTES, ProtocolError, header_length, params_from_json, parse_push_header, token_lists,
+)
+from emapg_cli.engines.rollout_service import RolloutService
+from emapg_cli.engines.rollout_weights import read_exactly_into
+from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused, peer_closed
 
-#: Largest request body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB).
-MAX_BODY = 256 << 20
-#: Seconds each socket read or write may take.
-IO_TIMEOUT_S = 60.0
-#: Longest a generate request may wait for its weights version when it names no timeout.
+#: Largest JSON body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB; a body
+#: parses into ~36 bytes of Python objects per token id, and bodies are parsed one at a time).
+MAX_BODY = 32 << 20
+#: Seconds a connection has to send each full request (and to take each reply); an idle connection is closed after it.
+TIMEOUT_S = 60.0
+#: Connections served at once; the next ones get a 503 at once.
+MAX_CONNECTIONS = 64
+#: Longest a generate request may take when it names no timeout.
 WAIT_TIMEOUT_S = 600.0
+#: The slowest a weight push's bytes may come (bytes per second): its body has `timeout_s` + its size / this.
+MIN_PUSH_RATE = 16 << 20
+#: Largest Content-Length a push may declare before its manifest is read (its exact size is checked against it).
+MAX_PUSH_BYTES = 1 << 44
 
 
-class RolloutServer(ThreadingMixIn, HTTPServer):
-    """`HTTPServer` with one daemon thread per connection, over one `RolloutService`."""
+@dataclass(frozen=True)
+class ServerLimits:
+    """The server's bounds (the options of `emapg rollout serve`)."""
 
-    daemon_threads = True
-    allow_reuse_address = True
+    max_body_bytes: int = MAX_BODY
+    timeout_s: float = TIMEOUT_S
+    max_connections: int = MAX_CONNECTIONS
+    request: RequestLimits = field(default_factory=RequestLimits)
 
-    def __init__(self, address: tuple[str, int], service: RolloutService, max_body_bytes: int = MAX_BODY,
-                 io_timeout_s: float = IO_TIMEOUT_S, openai: Any = None):
-        self.service, self.max_body_bytes, self.io_timeout_s = service, max_body_bytes, io_timeout_s
+
+class RolloutServer(BoundedServer):
+    """A `BoundedServer` over one `RolloutService`, with the request limits and the optional shared secret."""
+
+    watchdog_name = "emapg-rollout-watchdog"
+
+    def __init__(self, address: tuple[str, int], service: RolloutService, limits: ServerLimits = ServerLimits(),
+                 secret: Optional[str] = None, openai: Any = None):
+        self.service, self.limits, self.secret = service, limits, secret
         self.openai = openai  # `--openai`: an OpenAIService answering /v1/... (engines/openai_http.py)
-        super().__init__(address, _Handler)
-
-    def handle_error(self, request, client_address) -> None:
-        """A connection that failed (reset, timed out) is dropped quietly; the server stays up."""
+        super().__init__(address, _Handler, max_connections=limits.max_connections, timeout_s=limits.timeout_s,
+                         max_body_bytes=limits.max_body_bytes)
 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+def _number(value: Any, name: str, default: Optional[float] = None) -> float:
+    value = default if value is None and default is not None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
+        raise ProtocolError(f"{name} must be a number of seconds in (0, 86400]")
+    return float(value)
+
+
+def _keys(request: dict, allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(request) - set(allowed))
+    if unknown:
+        raise ProtocolError(f"the body has unknown key {unknown[0]!r:.40} (known: {', '.join(allowed)})")
+
+
+class _Handler(BoundedHandler):
     server: RolloutServer
 
-    def setup(self) -> None:
-        self.timeout = self.server.io_timeout_s
-        super().setup()
+    def _is_openai(self) -> bool:
+        return self.server.openai is not None and self.path.startswith("/v1/")
 
-    def _send(self, code: int, body: dict) -> None:
-        write_json(self, code, json.dumps(body).encode())
+    def error_json(self, code: int, message: str) -> dict:
+        """A refusal of an OpenAI route (`--openai`) is OpenAI's error body; of the others, `{"error": "..."}`."""
+        if self._is_openai():
+            from emapg_cli.engines.openai_wire import error_json
 
-    def send_error(self, code: int, message: Any = None, explain: Any = None) -> None:
-        """http.server's own refusals (bad request line, headers too long) as JSON too."""
-        self.close_connection = True
+            return error_json(code, message)
+        return super().error_json(code, message)
+
+    def _answer(self, work: Callable[[], dict], linger: bool = False) -> None:
+        """Reply with what `work()` returns, or with the status of what it raised (one line); `linger`: a refusal
+        may leave the body unread (a push), so the connection drops what follows before it closes."""
         try:
-            self._send(code, {"error": message or self.responses.get(code, ("error",))[0]})
-        except OSError:
-            pass
-
-    def log_message(self, format: str, *args: Any) -> None:  # one line per request is noise here
-        pass
-
-    def _openai(self, method: str) -> bool:
-        """`--openai`: answer a /v1/... request with OpenAI's wire format (engines/openai_http.py)."""
-        if self.server.openai is None or not self.path.startswith("/v1/"):
-            return False
-        from emapg_cli.engines.openai_http import answer
-
-        answer(self, self.server.openai, method)
-        return True
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self._openai("GET"):
-            return
-        if self.path == "/health":
-            self._send(200, self.server.service.health())
-        else:
-            self._send(404, {"error": f"no route GET {self.path[:100]} (GET /health)"})
-
-    def _body(self) -> Any:
-        """The parsed JSON body; ProtocolError (answered 400/411/413 by `do_POST`) when it cannot be read."""
-        text = (self.headers.get("Content-Length") or "").strip()
-        if not (text.isascii() and text.isdigit()) or len(text) > 12:
-            self.close_connection = True
-            raise ProtocolError("a Content-Length header is required")
-        length = int(text)
-        if length > self.server.max_body_bytes:
-            self.close_connection = True
-            raise ProtocolError(f"body of {length} bytes: at most {self.server.max_body_bytes}")
-        data = self.rfile.read(length)
-        if len(data) != length:
-            self.close_connection = True
-            raise ProtocolError("the body ended early")
-        try:
-            return json.loads(data or b"null")
-        except (ValueError, RecursionError) as e:
-            raise ProtocolError(f"the body is not JSON: {_one_line(e)[:100]}") from None
-
-    def do_POST(self) -> None:  # noqa: N802
-        if self._openai("POST"):
-            return
-        route = {"/generate": self._generate, "/full_vocab_logprobs": self._full_vocab,
-                 "/weights/connect": self._connect, "/weights/push": self._push}.get(self.path)
-        if route is None:
-            self.close_connection = True
-            self._send(404, {"error": f"no route POST {self.path[:100]} (/generate, /full_vocab_logprobs, /weights/connect, /weights/push)"})
-            return
-        try:
-            request = self._body()
-            if not isinstance(request, dict):
-                raise ProtocolError("the body must be a JSON object")
-            code, reply = 200, route(request)
+            code, reply = 200, work()
         except ProtocolError as e:
             code, reply = 400, {"error": str(e)}
-        except Unavailable as e:
+        except Refused as e:
             code, reply = e.code, {"error": str(e)}
         except Exception as e:  # never a traceback to the client; the server keeps serving
             code, reply = 500, {"error": f"{type(e).__name__}: {_one_line(e)}"}
+        if code != 200:
+            self.close_connection = True
         try:
-            self._send(code, reply)
+            self.send_json(code, reply)
         except OSError:
             self.close_connection = True
+            return
+        if code != 200 and linger:
+            self._linger()
 
-    def _generate(self, request: dict) -> dict:
+    def _authorized(self, unread: bool) -> bool:
+        secret = self.server.secret
+        if secret is None:
+            return True
+        given = self.headers.get("Authorization") or ""
+        if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {secret}".encode()):
+            return True
+        self.refuse(401, "this rollout server needs its secret: set EMAPG_ROLLOUT_SECRET to the value it was started "
+                         "with (sent as Authorization: Bearer; an OpenAI client's api_key)", unread=unread)
+        return False
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        if not self._authorized(unread=False):
+            return
+        if self._is_openai():
+            from emapg_cli.engines.openai_http import answer
+
+            answer(self, self.server.openai, time.monotonic())
+        elif self.path == "/health":
+            limits = self.server.limits
+            self.send_json(200, {**self.server.service.health(), "limits": {**asdict(limits.request),
+                                                                            "max_body_bytes": limits.max_body_bytes}})
+        else:
+            self.send_json(404, {"error": f"no route GET {self.path[:100]} (GET /health)"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        arrival = time.monotonic()  # a request's deadline counts from here
+        if self._is_openai():
+            if self._authorized(unread=True):
+                from emapg_cli.engines.openai_http import answer
+
+                answer(self, self.server.openai, arrival)
+            return
+        route = {"/generate": self._generate, "/full_vocab_logprobs": self._full_vocab,
+                 "/weights/connect": self._connect}.get(self.path)
+        if route is None and self.path != "/weights/push":
+            self.refuse(404, f"no route POST {self.path[:100]} (/generate, /full_vocab_logprobs, /weights/connect, "
+                             "/weights/push)", unread=True)
+            return
+        if not self._authorized(unread=True):
+            return
+        if self.path == "/weights/push":
+            length = self.content_length(cap=MAX_PUSH_BYTES)
+            if length is not None:
+                self._answer(lambda: self._push(length), linger=True)
+            return
+        body = self.read_body()
+        if body is not None:
+            self.deadline(None)  # the server works: bounded by the request's limits and its own deadline
+            self._answer(lambda: route(self._parsed(body), arrival))
+
+    def _parsed(self, body: bytes) -> dict:
+        """The JSON object of a body, parsed one body at a time (the parsed objects of one body in memory at once)."""
+        request = self.parse_json(body)
+        if not isinstance(request, dict):
+            raise ProtocolError("the body must be a JSON object")
+        return request
+
+    def _generate(self, request: dict, arrival: float) -> dict:
         from emapg_cli.engines.rollout_protocol import completion_to_json
 
+        _keys(request, ("prompts", "params", "version", "timeout_s", "token"))
         service = self.server.service
         prompts = token_lists(request.get("prompts"), "prompts", service.served.fingerprint.get("vocab_size"))
         params = params_from_json(request.get("params"))
+        check_generation(prompts, params, self.server.limits.request)
         version = request.get("version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise ProtocolError("version must be an integer or null")
-        timeout = request.get("timeout_s", WAIT_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
-            raise ProtocolError("timeout_s must be a number of seconds in (0, 86400]")
-        rows, used, waited = service.generate(prompts, params, version, float(timeout))
+        timeout = _number(request.get("timeout_s"), "timeout_s", WAIT_TIMEOUT_S)
+        rows, used, waited = service.generate(prompts, params, version, timeout, arrival, token=request.get("token"),
+                                              cancelled=self.client_left)
         return {"completions": [[completion_to_json(c) for c in row] for row in rows], "weights_version": used,
                 "wait_s": waited}
 
-    def _full_vocab(self, request: dict) -> dict:
+    def _full_vocab(self, request: dict, arrival: float) -> dict:
+        _keys(request, ("params",))
         return {"value": bool(self.server.service.served.engine.full_vocab_logprobs(params_from_json(request.get("params"))))}
 
-    def _connect(self, request: dict) -> dict:
-        host, port, backend, timeout = (request.get(k) for k in ("host", "port", "backend", "timeout_s"))
-        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ProtocolError("connect needs a host string and a port in 1..65535")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
-            raise ProtocolError("timeout_s must be a number of seconds in (0, 86400]")
-        return {"ok": True, "session": self.server.service.connect(host, port, str(backend), float(timeout))}
+    def _connect(self, request: dict, arrival: float) -> dict:
+        _keys(request, ("backend",))
+        # nccl: the store the trainer joins listens on the address this request came to, and nowhere else
+        token, port = self.server.service.connect(str(request.get("backend")), self.connection.getsockname()[0])
+        return {"ok": True, "token": token, "port": port}
 
-    def _push(self, request: dict) -> dict:
-        version = request.get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise ProtocolError("version must be an integer")
-        self.server.service.push(version, request.get("tensors"), request.get("session"))
+    def _push(self, length: int) -> dict:
+        """`POST /weights/push` of `length` bytes: the manifest (JSON header), then (backend http) the tensors' bytes,
+        read exactly as the manifest declares."""
+        timeout = self.server.timeout_s
+        prefix = self.read_exactly(HEADER_BYTES) if length >= HEADER_BYTES else None
+        if prefix is None:
+            raise ProtocolError("the push body ended before its header")
+        head_len = header_length(prefix, min(self.server.max_body_bytes, length - HEADER_BYTES))
+        head = self.read_exactly(head_len)
+        if head is None:
+            raise ProtocolError("the push body ended in its header")
+        version, token, tensors = parse_push_header(head)
+        size = length - HEADER_BYTES - head_len
+        self.deadline(None)  # waiting for the previous version to be applied: bounded by the pusher staying
+        started: list[bool] = []
+
+        def read_into(view: memoryview) -> int:
+            if not started:  # the tensors' bytes: `timeout` plus their size at MIN_PUSH_RATE
+                started.append(True)
+                self.deadline(timeout + size / MIN_PUSH_RATE)
+            return self.rfile.readinto(view)
+
+        self.server.service.push(token, version, tensors, read_exactly_into(read_into), size,
+                                 still_wanted=lambda: not peer_closed(self.connection))
+        self.deadline(timeout)
         return {"ok": True}
 
 
-def make_server(service: RolloutService, host: str = "127.0.0.1", port: int = 8100, max_body_bytes: int = MAX_BODY,
-                io_timeout_s: float = IO_TIMEOUT_S, openai: Any = None) -> RolloutServer:
+#: Shortest shared secret accepted.
+MIN_SECRET_CHARS = 16
+
+
+def check_exposure(host: str, secret: Optional[str]) -> None:
+    """ValueError (one line) for a secret too short, or for a `host` other than loopback without a secret: anyone
+    who reaches the port could push weights or take the server's time."""
+    import ipaddress
+
+    if secret is not None and len(secret) < MIN_SECRET_CHARS:
+        raise ValueError(f"--secret must be at least {MIN_SECRET_CHARS} characters (EMAPG_ROLLOUT_SECRET too), got {len(secret)}")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and secret is None:
+        raise ValueError(f"--host {host[:60]} listens beyond this machine: give a shared secret (--secret, or the "
+                         "EMAPG_ROLLOUT_SECRET environment variable, the same on the trainer's side)")
+
+
+def make_server(service: RolloutService, host: str = "127.0.0.1", port: int = 8100,
+                limits: ServerLimits = ServerLimits(), secret: Optional[str] = None, openai: Any = None) -> RolloutServer:
     """A bound (not yet serving) server; call `serve_forever()` (port 0: a free one, in `server.server_address`).
     `openai`: an `OpenAIService` that also answers OpenAI's routes (`emapg rollout serve --openai`)."""
-    return RolloutServer((host, port), service, max_body_bytes=max_body_bytes, io_timeout_s=io_timeout_s, openai=openai)
+    return RolloutServer((host, port), service, limits, secret, openai)

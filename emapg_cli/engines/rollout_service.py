@@ -1,37 +1,39 @@
 """What a rollout server does, without its HTTP: sample from an engine, and take versioned weights from a trainer.
 
 One lock orders generation and weight updates: a generation holds it from start to end, and a pushed version is
-applied under it, so weights never change in the middle of a generation. A push streams into a staging copy (one
-tensor at a time, over the trainer's `WeightChannel`) while generations go on; only the copy into the engine waits
-for the lock. Pushes are received and applied in the order their manifests arrived. A generate request may ask for
-exactly one version (the trainer's synchronous loop: the weights it pushed last) or for at least one
-(`SamplingParams.min_version`, the asynchronous pipeline); it waits for it (counted in the reply's `wait_s`) at most
-its `timeout_s`. Version labels are the trainer's: the policy after RL step s is s; a server that was never pushed
-to holds -1 (the weights it loaded), and so does one a new trainer connected to (until its first push).
+applied under it, so weights never change in the middle of a generation. A push is received into a staging copy and
+checked (engines/rollout_weights.py) while generations go on; only the copy into the engine waits for the lock.
+A generate request may ask for exactly one version (the trainer's synchronous loop: the weights it pushed last) or
+for at least one (`SamplingParams.min_version`, the asynchronous pipeline). Its deadline counts from its arrival:
+waiting for the lock (another generation), for its version, and generating all happen within its `timeout_s`; a
+generation also stops at the first decode step after its client left (`cancelled`). Version labels are the
+trainer's: the policy after RL step s is s; a server that was never pushed to holds -1 (the weights it loaded), and
+so does one a new trainer connected to (until its first push).
+
+One trainer at a time: each `/weights/connect` draws a new random token (`secrets.token_urlsafe`), and from then on
+every push and generate request must carry it; the previous trainer's requests are refused (409), and a client
+that never connected cannot push.
 """
 
 from __future__ import annotations
 
+import hmac
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from emapg_cli.engines.base import Completion, SamplingParams
-from emapg_cli.engines.rollout_protocol import PROTOCOL, ProtocolError, check_manifest
-from emapg_cli.engines.weight_channel import SERVER, WeightChannel, join_store
+from emapg_cli.engines.base import Cancelled, Completion, SamplingParams
+from emapg_cli.engines.rollout_protocol import PROTOCOL, ProtocolError, check_manifest, tensor_bytes
+from emapg_cli.engines.rollout_weights import JOIN_TIMEOUT_S, Joins, Staging
+from emapg_cli.http_server import Refused
 
 #: The label of weights loaded from the model folder, before any push.
 LOADED = -1
-
-
-class Unavailable(Exception):
-    """A request that cannot be served now (no weight channel, a version that did not come): HTTP 409/504."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
+#: The torch.distributed backend of a `nccl` session's group (the tests of its bounds build it with gloo on CPU).
+GROUP_BACKEND = "nccl"
 
 
 class _Staged:
@@ -53,121 +55,214 @@ class ServedModel:
     fingerprint: dict[str, Any]
     tokenizer_sha256: str
     params: dict[str, tuple[str, list[int]]]  # parameter name -> (dtype, shape), what a push must hold
-    device: str  # where staging tensors live (cuda: an NCCL channel; cpu: gloo)
+    device: str  # the engine's device (cuda: the nccl backend is possible; staging for http is in CPU memory)
     module: Any = None  # hf: the live module whose parameters a version is copied into; vllm: None
 
 
+@dataclass
+class _Session:
+    """The trainer connected last: its token, its backend, its number (bumped by each connect)."""
+
+    token: str
+    backend: str
+    epoch: int
+    jobs: "queue.Queue[tuple[int, list]]"  # nccl: the manifests of pushes whose tensors follow on the group
+    error: str = ""  # why its channel failed or its last version was refused (reported to its next request)
+
+
 class RolloutService:
-    """The server's state: the engine, its weights' version, the weight channel and its receiver thread."""
+    """The server's state: the engine, its weights' version, the connected trainer and the staging copy."""
 
     def __init__(self, served: ServedModel):
         self.served = served
         self.version = LOADED
         self.cond = threading.Condition()  # held by each generation and each apply
-        self.channel: Optional[WeightChannel] = None
-        self.channel_error = ""
-        self._epoch = 0  # bumped by each connect: a receiver of an older channel stops
-        self._jobs: "queue.Queue[tuple[int, int, list]]" = queue.Queue()
+        self.session: Optional[_Session] = None
+        self.staging = Staging(served.params, self._apply)
+        self._joins = Joins()
+        self._epochs = 0
 
     def health(self) -> dict[str, Any]:
         s = self.served
         return {"status": "ok", "protocol": PROTOCOL, "engine": s.name, "model": s.fingerprint,
                 "tokenizer": s.tokenizer_sha256, "weights_version": self.version, "records_topk": bool(s.engine.records_topk),
-                "dtype": next(iter(s.params.values()))[0] if s.params else None, "connected": self.channel is not None,
+                "dtype": next(iter(s.params.values()))[0] if s.params else None, "connected": self.session is not None,
                 "device": s.device}
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, version: Optional[int],
-                 timeout_s: float) -> tuple[list[list[Completion]], int, float]:
-        """(completions, the version that sampled them, seconds waited for it): waits until the weights are
-        `version` (when given) and at least `params.min_version` (when given), then generates holding the lock."""
-        def ready() -> bool:
-            return (version is None or self.version == version) and \
-                (params.min_version is None or self.version >= params.min_version)
+    # ------------------------------------------------------------------ trainers
+    def check_token(self, token: Any, what: str) -> _Session:
+        """The current session when `token` is its token; `Refused` 403 (no token, or no trainer connected) or 409
+        (another trainer connected since)."""
+        session = self.session
+        if session is None:
+            raise Refused(409, f"no trainer is connected to this rollout server (was it restarted?): {what} needs "
+                               "POST /weights/connect first")
+        if not isinstance(token, str) or not token:
+            raise Refused(403, f"{what} needs the token /weights/connect returned")
+        if not hmac.compare_digest(token.encode(), session.token.encode()):
+            raise Refused(409, "another trainer connected to this rollout server since this one did: one trainer per server")
+        return session
 
-        t0 = time.monotonic()
-        with self.cond:
-            if not self.cond.wait_for(ready, timeout=timeout_s):
-                want = f"version {version}" if version is not None else f"a version >= {params.min_version}"
-                raise Unavailable(504, f"waited {timeout_s:g} s for {want}; the server holds {self.version}"
-                                       + (f" (weight channel: {self.channel_error})" if self.channel_error else ""))
-            waited = time.monotonic() - t0
-            return self.served.engine.generate(prompts, params), self.version, waited
+    def connect(self, backend: str, address: str) -> tuple[str, Optional[int]]:
+        """A new session: (its token, nccl: the port of the store the trainer joins). The version goes back to
+        `LOADED` (a trainer that starts or resumes never takes an earlier one's weights for its own version) and the
+        previous trainer's requests are refused from now on. nccl: the server hosts a store on `address` (where the
+        connect came to) and a thread builds its end of the group (within JOIN_TIMEOUT_S), then receives pushes."""
+        if backend not in ("http", "nccl"):
+            raise ProtocolError(f"backend must be http or nccl, got {backend!r:.20}")
+        store = None
+        if backend == "nccl":
+            from emapg_cli.engines.weight_channel import host_store
 
-    # ------------------------------------------------------------------ weights
-    def connect(self, host: str, port: int, backend: str, timeout_s: float) -> int:
-        """Join the trainer's store and group in a background thread (the trainer builds its end at the same time),
-        then receive pushes in order; a new connect replaces the previous channel and sets the version back to
-        `LOADED`: a trainer that starts (or resumes) never takes the weights of an earlier one for its own version."""
-        if backend not in ("gloo", "nccl"):
-            raise ProtocolError(f"backend must be gloo or nccl, got {backend!r:.20}")
-        if backend == "nccl" and not self.served.device.startswith("cuda"):
-            raise ProtocolError("backend nccl needs the server's engine on CUDA; this server runs on CPU (use gloo)")
+            if not self.served.device.startswith("cuda"):
+                raise ProtocolError("backend nccl needs the server's engine on CUDA; this server runs on CPU (use http)")
+            if not self._joins.start():
+                raise Refused(429, "busy: weight channels are being opened; retry in a minute")
+            try:
+                store = host_store(address, JOIN_TIMEOUT_S)
+            except BaseException:
+                self._joins.done()
+                raise
         with self.cond:  # the weights held now are not this trainer's versions: its requests wait for its first push
             self.version = LOADED
-        self._epoch += 1
-        self.channel, self.channel_error = None, ""
-        self._jobs = queue.Queue()
-        threading.Thread(target=self._receive, args=(self._epoch, self._jobs, host, port, backend, timeout_s),
-                         name="emapg-rollout-weights", daemon=True).start()
-        return self._epoch
+            self._epochs += 1
+            old, self.session = self.session, _Session(secrets.token_urlsafe(24), backend, self._epochs, queue.Queue())
+            self.cond.notify_all()
+        if old is not None:
+            old.jobs.put(None)  # its receiver thread (nccl) ends
+        if store is not None:
+            threading.Thread(target=self._receive_nccl, args=(self.session, store),
+                             name="emapg-rollout-weights", daemon=True).start()
+        return self.session.token, None if store is None else store.port
 
-    def push(self, version: int, tensors: Any, session: Any = None) -> None:
-        """Queue a push of `version` whose tensors follow on the channel in manifest order; `session`: what the
-        pusher's connect returned (a push of a trainer that another one has replaced since is refused)."""
-        if self._epoch == 0:
-            raise Unavailable(409, "no weight channel: POST /weights/connect first")
-        if session != self._epoch:
-            raise Unavailable(409, "another trainer connected to this rollout server since this one did: one trainer per server")
-        if self.channel_error:
-            raise Unavailable(409, f"the weight channel failed ({self.channel_error}): connect again")
-        self._jobs.put((self._epoch, version, check_manifest(tensors, self.served.params)))
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams, version: Optional[int], timeout_s: float,
+                 arrival: float, token: Any = None, cancelled: Optional[Callable[[], bool]] = None,
+                 anyone: bool = False) -> tuple[list[list[Completion]], int, float]:
+        """(completions, the version that sampled them, seconds waited before generating): waits until the weights are
+        `version` (when given) and at least `params.min_version` (when given), then generates holding the lock; all
+        within `timeout_s` of `arrival` (time.monotonic()), and stopped once `cancelled()` (the client left). Once a
+        trainer connected, `token` must be its token (without one, a request samples the loaded weights). `anyone`: a
+        caller other than the trainer (the OpenAI routes of `--openai`): no token, the weights held now."""
+        deadline = arrival + timeout_s
+        if anyone:
+            session = None
+        else:
+            session = self.session if token is None and self.session is None else self.check_token(token, "/generate")
 
-    def _receive(self, epoch: int, jobs: "queue.Queue", host: str, port: int, backend: str, timeout_s: float) -> None:
-        # gloo moves CPU tensors: a CUDA engine's version is staged on CPU and copied to the GPU when applied
-        staging: dict[str, Any] = {}  # this channel's own: a later connect's receiver never shares it
-        device = self.served.device if backend == "nccl" else "cpu"
+        def ready() -> bool:
+            return ((version is None or self.version == version)
+                    and (params.min_version is None or self.version >= params.min_version)) or self._refused(session)
+
+        if not self.cond.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise Refused(504, f"busy: another generation held the server for the whole {timeout_s:g} s of this request")
         try:
-            channel = WeightChannel(join_store(host, port, timeout_s), SERVER, backend, timeout_s)
-            if epoch != self._epoch:
-                return
-            self.channel = channel
-            while epoch == self._epoch:
-                job_epoch, version, rows = jobs.get()
-                if job_epoch != epoch:
+            if not self.cond.wait_for(ready, timeout=max(0.0, deadline - time.monotonic())):
+                want = f"version {version}" if version is not None else f"a version >= {params.min_version}"
+                raise Refused(504, f"waited {timeout_s:g} s for {want}; the server holds {self.version}")
+            if self._refused(session):
+                raise Refused(409, f"the weight channel failed ({session.error}): connect again")
+            waited = time.monotonic() - arrival
+            late = lambda: time.monotonic() > deadline or (cancelled is not None and cancelled())  # noqa: E731
+            try:
+                return self.served.engine.generate(prompts, params, cancelled=late), self.version, waited
+            except Cancelled:
+                raise Refused(504 if time.monotonic() > deadline else 499,
+                              f"the generation passed the request's {timeout_s:g} s" if time.monotonic() > deadline
+                              else "the client left: the generation was cancelled") from None
+        finally:
+            self.cond.release()
+
+    def _refused(self, session: Optional[_Session]) -> bool:
+        return session is not None and bool(session.error)
+
+    # ------------------------------------------------------------------ weights
+    def push(self, token: Any, version: int, tensors: Any, read_into: Optional[Callable[[Any], None]] = None,
+             size: int = 0, still_wanted: Callable[[], bool] = lambda: True) -> None:
+        """Take `version`: its manifest `tensors` checked against the server's parameters; http: the `size` bytes that
+        follow must be exactly its tensors', read by `read_into` into the staging copy (after the previous version
+        was applied, waiting while `still_wanted()`), checked finite, and handed to the applier; nccl (`size` 0):
+        queued for the session's receiver thread."""
+        session = self.check_token(token, "a push")
+        if session.error:
+            raise Refused(409, f"the weight channel failed ({session.error}): connect again")
+        rows = check_manifest(tensors, self.served.params)
+        expected = tensor_bytes(rows) if session.backend == "http" else 0
+        if size != expected:
+            raise ProtocolError(f"the push's body holds {size} bytes of tensors, its manifest {expected} (backend "
+                                f"{session.backend})")
+        if session.backend == "nccl":
+            session.jobs.put((version, rows))
+            return
+        if read_into is None:
+            raise ProtocolError("backend http: the tensors follow the manifest in the push's body")
+        if not self.staging.acquire(still_wanted):
+            raise Refused(499, "the pusher left while the previous version was being applied")
+        try:
+            self.staging.receive(rows, read_into, "cpu")
+            bad = self.staging.not_finite()
+            if bad:
+                raise Refused(422, f"version {version} refused: {bad:.80} holds NaN or Inf values; nothing was applied")
+            if self.session is not session:
+                raise Refused(409, "another trainer connected to this rollout server since this one did: one trainer per server")
+        except BaseException:
+            self.staging.release()
+            raise
+        self.staging.hand_over(version, session.epoch)
+
+    def _receive_nccl(self, session: _Session, store: Any) -> None:
+        """The session's NCCL receiver: builds the server's end of the group on `store` and exchanges the handshake
+        (within JOIN_TIMEOUT_S: a trainer that never joins frees the slot then), then receives each queued push into
+        the staging copy on the engine's GPU; a failure or a refused version is the session's error."""
+        from emapg_cli.engines.weight_channel import SERVER, WeightChannel
+
+        try:
+            try:
+                channel = WeightChannel(store, SERVER, GROUP_BACKEND, JOIN_TIMEOUT_S)
+                channel.handshake()
+            finally:
+                self._joins.done()
+            while self.session is session:
+                job = session.jobs.get()
+                if job is None:  # another trainer connected
                     return
-                self._stage(channel, rows, staging, device)
-                self._apply(version, staging, epoch)
-        except Exception as e:  # the trainer went away, or timed out: recorded, reported to the next push
-            if epoch == self._epoch:
-                self.channel, self.channel_error = None, " ".join(str(e).split())[:200] or type(e).__name__
-                with self.cond:
-                    self.cond.notify_all()
-
-    @staticmethod
-    def _stage(channel: WeightChannel, rows: list, staging: dict[str, Any], device: str) -> None:
-        import torch
-
-        for name, dtype, shape in rows:
-            buf = staging.get(name)
-            if buf is None:
-                buf = staging[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-            channel.recv_into(buf)
+                version, rows = job
+                if not self.staging.acquire(lambda: self.session is session):
+                    return
+                try:
+                    self.staging.receive(rows, channel.recv_into, self.served.device)
+                    bad = self.staging.not_finite()
+                    if bad:
+                        raise ValueError(f"version {version} refused: {bad:.80} holds NaN or Inf values")
+                except BaseException:
+                    self.staging.release()
+                    raise
+                self.staging.hand_over(version, session.epoch)
+        except Exception as e:  # the trainer never joined, went away, or sent a version that is not finite
+            session.error = " ".join(str(e).split())[:200] or type(e).__name__
+            with self.cond:
+                self.cond.notify_all()
 
     def _apply(self, version: int, staging: dict[str, Any], epoch: int) -> None:
-        """Copy the staged version into the engine, between generations (not when another trainer connected since)."""
+        """Copy the staged version into the engine, between generations (not when another trainer connected since);
+        an engine that fails to take it is the session's error."""
         import torch
 
         with self.cond:
-            if epoch != self._epoch:
+            session = self.session
+            if session is None or epoch != session.epoch:
                 return
-            module = self.served.module
-            if module is not None:
-                with torch.no_grad():
-                    for name, p in module.named_parameters():
-                        p.copy_(staging[name])
-            else:
-                self.served.engine.load_weights(_Staged(staging))
-            self.version = version
+            try:
+                module = self.served.module
+                if module is not None:
+                    with torch.no_grad():
+                        for name, p in module.named_parameters():
+                            p.copy_(staging[name])
+                else:
+                    self.served.engine.load_weights(_Staged(staging))
+                self.version = version
+            except Exception as e:  # the engine refused the weights: reported to the trainer's next request
+                session.error = f"version {version} could not be applied: {' '.join(str(e).split())[:160] or type(e).__name__}"
             self.cond.notify_all()
 
 

@@ -27,7 +27,7 @@ import os
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
-from emapg_cli.engines.base import Completion, EngineBase, SamplingParams, end_token_ids
+from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams, end_token_ids
 from emapg_cli.engines.lora_sync import AdapterFolders, is_peft, merged_named_weights
 from emapg_cli.errors import UserError
 
@@ -571,12 +571,15 @@ class VLLMEngine(EngineBase):
         """The underlying `vllm.LLM` (for measurements; emapg code goes through the Engine methods)."""
         return self._llm
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions for each tokenised prompt, in prompt order (one vLLM call)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
+        """`params.n` completions for each tokenised prompt, in prompt order (one vLLM call). `cancelled` is polled
+        once, before the call: vLLM's `generate` runs to its end (a rollout server bounds its size instead)."""
         from vllm.inputs import TokensPrompt
 
         if not prompts:
             return []
+        if cancelled is not None and cancelled():
+            raise Cancelled("the generation was cancelled")
         if len(prompts) > MAX_PROMPTS_PER_CALL:
             raise ValueError(f"at most {MAX_PROMPTS_PER_CALL} prompts per generate call, got {len(prompts)}")
         self.resume_memory()

@@ -14,6 +14,10 @@ close within `MAX_ANSWER_CHARS` characters (a response cut inside its box, or an
 the response has no answer, even when an earlier box closed. Finding it costs a reverse search and a
 scan of at most `MAX_ANSWER_CHARS` characters: a megabyte of text, of nested braces or of unclosed
 boxes costs well under a millisecond of scanning.
+
+The search agent's answers are tagged instead (`<answer> a </answer>`, Search-R1's protocol): `last_answer`
+finds the last one. It lives here, below both the agents (which write the protocol) and the rewards (which
+score it), so neither package imports the other for it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import re
 from typing import Optional
 
 THINK_END = "</think>"
+#: Search-R1's answer tags (agents/protocol.py's actions; rewards/qa.py scores the content of the last pair).
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 
 #: The longest final answer that is graded (characters inside the box). Longer ones score wrong.
 MAX_ANSWER_CHARS = 4096
@@ -99,3 +105,10 @@ def extract_answer(response: str, think: str = "emapg") -> Optional[str]:
     (None when there is none or it is longer than `MAX_ANSWER_CHARS`)."""
     content = last_boxed(answer_region(response, think))
     return None if content is None else content.strip()
+
+
+def last_answer(text: str) -> Optional[str]:
+    """Content of the last complete `<answer>...</answer>` in `text` (stripped), None when there is none."""
+    end = text.rfind(ANSWER_CLOSE)
+    start = text.rfind(ANSWER_OPEN, 0, end) if end >= 0 else -1
+    return text[start + len(ANSWER_OPEN):end].strip() if start >= 0 else None

@@ -29,9 +29,10 @@ def adaptive_kl_coef(beta: float, kl: float, target: float, n: int, horizon: int
       * a non-finite `kl` (a skipped update, a diverged step) leaves beta unchanged: it carries no
         information about the distance to the anchor, and NaN would poison every later beta (verl
         multiplies it in);
-      * the caller measures KL as the step's mean KL term of the loss (`kl/value`, the policy's KL to
-        the anchor during the update); verl measures the rollouts' KL to the reference before the update,
-        as an in-reward penalty.
+      * the caller measures KL per token as verl does (`kl/per_token`: the mean over the trained responses of each
+        one's mean KL estimate over its tokens, whatever the loss aggregation), but during the update, with the
+        estimator of the loss's KL term; verl measures the rollouts' KL to the reference before the update, as an
+        in-reward penalty.
     Needs target > 0, horizon >= 1 and n < 5 * horizon (so that 1 + e n / horizon > 0 and beta stays
     positive); raises ValueError otherwise.
     """

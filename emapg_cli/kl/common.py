@@ -47,6 +47,25 @@ def importance_weight(logp: Tensor, sampling_logp: Tensor, clip: Optional[tuple[
     return s
 
 
+def nucleus_keep(sorted_p: Tensor, top_p: float) -> Tensor:
+    """Nucleus sampling's support (Holtzman et al. 2020), on probabilities sorted in descending order [..., V]: the
+    smallest prefix whose mass reaches top_p, the most likely token always kept. bool [..., V] in the sorted order.
+    The rule of the hf engine's sampler (`engines.hf.sample_from_logits`) and of `kl-check --top-p` (`nucleus`)."""
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    keep[..., 0] = True
+    return keep
+
+
+def nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """The distribution nucleus sampling draws from: `probs` [..., V] cut to `nucleus_keep`'s tokens and renormalised
+    (0 elsewhere); `probs` itself at top_p >= 1."""
+    if top_p >= 1:
+        return probs
+    sorted_p, order = probs.sort(-1, descending=True)  # [..., V]
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p * nucleus_keep(sorted_p, top_p))  # [..., V]
+    return kept / kept.sum(-1, keepdim=True)
+
+
 def gather_logprobs(logits: Tensor, index: Tensor, lse: Optional[Tensor] = None) -> Tensor:
     """log-softmax(logits) gathered at `index` along the last dim, in at least float32.
 

@@ -19,11 +19,21 @@ dH, dW) instead of four with activation checkpointing, and no [chunk, V] tensor 
 The `exact` estimator needs the full logits of both models; there the loss is differentiated by
 autograd on the chunk's [chunk, V] logits (the anchor's chunk computed in the same loop).
 
+Half precision (a bfloat16/float16 W and h): the GEMMs multiply in W's dtype, but the results that are
+subtracted afterwards stay float32: the logits (z - logsumexp z), e W (subtracted from the sparse term) and the
+sparse term sum_j g_tj W[i_tj] itself, as are the products h g and h G / sum(e) that dW accumulates. On a
+confident token (p_target near 1) the sparse term and G softmax(z) W nearly cancel, dH_t ~ g (1 - p) W[y_t]:
+rounded to 8 bits before the subtraction, they leave an error of ~2^-9 g |W| against a result of size
+(1 - p) g |W| (at p = 0.999 larger than the result; `emapg bench update --check --confident P` measures it).
+Only dH and dW themselves are rounded to W's dtype, once, at the end. On CUDA the half GEMMs return float32
+(`torch.mm`'s out_dtype, where this torch has it); elsewhere W is widened to float32 once per call for them.
+
 Pure tensors: the caller passes the per-token loss as a function (`LossFn`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -52,13 +62,71 @@ def auto_chunk(vocab: int, budget_mib: float = DEFAULT_BUDGET_MIB, buffers: int 
     return max(1, int(budget_mib * 2**20) // (buffers * vocab * 4))
 
 
-def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor) -> Tensor:
-    """z = h W^T (+ b) in float32 ([c, V]), written into the reused buffer `buf` ([>= c, V], the weight's
-    dtype: fresh [c, V] memory per chunk would cost page faults on every chunk); h and b are already
-    divided by the temperature."""
+HALF = (torch.bfloat16, torch.float16)
+
+
+def acc_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the layer's sums are kept in: float32 for a half-precision W, else W's own."""
+    return torch.float32 if weight.dtype in HALF else weight.dtype
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_out(device_type: str) -> bool:
+    """Whether a GEMM of half-precision operands can return float32 here (`torch.mm`'s out_dtype: CUDA, in the torch
+    releases that have it; tried once), so that a half W needs no float32 copy (`widened`)."""
+    if device_type != "cuda":
+        return False
+    try:  # the call mm_float32 makes: half operands, a float32 result written into a float32 buffer
+        one, out = torch.ones(1, 1, dtype=torch.bfloat16, device=device_type), torch.empty(1, 1, device=device_type)
+        return torch.mm(one, one, out_dtype=torch.float32, out=out).dtype == torch.float32
+    except (TypeError, RuntimeError):  # an older torch: no out_dtype argument, or no such kernel
+        return False
+
+
+def widened(weight: Tensor) -> Optional[Tensor]:
+    """W [V, H] widened to float32 for the GEMMs whose results must stay float32 (`mm_float32`), once per call: None
+    for a float32/float64 W, or where half GEMMs can return float32 themselves (`_float32_out`)."""
+    if weight.dtype not in HALF or _float32_out(weight.device.type):
+        return None
+    return weight.detach().float()
+
+
+def mm_float32(a: Tensor, b: Tensor, b_wide: Optional[Tensor], out: Optional[Tensor] = None) -> Tensor:
+    """a @ b for a half-precision b with a float32 result (never rounded to b's dtype): the half GEMM with a float32
+    output, a cast to b's dtype (`_float32_out`), or the float32 GEMM with b_wide, b widened (`widened`)."""
+    if b_wide is None:
+        return torch.mm(a.to(b.dtype), b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b_wide, out=out)
+
+
+def logit_buffer(rows: int, weight: Tensor) -> Tensor:
+    """The [rows, V] buffer `_logits` writes into, reused by every chunk: W's dtype, float32 for a half W."""
+    return torch.empty(rows, weight.shape[0], dtype=acc_dtype(weight), device=weight.device)
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], buf: Tensor, wide: Optional[Tensor] = None) -> Tensor:
+    """z = h W^T (+ b) in float32 ([c, V]; float64 for a float64 W), written into the reused buffer `buf`
+    (`logit_buffer`: fresh [c, V] memory per chunk would cost page faults on every chunk); h and b are already
+    divided by the temperature. A half W's logits are not rounded to its dtype (they are subtracted:
+    z - logsumexp z); `wide` is its `widened` copy."""
     out = buf[: h.shape[0]]
+    if weight.dtype in HALF:
+        z = mm_float32(h, weight.t(), None if wide is None else wide.t(), out=out)  # [c, V] float32
+        return z if bias is None else z.add_(bias)
     z = torch.mm(h, weight.t(), out=out) if bias is None else torch.addmm(bias, h, weight.t(), out=out)  # [c, V]
     return z if z.dtype in (torch.float32, torch.float64) else z.float()
+
+
+def _sparse_rows(idx: Tensor, weight: Tensor, g: Tensor) -> Tensor:
+    """sum_j g_tj W[i_tj] [c, H] (idx, g [c, 1 + k]): in W's dtype for a float32/float64 W (one embedding_bag), in
+    float32 for a half W (one [c, H] row block per j: g is never rounded, nor the sum, which a confident token's
+    dH subtracts from nearly the same vector)."""
+    if weight.dtype not in HALF:
+        return torch.nn.functional.embedding_bag(idx, weight, per_sample_weights=g.to(weight.dtype), mode="sum")
+    out = torch.zeros(idx.shape[0], weight.shape[1], dtype=torch.float32, device=weight.device)  # [c, H]
+    for j in range(idx.shape[1]):
+        out.addcmul_(weight[idx[:, j]], g[:, j:j + 1].float())
+    return out
 
 
 def _exp_inplace(z: Tensor) -> tuple[Tensor, Tensor]:
@@ -99,7 +167,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         dev = hidden.device
         exact = spec.ref_hidden is not None
         chunk = spec.chunk or auto_chunk(vocab, spec.budget_mib, EXACT_BUFFERS if exact else 1)
-        acc = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
+        acc = acc_dtype(weight)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         dh = torch.empty(n, hdim, dtype=hidden.dtype, device=dev) if need_h else None  # [N, H]
@@ -117,11 +185,12 @@ class _FusedHeadLoss(torch.autograd.Function):
         aux: dict[str, list[Tensor]] = {}
         inv_t = 1.0 / spec.temperature
         bt = bias * inv_t if bias is not None and inv_t != 1.0 else bias  # [V] b / tau
-        buf = torch.empty(min(chunk, n), vocab, dtype=weight.dtype, device=dev)  # [chunk, V] reused by every chunk
+        buf = logit_buffer(min(chunk, n), weight)  # [chunk, V] reused by every chunk
+        wide = widened(weight)  # [V, H] float32 copy of a half W, where its GEMMs cannot return float32
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             h = hidden[s:e] * inv_t if inv_t != 1.0 else hidden[s:e]  # [c, H] h / tau
-            z = _logits(h, weight, bt, buf)  # [c, V]
+            z = _logits(h, weight, bt, buf, wide)  # [c, V]
             idx = spec.targets[s:e, None]  # [c, 1 + k]
             if k:
                 idx = torch.cat([idx, spec.q_index[s:e]], 1)
@@ -141,21 +210,22 @@ class _FusedHeadLoss(torch.autograd.Function):
                     g = torch.where(m[:, None], g, 0.0)
                 gsum = g.sum(-1)  # [c] G_t
                 # softmax = z / rowsum: the 1 / rowsum goes into the [c]-sized factors, not the [c, V] block
-                ew = torch.mm(z.to(weight.dtype), weight)  # [c, H]  e W
-                pw = ew.float() / rowsum  # [c, H]  softmax(z) W
+                ew = mm_float32(z, weight, wide) if weight.dtype in HALF else torch.mm(z.to(weight.dtype), weight)  # [c, H] e W
+                pw = ew.to(acc) / rowsum  # [c, H]  softmax(z) W
+                ha = h.to(acc)  # [c, H] (h itself unless W is half precision)
                 if spec.entropy:  # H = lse - sum_j p_j z_j, sum_j p_j z_j = h . (p W) (+ p . b)
-                    pz = (h.float() * pw).sum(-1)
+                    pz = (ha * pw).sum(-1)
                     if bias is not None:
-                        pz = pz + (z @ bt.float()) / rowsum[:, 0]
+                        pz = pz + (z @ bt.to(z.dtype)) / rowsum[:, 0]
                     ent[s:e] = lse - pz
                 if need_h:
-                    sparse = torch.nn.functional.embedding_bag(idx, weight, per_sample_weights=g.to(weight.dtype), mode="sum")
-                    dh[s:e] = ((sparse.float() - gsum[:, None] * pw) * inv_t).to(dh.dtype)  # [c, H]
+                    sparse = _sparse_rows(idx, weight, g)  # [c, H]
+                    dh[s:e] = ((sparse.to(acc) - gsum[:, None] * pw) * inv_t).to(dh.dtype)  # [c, H]
                 coef = -gsum[:, None] / rowsum  # [c, 1]  -G_t / sum(e)
                 if need_w:
-                    dw.addmm_(z.t().to(acc), (h * coef.to(h.dtype)).to(acc), beta=beta)  # [V, H]; h is already h / tau
+                    dw.addmm_(z.t().to(acc), ha * coef.to(acc), beta=beta)  # [V, H]; h is already h / tau
                     for j in range(idx.shape[1]):  # the sparse term, one [c, H] block at a time
-                        dw.index_add_(0, idx[:, j], (h * g[:, j:j + 1].to(h.dtype)).to(acc))
+                        dw.index_add_(0, idx[:, j], ha * g[:, j:j + 1].to(acc))
                 if need_b:
                     db.addmv_(z.t().to(acc), coef[:, 0].to(acc), alpha=inv_t)
                     db.index_add_(0, idx.reshape(-1), g.to(acc).reshape(-1), alpha=inv_t)
@@ -197,8 +267,7 @@ def _exact_chunk(spec: HeadSpec, s: int, e: int, z: Tensor, idx: Tensor, inv_t: 
     """The `exact` estimator's chunk: the anchor's logits, then autograd on the [c, V] logits."""
     rh = spec.ref_hidden[s:e] * inv_t if inv_t != 1.0 else spec.ref_hidden[s:e]  # [c, H']
     rb = spec.ref_bias * inv_t if spec.ref_bias is not None else None  # [V]
-    rz = _logits(rh, spec.ref_weight, rb, torch.empty(rows, spec.ref_weight.shape[0], dtype=spec.ref_weight.dtype,
-                                                       device=z.device))  # [c, V]
+    rz = _logits(rh, spec.ref_weight, rb, logit_buffer(rows, spec.ref_weight), widened(spec.ref_weight))  # [c, V]
     zl = z.detach().requires_grad_()
     k = idx.shape[1] - 1
     with torch.enable_grad():
@@ -278,11 +347,12 @@ def stream_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets
     lq = torch.empty(n, kq, dtype=torch.float32, device=dev) if kq else None  # [N, k]
     ent = torch.empty(n, dtype=torch.float32, device=dev) if entropy else None  # [N]
     bt = bias * inv_t if bias is not None and inv_t != 1.0 else bias  # [V]
-    buf = torch.empty(min(chunk, n), weight.shape[0], dtype=weight.dtype, device=dev)  # [chunk, V] reused
+    buf = logit_buffer(min(chunk, n), weight)  # [chunk, V] reused
+    wide = widened(weight)  # [V, H] float32 copy of a half W, where its GEMMs cannot return float32
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         h = hidden[s:e] * inv_t if inv_t != 1.0 else hidden[s:e]  # [c, H]
-        z = _logits(h, weight, bt, buf)  # [c, V]
+        z = _logits(h, weight, bt, buf, wide)  # [c, V]
         zt = z.gather(1, targets[s:e, None])[:, 0]  # [c]
         if topk:
             zq, idx = z.topk(topk, -1)  # [c, k]

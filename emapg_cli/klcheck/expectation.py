@@ -5,7 +5,9 @@ as if it were p and weighting by its sampling probability gives the exact expect
     E[v]     = sum_j pi_s(j) v_j(z)
     E[grad v] = grad_z sum_j sg(pi_s(j)) v_j(z)
 (the sampling distribution does not move with the policy logits z in one estimate).
-Tokens with pi_s(j) = 0 contribute exactly 0 (their v_j is masked before weighting).
+Tokens with pi_s(j) = 0 contribute exactly 0 (their v_j is masked before weighting). Under nucleus sampling
+(`kl-check --top-p`) pi_s is the nucleus distribution: the tokens outside the nucleus get weight 0, which is
+why the sampled estimators lose their support condition there (docs/estimators.md).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from emapg_cli.kl import kl_per_token
+from emapg_cli.kl.common import nucleus
 from emapg_cli.klcheck.evaluate import Spec, values_at
 
 
@@ -27,8 +30,11 @@ def exact_reference(direction: str, policy: Tensor, anchor: Tensor) -> tuple[Ten
     return kl.detach(), grad  # [P], [P, V]
 
 
-def expected(spec: Spec, policy: Tensor, anchor: Tensor, sampling: Optional[Tensor], q: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """E[v] [P] and E[grad_z v] [P, V] of one estimator under p ~ pi_s, by enumeration."""
+def expected(spec: Spec, policy: Tensor, anchor: Tensor, sampling: Optional[Tensor], q: Optional[Tensor],
+             top_p: float = 1.0) -> tuple[Tensor, Tensor]:
+    """E[v] [P] and E[grad_z v] [P, V] of one estimator under p ~ pi_s, by enumeration; with top_p < 1 under p ~ the
+    nucleus of pi_s (`kl.common.nucleus`), while the estimator's importance weight keeps reading the full-vocabulary
+    pi_s, as the trainer's does (it reads the engine's full-vocabulary records)."""
     if spec.name == "exact":
         return exact_reference(spec.direction, policy, anchor)
     z = policy.detach().clone().requires_grad_()
@@ -36,7 +42,7 @@ def expected(spec: Spec, policy: Tensor, anchor: Tensor, sampling: Optional[Tens
     logp = torch.log_softmax(z, -1)  # [P, V]
     ref_logp = torch.log_softmax(anchor, -1)  # [P, V]
     s_logp = None if sampling is None else torch.log_softmax(sampling, -1)  # [P, V]
-    pi_s = torch.exp(logp if s_logp is None else s_logp).detach()  # [P, V]
+    pi_s = nucleus(torch.exp(logp if s_logp is None else s_logp).detach(), top_p)  # [P, V] what the tokens are drawn from
     tokens = torch.arange(vocab).expand(p_count, vocab)  # [P, V]: every token as the "sample"
     logp_q = ref_logp_q = None
     if q is not None:

@@ -9,6 +9,9 @@ Procedure (docs/estimators.md, "Measuring estimators"):
     against 0 (valid under H0 because A and B are independent);
   * the same two tests against the closed-form expectation (`expectation.expected`) say
     whether the measurement is consistent with the theory.
+With `top_p` < 1 (`--top-p`) the tokens are drawn from the sampling policy's nucleus, as a run at rollout.top_p
+samples them, and the estimators' importance weight still reads the full-vocabulary distribution (what the engines
+record); the exact KL and its gradient stay the reference.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class CheckSettings:
     confidence: float = 0.999
     seed: int = 0
     topk_from: Optional[str] = None  # whose top-k is q: "sampling" | "anchor" (None: sampling for reverse, anchor for forward)
+    top_p: float = 1.0  # nucleus sampling: tokens drawn from the sampling policy's top-p nucleus (1: the whole vocabulary)
 
 
 @dataclass(frozen=True)
@@ -136,7 +140,7 @@ class CheckResult:
             "source": self.source, "positions": self.positions, "vocab": self.vocab, "off_policy": self.off_policy,
             "settings": {"ks": list(s.ks), "samples": s.samples, "batches": s.batches, "estimators": list(s.estimators),
                          "directions": list(s.directions), "confidence": s.confidence, "seed": s.seed,
-                         "topk_from": s.topk_from},
+                         "topk_from": s.topk_from, "top_p": s.top_p},
             "notes": self.notes,
             "rows": [r.to_dict() for r in self.rows],
         }
@@ -200,7 +204,7 @@ def measure_row(
         zero = TTest(0.0, 0.0, 1.0, True)
         return RowResult(spec, kl_mean, kl_mean, zero, 0.0, zero, 0.0, grad_norm, 0.0, 0.0, 0.0,
                          zero, zero, 0.0, settings.confidence)
-    ev, eg = expected(spec, logits.policy, logits.anchor, logits.sampling, q)  # [P], [P, V]
+    ev, eg = expected(spec, logits.policy, logits.anchor, logits.sampling, q, settings.top_p)  # [P], [P, V]
     bias_expected = float((ev - kl).mean())
     rel_expected = float((eg - grad_kl).norm()) / max(grad_norm, 1e-300)
     pi = tables["pi"]
@@ -229,7 +233,8 @@ def run_check(logits: LogitSet, settings: CheckSettings, progress: Optional[Call
     specs, notes = plan(settings, logits.vocab)
     result = CheckResult(settings, logits.source, logits.positions, logits.vocab, logits.sampling is not None, notes=notes)
     gen = torch.Generator().manual_seed(settings.seed)
-    tokens = draw_tokens(logits.policy if logits.sampling is None else logits.sampling, settings.samples, gen)  # [P, N]
+    tokens = draw_tokens(logits.policy if logits.sampling is None else logits.sampling, settings.samples, gen,
+                         settings.top_p)  # [P, N]
     logp = torch.log_softmax(logits.policy, -1)  # [P, V]
     tables = {
         "logp": logp, "pi": logp.exp(), "ref_logp": torch.log_softmax(logits.anchor, -1),
@@ -261,6 +266,8 @@ def check_settings(settings: CheckSettings) -> None:
     unknown = [e for e in settings.estimators if e not in INFO]
     if unknown:
         raise ValueError(f"unknown estimator(s) {', '.join(unknown)} (known: {', '.join(ESTIMATORS)})")
+    if not 0 < settings.top_p <= 1:  # also refuses nan
+        raise ValueError(f"--top-p must be in (0, 1], got {settings.top_p}")
     if settings.topk_from not in (None, "sampling", "anchor"):
         raise ValueError(f"--topk-from must be sampling or anchor, got '{settings.topk_from}'")
     bad = [d for d in settings.directions if d not in ("reverse", "forward")]

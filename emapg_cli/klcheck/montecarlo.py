@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from emapg_cli.kl.common import nucleus
 from emapg_cli.klcheck.evaluate import Spec, values_at
 
 
@@ -89,8 +90,9 @@ def gradient_variance(sg: SampleGradients, pi: Tensor) -> Tensor:
     return (sq - (u_bar * u_bar).sum(-1)).clamp_min(0) * n / (n - 1)
 
 
-def draw_tokens(sampling_logits: Tensor, samples: int, generator: torch.Generator) -> Tensor:
-    """N i.i.d. tokens per position from softmax(sampling_logits) [P, V] -> [P, N] (with replacement)."""
-    probs = torch.softmax(sampling_logits, -1)  # [P, V]
+def draw_tokens(sampling_logits: Tensor, samples: int, generator: torch.Generator, top_p: float = 1.0) -> Tensor:
+    """N i.i.d. tokens per position from softmax(sampling_logits) [P, V] -> [P, N] (with replacement); with top_p < 1
+    from its nucleus (`kl.common.nucleus`, the hf engine's rule)."""
+    probs = nucleus(torch.softmax(sampling_logits, -1), top_p)  # [P, V]
     return torch.multinomial(probs, samples, replacement=True, generator=generator)  # [P, N]
 

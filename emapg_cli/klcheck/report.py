@@ -63,6 +63,7 @@ def header(result: CheckResult) -> str:
     return (f"{result.source}: P={result.positions}, |V|={result.vocab}, N={s.samples} samples/position, "
             f"M={s.batches} batches{', off-policy (importance-weighted)' if result.off_policy else ', on-policy'}; "
             + (f"q = the top-k of the {'anchor' if s.topk_from == 'anchor' else 'sampling policy'} (--topk-from); " if s.topk_from else "")
+            + (f"tokens from the top-p {s.top_p:g} nucleus (--top-p); " if s.top_p < 1 else "")
             + f"tests at {s.confidence * 100:.4g}% confidence")
 
 

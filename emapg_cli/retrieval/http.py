@@ -8,15 +8,15 @@ out), split into requests of at most `BATCH_QUERIES` queries and `MAX_REQUEST_CH
 longer than `MAX_QUERY_CHARS` (4,096) is cut to it, as a policy can write a long one and the server
 refuses longer ones: cutting keeps a training run going where refusing would stop it. `search.url` may list
 several servers: requests are dealt round-robin over them (in parallel, one thread per URL). Each request has a
-timeout (`search.timeout_s`); a failed request (connection refused, timeout, HTTP 5xx or 429) goes to the next
+deadline (`search.timeout_s`) that covers all of it, from connecting to the reply's last byte
+(emapg_cli/http_client.py); a failed request (connection refused, timeout, HTTP 5xx or 429) goes to the next
 URL at once, and when every URL failed it is retried in the next round, after an exponential back-off; a round
 resends only the requests that failed. When every round fails the run stops with a one-line UserError
 (checkpoints are written atomically, so the last one stays intact). Standard library only.
 
 Replies are read defensively: at most `MAX_REPLY_BYTES`, UTF-8, JSON (not nested past Python's
 recursion limit), of Search-R1's shape (one list of hits per query, each with a `document` whose
-`contents` is a string and an optional finite numeric `score`), whole within `REPLY_DEADLINE_FACTOR`
-times the timeout; anything else is one UserError line naming
+`contents` is a string and an optional finite numeric `score`); anything else is one UserError line naming
 the URL and what was wrong. Only http(s) URLs are opened, and redirects are not followed.
 """
 
@@ -26,12 +26,11 @@ import itertools
 import json
 import math
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-
+from http.client import HTTPException
 from typing import Optional
 
+from emapg_cli import http_client
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
 from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
@@ -42,24 +41,14 @@ from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
 #: 4,096 by default) and its time under the timeout; each query's hits do not depend on the others in its request.
 #: 256 (it was 1,024): bm25 over 10^6 passages takes ~50 ms of CPU per query, so 1,024 queries took minutes.
 BATCH_QUERIES = 256
-#: Seconds per request (`search.timeout_s`): each read of the socket, the wait for the reply's head included. 120 s
-#: (it was 30): a request of BATCH_QUERIES queries to bm25 over 10^6 passages takes ~14 s of CPU (21-37 s measured
-#: on a shared 2-core machine), and another trainer's request may be ahead of it in the server's queue.
+#: Seconds per request (`search.timeout_s`): the whole of it, from connecting to the reply's last byte (a server
+#: dripping its reply is abandoned at this deadline and the request goes to the next URL). 120 s (it was 30): a
+#: request of BATCH_QUERIES queries to bm25 over 10^6 passages takes ~14 s of CPU (21-37 s measured on a shared
+#: 2-core machine), and another trainer's request may be ahead of it in the server's queue.
 TIMEOUT_S = 120.0
 #: Largest reply read (bytes); a longer one is an error, not a memory spike.
 MAX_REPLY_BYTES = 256 << 20
-#: A reply must arrive whole within this many times the request's timeout (`search.timeout_s`): the timeout
-#: bounds each read of the socket, this the whole reply, so a server sending one byte just under the timeout
-#: cannot hold a run for hours.
-REPLY_DEADLINE_FACTOR = 3
 _EXPECTED = '{"result": [[{"document": {"contents": ...}, "score": ...}, ...] per query]}'
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A redirect is reported as the HTTP error it is, never followed (it could point anywhere)."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
 
 
 def check_url(url: str) -> str:
@@ -78,22 +67,6 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 class _BadReply(Exception):
     """The server answered, but not with what was asked for (retrying cannot help)."""
-
-
-def _read_capped(response, limit: int, deadline_s: float) -> bytes:
-    """The reply's body: at most `limit` bytes (else `_BadReply`), read in chunks within `deadline_s` seconds in all
-    (else TimeoutError: a server that is slow, retried like one that is down)."""
-    chunks, got, end = [], 0, time.monotonic() + deadline_s
-    while True:
-        chunk = response.read1(min(65536, limit + 1 - got))  # at most one read of the socket
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        got += len(chunk)
-        if got > limit:
-            raise _BadReply(f"the reply is over {limit} bytes")
-        if time.monotonic() > end:
-            raise TimeoutError(f"the reply took over {deadline_s:g} s ({got} bytes so far)")
 
 
 def _decode(data: bytes):
@@ -176,32 +149,36 @@ class HTTPRetriever:
         self.urls, self.timeout_s, self.retries, self.backoff_s = urls, timeout_s, retries, backoff_s
         self.url = urls[0]
         self.max_reply_bytes = max_reply_bytes
-        self._opener = urllib.request.build_opener(_NoRedirect)
         self._turn = itertools.count()  # round-robin: the first URL of each request in turn
 
     def _post(self, payload: dict, url: str):
-        """One try of one request; `_Failed` when retrying can help, UserError when it cannot."""
-        request = urllib.request.Request(url, data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json"}, method="POST")
+        """One try of one request, all of it within `timeout_s`; `_Failed` when retrying can help, UserError when it
+        cannot."""
         try:
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                return _decode(_read_capped(response, self.max_reply_bytes, self.timeout_s * REPLY_DEADLINE_FACTOR))
-        except urllib.error.HTTPError as e:
-            said = f"HTTP {e.code} {_one_line(e.reason, 60)}{self._server_says(e)}"
-            if e.code < 500 and e.code != 429:  # the server understood and refused: retrying cannot help
-                raise UserError(f"retriever {url} failed: {said}") from None
-            raise _Failed(said) from None
+            reply = http_client.request(url, "POST", json.dumps(payload).encode(), timeout_s=self.timeout_s,
+                                        max_reply_bytes=self.max_reply_bytes,
+                                        headers={"Content-Type": "application/json"})
+        except http_client.Deadline:
+            raise _Failed(f"the request took over {self.timeout_s:g} s (search.timeout_s)") from None
+        except http_client.ReplyTooLarge as e:
+            raise UserError(f"retriever {url}: {e}; expected {_EXPECTED}") from None
+        except (OSError, HTTPException, ValueError) as e:  # refused, reset, a status line that is not HTTP
+            raise _Failed(_one_line(e) or type(e).__name__) from None
+        if reply.status != 200:
+            said = f"HTTP {reply.status} {_one_line(reply.reason, 60)}{self._server_says(reply.body)}"
+            if reply.status < 500 and reply.status != 429:  # the server understood and refused: retrying cannot help
+                raise UserError(f"retriever {url} failed: {said}")
+            raise _Failed(said)
+        try:
+            return _decode(reply.body)
         except _BadReply as e:
             raise UserError(f"retriever {url}: {e}; expected {_EXPECTED}") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, ValueError) as e:
-            # ValueError: http.client's own, e.g. a status line it cannot parse
-            raise _Failed(_one_line(getattr(e, "reason", e) or type(e).__name__)) from None
 
     @staticmethod
-    def _server_says(e: urllib.error.HTTPError) -> str:
-        """`: <the {"error"} of the reply>` when it has one (read at most 4 KiB), else nothing."""
+    def _server_says(body: bytes) -> str:
+        """`: <the {"error"} of the reply>` when it has one (at most 4 KiB read), else nothing."""
         try:
-            said = json.loads(e.read(4096).decode("utf-8"))["error"]
+            said = json.loads(body[:4096].decode("utf-8"))["error"]
             return f": {_one_line(said)}" if isinstance(said, str) else ""
         except Exception:  # any other body: the status alone says enough
             return ""

@@ -21,25 +21,20 @@ parsed one at a time (at most one parsed body in memory; the queued queries are 
 and `max_request_chars`); each connection has `timeout_s` to
 send each request (a watchdog shuts down sockets past it, so half-sent requests and idle keep-alive
 connections are dropped); at most `max_connections` are served at once and the next ones get a 503
-at once; the listen backlog is `BACKLOG`; running out of file descriptors pauses accepting instead
+at once; the listen backlog is `http_server.BACKLOG`; running out of file descriptors pauses accepting instead
 of spinning. Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`; a retriever that raises is a
 500 with the exception's class, and the server keeps serving.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import socket
 import threading
-import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from socketserver import ThreadingMixIn
 from typing import Any, Iterable, Optional
 
-from emapg_cli.http_reply import write_json
+from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused
 from emapg_cli.retrieval.base import Retriever
 
 #: Largest request body accepted (bytes); `Content-Length` above it is refused (413) without reading.
@@ -77,18 +72,6 @@ MAX_BATCH = 1024
 MAX_PENDING = 16384
 #: MiB of encoded replies kept for recent (query, topk, return_scores) triples (0: no cache).
 CACHE_MB = 64
-#: The listen backlog (connections the kernel queues before `accept`).
-BACKLOG = 256
-#: Pause of the accept loop when the process is out of file descriptors (EMFILE/ENFILE).
-FD_BACKOFF_S = 0.1
-#: After refusing a request whose body was not read, read and drop at most this much of it (for at
-#: most one second) before closing, so the client sees the reply rather than a connection reset.
-_LINGER_BYTES = 1 << 20
-#: The accept loop's 503 (no thread): drop at most `_LINGER_BYTES` of what the client already sent, for at most
-#: this long, so a client that keeps sending cannot hold the accept loop.
-_BUSY_DRAIN_S = 0.2
-
-
 @dataclass(frozen=True)
 class Limits:
     """The server's bounds (the options of `emapg retriever serve`)."""
@@ -106,14 +89,6 @@ class Limits:
     max_batch: int = MAX_BATCH
     max_pending: int = MAX_PENDING
     cache_mb: int = CACHE_MB
-
-
-class Refused(Exception):
-    """A request refused with HTTP status `code` and a one-line reason."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def _check_request(request: Any, default_topk: int, limits: Limits) -> tuple[list[str], int, bool]:
@@ -329,231 +304,37 @@ def retrieve_reply(retriever: Retriever, request: Any, default_topk: int = 3,
         raise ValueError(str(e)) from None
 
 
-class _Watchdog:
-    """Shuts down connections past their deadline (a blocked read or write then returns at once).
+class RetrieverServer(BoundedServer):
+    """A `BoundedServer` (emapg_cli/http_server.py: connections, deadlines, bodies) over one `Searcher`."""
 
-    A per-socket timeout alone bounds each `recv`, not a request: a client sending one byte every few
-    seconds would hold its thread forever. Deadlines are set while reading a request and writing its
-    reply, and cleared while waiting for and doing the search (bounded by the query limits instead).
-    """
-
-    def __init__(self, period_s: float):
-        self._deadlines: dict[socket.socket, float] = {}
-        self._lock = threading.Lock()
-        self._period_s = period_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="emapg-retriever-watchdog", daemon=True)
-        self._thread.start()
-
-    def set(self, sock: socket.socket, deadline: Optional[float]) -> None:
-        with self._lock:
-            if deadline is None:
-                self._deadlines.pop(sock, None)
-            else:
-                self._deadlines[sock] = deadline
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._period_s):
-            now = time.monotonic()
-            with self._lock:
-                late = [s for s, d in self._deadlines.items() if d <= now]
-                for s in late:
-                    del self._deadlines[s]
-            for s in late:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
-def _json_response(code: int, body: dict, close: bool) -> bytes:
-    """A complete HTTP/1.1 response with a JSON body (for the 503 written by the accept loop)."""
-    from http.server import BaseHTTPRequestHandler as B
-
-    data = json.dumps(body).encode()
-    reason = B.responses.get(code, ("",))[0]
-    head = (f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-            + ("Connection: close\r\n" if close else "") + "\r\n")
-    return head.encode() + data
-
-
-class RetrieverServer(ThreadingMixIn, HTTPServer):
-    """`HTTPServer` with one daemon thread per connection, at most `limits.max_connections` of them."""
-
-    daemon_threads = True
-    block_on_close = False
-    request_queue_size = BACKLOG
-    allow_reuse_address = True
+    watchdog_name = "emapg-retriever-watchdog"
 
     def __init__(self, address: tuple[str, int], handler: type, limits: Limits, retriever: Retriever,
                  default_topk: int = 3, rows: int | None = None):
         self.limits, self.retriever, self.default_topk, self.rows = limits, retriever, default_topk, rows
-        #: parsing a body happens one request at a time: the parsed objects of at most one body (bounded by
-        #: max_body_bytes) are in memory at once, however many connections send bodies
-        self.work = threading.Lock()
-        self._slots = threading.BoundedSemaphore(limits.max_connections)
-        self.watchdog = _Watchdog(min(0.5, limits.timeout_s / 4))
         self.searcher = Searcher(retriever, limits)
         try:
-            super().__init__(address, handler)
+            super().__init__(address, handler, max_connections=limits.max_connections, timeout_s=limits.timeout_s,
+                             max_body_bytes=limits.max_body_bytes)
         except BaseException:
-            self.watchdog.stop()
             self.searcher.close()
             raise
 
-    def get_request(self):
-        try:
-            return super().get_request()
-        except OSError as e:
-            # out of file descriptors: the listening socket stays readable, so retrying at once would spin;
-            # pause, and accept again when connections have closed (the pending ones wait in the backlog)
-            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                time.sleep(FD_BACKOFF_S)
-            raise
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            self._busy(request)
-            return
-        try:
-            self.watchdog.set(request, time.monotonic() + self.limits.timeout_s)
-            super().process_request(request, client_address)
-        except (RuntimeError, OSError, MemoryError):  # no thread could be started: refuse this one, keep serving
-            self.watchdog.set(request, None)
-            self._slots.release()
-            self._busy(request)
-
-    def _busy(self, request) -> None:
-        """503 at once from the accept loop (no thread), then close."""
-        try:
-            request.settimeout(0.5)
-            request.sendall(_json_response(503, {"error": f"busy: {self.limits.max_connections} connections are "
-                                                          "being served; retry later"}, close=True))
-            request.shutdown(socket.SHUT_WR)
-            request.setblocking(False)
-            dropped, end = 0, time.monotonic() + _BUSY_DRAIN_S
-            try:  # drop what the client has already sent (bounded), so that closing does not reset the connection
-                while dropped < _LINGER_BYTES and time.monotonic() < end:
-                    chunk = request.recv(65536)
-                    if not chunk:
-                        break
-                    dropped += len(chunk)
-            except OSError:
-                pass
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.watchdog.set(request, None)
-            self._slots.release()
-
-    def handle_error(self, request, client_address) -> None:
-        """A connection that failed (reset, shut down by the watchdog) is dropped quietly; the server stays up."""
-
     def server_close(self) -> None:
-        self.watchdog.stop()
         self.searcher.close()
         super().server_close()
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     """One connection of a `RetrieverServer`: `/retrieve` and `/health`, every refusal a JSON error."""
 
-    protocol_version = "HTTP/1.1"
     server: RetrieverServer
-
-    def setup(self) -> None:
-        self.timeout = self.server.limits.timeout_s  # each recv/send; the watchdog bounds whole requests
-        super().setup()
-        try:  # the reply's head and body are two writes: without this, Nagle + the client's delayed ACK add ~40 ms
-            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-
-    def _deadline(self, seconds: Optional[float]) -> None:
-        self.server.watchdog.set(self.connection, None if seconds is None else time.monotonic() + seconds)
-
-    def _send(self, code: int, body: dict | bytes) -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self._deadline(self.server.limits.timeout_s)
-        write_json(self, code, data)
-        self._deadline(self.server.limits.timeout_s)  # the next request on this connection, or an idle one is closed
-
-    def _refuse(self, code: int, message: str, unread: bool = False) -> None:
-        """A 4xx with `{"error"}`; `unread`: the body was not read, so the connection closes after it."""
-        if unread:
-            self.close_connection = True
-        self._send(code, {"error": message})
-        if unread:
-            self._linger()
-
-    def _linger(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(1.0)
-            dropped, end = 0, time.monotonic() + 1.0
-            while dropped < _LINGER_BYTES and time.monotonic() < end:
-                chunk = self.connection.recv(65536)
-                if not chunk:
-                    break
-                dropped += len(chunk)
-        except OSError:
-            pass
-
-    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-        """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""
-        self.close_connection = True
-        try:
-            self._send(code, {"error": message or self.responses.get(code, ("error",))[0]})
-        except OSError:
-            pass
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if self.path == "/health":
-            self._send(200, {"status": "ok", "rows": self.server.rows})
+            self.send_json(200, {"status": "ok", "rows": self.server.rows})
         else:
-            self._send(404, {"error": f"no route {self.path[:200]} (POST /retrieve, GET /health)"})
-
-    def _content_length(self) -> Optional[int]:
-        """The declared body length, checked (one plain integer, at most max_body_bytes); None after a refusal."""
-        if self.headers.get("Transfer-Encoding"):
-            self._refuse(411, "send the body with a Content-Length (no Transfer-Encoding)", unread=True)
-            return None
-        declared = self.headers.get_all("Content-Length") or []
-        if len(declared) != 1:
-            self._refuse(411, "one Content-Length header is required", unread=True)
-            return None
-        text = declared[0].strip()
-        if not (text.isascii() and text.isdigit()) or len(text) > 12:
-            self._refuse(400, f"Content-Length must be a non-negative integer, got {text[:20]!r}", unread=True)
-            return None
-        length, cap = int(text), self.server.limits.max_body_bytes
-        if length > cap:
-            self._refuse(413, f"body of {length} bytes: at most {cap}", unread=True)
-            return None
-        return length
-
-    def _read_body(self) -> Optional[bytes]:
-        """The body, read up to its Content-Length (at most limits.max_body_bytes); None after a refusal."""
-        length = self._content_length()
-        if length is None:
-            return None
-        chunks, got = [], 0
-        while got < length:  # never more than the declared length, itself at most the cap
-            chunk = self.rfile.read(min(65536, length - got))
-            if not chunk:
-                self.close_connection = True  # the client stopped sending (or the watchdog shut it down)
-                return None
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
+            self.send_json(404, {"error": f"no route {self.path[:200]} (POST /retrieve, GET /health)"})
 
     def _answer(self, body: bytes) -> tuple[int, dict | bytes]:
         """(status, reply) to a `/retrieve` body: parsed and checked one request at a time, then searched by the
@@ -576,19 +357,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         if self.path != "/retrieve":
-            self._refuse(404, f"no route {self.path[:200]} (POST /retrieve)", unread=True)
+            self.refuse(404, f"no route {self.path[:200]} (POST /retrieve)", unread=True)
             return
-        body = self._read_body()
+        body = self.read_body()
         if body is None:
             return
         # waiting for the work lock and the search are bounded by the query limits, not by the clock
-        self._deadline(None)
+        self.deadline(None)
         code, reply = self._answer(body)
         del body
-        self._send(code, reply)
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
-        pass
+        self.send_json(code, reply)
 
 
 def make_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000, default_topk: int = 3,

@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from emapg_cli.agents.protocol import last_answer
 from emapg_cli.data.schema import Example
+from emapg_cli.grading.extract import last_answer
 from emapg_cli.rewards.exact_match import normalize_qa
 
 

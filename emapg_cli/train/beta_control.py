@@ -37,14 +37,15 @@ def for_step(cfg, state: dict[str, Any], settings) -> tuple[float, Any]:
     return beta, with_beta(settings, beta)
 
 
-def next_beta(cfg, beta: float, kl: float) -> float:
-    """The beta after a step that used `beta` and measured `kl` (kl/value, the same on every rank): unchanged for
-    a fixed beta; else the adaptive rule with n = the step's responses over all ranks."""
+def next_beta(cfg, beta: float, kl: float, n: int) -> float:
+    """The beta after a step that used `beta` and measured `kl` (kl/per_token, the same on every rank) on `n` trained
+    responses (all ranks): unchanged for a fixed beta, or when no response was trained (n = 0: no KL was measured);
+    else the adaptive rule."""
     from emapg_cli.grpo.kl_control import adaptive_kl_coef  # the grpo package imports torch; the settings line does not
 
-    if not adaptive(cfg):
+    if not adaptive(cfg) or n <= 0:
         return beta
-    return adaptive_kl_coef(beta, kl, cfg.kl.target, cfg.derived.responses_per_step, cfg.kl.horizon)
+    return adaptive_kl_coef(beta, kl, cfg.kl.target, n, cfg.kl.horizon)
 
 
 def kl_coef_text(cfg) -> str:
@@ -56,8 +57,9 @@ def kl_coef_text(cfg) -> str:
     return f"adaptive β (target KL {k.target:g}, horizon {k.horizon}, from {k.coef:g})"
 
 
-def update_state(cfg, state: dict[str, Any], beta: float, kl) -> None:
-    """After a step that used `beta` and measured `kl` (its kl/value; None without a KL term): the next step's beta
-    into `state`. Only an adaptive beta is stored (a fixed beta's state.json is as before)."""
+def update_state(cfg, state: dict[str, Any], beta: float, kl, n: int) -> None:
+    """After a step that used `beta` and measured `kl` (its kl/per_token; None without a KL term) on `n` trained
+    responses (all ranks; train.mask_truncated's dropped ones are not among them): the next step's beta into `state`.
+    Only an adaptive beta is stored (a fixed beta's state.json is as before)."""
     if adaptive(cfg):
-        state[STATE_KEY] = next_beta(cfg, beta, float("nan") if kl is None else float(kl))
+        state[STATE_KEY] = next_beta(cfg, beta, float("nan") if kl is None else float(kl), n)

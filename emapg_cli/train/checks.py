@@ -99,6 +99,7 @@ def config_checks(cfg: Config) -> None:
         check_reward(cfg.rollout.reward)
     except UserError as e:
         raise UserError(f"rollout.reward: {e}") from None
+    training_numerics(cfg)
     from emapg_cli.train.async_rollouts import check_async
     from emapg_cli.train.settings import check_rollout_correction
 
@@ -109,6 +110,42 @@ def config_checks(cfg: Config) -> None:
     twice = next((r for i, r in enumerate(refs) if r in refs[:i]), None)
     if twice is not None:
         raise UserError(f"data.eval lists '{twice}' twice (its items would be evaluated twice)")
+
+
+#: float16's smallest positive (subnormal) number, 2^-24: anything smaller rounds to 0.
+FLOAT16_TINY = 2.0 ** -24
+
+
+def training_numerics(cfg: Config) -> None:
+    """What cannot train, whatever the inputs: a float16 model.dtype (nothing scales the loss, so the gradients
+    underflow) and the teacher_support_raw estimator (a pathological target). One-line UserError each; `emapg eval`
+    and `emapg kl-check` are unaffected."""
+    if cfg.model.dtype == "float16":
+        per_token = 1e-3 / 1e5  # a KL term's weight beta / N_tokens at the default kl.coef and 10^5 tokens per mini-batch
+        raise UserError(f"model.dtype=float16 does not train: without loss scaling the gradients underflow (the KL term's "
+                        f"weight kl.coef / N_tokens is {per_token:.0e} at 10^5 tokens, below float16's smallest number "
+                        f"{FLOAT16_TINY:.1e}, so it rounds to 0); use model.dtype=bfloat16 (float32's range, same memory) "
+                        "or float32")
+    raw = cfg.kl.estimator == "teacher_support_raw" or (cfg.kl.estimator == "teacher_support" and not cfg.kl.support_renorm)
+    if raw and cfg.kl.coef > 0:
+        which = "kl.estimator=teacher_support_raw" if cfg.kl.estimator == "teacher_support_raw" else "kl.support_renorm=false"
+        raise UserError(f"{which} is not a training target: its minimum, sum over the teacher's top-k q of "
+                        "p log(p / p_teacher), is at p = p_teacher / e on q, so training moves the student's mass off "
+                        "the teacher's support (docs/distill.md); measure it with `emapg kl-check`, train with "
+                        "kl.estimator=teacher_support (renormalised) or topk_tail")
+
+
+def config_warnings(cfg: Config) -> list[str]:
+    """What a run may do but should know, one line each (`train` and `--dry-run` print them): rollout.top_p < 1 with a
+    KL estimator that has a sampled part (its support condition fails outside the nucleus; the measured bias from
+    `klcheck.nucleus_bias`)."""
+    from emapg_cli.klcheck.nucleus_bias import nucleus_warning  # plain data, no torch
+
+    out = []
+    if cfg.kl.coef > 0 and cfg.rollout.top_p < 1:
+        line = nucleus_warning(cfg.kl.estimator, cfg.kl.direction, cfg.rollout.top_p)
+        out += [line] if line is not None else []
+    return out
 
 
 def eval_refs(value: Union[str, list[str], None]) -> list[str]:

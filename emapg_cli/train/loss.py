@@ -64,7 +64,7 @@ class PolicyLoss:
         Every per-token input is flattened over the response mask (the order the fused function walks);
         w_t is the token's weight in the aggregated loss (`grpo.token_weights` over `loss_mask` [b, R],
         with the mini-batch totals for gradient accumulation). Extras: `pg` and `kl` (w_t times each
-        part) and `clipped`.
+        part), `clipped` and, with a KL term, `kl_tok` (the unweighted per-token KL estimate: adaptive beta's measure).
 
         c_t = sg(rollout-correction weight) (`grpo.rollout_correction`): `mb.is_weight` when the update computed it
         from the old-policy log-probs, else (token modes without an old-policy pass: one on-policy step, whose first
@@ -108,7 +108,7 @@ class PolicyLoss:
                 log_ratio_clamp=self.log_ratio_clamp, estimate_clamp=self.estimate_clamp,
             )  # [c]
             kl_w = w[s:e] * kl_tok
-            extras["kl"] = kl_w.detach()
+            extras["kl"], extras["kl_tok"] = kl_w.detach(), kl_tok.detach()
             if self.distill:  # unweighted per-token estimate, and 1 - P_theta(q) when the estimator read a top-k set q
                 extras.update(distill_extras(kl_tok, logp_q))
             return pg_w + beta * kl_w, extras

@@ -53,6 +53,9 @@ def step_metrics(*, rewards: Tensor, reward_errors: int, response_lens: list[int
     if beta > 0:
         out["kl/value"] = kl
         out["kl/coef"] = beta  # the beta this step's loss used (kl.coef, or the adaptive beta of kl.target)
+        # per token whatever train.loss_agg: the mean over the trained sequences of each one's mean KL estimate over its
+        # tokens (verl's current_kl; all ranks; every epoch), what adaptive beta tracks
+        out["kl/per_token"] = upd.kl_seq_sum / upd.kl_seqs if upd.kl_seqs else math.nan
     if ema_distance is not None:
         out["ema/distance"] = ema_distance
     out.update(rollout_correction_metrics(upd.correction))

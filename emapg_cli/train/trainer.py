@@ -200,9 +200,10 @@ class Trainer:
             ema_update_(self.strategy.ema_tensors(self.anchor), self.strategy.ema_tensors(self.policy), decay)
         return self.strategy.ema_distance(self.policy, self.anchor)
 
-    def _controllers(self, step: int, beta: float, metrics: dict[str, Any]) -> None:
-        """After step `step`: the next beta into the state (kl.target's adaptive beta), the eta in force into the metrics."""
-        beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/value"))
+    def _controllers(self, step: int, beta: float, metrics: dict[str, Any], trained: int) -> None:
+        """After step `step`, whose update trained on `trained` responses (all ranks): the next beta into the state
+        (kl.target's adaptive beta, from the KL per token), the eta in force into the metrics."""
+        beta_control.update_state(self.cfg, self.state, beta, metrics.get("kl/per_token"), trained)
         if self.anchor is not None and self.cfg.anchor.source == "ema":
             metrics["ema/decay"] = decay_in_force(self.cfg.ema, self.state, step)
 
@@ -231,7 +232,7 @@ class Trainer:
         metrics = step_metrics(**roll, upd=upd, beta=beta, lr=self.scheduler.get_last_lr()[0],
                                t_rollout=self.phases.seconds["rollout"], t_update=self.phases.seconds["update_total"],
                                skipped_total=self.state["skipped"], ema_distance=dist)
-        self._controllers(step, beta, metrics)
+        self._controllers(step, beta, metrics, round(upd.kl_seqs / self.cfg.train.epochs))
         metrics.update(rollout_mismatch(diff))  # this process's rollouts
         metrics.update(extra)
         return StepResult(metrics, upd.skipped, dict(self.phases.seconds), sum(roll["response_lens"]))

@@ -29,6 +29,19 @@ class LossParts:
     tokens: float
     logprob_diff: Optional[Tensor] = None  # [tokens] this pass's log-probs - the engine's (no old-policy pass)
     distill: dict = field(default_factory=dict)  # sums over the tokens of the distillation extras (`loss.distill_extras`)
+    kl_seq_sum: float = 0.0  # sum over the micro-batch's sequences (with a token) of their mean per-token KL estimate
+    kl_seqs: float = 0.0  # those sequences
+
+
+def sequence_token_means(values: Tensor, mask: Tensor) -> tuple[float, float]:
+    """(sum over the rows of `mask` [b, R] with a token of the row's mean of `values` [b, R] over its tokens, the
+    number of those rows): the KL per token as verl's adaptive controller measures it (`apply_kl_penalty`: the mean
+    over sequences of each one's token mean), whatever train.loss_agg. Values outside the mask may hold anything."""
+    m = mask.bool()
+    count = m.sum(-1)  # [b]
+    per_row = torch.where(m, values, torch.zeros_like(values)).double().sum(-1) / count.clamp(min=1)  # [b]
+    rows = count > 0
+    return float(per_row[rows].sum()), float(rows.sum())
 
 
 def correction_weights(batch: RolloutBatch, loss: PolicyLoss) -> tuple[RolloutBatch, Optional[CorrectionStats]]:
@@ -78,10 +91,12 @@ def micro_batch_loss(scorer, mb: RolloutBatch, settings: StepSettings, num_token
         v = stats.aux.get(name)
         return float(torch.where(loss_mask, v, torch.zeros_like(v)).sum()) if v is not None else 0.0
 
+    kl_seq_sum, kl_seqs = sequence_token_means(stats.aux["kl_tok"], loss_mask) if "kl_tok" in stats.aux else (0.0, 0.0)
     return LossParts(
         loss=stats.loss, pg=total("pg"), kl=total("kl"),
         clipped_tokens=total("clipped"), entropy_sum=float((stats.entropy * m).sum()),
         tokens=float(m.sum()), logprob_diff=diff, distill={k: total(k) for k in ("dkl", "tail") if k in stats.aux},
+        kl_seq_sum=kl_seq_sum, kl_seqs=kl_seqs,
     )
 
 
@@ -142,12 +157,16 @@ class UpdateStats:
     logprob_diffs: list[Tensor] = field(default_factory=list)  # see LossParts.logprob_diff
     correction: Optional[CorrectionStats] = None  # rho's statistics (train.rollout_correction), this rank's rows
     distill: dict = field(default_factory=dict)  # sums of LossParts.distill over the step's micro-batches
+    kl_seq_sum: float = 0.0  # LossParts.kl_seq_sum over every micro-batch of every epoch (all ranks after the update)
+    kl_seqs: float = 0.0  # LossParts.kl_seqs likewise: each trained sequence once per epoch
 
     def add(self, parts: "LossParts") -> None:
         """Count one micro-batch's clipped tokens, entropy, tokens and engine/trainer log-prob differences."""
         self.clipped_tokens += parts.clipped_tokens
         self.entropy_sum += parts.entropy_sum
         self.tokens += parts.tokens
+        self.kl_seq_sum += parts.kl_seq_sum
+        self.kl_seqs += parts.kl_seqs
         if parts.logprob_diff is not None:
             self.logprob_diffs.append(parts.logprob_diff)
         for k, v in parts.distill.items():
@@ -245,9 +264,17 @@ def update_policy(strategy, scorer, batch: RolloutBatch, settings: StepSettings,
         d = torch.cat(stats.logprob_diffs)  # [tokens]
         stats.correction = rollout_correction(d, torch.zeros_like(d), torch.ones_like(d, dtype=torch.bool),
                                               s.loss.correction, s.loss.correction_cap)[1]
-    if accelerator.num_processes > 1:  # each rank's loss is its share of the mini-batch loss: log their mean
-        losses = torch.tensor(stats.pg + stats.kl, dtype=torch.float64, device=accelerator.device)
-        losses = accelerator.reduce(losses, reduction="mean").tolist()
-        stats.pg, stats.kl = losses[:len(stats.pg)], losses[len(stats.pg):]
+    if accelerator.num_processes > 1:
+        over_ranks(accelerator, stats)
     return stats
+
+
+def over_ranks(accelerator, stats: UpdateStats) -> None:
+    """The step's numbers that every rank must agree on: the loss parts (each rank's loss is its share of the mini-batch
+    loss: their mean) and the sequences' per-token KL (adaptive beta's measure: sums over every rank's sequences)."""
+    losses = torch.tensor(stats.pg + stats.kl, dtype=torch.float64, device=accelerator.device)
+    losses = accelerator.reduce(losses, reduction="mean").tolist()
+    stats.pg, stats.kl = losses[:len(stats.pg)], losses[len(stats.pg):]
+    seqs = torch.tensor([stats.kl_seq_sum, stats.kl_seqs], dtype=torch.float64, device=accelerator.device)
+    stats.kl_seq_sum, stats.kl_seqs = accelerator.reduce(seqs, reduction="sum").tolist()
 

@@ -70,26 +70,37 @@ class _Server:
 @contextmanager
 def _serve(ws: Path, *options: str, nofile: Optional[int] = None) -> Iterator[_Server]:
     """`emapg retriever serve INDEX --port 0 OPTIONS` as a subprocess; its port read from the line it prints."""
-    index = _index(ws)
-    preexec = None
-    if nofile is not None:
-        import resource
+    with serve_process(ws, ["retriever", "serve", str(_index(ws)), "--port", "0", *options], "serving",
+                       nofile=nofile) as server:
+        yield server
 
-        def preexec() -> None:
+
+@contextmanager
+def serve_process(ws: Path, argv: list[str], ready: str, nofile: Optional[int] = None,
+                  env: Optional[dict[str, str]] = None, memory_gb: Optional[float] = None) -> Iterator[_Server]:
+    """`emapg ARGV` (a server on 127.0.0.1 port 0) as a subprocess, once it printed a line containing `ready` and
+    its URL; `nofile`: its file-descriptor limit; `memory_gb`: its address-space limit. Killed at the end, and
+    its stderr must hold no traceback."""
+    import resource
+
+    def preexec() -> None:
+        if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if memory_gb is not None:
+            limit = int(memory_gb * (1 << 30))
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", "retriever", "serve", str(index), "--port", "0", *options],
-                            cwd=ws, env=base_env(ws), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=preexec)
+    proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", *argv], cwd=ws, env={**base_env(ws), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
     try:
-        line, end = "", time.monotonic() + 60
-        while time.monotonic() < end and "serving" not in line:
+        line, end = "", time.monotonic() + 120
+        while time.monotonic() < end and ready not in line:
             if proc.poll() is not None:
-                raise AssertionError(f"`retriever serve {' '.join(options)}` exited {proc.returncode}: "
+                raise AssertionError(f"`{' '.join(argv[:2])} {' '.join(argv[3:])[:100]}` exited {proc.returncode}: "
                                      f"{proc.stderr.read().strip()[-300:]!r}")
             if select.select([proc.stdout], [], [], 0.5)[0]:
                 line = proc.stdout.readline()
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert m, f"the server did not say where it listens: {line!r}"
         yield _Server(proc, int(m.group(1)))
         proc.kill()
@@ -133,9 +144,11 @@ def _read_reply(s: socket.socket) -> tuple[int, object]:
         raise AssertionError(f"HTTP {status} with a body that is not JSON: {body[:120]!r}") from None
 
 
-def _post(port: int, body: bytes, headers: Optional[dict[str, str]] = None, timeout: float = 10) -> tuple[int, object]:
+def _post(port: int, body: bytes, headers: Optional[dict[str, str]] = None, timeout: float = 10,
+          path: str = "/retrieve") -> tuple[int, object]:
+    """(status, JSON body) of a POST of `body` to `path` (headers None-valued are left out)."""
     h = {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}
-    head = "POST /retrieve HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items() if v is not None)
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items() if v is not None)
     with _connect(port, timeout) as s:
         s.sendall(head.encode() + b"\r\n" + body)
         return _read_reply(s)
@@ -393,11 +406,14 @@ def fd_exhaustion_no_spin(ws: Path) -> None:
 
 @contextmanager
 def _fake_server(answer: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[str]:
-    """A loopback server whose every POST is answered by `answer(handler)`; yields its /retrieve URL."""
+    """A loopback server whose every POST (and GET) is answered by `answer(handler)`; yields its /retrieve URL."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            answer(self)
+
+        def do_GET(self) -> None:  # noqa: N802
             answer(self)
 
         def log_message(self, *args: object) -> None:
@@ -473,19 +489,27 @@ def client_bad_replies(ws: Path) -> None:
             raise AssertionError(f"{what}: accepted")
 
 
-def _drip(h: BaseHTTPRequestHandler) -> None:
-    """A reply of 200 bytes announced at once, then sent one byte every 0.2 s (40 s in all)."""
-    h.send_response(200)
-    h.send_header("Content-Length", "200")
-    h.end_headers()
-    try:
-        h.wfile.flush()
-        for _ in range(200):
-            h.wfile.write(b" ")
+def _dripper(count: int, delay_s: float, headers: bool = False) -> Callable:
+    """An answer that drips: a reply of `count` bytes announced at once, then one byte every `delay_s`; with
+    `headers`, a status line at once and then its headers, `count` bytes of them one every `delay_s`."""
+
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        try:
+            if headers:
+                h.wfile.write(b"HTTP/1.1 200 OK\r\n")
+            else:
+                h.send_response(200)
+                h.send_header("Content-Length", str(count))
+                h.end_headers()
             h.wfile.flush()
-            time.sleep(0.2)
-    except OSError:
-        pass  # the client gave up: what it should do
+            for _ in range(count):
+                h.wfile.write(b"X" if headers else b" ")
+                h.wfile.flush()
+                time.sleep(delay_s)
+        except OSError:
+            pass  # the client gave up: what it should do
+
+    return answer
 
 
 @probe("client_reply_deadline")
@@ -497,7 +521,7 @@ def client_reply_deadline(ws: Path) -> None:
     from emapg_cli.errors import UserError
     from emapg_cli.retrieval.http import HTTPRetriever
 
-    with _fake_server(_drip) as url:
+    with _fake_server(_dripper(200, 0.2)) as url:  # 40 s in all
         client = HTTPRetriever(url, timeout_s=0.5, retries=0)
         t0 = time.monotonic()
         try:
@@ -508,6 +532,30 @@ def client_reply_deadline(ws: Path) -> None:
             assert "\n" not in str(e) and url in str(e) and "took over" in str(e), f"{str(e)[:300]!r}"
             return
         raise AssertionError("a dripped reply of spaces was accepted")
+
+
+@probe("client_failover_from_dripping_server")
+def client_failover_from_dripping_server(ws: Path) -> None:
+    """`search.url` lists a server that drips its reply (its headers, then its body) one byte a second and a healthy
+    one, with `search.timeout_s` 2: each search is answered by the healthy one within ~2 s, the dripping try
+    abandoned at its deadline (the timeout used to bound each read of the socket, so the first try read for as long
+    as the server dripped, a minute and more, before the search failed or failed over)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from emapg_cli.errors import UserError
+    from emapg_cli.retrieval.http import HTTPRetriever
+
+    good = _raw(json.dumps({"result": [[_doc("T\nParis")]]}).encode())
+    for what, drip in (("headers", _dripper(30, 1.0, headers=True)), ("body", _dripper(60, 1.0))):
+        with _fake_server(drip) as slow, _fake_server(good) as fast:
+            client = HTTPRetriever([slow, fast], timeout_s=2, retries=0)
+            t0 = time.monotonic()
+            try:
+                hits = client.search(["q"], 3)
+            except UserError as e:
+                raise AssertionError(f"dripping its {what}: the search failed instead of failing over: {e}") from None
+            took = time.monotonic() - t0
+            assert hits[0][0].contents.endswith("Paris"), f"dripping its {what}: {hits!r:.200}"
+            assert took < 4, f"dripping its {what}: the search took {took:.0f} s (search.timeout_s 2, a healthy second URL)"
 
 
 @probe("client_url_not_http")
