@@ -4,9 +4,12 @@ the lockstep rounds' reproducibility, and `emapg train` / `emapg eval --agent` e
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -68,18 +71,35 @@ def test_tool_calls_parsed_from_hermes_blocks():
 
 # ---------------------------------------------------------------------------------------------- rollout serve --openai
 @pytest.fixture(scope="module")
-def served(tiny_qwen2):
-    """A rollout server with --openai on the tiny model, in a thread of this process: (base url, its hf module)."""
-    from emapg_cli.engines.openai_service import rollout_openai
-    from emapg_cli.engines.rollout_server import make_server
+def rollouts(tiny_qwen2):
+    """The `RolloutService` of the tiny model (one per module: the servers of these tests share it)."""
     from emapg_cli.engines.rollout_service import RolloutService, load_served
 
-    service = RolloutService(load_served("hf", str(tiny_qwen2)))
-    server = make_server(service, "127.0.0.1", 0, openai=rollout_openai(service, str(tiny_qwen2)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1", service.served.module
-    server.shutdown()
-    server.server_close()
+    return RolloutService(load_served("hf", str(tiny_qwen2)))
+
+
+@contextlib.contextmanager
+def serving(rollouts, tiny_qwen2, limits=None, secret=None, **api):
+    """`emapg rollout serve --openai` in a thread of this process: its OpenAI base url. `limits`: the server's
+    (`ServerLimits`), `api`: rollout_openai's keywords (request_limits, timeout_s)."""
+    from emapg_cli.engines.openai_service import rollout_openai
+    from emapg_cli.engines.rollout_server import ServerLimits, make_server
+
+    server = make_server(rollouts, "127.0.0.1", 0, limits or ServerLimits(), secret,
+                         openai=rollout_openai(rollouts, str(tiny_qwen2), **api))
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def served(rollouts, tiny_qwen2):
+    """A rollout server with --openai on the tiny model (loopback, no secret): (base url, its hf module)."""
+    with serving(rollouts, tiny_qwen2) as url:
+        yield url, rollouts.served.module
 
 
 def test_real_client_chat_with_logprobs_equal_the_trainers(served, tiny_qwen2, one_torch_thread):
@@ -126,6 +146,103 @@ def test_real_client_completions_and_errors(served, one_torch_thread):
         client.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], max_tokens=1020)
     with pytest.raises(openai.NotFoundError):
         client.post("/embeddings", body={}, cast_to=dict)
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_openai_routes_need_the_servers_secret(rollouts, tiny_qwen2):
+    """A server started with a secret (required off loopback) answers its OpenAI routes only to a client whose api_key
+    is the secret: another key is a 401 with OpenAI's error body (authentication_error), on GET /v1/models too. On
+    loopback without a secret any key is accepted (the `served` tests send "any")."""
+    secret = "a-secret-of-24-characters"
+    with serving(rollouts, tiny_qwen2, secret=secret) as url:
+        for key in ("any", "a-secret-of-24-character"):
+            client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.chat.completions.create(model="m", messages=HI, max_tokens=2)
+            assert e.value.body["type"] == "authentication_error" and "EMAPG_ROLLOUT_SECRET" in e.value.body["message"]
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        ok = openai.OpenAI(base_url=url, api_key=secret, max_retries=0)
+        assert len(ok.chat.completions.create(model="m", messages=HI, max_tokens=2, seed=1).choices) == 1
+
+
+def test_openai_requests_keep_the_servers_request_limits(rollouts, tiny_qwen2):
+    """The server's --max-new-tokens 8, --max-sequences 4 and --max-body-bytes 4096 bound the OpenAI routes as they
+    bound /generate: max_tokens 9 and 5 completions of one prompt are 413s, a stop string of 300 characters a 400
+    (request_limits' 256), a 5,000-character message a 413 before its body is read; each in OpenAI's error body. A
+    request that names no max_tokens gets at most the 8 the server allows."""
+    from emapg_cli.engines.request_limits import RequestLimits
+    from emapg_cli.engines.rollout_server import ServerLimits
+
+    with serving(rollouts, tiny_qwen2, ServerLimits(max_body_bytes=4096),
+                 request_limits=RequestLimits(max_new_tokens=8, max_sequences=4)) as url:
+        client = openai.OpenAI(base_url=url, api_key="any", max_retries=0)
+        for kwargs, status, words in (({"max_tokens": 9}, 413, "--max-new-tokens"), ({"n": 5}, 413, "--max-sequences"),
+                                      ({"stop": ["x" * 300]}, 400, "256 characters"),
+                                      ({"messages": [{"role": "user", "content": "x" * 5000}]}, 413, "at most 4096")):
+            with pytest.raises(openai.APIStatusError) as e:
+                client.chat.completions.create(**{"model": "m", "messages": HI, **kwargs})
+            assert e.value.status_code == status and words in e.value.body["message"], (kwargs, e.value.body)
+            assert e.value.body["type"] == "invalid_request_error"
+        r = client.completions.create(model="m", prompt=[[5, 6]], n=4, seed=2)
+        assert len(r.choices) == 4 and all(len(c.model_extra["token_ids"]) <= 8 for c in r.choices)
+
+
+class Blocking:
+    """A stand-in for an engine's generate that runs until its `cancelled` hook says stop (at most 10 s), polling it
+    every 10 ms as the decode loop polls it each step; `stopped` holds when it saw the hook, `running` while it runs."""
+
+    def __init__(self):
+        self.stopped, self.running = [], False
+
+    def __call__(self, prompts, params, cancelled=None):
+        from emapg_cli.engines.base import Cancelled
+
+        self.running, end = True, time.monotonic() + 10
+        try:
+            while time.monotonic() < end:
+                if cancelled is not None and cancelled():
+                    self.stopped.append(time.monotonic())
+                    raise Cancelled("the generation was cancelled")
+                time.sleep(0.01)
+            return [[Completion([5], "x", "length", [-1.0]) for _ in range(params.n)] for _ in prompts]
+        finally:
+            self.running = False
+
+
+def test_openai_request_deadline_counts_from_arrival_and_a_client_that_left_cancels(rollouts, tiny_qwen2, monkeypatch):
+    """A request with a 1 s deadline that waits 0.6 s for the generation lock (another request holds it) is stopped
+    1 s after it arrived (504, server_error), not 1 s after its generation started (1.6 s); a client that sends its
+    request and leaves has its generation cancelled at once (well before its 30 s deadline), and the lock is free."""
+    engine = Blocking()
+    monkeypatch.setattr(rollouts.served.engine, "generate", engine)
+    with serving(rollouts, tiny_qwen2, timeout_s=1.0) as url:
+        client = openai.OpenAI(base_url=url, api_key="any", max_retries=0)
+        holder = threading.Thread(target=lambda: (rollouts.cond.acquire(), time.sleep(0.6), rollouts.cond.release()))
+        holder.start()
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model="m", messages=HI, max_tokens=4)
+        assert e.value.status_code == 504 and e.value.body["type"] == "server_error"
+        assert time.monotonic() - t0 < 1.4 and engine.stopped, time.monotonic() - t0  # 1 s from arrival (+ polling)
+        holder.join()
+    with serving(rollouts, tiny_qwen2, timeout_s=30.0) as url:
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        body = json.dumps({"model": "m", "messages": HI, "max_tokens": 4}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(0.3)  # the generation has started
+            left = time.monotonic()
+        end = time.monotonic() + 5
+        while engine.running and time.monotonic() < end:
+            time.sleep(0.02)
+        assert len(engine.stopped) == 2 and engine.stopped[1] - left < 1.0, engine.stopped
+        assert rollouts.cond.acquire(timeout=1)
+        rollouts.cond.release()
 
 
 # ---------------------------------------------------------------------------------------------- agent episodes
@@ -261,6 +378,59 @@ def test_caps_and_timeout(tmp_path, tok):
     slow = "import time\ndef agent(client, example):\n    time.sleep(30)\n    return 1.0\n"
     (ep,), = run_agent(tok, agent_file(tmp_path, slow, "agent"), Scripted(tok, []), timeout_s=0.5)
     assert ep.error == "did not return within rollout.agent_timeout_s = 0.5 s"
+
+
+def test_a_round_no_one_waits_for_is_cancelled_before_the_step_returns(tmp_path, tok):
+    """Both episodes of a step wait on one round whose engine call runs long; past rollout.agent_timeout_s (0.5 s) they
+    are given up on, and the round's engine call, which no episode waits for anymore, is cancelled (its hook polled as
+    the decode loop polls it): the step returns within ~0.5 s with no engine call still running (a running one would
+    sample while the trainer updates the weights)."""
+    engine = Blocking()
+
+    class Engine(Scripted):
+        def generate(self, prompts, params, cancelled=None):
+            return engine(prompts, params, cancelled)
+
+    calls = "def agent(client, example):\n    client.chat.completions.create(model='p', messages=[{'role': 'user', 'content': 'q'}])\n"
+    t0 = time.monotonic()
+    eps, = run_agent(tok, agent_file(tmp_path, calls), Engine(tok, []), n=2, timeout_s=0.5)
+    assert not engine.running and len(engine.stopped) == 1 and time.monotonic() - t0 < 3
+    assert [e.error for e in eps] == ["did not return within rollout.agent_timeout_s = 0.5 s"] * 2
+
+
+def test_a_cancelled_call_leaves_its_round_before_it_runs():
+    """Episode 0 calls while episode 1 is still busy (no round yet); its client leaves: the call is withdrawn
+    (`Cancelled`). Episode 0 calls again, then episode 1: their round holds those two calls, not the withdrawn one."""
+    from emapg_cli.agents.rounds import Rounds
+    from emapg_cli.engines.base import Cancelled
+
+    seen = []
+
+    class Engine:
+        def generate(self, prompts, params, cancelled=None):
+            seen.append(prompts)
+            return [[Completion([1], "a", "stop", [-1.0])] * params.n for _ in prompts]
+
+    rounds = Rounds(Engine(), seed=0, slots=2, width=2, start=lambda slot: None)
+    rounds.begin()
+    gone, errors = threading.Event(), []
+
+    def call() -> None:
+        try:
+            rounds.generate(0, [[7]], SamplingParams(), 0, cancelled=gone.is_set)
+        except Cancelled as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.2)
+    gone.set()  # the client of episode 0's call left
+    thread.join(5)
+    assert not thread.is_alive() and len(errors) == 1
+    again = threading.Thread(target=rounds.generate, args=(0, [[8]], SamplingParams(), 0))
+    again.start()
+    assert rounds.generate(1, [[9]], SamplingParams(), 0)[0][0].token_ids == [1] and seen == [[[8], [9]]]
+    again.join(5)
 
 
 def test_failure_rate_stops_above_the_limit(tmp_path, tok, capsys):
