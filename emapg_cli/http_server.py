@@ -1,5 +1,5 @@
-"""What both of emapg's HTTP servers (the retriever server, the rollout server) bound the same way, on the standard
-library's threading `http.server`.
+"""What emapg's HTTP servers (the retriever server, the rollout server with its OpenAI routes, the trainer's agent
+endpoint) bound the same way, on the standard library's threading `http.server`.
 
 A `BoundedServer` serves at most `max_connections` connections at once (the next ones get a 503 from the accept
 loop at once, without a thread), keeps a listen backlog of `BACKLOG`, pauses accepting when the process runs out of
@@ -7,7 +7,9 @@ file descriptors instead of spinning, and gives each connection `timeout_s` to s
 shuts down sockets past their deadline, so half-sent requests and idle keep-alive connections are dropped: a
 per-socket timeout alone bounds one `recv`, not a request). A `BoundedHandler` reads a body only up to its one
 declared `Content-Length`, itself at most `max_body_bytes`, and answers every refusal, its own and http.server's,
-with a JSON `{"error": "..."}`. Each server adds its routes and its own limits on what a request may ask for.
+with a JSON `{"error": "..."}` (a server or route whose clients expect another shape overrides `error_json`: the
+OpenAI routes answer OpenAI's error body). Each server adds its routes and its own limits on what a request may ask
+for.
 """
 
 from __future__ import annotations
@@ -225,6 +227,18 @@ class BoundedHandler(BaseHTTPRequestHandler):
         self.deadline(self.server.timeout_s)
         write_json(self, code, data)
         self.deadline(self.server.timeout_s)  # the next request on this connection, or an idle one is closed
+
+    def send_reply(self, code: int, body: dict) -> bool:
+        """`send_json`, the connection closed after anything but a 200; False when the reply could not be written
+        (the client is gone)."""
+        if code != 200:
+            self.close_connection = True
+        try:
+            self.send_json(code, body)
+        except OSError:
+            self.close_connection = True
+            return False
+        return True
 
     def refuse(self, code: int, message: str, unread: bool = False) -> None:
         """A 4xx with `{"error"}`; `unread`: the body was not read, so the connection closes after it."""

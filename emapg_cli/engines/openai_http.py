@@ -54,13 +54,8 @@ def answer(handler: BoundedHandler, service: Any, arrival: float) -> None:
     if body is None:
         return
     handler.deadline(None)  # the server works: bounded by the request's limits and its deadline from `arrival`
-    code, reply = _reply(lambda: route(handler.parse_json(body), Caller(api_key(handler.headers), arrival, handler.client_left)))
-    if code != 200:
-        handler.close_connection = True
-    try:
-        handler.send_json(code, reply)
-    except OSError:
-        handler.close_connection = True
+    handler.send_reply(*_reply(lambda: route(handler.parse_json(body), Caller(api_key(handler.headers), arrival,
+                                                                              handler.client_left))))
 
 
 def _reply(work: Any) -> tuple[int, dict]:

@@ -107,14 +107,7 @@ class _Handler(BoundedHandler):
             code, reply = e.code, {"error": str(e)}
         except Exception as e:  # never a traceback to the client; the server keeps serving
             code, reply = 500, {"error": f"{type(e).__name__}: {_one_line(e)}"}
-        if code != 200:
-            self.close_connection = True
-        try:
-            self.send_json(code, reply)
-        except OSError:
-            self.close_connection = True
-            return
-        if code != 200 and linger:
+        if self.send_reply(code, reply) and code != 200 and linger:
             self._linger()
 
     def _authorized(self, unread: bool) -> bool:
