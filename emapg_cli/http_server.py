@@ -1,5 +1,5 @@
-"""What both of emapg's HTTP servers (the retriever server, the rollout server) bound the same way, on the standard
-library's threading `http.server`.
+"""What emapg's HTTP servers (the retriever server, the rollout server with its OpenAI routes, the trainer's agent
+endpoint) bound the same way, on the standard library's threading `http.server`.
 
 A `BoundedServer` serves at most `max_connections` connections at once (the next ones get a 503 from the accept
 loop at once, without a thread), keeps a listen backlog of `BACKLOG`, pauses accepting when the process runs out of
@@ -7,7 +7,9 @@ file descriptors instead of spinning, and gives each connection `timeout_s` to s
 shuts down sockets past their deadline, so half-sent requests and idle keep-alive connections are dropped: a
 per-socket timeout alone bounds one `recv`, not a request). A `BoundedHandler` reads a body only up to its one
 declared `Content-Length`, itself at most `max_body_bytes`, and answers every refusal, its own and http.server's,
-with a JSON `{"error": "..."}`. Each server adds its routes and its own limits on what a request may ask for.
+with a JSON `{"error": "..."}` (a server or route whose clients expect another shape overrides `error_json`: the
+OpenAI routes answer OpenAI's error body). Each server adds its routes and its own limits on what a request may ask
+for.
 """
 
 from __future__ import annotations
@@ -157,8 +159,8 @@ class BoundedServer(ThreadingMixIn, HTTPServer):
         """503 at once from the accept loop (no thread), then close."""
         try:
             request.settimeout(0.5)
-            request.sendall(json_response(503, {"error": f"busy: {self.max_connections} connections are being "
-                                                         "served; retry later"}, close=True))
+            request.sendall(json_response(503, self.error_json(503, f"busy: {self.max_connections} connections are "
+                                                                        "being served; retry later"), close=True))
             request.shutdown(socket.SHUT_WR)
             request.setblocking(False)
             dropped, end = 0, time.monotonic() + BUSY_DRAIN_S
@@ -180,6 +182,10 @@ class BoundedServer(ThreadingMixIn, HTTPServer):
         finally:
             self.watchdog.set(request, None)
             self._slots.release()
+
+    def error_json(self, code: int, message: str) -> dict:
+        """The JSON body of a refusal (`{"error": message}`; a server whose clients expect another shape overrides it)."""
+        return {"error": message}
 
     def handle_error(self, request, client_address) -> None:
         """A connection that failed (reset, shut down by the watchdog) is dropped quietly; the server stays up."""
@@ -208,17 +214,37 @@ class BoundedHandler(BaseHTTPRequestHandler):
         """The connection is shut down `seconds` from now unless set again (None: no deadline, the server works)."""
         self.server.watchdog.set(self.connection, None if seconds is None else time.monotonic() + seconds)
 
+    def error_json(self, code: int, message: str) -> dict:
+        """The JSON body of a refusal of this request (the server's, unless a route's clients expect another shape)."""
+        return self.server.error_json(code, message)
+
+    def client_left(self) -> bool:
+        """Whether this request's client has closed its connection (a `cancelled` hook of its generation)."""
+        return peer_closed(self.connection)
+
     def send_json(self, code: int, body: dict | bytes) -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.deadline(self.server.timeout_s)
         write_json(self, code, data)
         self.deadline(self.server.timeout_s)  # the next request on this connection, or an idle one is closed
 
+    def send_reply(self, code: int, body: dict) -> bool:
+        """`send_json`, the connection closed after anything but a 200; False when the reply could not be written
+        (the client is gone)."""
+        if code != 200:
+            self.close_connection = True
+        try:
+            self.send_json(code, body)
+        except OSError:
+            self.close_connection = True
+            return False
+        return True
+
     def refuse(self, code: int, message: str, unread: bool = False) -> None:
         """A 4xx with `{"error"}`; `unread`: the body was not read, so the connection closes after it."""
         if unread:
             self.close_connection = True
-        self.send_json(code, {"error": message})
+        self.send_json(code, self.error_json(code, message))
         if unread:
             self._linger()
 
@@ -239,7 +265,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
         """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""
         self.close_connection = True
         try:
-            self.send_json(code, {"error": message or self.responses.get(code, ("error",))[0]})
+            self.send_json(code, self.error_json(code, message or self.responses.get(code, ("error",))[0]))
         except OSError:
             pass
 
@@ -280,6 +306,15 @@ class BoundedHandler(BaseHTTPRequestHandler):
         """The body, read up to its Content-Length (at most max_body_bytes); None after a refusal."""
         length = self.content_length()
         return None if length is None else self.read_exactly(length)
+
+    def parse_json(self, body: bytes) -> Any:
+        """The JSON value of a body, parsed one body at a time (the parsed objects of at most one body in memory at
+        once); `Refused` 400 when it is not JSON (or nests past the parser's recursion limit)."""
+        with self.server.work:
+            try:
+                return json.loads(body or b"null")
+            except (ValueError, RecursionError) as e:
+                raise Refused(400, f"the body is not JSON: {' '.join(str(e).split())[:100]}") from None
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise here
         pass

@@ -332,6 +332,30 @@ def env_cases(command: str, *base: str) -> list[Case]:
                  files={"envfile.py": text}) for name, (value, text) in cases.items()]
 
 
+#: Broken agents (rollout.agent=FILE.py:fn, emapg eval --agent; issue 36): each must be one line at launch.
+BAD_AGENTS = {
+    "agent-not-a-function": "agent = 3\n",
+    "agent-a-class": "class agent:\n    pass\n",
+    "agent-one-argument": "def agent(client):\n    return 1.0\n",
+    "agent-async": "async def agent(client, example):\n    return 1.0\n",
+    "agent-syntax-error": "def agent(:\n",
+    "agent-import-raises": "raise RuntimeError('boom')\n",
+    "agent-sys-exit-at-import": "import sys\nsys.exit(7)\n",
+}
+
+
+def agent_cases(command: str, *base: str) -> list[Case]:
+    """Bad agent references and broken agent files, through `base` (argv up to the agent option)."""
+    refs = {"file-missing": "nofile.py:agent", "no-colon": "agentfile.py", "dir": "emptydir:agent", "no-function": "agentfile.py:absent",
+            "stdlib": "os:system", "builtin": "builtins:exec", "module-missing": "no_such_mod_xyz:agent", "markup": "[/bold]:x"}
+    good = "def agent(client, example):\n    return 1.0\n"
+    cases = {**{f"agent-{name}": (value, good) for name, value in refs.items()},
+             **{name: ("agentfile.py:agent", text) for name, text in BAD_AGENTS.items()}}
+    opt = ("--set", "rollout.agent={}") if command == "train" else ("--agent", "{}")
+    return [case(command, name, *base, opt[0], opt[1].format(value), "--out", "new", files={"agentfile.py": text})
+            for name, (value, text) in cases.items()]
+
+
 def train_cases() -> list[Case]:
     keys = config_keys()
     cases = []
@@ -346,6 +370,18 @@ def train_cases() -> list[Case]:
     for name, text in BAD_YAML.items():
         cases.append(case("train", f"yaml-{name}", "train", "--config", "bad.yaml", files={"bad.yaml": text}))
     cases += env_cases("train", "train", "--config", "good.yaml")
+    cases += agent_cases("train", "train", "--config", "good.yaml")
+    agent = {"agentfile.py": "def agent(client, example):\n    return 1.0\n"}
+    cases += [case("train", f"agent-{name}", "train", "--config", "good.yaml", "--set", "rollout.agent=agentfile.py:agent",
+                   *sets, "--out", "new", files={**agent, **extra})
+              for name, sets, extra in (
+                  ("with-env", ("--set", "rollout.env=calc"), {}), ("with-search", ("--set", "search.enabled=true"), {}),
+                  ("max-calls-zero", ("--set", "rollout.agent_max_calls=0"), {}),
+                  ("max-tokens-zero", ("--set", "rollout.agent_max_tokens=0"), {}),
+                  ("timeout-zero", ("--set", "rollout.agent_timeout_s=0"), {}),
+                  ("workers-zero", ("--set", "rollout.agent_workers=0"), {}))]
+    cases.append(case("train", "agent-in-config-untrusted", "train", "--config", "agentcfg.yaml", "--out", "new",
+                      files={**agent, "agentcfg.yaml": "rollout:\n  agent: agentfile.py:agent\n"}))
     cases += [
         case("train", "moved-max-turns", "train", "--config", "good.yaml", "--set", "rollout.max_turns=4", "--dry-run"),
         case("train", "objective-distill-no-coef", "train", "--config", "good.yaml", "--set", "train.objective=distill",
@@ -454,6 +490,9 @@ def train_cases() -> list[Case]:
                                  ("threads-zero", ("--model", "nomodel", "--threads", "0")),
                                  ("batch-zero", ("--model", "nomodel", "--batch-size", "0")),
                                  ("top-p-zero", ("--model", "nomodel", "--top-p", "0")),
+                                 # issue 36: OpenAI's routes on the same server; a flag, not an option with a value
+                                 ("openai-model-missing", ("--model", "nomodel", "--openai")),
+                                 ("openai-with-value", ("--model", "nomodel", "--openai", "yes")),
                                  # issue 32: the secret, the connection and request limits (checked before any model
                                  # loads or any socket listens: --host 0.0.0.0 without a secret never binds)
                                  ("host-all-no-secret", ("--model", "nomodel", "--host", "0.0.0.0")),
@@ -534,6 +573,18 @@ def eval_cases() -> list[Case]:
         case("eval", "bench-unprepared-name", "eval", "--bench", "aime24", "--responses", "resp.jsonl", "--out", "new"),
         case("eval", "bench-name-dotdot", "eval", "--bench", "../../etc", "--responses", "resp.jsonl", "--out", "new"),
         *env_cases("eval", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--backend", "hf"),
+        # issue 36: --agent, checked as training's rollout.agent; it runs each problem itself
+        *agent_cases("eval", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--backend", "hf"),
+        case("eval", "agent-with-responses", *base, "--agent", "agentfile.py:agent", "--out", "new",
+             files={"agentfile.py": "def agent(client, example):\n    return 1.0\n"}),
+        case("eval", "agent-with-env", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--agent",
+             "agentfile.py:agent", "--env", "calc", "--out", "new", files={"agentfile.py": "def agent(client, example):\n    return 1.0\n"}),
+        case("eval", "agent-with-retriever", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--agent",
+             "agentfile.py:agent", "--retriever", "bm25:idx", "--out", "new",
+             files={"agentfile.py": "def agent(client, example):\n    return 1.0\n"}),
+        case("eval", "agent-budget-over-context", "eval", "--bench", "bench.jsonl", "--model", "missing-model", "--agent",
+             "agentfile.py:agent", "--max-tokens", "600", "--max-context-tokens", "500", "--out", "new",
+             files={"agentfile.py": "def agent(client, example):\n    return 1.0\n"}),
         # --reward: a name or a plugin, checked as training's rollout.reward is, before anything is read or written
         case("eval", "reward-unknown", *base, "--reward", "nosuchreward", "--out", "new"),
         case("eval", "reward-empty", *base, "--reward", "", "--out", "new"),

@@ -4,6 +4,7 @@ on the NCCL joins a connect may start. Real sockets on 127.0.0.1 only; every wai
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
@@ -154,6 +155,43 @@ def test_a_server_with_a_secret_answers_only_requests_that_carry_it(monkeypatch)
             RemoteEngine(url, timeout_s=5)
         monkeypatch.setenv("EMAPG_ROLLOUT_SECRET", secret)
         assert RemoteEngine(url, timeout_s=5).health["model"] == {"vocab_size": 7}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_agent_endpoint_is_a_bounded_server_answering_in_openais_error_body():
+    """The trainer's agent endpoint (engines/openai_http.OpenAIServer) keeps the shared server's bounds: a client that
+    drips its request a byte at a time is dropped at `timeout_s` (0.5 s here; a per-recv timeout alone held it for as
+long as it dripped),
+    a connection past `max_connections` (1) gets a 503 at once, a body over `max_body_bytes` a 413 unread, and each
+    refusal is OpenAI's error body (`{"error": {"message", "type", ...}}`, which the `openai` client reads)."""
+    import json
+    from types import SimpleNamespace
+
+    from emapg_cli.engines.openai_http import start_server
+
+    never = lambda *a: pytest.fail("a refused request reached the service")  # noqa: E731
+    service = SimpleNamespace(models=never, chat=never, completions=never)
+    server, url = start_server(service, "127.0.0.1", 0, max_connections=1, timeout_s=0.5, max_body_bytes=64)
+    port = server.server_address[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
+            stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+            time.sleep(0.2)  # its thread has taken the one slot
+            busy = http_client.request(url + "/models", timeout_s=5, max_reply_bytes=1 << 16)
+            assert busy.status == 503 and json.loads(busy.body)["error"]["type"] == "server_error"
+            t0, closed = time.monotonic(), None
+            for byte in b"ngth: 5\r\nX-Drip: " + b"a" * 40:  # one byte every 0.2 s: each recv well within 0.5 s
+                stalled.sendall(bytes([byte]))
+                if select.select([stalled], [], [], 0.2)[0] and stalled.recv(1) == b"":
+                    closed = time.monotonic() - t0
+                    break
+            assert closed is not None and closed < 2.0, closed  # dropped at its request's deadline
+        time.sleep(0.2)
+        big = http_client.request(url + "/chat/completions", "POST", b"x" * 100, timeout_s=5, max_reply_bytes=1 << 16)
+        error = json.loads(big.body)["error"]
+        assert big.status == 413 and error["type"] == "invalid_request_error" and "at most 64" in error["message"]
     finally:
         server.shutdown()
         server.server_close()

@@ -178,6 +178,30 @@ class UserEnvironment(Environment):
         return env_metrics(episodes)
 
 
+class AgentEnvironment(Environment):
+    """`rollout.agent=FILE.py:fn` (agents/agent.py): an OpenAI-client agent per episode, graded by its own reward."""
+
+    name, multi_turn, has_reward = "agent", True, True
+
+    def __init__(self, tokenizer, settings, max_context_tokens: int):
+        from emapg_cli.agents.agent import AgentRunner
+
+        self.settings = settings
+        self.runner = AgentRunner(tokenizer, settings, max_context_tokens)
+
+    def bind(self, engine):
+        return BoundEnv(self.runner, engine)
+
+    def metrics(self, episodes, where: str = "of this step"):
+        """`agent/*`; stops the run (one line) when more than reward.max_failure_rate of the episodes failed."""
+        from emapg_cli.agents.agent import agent_metrics
+
+        return agent_metrics(episodes, self.settings.max_failure_rate, self.settings.ref, where)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
 class BoundEnv:
     """`UserEnvironment.bind(engine)`: `generate(prompts, params, examples)` runs the episodes on that engine."""
 
@@ -201,15 +225,21 @@ def generate(generator, prompts: list[list[int]], params, examples: Sequence[Any
 
 
 def make_environment(name: str, tokenizer, *, search: Any = None, retriever: Any = None, max_turns: Optional[int] = None,
-                     max_context_tokens: int = 4096, timeout_s: float = 10.0, probe: bool = False) -> Environment:
+                     max_context_tokens: int = 4096, timeout_s: float = 10.0, probe: bool = False,
+                     agent: Any = None) -> Environment:
     """The environment `name` (`single`, `search`, `calc`, FILE.py:Class, module:Class).
 
     search: the `search` settings (config section, or any object with its fields), for `search`; `retriever`: one
     already built (else built from `search`; `probe` sends it one query, so a server that is down fails before any
     rollout); max_turns: overrides the environment's own (search.max_turns, a class's `max_turns`);
     max_context_tokens, timeout_s: a user environment's context limit and per-call time limit
-    (rollout.max_context_tokens, rollout.env_timeout_s).
+    (rollout.max_context_tokens, rollout.env_timeout_s); agent: an `agents.agent.AgentSettings` (rollout.agent, with
+    `name` single): the agent's episodes, each call within max_context_tokens.
     """
+    if agent is not None:
+        if name != "single":
+            raise UserError(f"rollout.agent runs the episodes itself; it contradicts rollout.env={name}")
+        return AgentEnvironment(tokenizer, agent, max_context_tokens)
     if name == "single":
         return Environment()
     if name == "search":

@@ -15,7 +15,7 @@ from emapg_cli.errors import UserError
 FLAG_KEYS = {
     "limit": ("data.eval_limit",), "n": ("eval.n",), "temperature": ("eval.temperature",),
     "top_p": ("eval.top_p",), "max_tokens": ("eval.max_new_tokens",), "dtype": ("model.dtype",),
-    "reward": ("rollout.reward",), "env": ("rollout.env",), "truncated": ("reward.truncated",),
+    "reward": ("rollout.reward",), "env": ("rollout.env",), "agent": ("rollout.agent",), "truncated": ("reward.truncated",),
     "think": ("grading.think",), "topk": ("search.topk",), "max_obs_tokens": ("search.max_obs_tokens",),
     "prompt_template": ("search.prompt_template",),
     "max_context_tokens": ("search.max_context_tokens", "rollout.max_context_tokens"),
@@ -92,7 +92,7 @@ def _implied(cfg) -> dict:
     from emapg_cli.paths import expand
     from emapg_cli.train.evaluate import eval_max_new_tokens
 
-    search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search")
+    search, user_env = cfg.search.enabled, cfg.rollout.env not in ("single", "search") or cfg.rollout.agent is not None
     retriever = None
     if search:
         retriever = (f"{cfg.search.retriever}:{expand(cfg.search.index) if cfg.search.index else ''}"
@@ -102,7 +102,7 @@ def _implied(cfg) -> dict:
         "bench": str(expand(cfg.data.eval)) if isinstance(cfg.data.eval, str) else None, "limit": cfg.data.eval_limit,
         "backend": cfg.rollout.engine, "n": cfg.eval.n, "temperature": cfg.eval.temperature, "top_p": cfg.eval.top_p,
         "max_tokens": eval_max_new_tokens(cfg, cfg.train.steps), "dtype": cfg.model.dtype, "reward": cfg.rollout.reward,
-        "env": cfg.rollout.env, "truncated": cfg.reward.truncated, "think": cfg.grading.think, "retriever": retriever,
+        "env": cfg.rollout.env, "agent": cfg.rollout.agent, "truncated": cfg.reward.truncated, "think": cfg.grading.think, "retriever": retriever,
         "max_turns": cfg.search.max_turns if search else None, "topk": cfg.search.topk,
         "max_obs_tokens": cfg.search.max_obs_tokens,
         "max_context_tokens": cfg.rollout.max_context_tokens if user_env else cfg.search.max_context_tokens,
@@ -129,7 +129,7 @@ def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str
     if implied["max_turns"] is None:
         implied["max_turns"] = params["max_turns"]
     if params.get("responses") is not None:  # given responses are only graded: the config's environment does not run
-        implied.update(retriever=None, env=None, prompt_template=None)
+        implied.update(retriever=None, env=None, agent=None, prompt_template=None)
     files = " and ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
     set_keys = _set_keys(overrides or [])
     origin = {k: _origin(k, given, set_keys, files) for k in implied}
@@ -146,13 +146,15 @@ def _check_env_options(o: dict) -> None:
         o["env"] = env = check_env(env) if env is not None else None
     except UserError as e:
         raise UserError(f"--env: {str(e).removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
+    if o["agent"] is not None:
+        _check_agent_option(o)
     if env == "search" and retriever is None:
         raise UserError("--env search needs --retriever (bm25:DIR, dense:DIR or http://HOST:PORT)")
     if retriever is not None and env not in (None, "search"):
         raise UserError(f"--retriever runs the search agent; it contradicts --env {env}")
     if env is not None and env != "single" and responses is not None:
         raise UserError("--env runs an environment on --model; given --responses are only graded")
-    user_env, searching = env not in (None, "single", "search"), retriever is not None
+    user_env, searching = env not in (None, "single", "search") or o["agent"] is not None, retriever is not None
     if searching and responses is not None:
         raise UserError("--retriever runs the search agent on --model; given --responses are only graded")
     if not searching and o["prompt_template"] is not None:
@@ -169,6 +171,32 @@ def _check_env_options(o: dict) -> None:
     o.update({k: v for k, v in defaults.items() if o[k] is None})
 
 
+def _check_agent_option(o: dict) -> None:
+    """--agent: checked as training's rollout.agent (read, not run; a file path made absolute); it runs each problem
+    itself, so --env (other than single), --retriever and --responses contradict it."""
+    from emapg_cli.rewards.plugin import check_ref
+
+    try:
+        o["agent"] = check_ref(o["agent"], "rollout.agent", "function", agent=True)
+    except UserError as e:
+        raise UserError(f"--agent: {str(e).removeprefix('rollout.agent: ').removeprefix('rollout.agent ')}") from None
+    for flag, value in (("--env", o["env"] not in (None, "single") and o["env"]), ("--retriever", o["retriever"]),
+                        ("--responses", o["responses"])):
+        if value:
+            raise UserError(f"--agent runs each problem itself; it contradicts {flag} {value}")
+
+
+def _run_limits(cfg) -> dict:
+    """What eval takes from a run's config besides its options: limits on environments, plugins and agents
+    (rollout.env_timeout_s, reward.plugin_memory_mib, rollout.agent_*, reward.max_failure_rate), the chat turns before
+    each question (data.chat_prefix) and the stop strings (rollout.stop)."""
+    r = cfg.rollout
+    return {"env_timeout_s": r.env_timeout_s, "plugin_memory_mib": cfg.reward.plugin_memory_mib,
+            "chat_prefix": cfg.data.prefix_messages() or None, "stop": list(r.stop) or None,
+            "agent_max_calls": r.agent_max_calls, "agent_max_tokens": r.agent_max_tokens, "agent_timeout_s": r.agent_timeout_s,
+            "agent_workers": r.agent_workers, "agent_max_failure_rate": cfg.reward.max_failure_rate}
+
+
 def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code: bool) -> None:
     """The reward's check, then the trust rule (config/trust.py): a plugin from --preset/--config runs only with
     --trust-code; it is imported now, before anything is written."""
@@ -180,17 +208,20 @@ def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code:
         o["reward"] = check_reward(o["reward"] if o["reward"] is not None else ("em" if searching else "math"))
     except UserError as e:
         raise UserError(f"--reward: {e}") from None
-    refs = code_refs_of(reward=o["reward"], env=o["env"])  # the code this evaluation will import
+    refs = code_refs_of(reward=o["reward"], env=o["env"], agent=o["agent"])  # the code this evaluation will import
     named = named_refs(set_ or [], reward=o["reward"] if cfg is None or "reward" in typed else None,
-                       env=o["env"] if cfg is None or "env" in typed else None)
+                       env=o["env"] if cfg is None or "env" in typed else None,
+                       agent=o["agent"] if cfg is None or "agent" in typed else None)
     source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
     require_trust(refs, named, trust_code, *([source] if source else []))  # named on this command line: trusted
     try:
         load_code(refs)
     except UserError as e:
         msg = str(e)
-        raise UserError(f"--reward: {msg.removeprefix('rollout.reward: ')}" if msg.startswith("rollout.reward")
-                        else f"--env: {msg.removeprefix('rollout.env: ').removeprefix('rollout.env ')}") from None
+        for key, flag in (("rollout.reward", "--reward"), ("rollout.env", "--env"), ("rollout.agent", "--agent")):
+            if msg.startswith(key):
+                raise UserError(f"{flag}: {msg.removeprefix(key).lstrip(': ')}") from None
+        raise
     if searching and o["reward"] in ("math", "toy"):
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
 
@@ -201,7 +232,7 @@ def _settings_line(s, what: str, origin: dict, threads_note: str) -> str:
     src = lambda k: f" ({'command line' if origin[k] == 'typed' else origin[k]})"  # noqa: E731
     search = (f", retriever {s.retriever}, max turns {s.max_turns}, topk {s.topk}, observations {s.max_obs_tokens} "
               f"tokens, context {s.max_context_tokens} tokens" if s.retriever else "")
-    user_env = f", env {s.env}" if s.env not in (None, "single", "search") else ""
+    user_env = f", env {s.env}" if s.env not in (None, "single", "search") else f", agent {s.agent}" if s.agent else ""
     prefix = f", {len(s.chat_prefix)} chat turns before each question (data.chat_prefix)" if s.chat_prefix else ""
     prefix += f", stop strings {s.stop} (rollout.stop)" if s.stop else ""
     return (f"eval settings from {what}: bench {s.bench}, n {s.n}{src('n')}, temperature {s.temperature}"
@@ -287,6 +318,7 @@ def eval_(
     reward: Annotated[Optional[str], typer.Option("--reward", help="Grading, as training's rollout.reward: math (the final \\boxed{} answer, math-verify), toy (the same), for QA / the search agent em (Search-R1 exact match) or f1 (SQuAD token F1) of the last <answer>...</answer>, exact_match, or a plugin module:function / path/to/file.py:function scoring one response (a score >= 1 counts as solved; docs/rewards.md). Default math, or em with --retriever.")] = None,
     grader_timeout: Annotated[float, typer.Option("--grader-timeout", min=0.1, help="Hard time limit in seconds per graded answer or plugin call (over it: scored wrong); at most a week.")] = 5.0,
     retriever: Annotated[Optional[str], typer.Option("--retriever", help="Answer with the search agent (Search-R1 protocol) over bm25:DIR or dense:DIR (an index from `emapg retriever index`, `--dense MODEL` for dense) or http://HOST:PORT (a Search-R1 /retrieve server, e.g. e5/FAISS on wiki-18, or `emapg retriever serve`; several, comma-separated: round-robin with failover).")] = None,
+    agent: Annotated[Optional[str], typer.Option("--agent", help="An agent on an OpenAI client answers each problem, as training's rollout.agent (docs/agents.md): path/to/file.py:fn or module:fn, called fn(client, example) per sample; the reward it returns grades instead of --reward. --max-tokens is per call, --max-context-tokens each call's prompt + completion.")] = None,
     env: Annotated[Optional[str], typer.Option("--env", help="The environment the model answers in, built by training's factory (rollout.env): single (default), search (needs --retriever, which alone implies it), calc (the toy arithmetic calculator), or a user environment path/to/file.py:ClassName / module:ClassName (docs/environments.md); its own reward(text), when it has one, grades instead of --reward.")] = None,
     max_turns: Annotated[Optional[int], typer.Option("--max-turns", min=0, help="With --retriever: search turns per question, then one final turn without search (0 = search disabled; default 4, search.max_turns). With a user --env: its turn limit (default: the class's max_turns).")] = None,
     topk: Annotated[int, typer.Option("--topk", min=1, help="With --retriever: passages per search.")] = 3,
@@ -295,7 +327,7 @@ def eval_(
     prompt_template: Annotated[Optional[Path], typer.Option("--prompt-template", help="With --retriever: user-message template file with a {question} placeholder (default: Search-R1's prompt).")] = None,
     truncated: Annotated[Literal["zero", "grade"], typer.Option("--truncated", help="A response cut at the token cap: `zero` scores it 0 and it casts no maj@n vote (the paper's rule), `grade` grades it.")] = "zero",
     think: Annotated[Literal["emapg", "paper"], typer.Option("--think", help="Where the answer is looked for: `emapg` after the last </think> (else everywhere), `paper` after </think> only when there is exactly one (else everywhere).")] = "emapg",
-    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that a config file names; one named by --reward / --env on this command line always runs (docs/reliability.md).")] = False,
+    trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment / agent that a config file names; one named by --reward / --env / --agent on this command line always runs (docs/reliability.md).")] = False,
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -344,20 +376,17 @@ def eval_(
         raise UserError(f"{responses}: no such file")
     _check_env_options(o)
     _check_code(o, _given(ctx), cfg, preset, config, set_, trust_code)
-    if o["retriever"] is not None or o["env"] not in (None, "single", "search"):
+    if o["retriever"] is not None or o["env"] not in (None, "single", "search") or o["agent"] is not None:
         from emapg_cli.evaluation.search import check_turn_budget
 
         check_turn_budget(o["max_tokens"], o["max_context_tokens"])
     keys = ("backend", "n", "temperature", "top_p", "max_tokens", "seed", "limit", "instruction", "chunk", "max_model_len",
             "dtype", "gpu_memory_utilization", "grader_workers", "grader_timeout", "reward", "retriever", "env",
-            "max_turns", "topk", "max_obs_tokens", "max_context_tokens", "truncated", "think")
+            "agent", "max_turns", "topk", "max_obs_tokens", "max_context_tokens", "truncated", "think")
     settings = EvalSettings(
         bench=bench_ref(o["bench"]), out=out or default_out(label or o["bench"], model, responses), model=model,
         responses_file=responses, prompt_template=str(o["prompt_template"]) if o["prompt_template"] else None,
-        **{k: o[k] for k in keys},
-        **({"env_timeout_s": cfg.rollout.env_timeout_s, "plugin_memory_mib": cfg.reward.plugin_memory_mib,
-            "chat_prefix": cfg.data.prefix_messages() or None, "stop": list(cfg.rollout.stop) or None}
-           if cfg is not None else {}),
+        **{k: o[k] for k in keys}, **(_run_limits(cfg) if cfg is not None else {}),
     )
     threads_note = ""
     if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)

@@ -34,8 +34,10 @@ def serve(
     max_sequences: Annotated[int, typer.Option("--max-sequences", min=1, help="Most sequences (prompts x n) one generate request may ask for (413 above).")] = 65536,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Largest max_new_tokens one generate request may ask for (413 above).")] = 32768,
     max_request_tokens: Annotated[int, typer.Option("--max-request-tokens", min=1, help="Most tokens one generate request may ask for in all: n x (prompt tokens + max_new_tokens), summed over its prompts (413 above).")] = 1 << 28,
+    openai: Annotated[bool, typer.Option("--openai", help="Also answer OpenAI's API on the same port: GET /v1/models, POST /v1/chat/completions (the model's chat template) and /v1/completions, with token ids, engine log-probs and the weights version in each reply (docs/agents.md).")] = False,
 ) -> None:
-    """Serve an engine over HTTP (GET /health, POST /generate, weight pushes over torch.distributed); Ctrl-C stops.
+    """Serve an engine over HTTP (GET /health, POST /generate, weight pushes over torch.distributed; with --openai
+    OpenAI's /v1 routes too); Ctrl-C stops.
 
     Prints one line `rollout server ready at http://HOST:PORT ...` once it listens.
     """
@@ -60,14 +62,21 @@ def serve(
     set_torch_threads(threads)
     served = load_served(engine, model, dtype=dtype, seed=seed, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
                          batch_size=batch_size, temperature=temperature, top_p=top_p)
+    rollouts = RolloutService(served)
+    api = None
+    if openai:
+        from emapg_cli.engines.openai_service import rollout_openai
+        from emapg_cli.engines.rollout_server import WAIT_TIMEOUT_S
+
+        api = rollout_openai(rollouts, model, max_model_len, trust_remote_code, limits.request, WAIT_TIMEOUT_S)
     try:
-        server = make_server(RolloutService(served), host, port, limits, secret)
+        server = make_server(rollouts, host, port, limits, secret, openai=api)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     h, p = server.server_address[:2]
     try:  # from the ready line on, Ctrl-C is a clean stop (a client may send it as soon as it reads the line)
         typer.echo(f"rollout server ready at http://{h}:{p} (engine {engine}, {served.fingerprint['architecture']}, "
-                   f"{served.device}{'; a secret is required' if secret else ''}; Ctrl-C stops)")
+                   f"{served.device}{f'; OpenAI API at http://{h}:{p}/v1' if api else ''}{'; a secret is required' if secret else ''}; Ctrl-C stops)")
         server.serve_forever()
     except KeyboardInterrupt:
         pass

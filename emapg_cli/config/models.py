@@ -76,6 +76,11 @@ class RolloutConfig(Section):
     n: int = Field(8, ge=1, description="Responses generated per prompt (the GRPO group size).")
     max_new_tokens: int = Field(8192, ge=1, description="Maximum response length in tokens (per turn for multi-turn tasks).")
     env: str = Field("single", description="The environment a response is generated in (docs/environments.md): `single` (one turn, the default), `search` (the Search-R1 agent of the `search` section; the same as search.enabled=true), `calc` (the toy arithmetic task's calculator tool), or a user environment `path/to/file.py:ClassName` / `module:ClassName` (per episode `ClassName(example)`, then `step(text) -> observation | None` after each policy turn; its `max_turns`, `stop` and optional `reward(text)`, used instead of rollout.reward).")
+    agent: Optional[str] = Field(None, description="An agent written against an OpenAI client drives each episode (docs/agents.md): `path/to/file.py:fn` or `module:fn`, called as `fn(client, example)` per episode with an `openai.OpenAI` client on the trainer's in-process endpoint (the policy, sampled at rollout.temperature / rollout.top_p, each call at most rollout.max_new_tokens tokens within rollout.max_context_tokens), returning the reward: a number, or a dict with `reward` and other numbers (logged as agent/<name>). Every call is recorded and trained on (calls that extend one another form one trajectory, their other tokens masked). An agent that raises, returns no reward, makes no call or runs past rollout.agent_timeout_s scores 0 and is counted (agent/errors; reward.max_failure_rate stops the run). null: no agent (rollout.env decides).")
+    agent_max_calls: int = Field(16, ge=1, description="rollout.agent only: model calls one episode may make; the next one is refused (HTTP 400, code episode_limit).")
+    agent_max_tokens: int = Field(16384, ge=1, description="rollout.agent only: once an episode's calls have sampled this many tokens, its next call is refused (HTTP 400, code episode_limit).")
+    agent_timeout_s: Seconds = Field(300.0, gt=0, description="rollout.agent only: wall seconds one episode may take; past it the episode is given up on (its client refused from then on), scored 0 and counted in agent/errors.")
+    agent_workers: int = Field(64, ge=1, description="rollout.agent only: episodes running at once (threads), admitted in order; the n episodes of a prompt run together when it is at least rollout.n. Their calls are sampled together, in rounds.")
     env_timeout_s: Seconds = Field(10.0, gt=0, description="A user environment (rollout.env=FILE.py:Class, calc): seconds one call into it (the constructor, step, reward, metrics) may take; past it the run stops with a one-line error naming the method.")
     max_context_tokens: int = Field(4096, ge=2, description="A user environment (rollout.env=FILE.py:Class, calc): prompt + trajectory token limit; a turn starts only when a full rollout.max_new_tokens turn fits, observations are cut to the room left (the episode then ends, counted in env/context_full_frac). The search agent uses search.max_context_tokens.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
@@ -113,6 +118,18 @@ class RolloutConfig(Section):
             return check_env(v)  # a file path made absolute: resumes and ablate runs find the same file
         except UserError as e:  # the key is named once, by the error's location
             raise ValueError(str(e).removeprefix("rollout.env: ").removeprefix("rollout.env ")) from None
+
+    @field_validator("agent")
+    @classmethod
+    def _agent_loads(cls, v: Optional[str]) -> Optional[str]:
+        from emapg_cli.rewards.plugin import check_ref
+
+        if v is None:
+            return None
+        try:  # read, never run: the agent is imported when a run starts (docs/reliability.md)
+            return check_ref(v, "rollout.agent", "function", agent=True)
+        except UserError as e:
+            raise ValueError(str(e).removeprefix("rollout.agent: ").removeprefix("rollout.agent ")) from None
 
     @field_validator("reward")
     @classmethod
@@ -540,7 +557,9 @@ class Config(Section):
             if "enabled" in s.model_fields_set:
                 raise ValueError("rollout.env=search contradicts search.enabled=false")
             s.enabled = True
-        if r.env not in ("single", "search"):
+        if r.agent is not None and r.env != "single":
+            raise ValueError(f"rollout.agent runs each episode itself; it contradicts rollout.env={r.env} (leave it single)")
+        if r.env not in ("single", "search") or r.agent is not None:
             for key, turn in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", self.eval.max_new_tokens)):
                 if key == "eval.max_new_tokens" and "max_new_tokens" not in self.eval.model_fields_set:
                     continue  # defaults to the rollouts' per-turn cap (_resolve_defaults)
@@ -560,7 +579,7 @@ class Config(Section):
         if self.train.rollout_correction != "none" and "iw_clip" not in self.kl.model_fields_set:
             # the KL's importance weight pi_theta / pi_engine is capped like the policy gradient's (docs/rollout_correction.md)
             self.kl.iw_clip = (0.0, self.train.rollout_correction_cap)
-        if self.rollout.env != "single" and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
+        if (self.rollout.env != "single" or self.rollout.agent) and "max_new_tokens" not in self.eval.model_fields_set:  # multi-turn: per turn
             self.eval.max_new_tokens = self.rollout.max_new_tokens
 
     def _default_correction(self) -> str:
@@ -591,6 +610,16 @@ class Config(Section):
         """Sequences per optimizer step over all ranks: train.mini_batch_sequences, or mini_batch_prompts x rollout.n."""
         t = self.train
         return t.mini_batch_sequences if t.mini_batch_sequences is not None else t.mini_batch_prompts * self.rollout.n
+
+    def agent_settings(self):
+        """rollout.agent's `agents.agent.AgentSettings` (None without an agent)."""
+        from emapg_cli.agents.agent import AgentSettings
+
+        r = self.rollout
+        if r.agent is None:
+            return None
+        return AgentSettings(ref=r.agent, max_calls=r.agent_max_calls, max_tokens=r.agent_max_tokens, timeout_s=r.agent_timeout_s,
+                             workers=r.agent_workers, max_failure_rate=self.reward.max_failure_rate)
 
     def stage_at(self, step: int) -> Stage:
         """The settings of RL step `step` (1-based): its stage's length (capped by rollout.max_new_tokens)

@@ -1,9 +1,9 @@
 """Code runs only when the user says so (docs/reliability.md, "Code runs only when you say so").
 
-A run imports user code for two keys: `rollout.reward` (a plugin `FILE.py:fn` / `module:fn`) and `rollout.env`
-(a user environment `FILE.py:Class` / `module:Class`). Built-in names (`math`, `em`, `calc`, ...) are emapg's own
+A run imports user code for three keys: `rollout.reward` (a plugin `FILE.py:fn` / `module:fn`), `rollout.env`
+(a user environment `FILE.py:Class` / `module:Class`) and `rollout.agent` (an agent `FILE.py:fn`, docs/agents.md). Built-in names (`math`, `em`, `calc`, ...) are emapg's own
 code and need no trust. A plugin reference runs when it was named on THIS command line (`--set KEY=REF`, or
-`emapg eval --reward/--env REF`); one that came from anywhere else (a `--config` file, a preset file, a run's saved
+`emapg eval --reward/--env/--agent REF`); one that came from anywhere else (a `--config` file, a preset file, a run's saved
 config.yaml on `train --resume`, an ablation study file) runs only with `--trust-code`. The boolean key
 `model.trust_remote_code: true` (the model's folder or hub repository runs its own Python code when loaded) follows
 the same rule: given on this command line (`--set model.trust_remote_code=true`) or with `--trust-code`.
@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping
 from emapg_cli.errors import UserError
 
 #: The config keys whose value can name user code.
-CODE_KEYS = ("rollout.reward", "rollout.env")
+CODE_KEYS = ("rollout.reward", "rollout.env", "rollout.agent")
 #: The boolean key that lets the model's own repository run code; its "reference" is the text "true".
 REMOTE_CODE_KEY = "model.trust_remote_code"
 
@@ -45,22 +45,23 @@ def plugin_ref(key: str, value: Any) -> str | None:
 def code_refs(cfg: Any) -> dict[str, str]:
     """{config key: plugin reference} of the user code `cfg` (a Config) would import when its run starts, with
     {"model.trust_remote_code": "true"} when the model's repository may run its own code."""
-    refs = code_refs_of(reward=cfg.rollout.reward, env=cfg.rollout.env)
+    refs = code_refs_of(reward=cfg.rollout.reward, env=cfg.rollout.env, agent=cfg.rollout.agent)
     if cfg.model.trust_remote_code is True:
         refs[REMOTE_CODE_KEY] = "true"
     return refs
 
 
-def code_refs_of(reward: str | None = None, env: str | None = None) -> dict[str, str]:
-    """`code_refs` of a reward and an environment given as values (`emapg eval --reward/--env`)."""
-    refs = {"rollout.reward": plugin_ref("rollout.reward", reward), "rollout.env": plugin_ref("rollout.env", env)}
+def code_refs_of(reward: str | None = None, env: str | None = None, agent: str | None = None) -> dict[str, str]:
+    """`code_refs` of a reward, an environment and an agent given as values (`emapg eval --reward/--env/--agent`)."""
+    refs = {"rollout.reward": plugin_ref("rollout.reward", reward), "rollout.env": plugin_ref("rollout.env", env),
+            "rollout.agent": plugin_ref("rollout.agent", agent)}
     return {k: v for k, v in refs.items() if v is not None}
 
 
 def named_refs(overrides: Iterable[str] = (), **options: str | None) -> dict[str, str]:
     """{config key: plugin reference} named on this command line: by `--set KEY=REF` items (the last one of a key
     wins, as in the config) and by options given as keyword arguments (`reward=` for rollout.reward, `env=` for
-    rollout.env: `emapg eval --reward/--env`)."""
+    rollout.env, `agent=` for rollout.agent: `emapg eval --reward/--env/--agent`)."""
     from emapg_cli.config.loading import parse_override
 
     named: dict[str, str] = {}
@@ -128,4 +129,8 @@ def load_code(refs: Mapping[str, str]) -> None:
                 raise UserError(f"rollout.reward: {e}") from None
         elif key == "rollout.env":
             load_env_class(ref)
+        elif key == "rollout.agent":
+            from emapg_cli.agents.agent import load_agent
+
+            load_agent(ref)
         # (model.trust_remote_code imports nothing here: the model's loader runs that code, trusted now)

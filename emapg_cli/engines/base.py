@@ -99,8 +99,9 @@ class Engine(Protocol):
     records_topk: bool
     versioned: bool
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """`params.n` completions for each prompt, in prompt order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
+        """`params.n` completions for each prompt, in prompt order; `Cancelled` once `cancelled()` (polled as each
+        engine can: between decode steps, or before its call)."""
         ...
 
     def load_weights(self, model) -> None:

@@ -24,7 +24,7 @@ from http.client import HTTPException
 from typing import Any, Iterator, Optional
 
 from emapg_cli import http_client
-from emapg_cli.engines.base import Completion, EngineBase, SamplingParams
+from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams
 from emapg_cli.engines.rollout_protocol import (
     PROTOCOL, SECRET_ENV, ProtocolError, completions_from_json, params_to_json, push_header,
 )
@@ -148,11 +148,13 @@ class RemoteEngine(EngineBase):
                             "template differ): start it with the run's model.path")
 
     # ------------------------------------------------------------------ Engine
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
         """`params.n` completions per prompt from the server: exactly the version pushed last (no `min_version`),
-        or any version >= `params.min_version`."""
+        or any version >= `params.min_version`. `cancelled` is polled before the request is sent (as vLLM's)."""
         if not prompts:
             return []
+        if cancelled is not None and cancelled():
+            raise Cancelled("the generation was cancelled")
         exact = self.weights_version if params.min_version is None and self._pushed else None
         reply = self._request("POST", "/generate", {"prompts": [list(map(int, p)) for p in prompts], "params": params_to_json(params),
                                                     # the server gives up first: its 504 says which version

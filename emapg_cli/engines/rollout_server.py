@@ -7,13 +7,14 @@ accepting. What a generation may ask is checked by engines/request_limits.py (ev
 A weight push's body is read exactly as its manifest declares (engines/rollout_weights.py). With a `secret`, every
 request must carry `Authorization: Bearer <secret>` (401 otherwise). Every refusal is a status with a one-line JSON
 `{"error": "..."}` (no traceback reaches a client; an unexpected failure is a 500 naming its type and message).
+With `openai` (`--openai`), the `/v1/...` paths are OpenAI's routes (engines/openai_http.py), on the same limits,
+secret and deadlines; their refusals are OpenAI's error body.
 Generation and weight updates are ordered by the service's lock, not here.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
@@ -57,8 +58,9 @@ class RolloutServer(BoundedServer):
     watchdog_name = "emapg-rollout-watchdog"
 
     def __init__(self, address: tuple[str, int], service: RolloutService, limits: ServerLimits = ServerLimits(),
-                 secret: Optional[str] = None):
+                 secret: Optional[str] = None, openai: Any = None):
         self.service, self.limits, self.secret = service, limits, secret
+        self.openai = openai  # `--openai`: an OpenAIService answering /v1/... (engines/openai_http.py)
         super().__init__(address, _Handler, max_connections=limits.max_connections, timeout_s=limits.timeout_s,
                          max_body_bytes=limits.max_body_bytes)
 
@@ -83,6 +85,17 @@ def _keys(request: dict, allowed: tuple[str, ...]) -> None:
 class _Handler(BoundedHandler):
     server: RolloutServer
 
+    def _is_openai(self) -> bool:
+        return self.server.openai is not None and self.path.startswith("/v1/")
+
+    def error_json(self, code: int, message: str) -> dict:
+        """A refusal of an OpenAI route (`--openai`) is OpenAI's error body; of the others, `{"error": "..."}`."""
+        if self._is_openai():
+            from emapg_cli.engines.openai_wire import error_json
+
+            return error_json(code, message)
+        return super().error_json(code, message)
+
     def _answer(self, work: Callable[[], dict], linger: bool = False) -> None:
         """Reply with what `work()` returns, or with the status of what it raised (one line); `linger`: a refusal
         may leave the body unread (a push), so the connection drops what follows before it closes."""
@@ -94,14 +107,7 @@ class _Handler(BoundedHandler):
             code, reply = e.code, {"error": str(e)}
         except Exception as e:  # never a traceback to the client; the server keeps serving
             code, reply = 500, {"error": f"{type(e).__name__}: {_one_line(e)}"}
-        if code != 200:
-            self.close_connection = True
-        try:
-            self.send_json(code, reply)
-        except OSError:
-            self.close_connection = True
-            return
-        if code != 200 and linger:
+        if self.send_reply(code, reply) and code != 200 and linger:
             self._linger()
 
     def _authorized(self, unread: bool) -> bool:
@@ -112,13 +118,17 @@ class _Handler(BoundedHandler):
         if hmac.compare_digest(given.encode("utf-8", "replace"), f"Bearer {secret}".encode()):
             return True
         self.refuse(401, "this rollout server needs its secret: set EMAPG_ROLLOUT_SECRET to the value it was started "
-                         "with (sent as Authorization: Bearer)", unread=unread)
+                         "with (sent as Authorization: Bearer; an OpenAI client's api_key)", unread=unread)
         return False
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         if not self._authorized(unread=False):
             return
-        if self.path == "/health":
+        if self._is_openai():
+            from emapg_cli.engines.openai_http import answer
+
+            answer(self, self.server.openai, time.monotonic())
+        elif self.path == "/health":
             limits = self.server.limits
             self.send_json(200, {**self.server.service.health(), "limits": {**asdict(limits.request),
                                                                             "max_body_bytes": limits.max_body_bytes}})
@@ -127,6 +137,12 @@ class _Handler(BoundedHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         arrival = time.monotonic()  # a request's deadline counts from here
+        if self._is_openai():
+            if self._authorized(unread=True):
+                from emapg_cli.engines.openai_http import answer
+
+                answer(self, self.server.openai, arrival)
+            return
         route = {"/generate": self._generate, "/full_vocab_logprobs": self._full_vocab,
                  "/weights/connect": self._connect}.get(self.path)
         if route is None and self.path != "/weights/push":
@@ -147,11 +163,7 @@ class _Handler(BoundedHandler):
 
     def _parsed(self, body: bytes) -> dict:
         """The JSON object of a body, parsed one body at a time (the parsed objects of one body in memory at once)."""
-        with self.server.work:
-            try:
-                request = json.loads(body or b"null")
-            except (ValueError, RecursionError) as e:
-                raise ProtocolError(f"the body is not JSON: {_one_line(e)[:100]}") from None
+        request = self.parse_json(body)
         if not isinstance(request, dict):
             raise ProtocolError("the body must be a JSON object")
         return request
@@ -169,7 +181,7 @@ class _Handler(BoundedHandler):
             raise ProtocolError("version must be an integer or null")
         timeout = _number(request.get("timeout_s"), "timeout_s", WAIT_TIMEOUT_S)
         rows, used, waited = service.generate(prompts, params, version, timeout, arrival, token=request.get("token"),
-                                              cancelled=lambda: peer_closed(self.connection))
+                                              cancelled=self.client_left)
         return {"completions": [[completion_to_json(c) for c in row] for row in rows], "weights_version": used,
                 "wait_s": waited}
 
@@ -232,6 +244,7 @@ def check_exposure(host: str, secret: Optional[str]) -> None:
 
 
 def make_server(service: RolloutService, host: str = "127.0.0.1", port: int = 8100,
-                limits: ServerLimits = ServerLimits(), secret: Optional[str] = None) -> RolloutServer:
-    """A bound (not yet serving) server; call `serve_forever()` (port 0: a free one, in `server.server_address`)."""
-    return RolloutServer((host, port), service, limits, secret)
+                limits: ServerLimits = ServerLimits(), secret: Optional[str] = None, openai: Any = None) -> RolloutServer:
+    """A bound (not yet serving) server; call `serve_forever()` (port 0: a free one, in `server.server_address`).
+    `openai`: an `OpenAIService` that also answers OpenAI's routes (`emapg rollout serve --openai`)."""
+    return RolloutServer((host, port), service, limits, secret, openai)

@@ -137,14 +137,18 @@ class RolloutService:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: Optional[int], timeout_s: float,
-                 arrival: float, token: Any = None,
-                 cancelled: Optional[Callable[[], bool]] = None) -> tuple[list[list[Completion]], int, float]:
+                 arrival: float, token: Any = None, cancelled: Optional[Callable[[], bool]] = None,
+                 anyone: bool = False) -> tuple[list[list[Completion]], int, float]:
         """(completions, the version that sampled them, seconds waited before generating): waits until the weights are
         `version` (when given) and at least `params.min_version` (when given), then generates holding the lock; all
         within `timeout_s` of `arrival` (time.monotonic()), and stopped once `cancelled()` (the client left). Once a
-        trainer connected, `token` must be its token (without one, a request samples the loaded weights)."""
+        trainer connected, `token` must be its token (without one, a request samples the loaded weights). `anyone`: a
+        caller other than the trainer (the OpenAI routes of `--openai`): no token, the weights held now."""
         deadline = arrival + timeout_s
-        session = self.session if token is None and self.session is None else self.check_token(token, "/generate")
+        if anyone:
+            session = None
+        else:
+            session = self.session if token is None and self.session is None else self.check_token(token, "/generate")
 
         def ready() -> bool:
             return ((version is None or self.version == version)

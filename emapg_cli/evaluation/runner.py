@@ -61,14 +61,28 @@ class EvalSettings:
     truncated: str = "zero"  # reward.truncated: a response cut at the token cap scores 0 (`zero`) or is graded (`grade`)
     env_timeout_s: float = 10.0  # rollout.env_timeout_s: seconds one call into a user environment may take
     plugin_memory_mib: Optional[int] = None  # reward.plugin_memory_mib: a reward plugin's worker memory cap (None: default)
+    agent: Optional[str] = None  # rollout.agent (docs/agents.md): FILE.py:fn answers each problem on an OpenAI client
+    agent_max_calls: int = 16  # rollout.agent_max_calls
+    agent_max_tokens: int = 16384  # rollout.agent_max_tokens
+    agent_timeout_s: float = 300.0  # rollout.agent_timeout_s
+    agent_workers: int = 64  # rollout.agent_workers
+    agent_max_failure_rate: float = 0.5  # more failed episodes in a generated chunk stop the evaluation (one line)
     think: str = "emapg"  # grading.think: where the answer is looked for (grading/extract.py)
     chat_prefix: Optional[list] = None  # data.chat_prefix: chat turns ({role, content}) before each question (None: none)
     stop: Optional[list] = None  # rollout.stop: extra stop strings, as training's evaluation stops (None: EOS only)
 
     @property
     def env_name(self) -> str:
-        """The environment the model answers in: --env, else search with --retriever, else single."""
+        """The environment the model answers in: --env, else search with --retriever, else single (also with --agent)."""
         return self.env or ("search" if self.retriever else "single")
+
+    def agent_settings(self):
+        """--agent's `agents.agent.AgentSettings` (None without one)."""
+        from emapg_cli.agents.agent import AgentSettings
+
+        return None if self.agent is None else AgentSettings(
+            ref=self.agent, max_calls=self.agent_max_calls, max_tokens=self.agent_max_tokens, timeout_s=self.agent_timeout_s,
+            workers=self.agent_workers, max_failure_rate=self.agent_max_failure_rate)
 
     def record(self) -> dict[str, Any]:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
@@ -223,7 +237,7 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
     env = make_environment(s.env_name, tokenizer, max_turns=s.max_turns if s.env_name != "single" else None,
                            search=search_config(s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens,
                                                 s.prompt_template) if s.retriever else None,
-                           max_context_tokens=s.max_context_tokens, timeout_s=s.env_timeout_s)
+                           max_context_tokens=s.max_context_tokens, timeout_s=s.env_timeout_s, agent=s.agent_settings())
     message = env.user_message()
     generator = env.bind(engine)
     size = s.chunk or default_chunk(backend, s.n)
@@ -245,6 +259,8 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
             t0 = time.perf_counter()
             completions = generate(generator, prompts, params, items)
             gen_seconds += time.perf_counter() - t0
+            if s.agent is not None:  # agent/* of the chunk; too many failed episodes stop the evaluation (one line)
+                env.metrics([c for g in completions for c in g], "of this chunk")
             tokens += sum(len(c.token_ids) for g in completions for c in g)
             truncated += sum(c.finish_reason == "length" for g in completions for c in g)
             if pending is not None:
@@ -310,14 +326,16 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     from emapg_cli.agents.environments import grades_itself
 
     reward = s.reward
-    if s.model is not None and grades_itself(s.env_name):  # the environment's own reward(text) graded every response: say so, and no votes
+    if s.model is not None and s.agent is not None:  # the agent's own reward graded every response
+        reward, version, votes = f"rollout.agent {s.agent}", f"agent {s.agent}", False
+    elif s.model is not None and grades_itself(s.env_name):  # the environment's own reward(text) graded every response: say so, and no votes
         reward, version, votes = f"{s.env_name}.reward", f"environment {s.env_name}.reward", False
 
     t_scores = time.perf_counter()
     scores = [_item_scores(ex, done[ex.id], vote_key) for ex in examples]
     grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
     mean_score = None
-    if s.reward not in ("math", "toy") or s.env_name not in ("single", "search"):  # the reward itself (f1 is partial credit; avg@n counts full scores only; an environment's own)
+    if s.reward not in ("math", "toy") or s.env_name not in ("single", "search") or s.agent is not None:  # the reward itself (f1 is partial credit; avg@n counts full scores only; an environment's own)
         per_item = [sum(done[ex.id]["scores"]) / len(done[ex.id]["scores"]) for ex in examples if "scores" in done[ex.id]]
         mean_score = sum(per_item) / len(per_item) if per_item else None
     summary = {
@@ -333,6 +351,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
             "n": s.n, "temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed,
             **({"retriever": s.retriever, "max_turns": s.max_turns, "topk": s.topk} if s.retriever else {}),
             **({"env": s.env_name, "max_turns": s.max_turns} if s.env_name not in ("single", "search") else {}),
+            **({"agent": s.agent} if s.agent is not None else {}),
         },
         "instruction": s.instruction,
         "reward": reward,
@@ -351,10 +370,10 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         "graded_per_s": grading.graded / grading.seconds if grading.seconds > 0 else None,
         **gen_stats,
     }
-    if s.env_name not in ("single", "search"):
+    if s.env_name not in ("single", "search") or s.agent is not None:
         from emapg_cli.evaluation.search import env_summary
 
-        summary["env"] = env_summary(s.env_name, examples, done)
+        summary["env"] = env_summary(s.agent or s.env_name, examples, done)
     if s.retriever or s.reward in ("em", "f1"):
         from emapg_cli.evaluation.search import search_summary
 

@@ -72,6 +72,12 @@ def episode_extra(tokenizer, env, group) -> dict[str, Any]:
             "invalid": e.invalid,
             "text": tokenizer.decode(e.token_ids, skip_special_tokens=False),
         } for e in group]}
+    if env.name == "agent":  # an agent's episodes: its calls, sequences and failure, each sequence's text
+        return {"episodes": [{"turns": e.turns, "calls": e.requests, "invalid": 0, "outcome": e.outcome, "error": e.error,
+                              "prefix_breaks": e.prefix_breaks, "seconds": round(e.seconds, 3),
+                              "text": [tokenizer.decode(seg.prompt + seg.episode.token_ids, skip_special_tokens=False)
+                                       for seg in e.segments]} for e in group],
+                "env_rewards": [e.env_reward for e in group]}
     out: dict[str, Any] = {"episodes": [{"turns": e.turns, "calls": e.calls, "invalid": e.invalid, "outcome": e.outcome,
                                          "text": tokenizer.decode(e.token_ids, skip_special_tokens=False)} for e in group]}
     if env.has_reward:
@@ -80,12 +86,16 @@ def episode_extra(tokenizer, env, group) -> dict[str, Any]:
 
 
 def env_summary(name: str, examples: Sequence[Example], rows: dict[str, dict]) -> dict[str, Any]:
-    """A user environment's means over its episodes: turns and calls per episode, the invalid-turn rate."""
+    """A user environment's (or an agent's) means over its episodes: turns and calls per episode, the invalid-turn rate
+    (an agent's: failed episodes, prefix breaks per episode)."""
     eps = [e for ex in examples for e in rows[ex.id].get("episodes", [])]
     turns = sum(e["turns"] for e in eps)
-    return {"name": name, "episodes": len(eps), "turns": turns / max(len(eps), 1),
-            "calls": sum(e["calls"] for e in eps) / max(len(eps), 1),
-            "invalid_rate": sum(e["invalid"] for e in eps) / max(turns, 1)}
+    out = {"name": name, "episodes": len(eps), "turns": turns / max(len(eps), 1),
+           "calls": sum(e["calls"] for e in eps) / max(len(eps), 1),
+           "invalid_rate": sum(e["invalid"] for e in eps) / max(turns, 1)}
+    if eps and "error" in eps[0]:  # an agent's (--agent): failed episodes (scored 0) and prefix breaks per episode
+        out.update(errors=sum(bool(e["error"]) for e in eps), prefix_breaks=sum(e["prefix_breaks"] for e in eps) / len(eps))
+    return out
 
 
 def search_summary(examples: Sequence[Example], rows: dict[str, dict]) -> dict[str, Any]:

@@ -154,7 +154,7 @@ def _binds_two_positionals(fn: ast.FunctionDef) -> bool:
     return (len(positional) >= 2 or a.vararg is not None) and required <= 2 and kw_required == 0
 
 
-def check_ref(ref: str, what: str = "reward plugin", kind: str = "function") -> str:
+def check_ref(ref: str, what: str = "reward plugin", kind: str = "function", agent: bool = False) -> str:
     """Check plugin reference `ref` WITHOUT running any of its code, and return it with a file path made absolute.
 
     A file must exist outside Python's standard library and define `name` at its top level (parsed with `ast`); a
@@ -162,7 +162,8 @@ def check_ref(ref: str, what: str = "reward plugin", kind: str = "function") -> 
     `sys.stdlib_module_names`), found without importing it or its parents, and its source (when it has one) must
     define `name`. A `def` where a class is expected (or the reverse), or a function that cannot take
     (response, example), is refused here too. An assignment or import of `name` is accepted here and checked
-    when the run imports it (`load_plugin`, `environments.load_env_class`). Else a one-line UserError."""
+    when the run imports it (`load_plugin`, `environments.load_env_class`). Else a one-line UserError. `agent`: the
+    function is an agent, fn(client, example) (docs/agents.md), not a reward."""
     target, name = _split(ref, what.split()[0], kind)
     if target.endswith(".py"):
         path = Path(target).expanduser()
@@ -197,12 +198,13 @@ def check_ref(ref: str, what: str = "reward plugin", kind: str = "function") -> 
             return ref  # `from x import *` may bind it: checked when the run imports it
         raise UserError(f"{what} '{ref}': no {kind} '{name}' in {target}")
     if kind == "function":
+        role, args = ("an agent", "(client, example)") if agent else ("a reward", "(response, example)")
         if isinstance(node, ast.ClassDef):
-            raise UserError(f"{what} '{ref}': '{name}' is a class; a reward is a function fn(response, example)")
+            raise UserError(f"{what} '{ref}': '{name}' is a class; {role} is a function fn{args}")
         if isinstance(node, ast.AsyncFunctionDef):
-            raise UserError(f"{what} '{ref}': '{name}' is an async function; a reward is a plain function")
+            raise UserError(f"{what} '{ref}': '{name}' is an async function; {role} is a plain function")
         if isinstance(node, ast.FunctionDef) and not _binds_two_positionals(node):
-            raise UserError(f"{what} '{ref}' must accept (response: str, example: dict)")
+            raise UserError(f"{what} '{ref}' must accept " + ("(client, example)" if agent else "(response: str, example: dict)"))
     elif kind == "class" and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         raise UserError(f"{what} '{ref}': '{name}' is a function; expected a class")
     return ref
@@ -300,21 +302,29 @@ def load_plugin(ref: str) -> Callable[[str, dict], Any]:
     """The function `ref` names, imported (this runs the plugin's code: only at the start of a trusted run).
     It must be a Python function (`def` or `lambda`: not a class, a builtin or another callable) defined
     outside the standard library, callable as fn(response, example); else a one-line UserError."""
-    fn = load_object(ref)
-    target, fn_name = _split(ref)
+    return load_function(ref, "reward plugin", ("response", "example"), "a reward")
+
+
+def load_function(ref: str, what: str, params: tuple[str, str], role: str) -> Callable:
+    """The user function `ref` names, imported and checked (`load_plugin`'s rules): a Python function of the user's
+    own, outside the standard library, callable with the two positional `params`; `what` starts each one-line
+    UserError (`reward plugin`, `rollout.agent`), `role` names what it must be (`a reward`, `an agent`)."""
+    fn = load_object(ref, what)
+    target, fn_name = _split(ref, what.split()[0])
     if not callable(fn):
-        raise UserError(f"reward plugin '{ref}': no function '{fn_name}' in {target}")
+        raise UserError(f"{what} '{ref}': no function '{fn_name}' in {target}")
     if not inspect.isfunction(fn):
-        raise UserError(f"reward plugin '{ref}': '{fn_name}' is a {type(fn).__name__}, not a Python function "
+        raise UserError(f"{what} '{ref}': '{fn_name}' is a {type(fn).__name__}, not a Python function "
                         "(def) of your own")
     code_file = getattr(getattr(fn, "__code__", None), "co_filename", "")
     if in_stdlib(module=getattr(fn, "__module__", None) or "") or (code_file and in_stdlib(path=Path(code_file))):
-        raise UserError(f"reward plugin '{ref}': '{fn_name}' is a function of Python's standard library "
-                        f"({fn.__module__}.{fn.__qualname__}); a reward must be your own function")
+        raise UserError(f"{what} '{ref}': '{fn_name}' is a function of Python's standard library "
+                        f"({fn.__module__}.{fn.__qualname__}); {role} must be your own function")
     try:
-        inspect.signature(fn).bind("response", {})
+        inspect.signature(fn).bind(*params)
     except (TypeError, ValueError):
-        raise UserError(f"reward plugin '{ref}' must accept (response: str, example: dict)") from None
+        raise UserError(f"{what} '{ref}' must accept ({params[0]}, {params[1]})" if what != "reward plugin" else
+                        f"{what} '{ref}' must accept (response: str, example: dict)") from None
     return fn
 
 

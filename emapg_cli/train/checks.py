@@ -226,6 +226,9 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
         out.append("eval.initial_kl_every is not supported with train.parallel=fsdp on several processes yet; use ddp")
     if r.engine_url is not None and processes > 1:
         out.append("rollout.engine_url with several training processes is not supported yet: launch one process")
+    if r.agent is not None and processes > 1:
+        out.append("rollout.agent runs its episodes and their endpoint in one training process; several are not supported "
+                   "yet: launch one process")
     if r.max_staleness and processes > 1:
         out.append(f"rollout.max_staleness={r.max_staleness} runs its rollouts beside the update in one training process; "
                    f"launch one process (not {processes}) or set rollout.max_staleness=0")

@@ -30,7 +30,7 @@ def in_process_engine(cfg: Config, model, tokenizer, weights_context=None, backe
 
     # a multi-turn environment's contexts grow over turns, up to search.max_context_tokens / rollout.max_context_tokens
     max_len = cfg.search.max_context_tokens if cfg.search.enabled else cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if cfg.rollout.env not in ("single", "search"):
+    if cfg.rollout.env not in ("single", "search") or cfg.rollout.agent:
         max_len = cfg.rollout.max_context_tokens
     ends = getattr(ends_like if ends_like is not None else model, "generation_config", None)
     return make_engine(

@@ -488,6 +488,10 @@ def _sequence_length(cfg: Config) -> tuple[int, int, list[str]]:
         return cfg.search.max_context_tokens, max_turns, [
             f"T is search.max_context_tokens: the prompt, {max_turns} + 1 turns of <= {r.max_new_tokens} tokens "
             f"and observations of <= {cfg.search.max_obs_tokens} tokens fit in it"]
+    if r.agent is not None:
+        return r.max_context_tokens, r.agent_max_calls, [
+            f"T is rollout.max_context_tokens: every call of the agent ({r.agent}) fits its prompt and <= "
+            f"{r.max_new_tokens} tokens in it; an episode's calls that do not extend one another are extra rows of the batch"]
     if r.env != "single":
         return r.max_context_tokens, max_turns, [
             f"T is rollout.max_context_tokens: the prompt, {max_turns} turns of <= {r.max_new_tokens} tokens "

@@ -135,6 +135,9 @@ class RolloutBatch:
     ref_logp: Optional[Tensor] = None  # [B, R]
     ref_logp_q: Optional[Tensor] = None  # [B, R, k]
     keep: Optional[Tensor] = None  # [B] bool, on the CPU: rows the update trains on (None: all); train.mask_truncated drops the others
+    # [B] int64 on the CPU: the GRPO sample (episode) of each row, when an agent's episode is several sequences
+    # (`agents.agent.AgentEpisode.segments`; docs/agents.md); None: row i is sample i
+    episode: Optional[Tensor] = None
 
     @property
     def policy_mask(self) -> Tensor:
@@ -160,7 +163,7 @@ class RolloutBatch:
                 out[f.name] = v[rows][:, cols]
             elif f.name == "prompt_len":
                 out[f.name] = p_new
-            elif f.name in ("advantages", "keep"):
+            elif f.name in ("advantages", "keep", "episode"):
                 out[f.name] = v[rows] if v is not None else None
             elif v is not None:
                 out[f.name] = v[rows][:, :r_len]
@@ -173,6 +176,23 @@ class RolloutBatch:
 
     def with_(self, **kw) -> "RolloutBatch":
         return replace(self, **kw)
+
+    def with_advantages(self, per_sample: Tensor) -> "RolloutBatch":
+        """The batch with each row's advantage: its sample's (`per_sample` [samples]; every row of an agent's episode
+        gets the episode's)."""
+        rows = per_sample if self.episode is None else per_sample[self.episode.to(per_sample.device)]  # [B]
+        return replace(self, advantages=rows)
+
+    @property
+    def num_samples(self) -> int:
+        """GRPO samples (groups x n) the rows belong to."""
+        return self.advantages.shape[0] if self.episode is None else int(self.episode.max()) + 1
+
+    def rows_of(self, samples: Tensor) -> Tensor:
+        """The rows of `samples` [S] (sample indices), sample by sample in the order given. [>= S]"""
+        if self.episode is None:
+            return samples
+        return (self.episode[None, :] == samples[:, None].cpu()).nonzero()[:, 1]  # [rows]: row-major, so sample order
 
 
 def _ragged(lengths: list[int]) -> tuple[Tensor, Tensor]:
@@ -233,17 +253,42 @@ def padded_batch(prompt_ids: Sequence[list[int]], completions: Sequence[Completi
     statistics, as rllm drops them after computing the advantages."""
     from emapg_cli.rewards.shaping import is_truncated
 
-    batch = build_batch([p for p in prompt_ids for _ in range(n)], completions, torch.zeros(len(completions)), pad_id)
-    cut = torch.tensor([is_truncated(c.finish_reason) for c in completions], dtype=torch.bool)  # [B]
+    prompts, rows, episode, empty = sequence_rows([p for p in prompt_ids for _ in range(n)], completions)
+    batch = build_batch(prompts, rows, torch.zeros(len(rows)), pad_id)
+    cut = torch.tensor([is_truncated(c.finish_reason) for c in rows], dtype=torch.bool)  # [B]
+    truncated = int(cut.sum()) if episode is None else sum(is_truncated(c.finish_reason) for c in completions)
+    if episode is not None:  # an agent's episodes: their sequences, and one empty row (not trained) for an episode without
+        batch.episode = episode
+        batch.keep = ~empty if not mask_truncated else ~(empty | cut)
     if mask_truncated:
         batch.response_mask[cut] = False  # no token of theirs is scored by the passes or counted in the metrics
         if batch.loss_mask is not None:
             batch.loss_mask[cut] = False
-        batch.keep = ~cut  # [B] ... nor counted as sequences of their mini-batch (update_policy)
+        batch.keep = ~cut if episode is None else batch.keep  # [B] ... nor counted as sequences of their mini-batch (update_policy)
     batch = batch.with_(**{f: getattr(batch, f).to(device) for f in
                            ("input_ids", "attention_mask", "response_mask", "advantages", "sampling_logp", "q_index", "loss_mask")
                            if getattr(batch, f) is not None})
-    return batch, int(cut.sum())
+    return batch, truncated
+
+
+def sequence_rows(prompt_ids: list[list[int]], completions: Sequence[Completion]):
+    """(row prompts, row completions, each row's sample [B] or None, empty rows [B] bool or None): one row per
+    completion, except an agent's episodes (`segments`, docs/agents.md): a row per sequence, its own prompt, and
+    one empty row (the trainer's prompt, no response token) for an episode without any."""
+    if not any(hasattr(c, "segments") for c in completions):
+        return prompt_ids, completions, None, None
+    prompts, rows, episode, empty = [], [], [], []
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        segments = getattr(c, "segments", None) or []
+        for seg in segments:
+            prompts.append(seg.prompt)
+            rows.append(seg.episode)
+        if not segments:
+            prompts.append(p)
+            rows.append(Completion(token_ids=[], text="", finish_reason="stop", logprobs=[]))
+        episode += [i] * max(len(segments), 1)
+        empty += [not segments] * max(len(segments), 1)
+    return prompts, rows, torch.tensor(episode, dtype=torch.long), torch.tensor(empty, dtype=torch.bool)
 
 
 def micro_batches(rows: Tensor, prompt_lens: Tensor, response_lens: Tensor, max_rows: int,

@@ -53,7 +53,7 @@ def make_env(cfg: Config, tokenizer):
 
     r = cfg.rollout
     return make_environment(r.env, tokenizer, search=cfg.search, max_context_tokens=r.max_context_tokens,
-                            timeout_s=r.env_timeout_s, probe=True)
+                            timeout_s=r.env_timeout_s, probe=True, agent=cfg.agent_settings())
 
 
 class Trainer:
@@ -150,9 +150,9 @@ class Trainer:
             rewards, errors = grading.result()
         adv_local, all_rewards = group_advantages(self.acc, rewards, self.cfg.rollout.n, self.cfg.train.adv_norm, self.cfg.train.adv_eps)
         extra: dict[str, float] = {}
-        if self.env.multi_turn:  # this process's episodes
+        if self.env.multi_turn:  # this process's episodes (an agent's: stops here past reward.max_failure_rate)
             extra = {**self.env.metrics(completions), **reward_by_source(rewards, examples)}
-        return batch.with_(advantages=adv_local), all_rewards, errors, extra
+        return batch.with_advantages(adv_local), all_rewards, errors, extra
 
     def _passes(self, batch):
         """Old-policy and anchor passes (as the config needs them); (batch, engine/trainer log-prob differences or None)."""

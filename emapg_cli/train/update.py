@@ -223,7 +223,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, settings: StepSettings,
     """
     accelerator = strategy.acc
     s, p, group_size = settings, settings.passes, settings.group_size
-    n_groups = batch.advantages.shape[0] // group_size
+    n_groups = batch.num_samples // group_size
     rows_per_mini = s.sequences_per_mini_batch // accelerator.num_processes  # this rank's rows per optimizer step
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
@@ -234,8 +234,8 @@ def update_policy(strategy, scorer, batch: RolloutBatch, settings: StepSettings,
     record = record or in_loss  # then the first pass is on the sampling weights (one on-policy step)
     for _ in range(s.epochs):
         order = torch.randperm(n_groups, generator=generator)
-        for rows in mini_batch_rows(order, group_size, rows_per_mini):
-            rows, num_seqs = kept_rows(accelerator, batch, rows)
+        for samples in mini_batch_rows(order, group_size, rows_per_mini):
+            rows, num_seqs = kept_rows(accelerator, batch, batch.rows_of(samples))  # an agent's episode: all its sequences
             mask = batch.policy_mask[rows]
             num_tokens = float(mask.sum())
             if s.loss.agg == "token-mean":  # the only mode that divides by a token count

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 #: Probe modules, one per surface (scripts/probes/<area>.py).
-AREAS = ("trust", "server", "rollout", "index", "readers", "first_hour", "one_line", "isolation")
+AREAS = ("trust", "server", "rollout", "index", "readers", "first_hour", "one_line", "isolation", "openai")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,278 @@
+"""`rollout.agent=FILE.py:fn`: any agent written against an OpenAI client drives training and `emapg eval --agent`.
+
+`fn(client, example)` runs once per episode: `client` is an `openai.OpenAI` pointed at the trainer's in-process
+endpoint on 127.0.0.1 (agents/endpoint.py, engines/openai_http.py) with the episode's own API key (no retries, the
+episode's time limit), `example` the canonical row (`id`, `question`, `answers`, `source`, `meta`). It returns the
+episode's reward: a number, or a dict with `reward` and other numbers (each logged as `agent/<name>`, its mean over
+the episodes that returned it). The `n` episodes of each prompt run at once in threads (at most `workers` episodes
+of the step at a time, admitted in order); their calls are sampled in lockstep rounds (agents/rounds.py), so the
+samples are reproducible. Each episode's calls become its training sequences (agents/trajectory.py).
+
+A failed episode (the agent raised, returned something else than a reward, ran past `timeout_s`, or made no model
+call) is scored 0 and counted (`agent/errors`); past `reward.max_failure_rate` of a step's episodes the run stops with
+one line naming the first failure (`AgentEnvironment.metrics`). Episodes past their time are given up on: their key
+is refused from then on, and their thread, which Python cannot stop, is left to end on its own (a daemon thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from emapg_cli.agents.endpoint import EpisodeBackend, Session
+from emapg_cli.agents.episode import Episode
+from emapg_cli.agents.rounds import Rounds
+from emapg_cli.agents.trajectory import Segment, build_sequences
+from emapg_cli.engines.base import SamplingParams
+from emapg_cli.errors import UserError
+
+#: The model id the agent endpoint lists (any `model` a request names is answered by the policy).
+MODEL_ID = "policy"
+#: Metric names of the runner (`agent/<name>`); a reward dict may not use them.
+RESERVED = ("calls", "episode_s", "errors", "prefix_breaks", "sequences")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """`rollout.agent` and its limits (config: rollout.agent_*; `emapg eval --agent`)."""
+
+    ref: str
+    max_calls: int = 16
+    max_tokens: int = 16384
+    timeout_s: float = 300.0
+    workers: int = 64
+    max_failure_rate: float = 0.5
+
+
+def load_agent(ref: str) -> Callable:
+    """The agent function (imported: only when a trusted run starts), checked as reward plugins are: a Python function
+    of the user's own, callable as fn(client, example); else a one-line UserError."""
+    from emapg_cli.rewards.plugin import load_function
+
+    return load_function(ref, "rollout.agent", ("client", "example"), "an agent")
+
+
+@dataclass
+class AgentEpisode(Episode):
+    """One agent episode: what grading and the metrics read (`env_reward`: the agent's reward, 0 when it failed), and
+    its training sequences (`segments`; none: the batch holds one empty row for it, `prompt` the trainer's own)."""
+
+    segments: list[Segment] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    requests: int = 0  # model calls (requests) the agent made
+    prefix_breaks: int = 0
+    seconds: float = 0.0
+    error: str = ""  # why the episode failed ("" when it did not)
+
+
+def agent_value(value: Any) -> tuple[float, dict[str, float]]:
+    """(reward, extra metrics) of what an agent returned: a real number finite in float32, or a dict with `reward`
+    and other such numbers; else ValueError/TypeError with a one-line reason."""
+    from emapg_cli.rewards.plugin import reward_value
+
+    if not isinstance(value, dict):
+        return reward_value(value), {}
+    if "reward" not in value:
+        raise ValueError(f"returned a dict without 'reward' (keys {sorted(map(str, value))[:5]})")
+    extras = {}
+    for k, v in value.items():
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ValueError(f"returned a dict with the key {k!r:.40}; metric names are identifiers")
+        if k in RESERVED:
+            raise ValueError(f"returned the metric '{k}', a name the runner logs itself (agent/{k})")
+        if k != "reward":
+            extras[k] = reward_value(v)
+    return reward_value(value["reward"]), extras
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())[:200]
+    if isinstance(e, SystemExit):
+        return f"called sys.exit({e.code!r})"
+    return f"raised {type(e).__name__}" + (f": {text}" if text else "")
+
+
+class AgentRunner:
+    """Runs `settings.ref`'s episodes over any `Engine` (see the module's docstring); `close()` stops its endpoint."""
+
+    def __init__(self, tokenizer, settings: AgentSettings, max_context_tokens: int):
+        from emapg_cli.engines.openai_service import OpenAIService
+        from emapg_cli.engines.request_limits import MAX_NEW_TOKENS, RequestLimits
+
+        try:
+            import openai  # noqa: F401 - the client each episode is given
+        except ImportError:
+            raise UserError("rollout.agent gives each episode an openai.OpenAI client: pip install 'emapg[agent]' "
+                            "(or openai)") from None
+        self.tokenizer, self.settings, self.max_context_tokens = tokenizer, settings, max_context_tokens
+        self.fn = load_agent(settings.ref)
+        self.backend = EpisodeBackend(tokenizer)
+        # each call is bounded by the run's caps (Policy: rollout.max_new_tokens within rollout.max_context_tokens)
+        limits = RequestLimits(max_new_tokens=max(MAX_NEW_TOKENS, max_context_tokens))
+        self.service = OpenAIService(tokenizer, MODEL_ID, self.backend, request_limits=limits)
+        self.server: Any = None
+        self.url = ""
+        self._http: Any = None  # one connection pool for every episode's client (a client of its own costs ~0.1 s)
+
+    def _endpoint(self) -> str:
+        if self.server is None:
+            import openai
+
+            from emapg_cli.engines.openai_http import start_server
+
+            self.server, self.url = start_server(self.service, "127.0.0.1", 0)
+            self._http = openai.DefaultHttpxClient()
+        return self.url
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+    def generate(self, engine, prompts: list[list[int]], params: SamplingParams, examples: Sequence[Any]) -> list[list[AgentEpisode]]:
+        """`params.n` episodes per example (row i*n + j is sample j of prompt i); `prompts[i]` is the trainer's own
+        rendered prompt of example i (the row of an episode without a sequence)."""
+        from emapg_cli.engines.openai_service import Policy
+
+        if len(examples) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(examples)} examples")
+        n, s = params.n, self.settings
+        url = self._endpoint()
+        rows = [i for i in range(len(examples)) for _ in range(n)]
+        policy = Policy(temperature=params.temperature, top_p=params.top_p, fixed=True, max_tokens=params.max_new_tokens,
+                        max_context=self.max_context_tokens, stop=params.stop)
+        results: list[Optional[tuple]] = [None] * len(rows)
+        started: list[Optional[float]] = [None] * len(rows)
+        done = threading.Condition()
+
+        def finish(slot: int, result: tuple) -> None:
+            with done:
+                if results[slot] is None:
+                    results[slot] = result
+                done.notify_all()
+
+        def run(slot: int) -> None:
+            example = examples[rows[slot]]
+            row = example.model_dump() if hasattr(example, "model_dump") else dict(example)
+            finish(slot, self._episode(sessions[slot], row, url))
+            self.backend.close(sessions[slot])
+            rounds.leave(slot)
+
+        def launch(slot: int) -> None:
+            started[slot] = time.monotonic()
+            threading.Thread(target=run, args=(slot,), name=f"emapg-agent-{slot}", daemon=True).start()
+
+        rounds = Rounds(_Versioned(engine, params.min_version), params.seed, len(rows), s.workers, launch)
+        sessions = [self.backend.open(Session(slot, policy, rounds, s.max_calls, s.max_tokens, s.timeout_s))
+                    for slot in range(len(rows))]
+        rounds.begin()
+        self._wait(results, started, done, sessions, rounds)
+        rounds.wait_idle()  # a round of given-up episodes is cancelled: no engine call outlives the step's rollouts
+        if rounds.engine_error is not None:  # the engine failed (a rollout server that went away): the run's error
+            raise rounds.engine_error
+        episodes = [self._result(sessions[slot], prompts[rows[slot]], *results[slot]) for slot in range(len(rows))]
+        return [episodes[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _wait(self, results, started, done, sessions, rounds) -> None:
+        """Until every episode has ended; one past `timeout_s` is given up on (its key refused, scored 0)."""
+        timeout = self.settings.timeout_s
+        while True:
+            with done:
+                now = time.monotonic()
+                late = [i for i, r in enumerate(results) if r is None and started[i] is not None and now - started[i] > timeout]
+                for i in late:
+                    results[i] = (None, f"did not return within rollout.agent_timeout_s = {timeout:g} s", timeout)
+                if all(r is not None for r in results):
+                    break
+                if not late:
+                    left = [timeout - (now - t) for i, t in enumerate(started) if t is not None and results[i] is None]
+                    done.wait(timeout=max(0.01, min(left, default=0.5)))
+            for i in late:  # outside the lock: leaving may run a round in this thread
+                self.backend.close(sessions[i])
+                rounds.leave(i)
+
+    def _episode(self, session: Session, example: dict, url: str) -> tuple:
+        """(the agent's return value or None, an error line or "", wall seconds) of one episode."""
+        import openai
+
+        t0 = time.monotonic()
+        client = openai.OpenAI(base_url=url, api_key=session.key, max_retries=0, timeout=self.settings.timeout_s,
+                               http_client=self._http)  # not closed here: the pool is the runner's
+        try:
+            value, error = self.fn(client, example), ""
+        except BaseException as e:  # noqa: BLE001 - the agent's failure: scored 0 and counted
+            value, error = None, _one_line(e)
+        return value, error, time.monotonic() - t0
+
+    def _result(self, session: Session, prompt: list[int], value: Any, error: str, seconds: float) -> AgentEpisode:
+        with session.lock:
+            calls = list(session.calls)
+            requests = session.requests
+        reward, extras = 0.0, {}
+        if not error and requests == 0:
+            error = "made no model call"
+        if not error:
+            try:
+                reward, extras = agent_value(value)
+            except (TypeError, ValueError) as e:
+                error = str(e)
+        segments, breaks = build_sequences(calls)
+        ep = AgentEpisode(token_ids=[], text="", finish_reason="stop", logprobs=None, segments=segments, prompt=list(prompt),
+                          requests=requests, prefix_breaks=breaks, seconds=seconds, error=error,
+                          env_reward=0.0 if error else reward, counters={} if error else extras,
+                          outcome="error" if error else "done")
+        last = calls[-1].choices[0] if calls and calls[-1].choices else None
+        if last is not None:  # what the truncation rule and the overlong penalty read: the episode's last call
+            ep.finish_reason, ep.last_turn_tokens, ep.text = last.finish_reason, len(last.token_ids), last.text
+        for seg in segments:
+            ep.token_ids += seg.episode.token_ids
+            ep.policy_mask += seg.episode.policy_mask
+            ep.turns += seg.episode.turns
+            ep.obs_tokens += seg.episode.obs_tokens
+            v = seg.episode.weights_version
+            if v is not None:
+                ep.weights_version = v if ep.weights_version is None else min(v, ep.weights_version)
+        ep.calls = requests
+        return ep
+
+
+class _Versioned:
+    """The engine with the step's oldest weights version on every request (versioned engines; asynchronous rollouts)."""
+
+    def __init__(self, engine, min_version: Optional[int]):
+        self.engine, self.min_version = engine, min_version
+
+    def generate(self, prompts, params, cancelled=None):
+        from dataclasses import replace
+
+        return self.engine.generate(prompts, replace(params, min_version=self.min_version), cancelled=cancelled)
+
+
+def agent_metrics(episodes: Sequence[AgentEpisode], max_failure_rate: float, ref: str, where: str) -> dict[str, float]:
+    """`agent/*` of a step's episodes (this process's): calls (model calls per episode), episode_s, errors (failed
+    episodes), prefix_breaks and sequences per episode, and `agent/<name>` for the numbers a reward dict carried.
+    Failed episodes above `max_failure_rate` stop the run (one line naming the first failure; `where`: of what);
+    fewer are a warning on stderr."""
+    import sys
+
+    n = max(len(episodes), 1)
+    failed = [e for e in episodes if e.error]
+    out = {"agent/calls": sum(e.requests for e in episodes) / n, "agent/episode_s": sum(e.seconds for e in episodes) / n,
+           "agent/errors": float(len(failed)), "agent/prefix_breaks": sum(e.prefix_breaks for e in episodes) / n,
+           "agent/sequences": sum(len(e.segments) for e in episodes) / n}
+    for name in sorted({k for e in episodes for k in e.counters}):
+        have = [e.counters[name] for e in episodes if name in e.counters]
+        out[f"agent/{name}"] = sum(have) / len(have)
+    if failed:
+        rate = len(failed) / n
+        line = f"rollout.agent {ref} failed on {len(failed)} of {len(episodes)} episodes {where} ({rate:.0%}"
+        if rate > max_failure_rate:
+            raise UserError(f"{line} > reward.max_failure_rate {max_failure_rate:g}); first failure: {failed[0].error}")
+        print(f"warning: {line}, scored 0); first failure: {failed[0].error}", file=sys.stderr, flush=True)
+    return out
