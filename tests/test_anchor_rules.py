@@ -64,10 +64,12 @@ def test_a_teacher_takes_no_rule(tmp_path):
 
 
 def test_the_rule_in_dry_run_and_config_show(cli, emapg_home):
-    plan = cli("train", "--preset", "toy", "--set", "anchor.rule=mixup", "--set", "anchor.mixup_alpha=0.25", "--dry-run")
+    wide = {"COLUMNS": "400"}  # the plan's table cells do not wrap, whatever the length of the temp paths in it
+    plan = cli("train", "--preset", "toy", "--set", "anchor.rule=mixup", "--set", "anchor.mixup_alpha=0.25", "--dry-run",
+               env=wide)
     assert plan.returncode == 0, plan.stderr
     assert "anchor.rule mixup: α 0.25, η = 1 - α = 0.75 (set by the rule) every 5 steps" in " ".join(plan.stdout.split())
-    bema = cli("train", "--preset", "toy", "--set", "anchor.rule=bema", "--dry-run")
+    bema = cli("train", "--preset", "toy", "--set", "anchor.rule=bema", "--dry-run", env=wide)
     assert "anchor.rule bema: ρ 10, γ 1, κ 0.5, η_b 0.2 every 5 steps" in " ".join(bema.stdout.split())
     assert "BEMA buffers" not in bema.stdout or "memory" in bema.stdout
     shown = cli("config", "show", "--preset", "toy", "--set", "anchor.rule=previous")

@@ -254,16 +254,16 @@ def _unwritable(tmp_path: Path) -> Path:
     ["prepare", "x", "--from", "bench.jsonl"],  # EMAPG_HOME itself is unwritable
     ["kl-check", "--vocab", "50", "--positions", "2", "--samples", "64", "--batches", "4", "--plot", "{ro}/p.png"],
     ["kl-check", "--vocab", "50", "--positions", "2", "--samples", "64", "--batches", "4", "--json", "{ro}/r.json"],
-    ["train", "--set", "model.path=model", "--out", "{ro}/run"],
+    ["train", "--set", "model.path={model}", "--out", "{ro}/run"],
     ["ablate", "--preset", "toy", "--grid", "kl.k=1,2", "--out", "{ro}/sweep"],
 ], ids=["eval", "prepare", "emapg-home", "kl-check-plot", "kl-check-json", "train", "ablate"])
-def test_unwritable_output_is_one_line(tmp_path, args):
+def test_unwritable_output_is_one_line(tmp_path, args, tiny_llama):
     work = tmp_path / "work"
     work.mkdir()
     _bench(work, 3)
-    (work / "model").mkdir()  # train's model.path: a local folder (a missing one would be refused first, as not on the hub)
+    # train's model.path is the tiny model (an empty folder would be refused first: no config.json)
     ro = _unwritable(tmp_path)
-    argv = [a.replace("{ro}", str(ro)) for a in args]
+    argv = [a.replace("{ro}", str(ro)).replace("{model}", str(tiny_llama)) for a in args]
     before = tree(tmp_path)
     r = subprocess.run([sys.executable, "-m", "emapg_cli", *argv], cwd=work, env={**_env(), "EMAPG_HOME": str(ro / "home")},
                        capture_output=True, text=True, timeout=300)

@@ -30,6 +30,30 @@ def test_truncated_responses_score_zero_unless_graded():
     assert shape_rewards(rewards, lens, reasons, truncated="zero", max_tokens=10, overlong_buffer=4) == [1.0, -1.0, -1.0]
 
 
+def test_reward_credit_solved_scores_one_or_zero_by_the_rewards_own_rule():
+    """reward.credit=solved: each score becomes 1 if the reward counts it solved, else 0, before the truncation rule.
+    reasoning-gym's partial credit (len(gold)/len(answer): `12` scores 0.5 against gold 1) is what a policy learnt to
+    game on the smol preset (every answer `12`); with `solved` it earns nothing."""
+    from types import SimpleNamespace
+
+    from emapg_cli.train.rollout import score
+
+    def rg_like(texts, examples):  # scores as given; solved = a full score, as reasoning-gym's reward says
+        return [float(t) for t in texts]
+    rg_like.solved = lambda r: r >= 1.0
+
+    def plain(texts, examples):  # no rule of its own: solved = above 0.5
+        return [float(t) for t in texts]
+
+    done = [SimpleNamespace(text=t, finish_reason=fr, token_ids=[1, 2]) for t, fr in
+            (("0.5", "stop"), ("1.0", "stop"), ("0.01", "stop"), ("1.0", "length"), ("0.75", "stop"))]
+    shaping = {"truncated": "zero", "credit": "solved"}
+    assert score(rg_like, done, [None] * 5, shaping)[0] == [0.0, 1.0, 0.0, 0.0, 0.0]  # 0.75 < 1: not solved
+    assert score(plain, done, [None] * 5, shaping)[0] == [0.0, 1.0, 0.0, 0.0, 1.0]  # 0.75 > 0.5: solved
+    # partial (the default) keeps the scores; the truncated one still scores 0
+    assert score(rg_like, done, [None] * 5, {"truncated": "zero", "credit": "partial"})[0] == [0.5, 1.0, 0.01, 0.0, 0.75]
+
+
 @pytest.mark.parametrize(
     "response, emapg, paper",
     [

@@ -367,6 +367,7 @@ class EvalConfig(Section):
 
 
 class RewardConfig(Section):
+    credit: Literal["partial", "solved"] = Field("partial", description="The training reward: `partial`: the reward's score as it is (partial credit kept); `solved`: 1 when the reward counts the response solved (its own rule, e.g. reasoning-gym's full score; otherwise a score above 0.5), else 0, before the truncation rule and the overlong penalty. Partial credit can be gamed: reasoning-gym scores an answer holding the gold inside it len(gold)/len(answer), so `<answer>12</answer>` earns 0.5 against both 1 and 2 (docs/smol.md). Evaluation counts solved responses either way.")
     truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`; search runs: its last turn cut at the per-turn cap): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
     overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")

@@ -74,9 +74,11 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
     `reward_fn` comes from `emapg_cli.rewards.get_reward`, whose `SafeReward` wrapper scores an item
     that raises as 0 and counts it in `.errors`; this returns the increase of that count.
     `shaping`: keyword arguments of `rewards.shaping.shape_rewards` (truncation rule, overlong
-    penalty), applied with each completion's `shaped_length` and finish_reason.
+    penalty), applied with each completion's `shaped_length` and finish_reason, and `credit` (reward.credit):
+    `solved` turns each score into 1 or 0 by the reward's solved rule first.
     """
     from emapg_cli.rewards.shaping import shape_rewards
+    from emapg_cli.train.evaluate import solved_rule
 
     before = getattr(reward_fn, "errors", 0)
     own = [getattr(c, "env_reward", None) for c in completions]
@@ -85,6 +87,10 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
     else:
         rewards = [float(r) for r in reward_fn([c.text for c in completions], examples)]
     if shaping is not None:
+        shaping = dict(shaping)
+        if shaping.pop("credit", "partial") == "solved":
+            solved = solved_rule(reward_fn)
+            rewards = [float(solved(r)) for r in rewards]
         rewards = shape_rewards(rewards, [shaped_length(c) for c in completions], [c.finish_reason for c in completions], **shaping)
     return rewards, getattr(reward_fn, "errors", 0) - before
 

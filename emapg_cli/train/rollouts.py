@@ -54,10 +54,10 @@ class Rollouts:
         return prompts, completions, examples
 
     def shaping(self, stage) -> dict:
-        """`rewards.shaping.shape_rewards` settings of this stage: the truncation rule and DAPO's overlong penalty."""
+        """`train.rollout.score`'s shaping of this stage: reward.credit, the truncation rule and DAPO's overlong penalty."""
         rw = self.cfg.reward
         return dict(truncated=rw.truncated, max_tokens=stage.max_new_tokens, overlong_buffer=rw.overlong_buffer,
-                    overlong_penalty_max=rw.overlong_penalty)
+                    overlong_penalty_max=rw.overlong_penalty, credit=rw.credit)
 
     def scheduled(self, step: int) -> list[int]:
         """This rank's dataset indices of RL step `step` (a pure function of the step: `rollout.schedule`)."""
