@@ -70,11 +70,12 @@ def test_a_few_steps_on_the_real_model(smol, tmp_path, extra):
         # the hf engine's sampling log-probs against the trainer's pass: round-off (bf16 compute: bf16's)
         assert r["rollout/logprob_max_abs_diff"] < (0.5 if "model.dtype" in extra else 1e-3)
     policy = load_weights(out / "final" / "policy") if "lora.r" not in extra else None
-    if "model.dtype" in extra:  # bf16 compute, float32 master weights: saved in model.dtype, anchor float32
+    if "model.dtype" in extra:  # bf16 compute over float32 master weights; final/ is saved in model.save_dtype, which
+        # defaults to model.dtype (the transformers convention): policy and anchor in bf16
         assert policy["model.embed_tokens.weight"].dtype == torch.bfloat16
-        assert load_weights(out / "final" / "anchor")["model.embed_tokens.weight"].dtype == torch.float32
+        assert load_weights(out / "final" / "anchor")["model.embed_tokens.weight"].dtype == torch.bfloat16
     if "lora.r" in extra:  # only the adapters trained: the final folder holds them
-        assert (out / "final" / "policy" / "adapter_config.json").is_file()
+        assert (out / "final" / "policy" / "adapter" / "adapter_config.json").is_file()
 
 
 def test_kill_and_resume_on_the_real_model_is_bit_identical(smol, tmp_path):
