@@ -179,7 +179,8 @@ def test_training_evaluation_counts_a_full_score_only():
     from types import SimpleNamespace
 
     from emapg_cli.engines.base import Completion, SamplingParams
-    from emapg_cli.train.evaluate import evaluate, solved_rule
+    from emapg_cli.train.evaluate import evaluate
+    from emapg_cli.train.rollout import solved_rule
 
     examples = [e for e in _examples("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 2, "max_digits": 2}, size=40)
                 if len(e.answers[0]) == 2 and not e.answers[0].startswith("-")][:2]

@@ -10,7 +10,7 @@ import torch
 
 from emapg_cli.agents.environments import generate
 from emapg_cli.engines.base import SamplingParams
-from emapg_cli.train.rollout import score
+from emapg_cli.train.rollout import score, solved_rule
 
 
 def eval_max_new_tokens(cfg, step: int) -> int:
@@ -45,14 +45,6 @@ class EvalScores:
         return {key: self.accuracy, **{f"{key}/{name}": acc for name, acc in self.by_source.items()}}
 
 
-def solved_rule(reward_fn) -> Callable[[float], bool]:
-    """When a response counts as solved: the reward's own rule (`reward_fn.solved(score)`, e.g. reasoning-gym's
-    partial credit counts only a full score, as `emapg eval` does), else a reward above 0.5 (a 0/1 reward's 1s; for
-    `f1`, the better half)."""
-    rule = getattr(reward_fn, "solved", None)
-    return rule if callable(rule) else (lambda r: r > 0.5)
-
-
 def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params: SamplingParams, accelerator,
              truncated: str = "zero") -> EvalScores:
     """Accuracy over all ranks (each rank takes every world-th item), overall and per source.
@@ -79,7 +71,7 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
                 counts[row, 1] += 1.0
         for j, i in enumerate(mine):
             scores = [float(x) for x in rewards[j * params.n:(j + 1) * params.n]]
-            items.append((i, {"id": str(examples[i].id), "correct": [x > 0.5 for x in scores], "scores": scores}))
+            items.append((i, {"id": str(examples[i].id), "correct": [solved(x) for x in scores], "scores": scores}))
     counts = counts.to(accelerator.device)
     if world > 1:
         counts = accelerator.reduce(counts, reduction="sum")

@@ -67,6 +67,14 @@ def shaped_length(c: Completion) -> int:
     return len(c.token_ids) if last is None else int(last)
 
 
+def solved_rule(reward_fn) -> Callable[[float], bool]:
+    """When a response counts as solved: the reward's own rule (`reward_fn.solved(score)`, e.g. reasoning-gym's
+    partial credit counts only a full score, as `emapg eval` does), else a reward above 0.5 (a 0/1 reward's 1s; for
+    `f1`, the better half)."""
+    rule = getattr(reward_fn, "solved", None)
+    return rule if callable(rule) else (lambda r: r > 0.5)
+
+
 def score(reward_fn: Callable, completions: Sequence[Completion], examples: list[Example], shaping: Optional[dict] = None) -> tuple[list[float], int]:
     """Rewards for (completion, example) pairs and how many items raised (scored 0).
 
@@ -78,7 +86,6 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
     `solved` turns each score into 1 or 0 by the reward's solved rule first.
     """
     from emapg_cli.rewards.shaping import shape_rewards
-    from emapg_cli.train.evaluate import solved_rule
 
     before = getattr(reward_fn, "errors", 0)
     own = [getattr(c, "env_reward", None) for c in completions]
