@@ -284,6 +284,9 @@ def config_cases() -> list[Case]:
         case("config", "set-anchor-teacher-no-path", "config", "show", "--set", "anchor.source=teacher"),
         case("config", "set-anchor-path-with-ema", "config", "show", "--set", "anchor.path=teacher"),
         case("config", "set-anchor-dtype-with-ema", "config", "show", "--set", "anchor.dtype=bfloat16"),
+        # issue 33: the training reward's credit
+        case("config", "set-reward-credit-unknown", "config", "show", "--set", "reward.credit=half"),
+        case("config", "set-reward-credit-list", "config", "show", "--set", "reward.credit=[solved]"),
         case("config", "set-anchor-dtype-unknown", "config", "show", "--set", "anchor.source=teacher",
              "--set", "anchor.path=teacher", "--set", "anchor.dtype=int8"),
         case("config", "set-anchor-teacher-no-coef", "config", "show", "--set", "anchor.source=teacher",
