@@ -94,6 +94,11 @@ def _one_line(e: BaseException) -> str:
     return f"raised {type(e).__name__}" + (f": {text}" if text else "")
 
 
+def _late(timeout: float) -> tuple:
+    """The result of an episode given up on at its deadline (no reward, the error, its seconds)."""
+    return None, f"did not return within rollout.agent_timeout_s = {timeout:g} s", timeout
+
+
 class AgentRunner:
     """Runs `settings.ref`'s episodes over any `Engine` (see the module's docstring); `close()` stops its endpoint."""
 
@@ -160,7 +165,10 @@ class AgentRunner:
         def run(slot: int) -> None:
             example = examples[rows[slot]]
             row = example.model_dump() if hasattr(example, "model_dump") else dict(example)
-            finish(slot, self._episode(sessions[slot], row, url))
+            result = self._episode(sessions[slot], row, url)
+            if result[1] and time.monotonic() - started[slot] >= self.settings.timeout_s:
+                result = _late(self.settings.timeout_s)  # its client's own timeout fired first: the same deadline
+            finish(slot, result)
             self.backend.close(sessions[slot])
             rounds.leave(slot)
 
@@ -187,7 +195,7 @@ class AgentRunner:
                 now = time.monotonic()
                 late = [i for i, r in enumerate(results) if r is None and started[i] is not None and now - started[i] > timeout]
                 for i in late:
-                    results[i] = (None, f"did not return within rollout.agent_timeout_s = {timeout:g} s", timeout)
+                    results[i] = _late(timeout)
                 if all(r is not None for r in results):
                     break
                 if not late:
