@@ -447,9 +447,12 @@ def make_plan(
     r, t, d = cfg.rollout, cfg.train, cfg.derived
     if master_weights is None:
         master_weights = cfg.model.master_weights
-    seq_len, max_turns, notes = _sequence_length(cfg)
+    seq_len, max_turns, notes = sequence_length(cfg)
     device = int(device_memory_gib * GIB)
     model, source = _model_shapes(cfg, model_config, notes)
+    if cfg.train.micro_batch_size == "auto":
+        cfg = _auto_micro_batch(cfg, model, seq_len, device, processes, notes)
+    t = cfg.train
     per_mini = max(1, cfg.sequences_per_mini_batch // processes)  # sequences per mini-batch on one rank
     notes += [f"{line} (the trainer refuses this)" for line in launch_problems(cfg, processes)]
     plan = dict(
@@ -476,7 +479,7 @@ def make_plan(
     return _memory_plan(plan, cfg, model, seq_len, device, master_weights, processes, notes)
 
 
-def _sequence_length(cfg: Config) -> tuple[int, int, list[str]]:
+def sequence_length(cfg: Config) -> tuple[int, int, list[str]]:
     """(T, the environment's turn limit, the notes that say how T was set): T = max_prompt_tokens + max_turns *
     max_new_tokens single-turn, search.max_context_tokens for the search agent, rollout.max_context_tokens for
     another multi-turn environment (rollout.env)."""
@@ -497,6 +500,19 @@ def _sequence_length(cfg: Config) -> tuple[int, int, list[str]]:
             f"T is rollout.max_context_tokens: the prompt, {max_turns} turns of <= {r.max_new_tokens} tokens "
             f"and the environment's observations ({r.env}) fit in it"]
     return cfg.data.max_prompt_tokens + max_turns * r.max_new_tokens, max_turns, []
+
+
+def _auto_micro_batch(cfg: Config, model: Optional[ModelShapes], seq_len: int, device: int, processes: int,
+                      notes: list[str]) -> Config:
+    """`cfg` with train.micro_batch_size=auto as the plan resolves it at the worst-case length T on this device (1
+    when the model's shapes are unknown); the run resolves it again as it starts (train/auto_batch.py)."""
+    from emapg_cli.train.auto_batch import fitting_micro_batch
+
+    b = 1 if model is None else fitting_micro_batch(cfg, model, seq_len, device, processes)
+    notes.append(f"train.micro_batch_size auto: {b} here (the update peak at T = {seq_len:,} within "
+                 f"{device / GIB:,.0f} GiB); the run resolves it again from the memory free as it starts and its "
+                 "longest training prompt")
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": b})})
 
 
 def _model_shapes(cfg: Config, model_config: Optional[dict[str, Any]], notes: list[str]) -> tuple[Optional[ModelShapes], str]:

@@ -26,7 +26,7 @@ from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
 from emapg_cli.train.async_rollouts import RolloutPipeline, eval_sampler
 from emapg_cli.train.bookkeeping import check_skips, run_summary
-from emapg_cli.train.checks import check_launch, preflight
+from emapg_cli.train.checks import check_launch, load_model_config, preflight
 from emapg_cli.train.distill import initial_evaluations
 from emapg_cli.train.engine_setup import make_rollout_engine
 from emapg_cli.train.anchor_rule import anchor_metrics, make_bema, move_anchor
@@ -83,6 +83,7 @@ class Trainer:
         message = self.env.user_message()
         self.train_ex, self.train_prompts, self.eval_ex, self.eval_prompts, self.skipped_prompts = run_prompts(
             self.tokenizer, self.inputs, cfg.data.max_prompt_tokens, message, bool(cfg.data.eval), cfg.data.prefix_messages())
+        self.cfg = cfg = self._micro_batch(cfg)  # train.micro_batch_size=auto, from the memory plan
         self.scorer, self.anchor_scorer, self.optimizer, self.scheduler, self.settings = build_models(cfg, self.strategy)
         self.anchor = self.anchor_scorer.lm if self.anchor_scorer is not None else None
         self.bema = make_bema(cfg, self.strategy, self.anchor)  # anchor.rule=bema: theta_0 and its EMA (train/anchor_rule.py)
@@ -96,6 +97,22 @@ class Trainer:
         self._push(self.policy, last)
         self.pipeline = RolloutPipeline(self.rollouts, self.engine, cfg.rollout.max_staleness, last, cfg.train.steps)
         return last
+
+    def _micro_batch(self, cfg: Config) -> Config:
+        """`cfg` with train.micro_batch_size=auto resolved (train/auto_batch.py; said on stderr), else as it is."""
+        if cfg.train.micro_batch_size != "auto":
+            return cfg
+        from emapg_cli.train.auto_batch import resolve
+        agree = None
+        if self.acc.num_processes > 1:  # every rank runs the same number of micro-batches: the smallest choice
+            def agree(b: int) -> int:
+                t = torch.tensor([b], device=self.acc.device)
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+                return int(t.item())
+        cfg, line = resolve(cfg, load_model_config(cfg.model.path), self.train_prompts, self.acc.device,
+                            self.acc.num_processes, agree)
+        self._warn(line)
+        return cfg
 
     def _warn(self, line: str) -> None:
         """One line on stderr, from the main process only."""
