@@ -8,7 +8,7 @@ import pytest
 from emapg_cli.config.loading import load_config
 from emapg_cli.errors import UserError
 from emapg_cli.train import auto_batch
-from emapg_cli.train.plan import ModelShapes, load_model_config, memory_terms
+from emapg_cli.train.plan import ModelShapes, fitting_micro_batch, load_model_config, memory_terms
 from train_helpers import tiny_overrides, write_dataset
 
 
@@ -31,10 +31,10 @@ def test_the_largest_micro_batch_whose_peak_fits(tiny_llama):
     shapes = ModelShapes.from_hf_config(load_model_config(str(tiny_llama)))
     peak5 = _peak(cfg, shapes, 100, 5)
     assert _peak(cfg, shapes, 100, 6) > peak5  # the activations grow with b, so the budget decides
-    assert auto_batch.fitting_micro_batch(cfg, shapes, 100, peak5) == 5  # exactly the peak of 5 fits
-    assert auto_batch.fitting_micro_batch(cfg, shapes, 100, peak5 - 1) == 4  # one byte less: 4
-    assert auto_batch.fitting_micro_batch(cfg, shapes, 100, 2**50) == 16  # capped at the mini-batch's 4 x 4
-    assert auto_batch.fitting_micro_batch(cfg, shapes, 100, 1) == 1  # nothing fits: 1, never 0
+    assert fitting_micro_batch(cfg, shapes, 100, peak5) == 5  # exactly the peak of 5 fits
+    assert fitting_micro_batch(cfg, shapes, 100, peak5 - 1) == 4  # one byte less: 4
+    assert fitting_micro_batch(cfg, shapes, 100, 2**50) == 16  # capped at the mini-batch's 4 x 4
+    assert fitting_micro_batch(cfg, shapes, 100, 1) == 1  # nothing fits: 1, never 0
 
 
 def test_the_measured_length_is_the_longest_prompt_plus_the_responses():

@@ -46,21 +46,6 @@ def mem_available(meminfo: str = "/proc/meminfo") -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def fitting_micro_batch(cfg, shapes, seq_len: int, budget: int, processes: int = 1) -> int:
-    """The largest micro-batch in [1, sequences per mini-batch on one rank] whose planned update peak (state +
-    update terms at length `seq_len`) is at most `budget` bytes; 1 when none fits. `shapes`: plan.ModelShapes."""
-    from emapg_cli.train.plan import largest_fitting_micro_batch, memory_terms
-
-    per_mini = max(1, cfg.sequences_per_mini_batch // processes)
-
-    def update_peak(b: int) -> int:
-        terms = memory_terms(shapes, cfg, seq_len, micro_batch=max(1, b), device_memory_bytes=budget,
-                             master_weights=cfg.model.master_weights, processes=processes)
-        return sum(t.bytes for t in terms if t.phase in ("state", "update"))
-
-    return max(1, largest_fitting_micro_batch(update_peak, budget, limit=per_mini))
-
-
 def run_sequence_length(cfg, train_prompts: list[list[int]]) -> int:
     """The measured T of the plan: the longest training prompt plus the response budget for a single-turn run; the
     plan's own T (a context limit) for a multi-turn one."""
@@ -79,7 +64,7 @@ def resolve(cfg, model_config: dict[str, Any], train_prompts: list[list[int]], d
     config gave a number). `agree(b) -> b`: the smallest b over the ranks (None: one process)."""
     if cfg.train.micro_batch_size != "auto":
         return cfg, None
-    from emapg_cli.train.plan import ModelShapes
+    from emapg_cli.train.plan import ModelShapes, fitting_micro_batch
 
     budget, source = memory_budget(device)
     seq_len = run_sequence_length(cfg, train_prompts)

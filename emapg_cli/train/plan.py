@@ -389,6 +389,20 @@ def largest_fitting_micro_batch(update_peak: Callable[[int], int], device: int, 
     return lo
 
 
+def fitting_micro_batch(cfg: Config, shapes: ModelShapes, seq_len: int, budget: int, processes: int = 1) -> int:
+    """The largest micro-batch in [1, sequences per mini-batch on one rank] whose planned update peak (state +
+    update terms at length `seq_len`) is at most `budget` bytes; 1 when none fits (train.micro_batch_size=auto,
+    train/auto_batch.py)."""
+    per_mini = max(1, cfg.sequences_per_mini_batch // processes)
+
+    def update_peak(b: int) -> int:
+        terms = memory_terms(shapes, cfg, seq_len, micro_batch=max(1, b), device_memory_bytes=budget,
+                             master_weights=cfg.model.master_weights, processes=processes)
+        return sum(t.bytes for t in terms if t.phase in ("state", "update"))
+
+    return max(1, largest_fitting_micro_batch(update_peak, budget, limit=per_mini))
+
+
 def evaluation_line(cfg: Config) -> str:
     """The dry-run's evaluation row: sampling, the token budget (per turn, within the context, for search runs),
     the sets and when they run."""
@@ -506,8 +520,6 @@ def _auto_micro_batch(cfg: Config, model: Optional[ModelShapes], seq_len: int, d
                       notes: list[str]) -> Config:
     """`cfg` with train.micro_batch_size=auto as the plan resolves it at the worst-case length T on this device (1
     when the model's shapes are unknown); the run resolves it again as it starts (train/auto_batch.py)."""
-    from emapg_cli.train.auto_batch import fitting_micro_batch
-
     b = 1 if model is None else fitting_micro_batch(cfg, model, seq_len, device, processes)
     notes.append(f"train.micro_batch_size auto: {b} here (the update peak at T = {seq_len:,} within "
                  f"{device / GIB:,.0f} GiB); the run resolves it again from the memory free as it starts and its "
