@@ -39,8 +39,16 @@ def _rows(run_dir):
 
 
 def test_eval_with_the_hf_engine_answers_in_the_reward_format(smol, tmp_path, cli):
+    # two demonstrations of the format (the preset has one, and RL teaches the rest: docs/smol.md)
+    two = tmp_path / "two.yaml"
+    two.write_text("data:\n  chat_prefix:\n"
+                   "    - {role: user, content: 'What is the capital of France?'}\n"
+                   "    - {role: assistant, content: '<answer>Paris</answer>'}\n"
+                   "    - {role: user, content: 'How many days are in a week?'}\n"
+                   "    - {role: assistant, content: '<answer>7</answer>'}\n")
     out = tmp_path / "ev"
-    r = cli("eval", "--preset", "smol", "--model", str(smol / "model"), "--backend", "hf", "--limit", "8", "--out", str(out))
+    r = cli("eval", "--preset", "smol", "--config", str(two), "--model", str(smol / "model"), "--backend", "hf",
+            "--limit", "8", "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "4 chat turns before each question (data.chat_prefix)" in r.stdout
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
