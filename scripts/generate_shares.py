@@ -1,7 +1,8 @@
 """Each speed-up's share of the hf engine's generation: the same prompts and seeds through five variants of the engine,
 in interleaved rounds, each round after a measurement of the model's GEMMs at the decode batch (the compute-bound
-limit of `emapg bench generate`). Prints every round and the medians; the samples of every variant are checked to be
-the same tokens with the same log-probs, bit for bit (they must be: every variant draws the same samples).
+limit of `emapg bench generate`). Prints every round and the medians; the samples of every variant are compared with
+the first variant's, tokens and log-probs bit for bit, and where they differ, by how much (how many responses have
+other tokens, from which position, the largest log-prob difference where the tokens still agree).
 
 Variants (each adds one thing to the one before):
   generate      transformers' generate with the seeded sampler as a logits processor (prompts shared)
@@ -20,6 +21,22 @@ import json
 import statistics
 import time
 from contextlib import contextmanager
+
+
+def differences(a: list, b: list) -> dict:
+    """How two variants' samples differ: responses whose tokens differ, the first position where they do (the
+    earliest over responses), and the largest |log-prob difference| over the positions where both responses still
+    agree token for token (0.0 when every log-prob is bit-identical)."""
+    differing, first, max_dlogp = 0, None, 0.0
+    for (ta, la), (tb, lb) in zip(a, b):
+        agree = 0
+        while agree < min(len(ta), len(tb)) and ta[agree] == tb[agree]:
+            agree += 1
+        if list(ta) != list(tb):
+            differing += 1
+            first = agree if first is None else min(first, agree)
+        max_dlogp = max([max_dlogp, *(abs(x - y) for x, y in zip(la[:agree], lb[:agree]))])
+    return {"responses": len(a), "differing_tokens": differing, "first_divergence": first, "max_abs_dlogp": max_dlogp}
 
 
 @contextmanager
@@ -92,6 +109,7 @@ def main() -> None:
             print(f"round {r + 1} {v:>9}: {tokens / wall:7.1f} tokens/s, limit {limit:7.1f}, ratio {tokens / wall / limit:.3f}",
                   flush=True)
     same = {v: samples[v] == samples[names[0]] for v in names}
+    diffs = {v: differences(samples[names[0]], samples[v]) for v in names}
     summary = {v: {k: statistics.median(x[k] for x in rows[v]) for k in ("tokens_per_s", "limit_tokens_per_s", "ratio")}
                for v in names}
     base = summary[names[0]]["tokens_per_s"]
@@ -99,10 +117,14 @@ def main() -> None:
         s = summary[v]
         print(f"median {v:>9}: {s['tokens_per_s']:7.1f} tokens/s ({s['tokens_per_s'] / base:.2f}x {names[0]}), "
               f"ratio {s['ratio']:.3f}, same samples as {names[0]}: {same[v]}")
+        if not same[v]:
+            d = diffs[v]
+            print(f"    {v}: {d['differing_tokens']} of {d['responses']} responses have other tokens (first at token "
+                  f"{d['first_divergence']}); largest |log-prob difference| where the tokens agree {d['max_abs_dlogp']:.2e}")
     print(f"GEMM FLOPs per token {flops_token / 1e6:.1f}M, {args.sequences} sequences, {args.threads} threads")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rounds": rows, "median": summary, "same_samples": same, "args": vars(args)}, f, indent=2)
+            json.dump({"rounds": rows, "median": summary, "same_samples": same, "differences": diffs, "args": vars(args)}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -126,10 +126,14 @@ def trl_worker(s: dict, steps: int, warmup: int, threads: int, json_path: Path) 
         return [1.0 if g.correct else 0.0 for g in grader.grade(texts, [Gold(tuple(a)) for a in answers])]
 
     per_rl = s["prompts"] // s["mini_prompts"]  # optimizer steps per RL step
+    per_opt = s["mini_prompts"] * s["n"]  # sequences per optimizer step
+    micro = min(s.get("trl_micro") or per_opt, per_opt)  # sequences per forward/backward (gradient accumulation)
+    if per_opt % micro:
+        sys.exit(f"--trl-micro-batch {micro} does not divide the {per_opt} sequences of an optimizer step")
     wanted = dict(
         output_dir=str(json_path.parent / "trl-out"), learning_rate=s["lr"], beta=s["beta"], num_generations=s["n"],
-        per_device_train_batch_size=s["mini_prompts"] * s["n"], generation_batch_size=s["prompts"] * s["n"],
-        gradient_accumulation_steps=1, max_completion_length=s["new_tokens"], temperature=s["temperature"], epsilon=0.2,
+        per_device_train_batch_size=micro, generation_batch_size=s["prompts"] * s["n"],
+        gradient_accumulation_steps=per_opt // micro, max_completion_length=s["new_tokens"], temperature=s["temperature"], epsilon=0.2,
         epsilon_high=0.28, loss_type="grpo", sync_ref_model=True, ref_model_mixup_alpha=1 - s["eta"],
         ref_model_sync_steps=s["period"] * per_rl, max_steps=per_rl * (warmup + steps), logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, bf16=False, seed=0, weight_decay=0.0, max_grad_norm=1.0,
@@ -187,6 +191,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="Timed RL steps per round.")
     parser.add_argument("--warmup", type=int, default=1, help="Untimed RL steps first.")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides.")
+    parser.add_argument("--trl-micro-batch", type=int, metavar="N",
+                        help="TRL's per_device_train_batch_size (sequences per forward/backward; gradient accumulation "
+                             "fills the optimizer step). Default: a whole optimizer step in one pass. On the smol preset "
+                             "that (128 sequences, no gradient checkpointing) was killed for memory on 24 GiB: use 32.")
     parser.add_argument("--emapg-set", action="append", default=[], metavar="KEY=VALUE",
                         help="An extra config override for emapg's side (repeatable), e.g. train.share_prompts=never.")
     parser.add_argument("--trl-worker", metavar="SETTINGS", help=argparse.SUPPRESS)
@@ -198,6 +206,7 @@ def main() -> None:
     if not args.trl_python:
         sys.exit("pass --trl-python (the interpreter of a virtual environment with TRL)")
     s = settings(args.preset, args.model)
+    s["trl_micro"] = args.trl_micro_batch
     ours, theirs = [], []
     for r in range(args.rounds):
         ours.append(emapg_round(s, args.steps, args.warmup, args.threads, args.emapg_set))
