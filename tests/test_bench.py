@@ -5,6 +5,8 @@ themselves are opt-in (README, "Performance")."""
 
 from __future__ import annotations
 
+import statistics
+
 import json
 
 
@@ -55,7 +57,7 @@ def test_bench_generate_json(cli, tiny_llama, tmp_path):
     for run in res["runs"]:  # limit = GEMM FLOP/s / (2 x params); ratio = tokens/s / limit
         assert abs(run["limit_tokens_per_s"] - 8 / run["gemm_s"]) < 1e-6 * run["limit_tokens_per_s"]
         assert abs(run["ratio"] - run["tokens"] / run["generate_s"] / run["limit_tokens_per_s"]) < 1e-9
-    assert abs(res["ratio"] - res["tokens_per_s"] / res["limit_tokens_per_s"]) < 1e-12
+    assert res["ratio"] == statistics.median(run["ratio"] for run in res["runs"])  # the median of the rounds' ratios
 def test_bench_update_check_confident_bf16_gradients_within_5_percent(cli, tmp_path):
     # issue 32: on confident tokens (p(target) >= 0.999) a bfloat16 head's dH is g (1 - p) W[y], the small difference of
     # two large terms. Rounded to bfloat16 before the subtraction they were off by ~3x (dh_rel_err 3.2, dw 1.2 at these

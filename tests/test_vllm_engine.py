@@ -469,3 +469,16 @@ def test_real_vllm_generates_and_takes_weights(tmp_path):
     engine.load_weights(model)
     after = engine.generate([[1, 2, 3]], greedy)[0][0].token_ids
     assert after != before
+
+
+def test_a_presets_emapg_home_path_reaches_vllm_expanded(fake_vllm, monkeypatch, tmp_path):
+    # presets name their model `$EMAPG_HOME/...`; vLLM took the string as a hub id and failed ("Repo id must be in
+    # the form ...") in `emapg bench generate --preset smol --engine vllm` (found on the real model)
+    from emapg_cli.engines import make_engine as make
+
+    (tmp_path / "smol" / "model").mkdir(parents=True)
+    monkeypatch.setenv("EMAPG_HOME", str(tmp_path))
+    engine = make("vllm", "$EMAPG_HOME/smol/model", seed=0, dtype="float32", max_model_len=64)
+    assert engine.llm.kwargs["model"] == str(tmp_path / "smol" / "model")
+    # a hub id (no such folder) goes through unchanged
+    assert make("vllm", "org/some-model", seed=0, dtype="float32", max_model_len=64).llm.kwargs["model"] == "org/some-model"

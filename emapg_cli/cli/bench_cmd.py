@@ -235,7 +235,7 @@ def generate(
             ("generated", f"{r['tokens_per_s']:.1f} tokens/s ({r['tokens_mean']:.0f} tokens per round, median of {r['rounds']})"),
             ("GEMMs", f"{r['gemm_gflops']:.1f} GFLOP/s at [{r['gemm_rows']}, in] x the model's weights"),
             ("limit", f"{r['limit_tokens_per_s']:.1f} tokens/s (GEMM FLOP/s / {r['flops_per_token'] / 1e6:.4g} MFLOP per token)"),
-            ("ratio", f"{r['ratio']:.2f} of the limit (rounds: {ratios})"),
+            ("ratio", f"{r['ratio']:.2f} of the limit, the median of the rounds ({ratios})"),
             ("load average", f"{r['load_average_before']:.1f} before, {r['load_average_after']:.1f} after")]
     _emit(r, json_path, rows)
 

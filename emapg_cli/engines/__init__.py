@@ -62,9 +62,10 @@ def make_engine(
     dtype = dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     if backend == "vllm":
         from emapg_cli.engines.vllm import VLLMEngine
+        from emapg_cli.models.loading import model_ref
 
         return VLLMEngine(
-            model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+            model_ref(model_path), dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed,
             max_model_len=max_model_len, enable_sleep_mode=model is not None, trust_remote_code=trust_remote_code,
             temperature=temperature, top_p=top_p, end_token_ids=end_token_ids,
             lora_rank=lora_rank if lora_sync == "adapter" else 0,
