@@ -37,13 +37,17 @@ def _machine() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__.split('+')[0]}"
 
 
-def _search_setup(tmp: Path) -> tuple[Path, Path]:
-    from emapg_cli.retrieval.bm25 import build_index
-    from emapg_cli.retrieval.corpus import paragraph_contents
-
+def _search_setup(tmp: Path, code: Path = ROOT) -> tuple[Path, Path]:
+    """The QA rows and a BM25 index built by the source tree `code` (in a subprocess: the baseline commit reads only
+    the index format it wrote, emapg-bm25/1)."""
     corpus = tmp / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"id": str(i), "contents": paragraph_contents(t, x)}) + "\n" for i, (t, x) in enumerate(DOCS)))
-    build_index(corpus, tmp / "index")
+    build = ("import json, sys; from pathlib import Path; from emapg_cli.retrieval.bm25 import build_index; "
+             "from emapg_cli.retrieval.corpus import paragraph_contents; docs = json.loads(sys.argv[1]); "
+             "Path(sys.argv[2]).write_text(''.join(json.dumps({'id': str(i), 'contents': paragraph_contents(t, x)}) + "
+             "'\\n' for i, (t, x) in enumerate(docs))); build_index(Path(sys.argv[2]), Path(sys.argv[3]))")
+    proc = subprocess.run([sys.executable, "-c", build, json.dumps(DOCS), str(corpus), str(tmp / "index")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(code)}, cwd=code)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [{"id": f"q{i}", "question": f"What is the capital of {c}", "answers": [a]}
             for i, (c, a) in enumerate([("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin")])]
     data = tmp / "qa.jsonl"
@@ -51,12 +55,13 @@ def _search_setup(tmp: Path) -> tuple[Path, Path]:
     return data, tmp / "index"
 
 
-def _options(case: str, model: Path, tmp: Path, baseline: bool) -> list[str]:
-    """--set options of `case`; `baseline` spells keys as the baseline commit did (renamed keys only)."""
+def _options(case: str, model: Path, tmp: Path, baseline: bool, code: Path = ROOT) -> list[str]:
+    """--set options of `case`; `baseline` spells keys as the baseline commit did (renamed keys only); `code`: the
+    source tree whose retriever builds the search case's index."""
     if case in ("single", "ddp"):
         extra = {"train.micro_batch_size": 2, "eval.anchor_every": 0} if case == "ddp" else {}
         return tiny_overrides(model, write_dataset(tmp / "train.jsonl"), steps=2, **{"train.save_every": 0, **extra})
-    data, index = _search_setup(tmp)
+    data, index = _search_setup(tmp, code)
     turns = {"rollout.max_turns": 2} if baseline else {"search.max_turns": 2}
     return tiny_overrides(model, data, steps=2, **{
         "rollout.reward": "em", "rollout.max_new_tokens": 8, "data.eval_limit": 2, "data.max_prompt_tokens": 1000,
@@ -107,5 +112,6 @@ def test_weights_match_the_baseline(case, tiny_qwen2, tmp_path):
     if expected is None:  # no stored expectation for this CPU/torch: compute the baseline's weights here
         base = _baseline_tree(tmp_path)
         (tmp_path / "then").mkdir()
-        expected = _train(base, case, _options(case, tiny_qwen2, tmp_path / "then", baseline=True), tmp_path / "then" / "run")
+        expected = _train(base, case, _options(case, tiny_qwen2, tmp_path / "then", baseline=True, code=base),
+                          tmp_path / "then" / "run")
     assert got == expected, f"{case}: final weights differ from the baseline's ({key})"
