@@ -370,8 +370,11 @@ def _json_get(port: int, path: str) -> Any:
 
 
 def _long_request(port: int) -> socket.socket:
-    """A socket whose generate request takes minutes (256 sequences of up to 1,000 tokens on one CPU thread)."""
-    body = json.dumps({"prompts": [[10, 11, 12]], "params": {"n": 256, "max_new_tokens": 1000}, "timeout_s": 600}).encode()
+    """A socket whose generate request holds the server for well over the probes' 2-s deadlines: 4 prompts x 256
+    sequences of up to 1,000 tokens on one CPU thread. (One prompt x 256 took about 3 s once the decode loop dropped
+    ended rows: the tiny model's responses end at EOS, and the probe that waited behind it then got its 200.)"""
+    prompts = [[10, 11, 12], [13, 14, 15], [16, 17, 18], [19, 20, 21]]
+    body = json.dumps({"prompts": prompts, "params": {"n": 256, "max_new_tokens": 1000}, "timeout_s": 600}).encode()
     s = _connect(port, 30)
     s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     return s
