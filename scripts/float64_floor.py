@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 
 def token_logprobs(model, ids: list[int], n: int):
@@ -45,6 +46,9 @@ def main() -> None:
 
     from emapg_cli.models.prompts import render_prompt
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vllm_check import perturb
+
     path = sys.argv[1]
     torch.set_num_threads(2)
     tok = AutoTokenizer.from_pretrained(path)
@@ -52,11 +56,7 @@ def main() -> None:
     prompts = [render_prompt(tok, f"What is {i} + {i + 1}?") for i in range(8)]  # vllm_check's prompts
     for tag in ("as prepared", "perturbed as vllm_check does"):
         if tag != "as prepared":
-            gen = torch.Generator().manual_seed(0)
-            with torch.no_grad():  # vllm_check's perturbation, tensor by tensor
-                for p in m32.parameters():
-                    noise = torch.randn(p.shape, generator=gen)
-                    p.add_(noise * (0.5 * float(p.std()) if float(p.std()) > 0 else 0.1))
+            perturb(m32)  # vllm_check's perturbation
         d = floor(path, m32, prompts, tok.eos_token_id)
         print(f"{tag}: float32 vs float64 log-probs: max {max(d):.2e}, mean {statistics.mean(d):.2e} ({len(d)} tokens)")
 

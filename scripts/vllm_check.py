@@ -73,6 +73,18 @@ def hf_logprobs(model, prompt: list[int], completion: list[int], device: str) ->
     return logp.gather(-1, torch.tensor(completion, device=device)[:, None])[:, 0].tolist()
 
 
+def perturb(model, device: str = "cpu") -> None:
+    """Add noise of 0.5 x each tensor's std (0.1 for a constant one) to every parameter, seed 0: weights, biases,
+    norms, the tied embedding all move (the weight push check; scripts/float64_floor.py measures its rounding)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen).to(device)
+            p.add_(noise * (0.5 * float(p.std()) if float(p.std()) > 0 else 0.1))
+
+
 def logprob_diffs(model, prompts, groups, device: str) -> list[float]:
     return [abs(a - b) for p, g in zip(prompts, groups) for c in g
             for a, b in zip(c.logprobs, hf_logprobs(model, p, c.token_ids, device))]
@@ -198,11 +210,7 @@ def main() -> int:
     # ---- 3. weight push (through sleep mode where the platform has it)
     greedy = SamplingParams(n=1, max_new_tokens=32, temperature=0.0)
     before = [g[0].token_ids for g in engine.generate(prompts[:8], greedy)]
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # every tensor moves: weights, biases, norms, the tied embedding
-        for p in model.parameters():
-            noise = torch.randn(p.shape, generator=gen).to(device)
-            p.add_(noise * (0.5 * float(p.std()) if float(p.std()) > 0 else 0.1))
+    perturb(model, device)
     if device == "cuda":
         free0 = torch.cuda.mem_get_info()[0]
         engine.release_memory()
