@@ -65,14 +65,23 @@ def limit_memory(max_bytes: int) -> None:
 _inside = threading.local()  # .depth: calls into user code in progress on this thread
 
 
+_forker = {"pid": 0}  # the pid of the process that forked last, recorded in it just before the fork (copied into the child)
+
+
+def _before_fork() -> None:
+    _forker["pid"] = os.getpid()
+
+
 def _after_fork_in_child() -> None:
-    """In a process forked by user code (the forking thread was inside `user_code()`): die with the forking thread."""
+    """In a process forked by user code (the forking thread was inside `user_code()`): die with the forking thread.
+    The forker may already be gone before prctl takes effect (a forked copy that forks and returns at once, leaving
+    user code: `os._exit` in `user_code()`); then nothing would ever signal this process, so it exits here."""
     if getattr(_inside, "depth", 0):
-        _prctl_pdeathsig()
+        die_with_parent(_forker["pid"])
 
 
 if hasattr(os, "register_at_fork"):  # once, when this module is first imported; it acts only inside user_code()
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 @contextlib.contextmanager
