@@ -31,78 +31,25 @@ missing; the engine then uses `generate` and says so (engines/hf.py).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from emapg_cli.engines.base import Cancelled
-from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache
+from emapg_cli.engines.kv_cache import PreallocatedLayer, preallocated_cache  # noqa: F401 - PreallocatedLayer: re-exported
+from emapg_cli.engines.cascade import CascadeCache, active as cascade_active, supported as cascade_supported
+from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache, prompt_prefix
 
 #: A batch never shrinks below this many rows (or the chunk's rows, when fewer): below it a step costs about
 #: the same (the weights are read from memory once per step whatever the rows), and MKL's small-batch GEMM
 #: kernels round some batch sizes (1-3 rows at 1 thread, 1-11 but 4 and 8 at 2 threads, on an AVX2 machine)
 #: differently than larger batches.
 MIN_ROWS = 16
-
-
-class PreallocatedLayer(DynamicLayer):
-    """One layer's keys and values in buffers of `capacity` columns [B, heads, capacity, d], written in place.
-
-    `update` returns the view of the live rows' columns written so far: the same values, in the same shape, as
-    the `torch.cat` of a `DynamicLayer`. `move(src, dst)` copies rows (the batch's compaction)."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-        self.length = 0  # columns written
-        self.rows = 0  # live rows: the first `rows` of the buffers
-        self.k_buf: Optional[Tensor] = None  # [B, heads, capacity, d]
-        self.v_buf: Optional[Tensor] = None
-
-    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        b, h, _, d = key_states.shape
-        self.device = key_states.device
-        self.k_buf = key_states.new_empty(b, h, self.capacity, d)  # [B, heads, capacity, d]
-        self.v_buf = value_states.new_empty(b, value_states.shape[1], self.capacity, value_states.shape[-1])
-        self.rows = b
-        self.is_initialized = True
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.length + key_states.shape[-2]
-        if end > self.capacity:
-            raise RuntimeError(f"preallocated cache of {self.capacity} columns is full")
-        self.k_buf[: self.rows, :, self.length:end] = key_states
-        self.v_buf[: self.rows, :, self.length:end] = value_states
-        self.length = end
-        self.keys = self.k_buf[: self.rows, :, :end]  # [rows, heads, end, d]
-        self.values = self.v_buf[: self.rows, :, :end]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def move(self, src: Tensor, dst: Tensor, rows: int) -> None:
-        """Copy rows `src` to `dst` (both [m]) and keep the first `rows` rows live."""
-        if len(src):
-            self.k_buf[dst, :, : self.length] = self.k_buf[src, :, : self.length]
-            self.v_buf[dst, :, : self.length] = self.v_buf[src, :, : self.length]
-        self.rows = rows
-
-
-def preallocated_cache(layers: int, capacity: int, prefilled: Any = None) -> DynamicCache:
-    """A cache of `layers` `PreallocatedLayer`s; `prefilled` (a DynamicCache of the prompts) is copied in."""
-    cache = DynamicCache()
-    cache.layers = [PreallocatedLayer(capacity) for _ in range(layers)]
-    if prefilled is not None:
-        for layer, old in zip(cache.layers, prefilled.layers):
-            layer.update(old.keys, old.values)
-    return cache
 
 
 def unsupported_reason(model) -> Optional[str]:
@@ -142,13 +89,15 @@ Draw = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Tensor]]]
 
 @torch.inference_mode()
 def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: Draw, end_ids: tuple[int, ...],
-           stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True,
+           stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True, cascade: bool = False,
            min_rows: Optional[int] = None, cancelled: Optional[Callable[[], bool]] = None) -> Decoded:
     """Sample up to N = uniforms.shape[1] tokens for each left-padded prompt row (input_ids, attention [B, P]).
 
     `stop(sequences [b, P + t]) -> [b] bool`: rows that end on a stop string (generate's StopStringCriteria).
-    Step t of row r draws with uniforms[r, t]. `min_rows`: the batch's floor (None: `MIN_ROWS`). `cancelled`: polled
-    before every step; once it returns True, `engines.base.Cancelled` is raised (the rollout server's client left)."""
+    Step t of row r draws with uniforms[r, t]. `cascade`: when prompts repeat (and `share_prompts`), attend to each
+    prompt once per step (engines/cascade.py: faster, not bit-identical). `min_rows`: the batch's floor (None:
+    `MIN_ROWS`). `cancelled`: polled before every step; once it returns True, `engines.base.Cancelled` is raised
+    (the rollout server's client left)."""
     b, plen = input_ids.shape
     n = uniforms.shape[1]
     dev = input_ids.device
@@ -158,36 +107,54 @@ def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: 
     pos = position_ids(mask)  # [B, P + N] as generate assigns them
     out = Decoded(tokens=torch.zeros(b, n, dtype=torch.long), logprobs=torch.zeros(b, n), topk=None,
                   steps=torch.full((b,), n))
-    layers = model.config.get_text_config(decoder=True).num_hidden_layers
-    shared = prompt_cache(model.get_decoder(), input_ids, attention) if share_prompts else None
-    cache = preallocated_cache(layers, plen + n, shared)
-    start = plen - 1 if shared is not None else 0  # columns already in the cache
+    cache, groups = _step_cache(model, input_ids, attention, n, share_prompts, cascade)
+    start = plen - 1 if cache.get_seq_length() else 0  # columns already in the cache
     live = torch.arange(b, device=dev)  # [b'] the original row of each live batch row
     ends = torch.tensor(end_ids, device=dev)
-    for t in range(n):
-        if cancelled is not None and cancelled():
-            raise Cancelled("the generation was cancelled")
-        cols = slice(start, plen + t)
-        logits = model(input_ids=seqs[live, cols], attention_mask=mask[live, : plen + t], position_ids=pos[live, cols],
-                       use_cache=True, logits_to_keep=1, **{key: cache}).logits
-        scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)  # [b', V] as generate takes them
-        tokens, logp, top = draw(scores, uniforms[live, t])
-        seqs[live, plen + t] = tokens
-        out.tokens[live.cpu(), t], out.logprobs[live.cpu(), t] = tokens.cpu(), logp.float().cpu()
-        if top is not None:
-            if out.topk is None:
-                out.topk = torch.zeros(b, n, top.shape[1], dtype=torch.long)  # [B, N, k]
-            out.topk[live.cpu(), t] = top.cpu()
-        done = torch.isin(tokens, ends)  # [b']
-        if stop is not None:
-            done |= stop(seqs[live, : plen + t + 1])
-        start = plen + t
-        if done.any():
-            out.steps[live[done].cpu()] = torch.minimum(out.steps[live[done].cpu()], torch.tensor(t + 1))
-            live = _compact(cache, live, min(MIN_ROWS if min_rows is None else min_rows, b), out.steps, t + 1)
-        if not len(live) or bool((out.steps[live.cpu()] <= t + 1).all()):
-            break
+    floor = min(MIN_ROWS if min_rows is None else min_rows, b)
+    with cascade_active(model, cache) if groups is not None else contextlib.nullcontext():
+        for t in range(n):
+            if cancelled is not None and cancelled():
+                raise Cancelled("the generation was cancelled")
+            cols = slice(start, plen + t)
+            if groups is not None:
+                cache.set_rows(groups[live])
+            logits = model(input_ids=seqs[live, cols], attention_mask=mask[live, : plen + t],
+                           position_ids=pos[live, cols], use_cache=True, logits_to_keep=1, **{key: cache}).logits
+            scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)  # [b', V] as generate takes them
+            tokens, logp, top = draw(scores, uniforms[live, t])
+            seqs[live, plen + t] = tokens
+            out.tokens[live.cpu(), t], out.logprobs[live.cpu(), t] = tokens.cpu(), logp.float().cpu()
+            if top is not None:
+                if out.topk is None:
+                    out.topk = torch.zeros(b, n, top.shape[1], dtype=torch.long)  # [B, N, k]
+                out.topk[live.cpu(), t] = top.cpu()
+            done = torch.isin(tokens, ends)  # [b']
+            if stop is not None:
+                done |= stop(seqs[live, : plen + t + 1])
+            start = plen + t
+            if done.any():
+                out.steps[live[done].cpu()] = torch.minimum(out.steps[live[done].cpu()], torch.tensor(t + 1))
+                live = _compact(cache, live, floor, out.steps, t + 1)
+            if not len(live) or bool((out.steps[live.cpu()] <= t + 1).all()):
+                break
     return out
+
+
+def _step_cache(model, input_ids: Tensor, attention: Tensor, n: int, share_prompts: bool,
+                cascade: bool) -> tuple[DynamicCache, Optional[Tensor]]:
+    """The decode loop's cache with the prompts prefilled (each distinct prompt once, when they repeat and
+    `share_prompts`; else empty), and the prompt of each row [B] when it is a cascade cache (else None)."""
+    plen = input_ids.shape[1]
+    decoder = model.get_decoder()
+    if cascade and share_prompts and cascade_supported(model):
+        prefix = prompt_prefix(decoder, input_ids, attention)
+        if prefix is not None:
+            cache, groups = prefix
+            return CascadeCache(cache, attention[groups.first, : plen - 1], n + 1), groups.inverse
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    shared = prompt_cache(decoder, input_ids, attention) if share_prompts else None
+    return preallocated_cache(layers, plen + n, shared), None
 
 
 def _compact(cache: DynamicCache, live: Tensor, floor: int, steps: Tensor, t: int) -> Tensor:

@@ -109,13 +109,11 @@ def supported(decoder: nn.Module) -> bool:
 def _distinct_prefill(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, groups: Groups,
                       width: int) -> tuple[Tensor, Any]:
     """Each distinct prompt's first `width` columns through the decoder once: their final hidden states
-    [U, width, H] and the key/value cache gathered to every row ([U, ...] -> [B, ...])."""
+    [U, width, H] and their key/value cache ([U, ...]; `batch_select_indices(groups.inverse)` gives each row's)."""
     first = groups.first
     out = decoder(input_ids=input_ids[first, :width], attention_mask=attention_mask[first, :width],
                   position_ids=position_ids[first, :width], use_cache=True)
-    cache = _cache_of(out)
-    cache.batch_select_indices(groups.inverse)  # each row's prompt keys and values
-    return out.last_hidden_state, cache
+    return out.last_hidden_state, _cache_of(out)
 
 
 def shared_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_len: int, groups: Groups,
@@ -126,6 +124,7 @@ def shared_hidden(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor,
     position_ids [B, P + R]: the padded pass's positions (`position_ids(attention_mask)`)."""
     p = prompt_len
     hidden, cache = _distinct_prefill(decoder, input_ids, attention_mask, position_ids, groups, p)
+    cache.batch_select_indices(groups.inverse)  # each row's prompt keys and values
     last = hidden[:, -1][groups.inverse]  # [B, H] predicts each row's first response token
     if input_ids.shape[1] - p <= 1:
         return last[:, None]  # [B, 1, H]
@@ -138,8 +137,20 @@ def prompt_cache(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
     """The key/value cache of every row's prompt but its last token (left-padded prompts [B, P]), each
     distinct prompt computed once; None when no prompt repeats or P < 2. `generate` given it (under
     `cache_kwarg(decoder)`) with the full prompts runs only their last column before sampling."""
-    width = input_ids.shape[1] - 1  # the columns prefilled here; `generate` runs the last one
+    prefix = prompt_prefix(decoder, input_ids, attention_mask)
+    if prefix is None:
+        return None
+    cache, groups = prefix
+    cache.batch_select_indices(groups.inverse)  # each row's prompt keys and values
+    return cache
+
+
+def prompt_prefix(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Optional[tuple[Any, Groups]]:
+    """`prompt_cache` before it is gathered to the rows: the distinct prompts' cache ([U, ...]: each prompt but its
+    last token) and the groups (which row holds which prompt); None when no prompt repeats or P < 2."""
+    width = input_ids.shape[1] - 1  # the columns prefilled here; the decode loop runs the last one
     groups = plan(input_ids, attention_mask, width, "always")
     if groups is None:
         return None
-    return _distinct_prefill(decoder, input_ids, attention_mask, position_ids(attention_mask), groups, width)[1]
+    cache = _distinct_prefill(decoder, input_ids, attention_mask, position_ids(attention_mask), groups, width)[1]
+    return cache, groups
