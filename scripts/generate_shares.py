@@ -10,6 +10,7 @@ Variants (each adds one thing to the one before):
   prealloc      + the preallocated key/value cache
   compact       + rows that end leave the batch (the default engine)
   no-share      the default engine without prompt sharing (every row prefills its own prompt)
+  cascade       compact + cascade attention (rollout.hf_attention: cascade): each prompt's keys read once per step
 
     python scripts/generate_shares.py --preset toy --model MODEL --sequences 64 --max-new-tokens 32 --threads 2 --rounds 3
 """
@@ -76,6 +77,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="generate,loop,prealloc,compact,no-share")
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every response runs to --max-new-tokens (no end token), as `emapg bench generate` runs")
+    parser.add_argument("--prompt-repeat", type=int, default=1,
+                        help="each prompt's tokens but the last, K times over: longer prompts, the same groups")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     quiet_transformers()
@@ -84,13 +89,15 @@ def main() -> None:
     tok = load_tokenizer(cfg.model.path)
     lm = load_causal_lm(cfg.model.path, "float32").eval()
     n = cfg.rollout.n
-    prompts = bench_prompts(cfg, tok, args.sequences // n)
+    prompts = [p[:-1] * args.prompt_repeat + p[-1:] for p in bench_prompts(cfg, tok, args.sequences // n)]
     params = SamplingParams(n=n, max_new_tokens=args.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, seed=0)
     weights = linear_weights(lm)
     flops_token = 2.0 * sum(w.numel() for w in weights)  # per token (docs/performance.md)
     names = args.variants.split(",")
-    engines = {v: HFEngine(lm, tok, fast_decode=v != "generate", share_prompts=v != "no-share") for v in names}
+    engines = {v: HFEngine(lm, tok, fast_decode=v != "generate", share_prompts=v != "no-share",
+                           attention="cascade" if v == "cascade" else "sdpa", end_token_ids=() if args.fixed_length else None)
+               for v in names}
     with variant(names[0]):
         engines[names[0]].generate(prompts, SamplingParams(n=n, max_new_tokens=2, seed=0))  # warm-up
     rows: dict[str, list[dict]] = {v: [] for v in names}
@@ -112,16 +119,19 @@ def main() -> None:
     diffs = {v: differences(samples[names[0]], samples[v]) for v in names}
     summary = {v: {k: statistics.median(x[k] for x in rows[v]) for k in ("tokens_per_s", "limit_tokens_per_s", "ratio")}
                for v in names}
-    base = summary[names[0]]["tokens_per_s"]
     for v in names:
         s = summary[v]
-        print(f"median {v:>9}: {s['tokens_per_s']:7.1f} tokens/s ({s['tokens_per_s'] / base:.2f}x {names[0]}), "
-              f"ratio {s['ratio']:.3f}, same samples as {names[0]}: {same[v]}")
+        # the speed-up over the first variant, round by round (interleaved: each pair ran side by side)
+        speedups = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(rows[v], rows[names[0]])]
+        s["speedup_median"], s["speedup_min"] = statistics.median(speedups), min(speedups)
+        print(f"median {v:>9}: {s['tokens_per_s']:7.1f} tokens/s ({s['speedup_median']:.2f}x {names[0]}, round by round: "
+              f"{', '.join(f'{x:.2f}' for x in speedups)}), ratio {s['ratio']:.3f}, same samples as {names[0]}: {same[v]}")
         if not same[v]:
             d = diffs[v]
             print(f"    {v}: {d['differing_tokens']} of {d['responses']} responses have other tokens (first at token "
                   f"{d['first_divergence']}); largest |log-prob difference| where the tokens agree {d['max_abs_dlogp']:.2e}")
-    print(f"GEMM FLOPs per token {flops_token / 1e6:.1f}M, {args.sequences} sequences, {args.threads} threads")
+    print(f"GEMM FLOPs per token {flops_token / 1e6:.1f}M, {args.sequences} sequences of {len(prompts[0])}-token prompts, "
+          f"{args.threads} threads")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": rows, "median": summary, "same_samples": same, "differences": diffs, "args": vars(args)}, f, indent=2)
