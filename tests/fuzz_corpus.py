@@ -1094,7 +1094,8 @@ def bench_cases() -> list[Case]:
         ("model-empty", ("--preset", "toy", "--model", "")), ("model-missing", ("--preset", "toy", "--model", "nomodel")),
         ("model-is-a-file", ("--preset", "toy", "--model", "good.yaml")),
         ("set-unknown-key", ("--preset", "toy", "--set", "rollout.nope=1")),
-        ("set-fast-decode-text", ("--preset", "toy", "--set", "rollout.hf_fast_decode=maybe")))]
+        ("set-fast-decode-text", ("--preset", "toy", "--set", "rollout.hf_fast_decode=maybe")),
+        ("set-attention-unknown", ("--preset", "toy", "--set", "rollout.hf_attention=flash")))]
     cases += [case("bench", f"update-{name}", "bench", "update", *argv) for name, argv in (
         ("dtype-float16", ("--dtype", "float16")), ("estimator-unknown", ("--estimator", "k5")),
         ("device-tpu", ("--device", "tpu")), ("tokens-zero", ("--tokens", "0")))]

@@ -125,6 +125,7 @@ def test_engine_url_config_and_refusals():
         ({"rollout": {"engine_url": "http://h:1", "gpu_memory_utilization": 0.3}}, "rollout.gpu_memory_utilization sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1", "hf_batch_size": 8}}, "rollout.hf_batch_size sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1", "hf_fast_decode": False}}, "rollout.hf_fast_decode sets up an engine"),
+        ({"rollout": {"engine_url": "http://h:1", "hf_attention": "cascade"}}, "rollout.hf_attention sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
         ({"rollout": {"engine_weights_backend": "http"}}, "rollout.engine_weights_backend applies to a rollout server"),
