@@ -65,11 +65,10 @@ def limit_memory(max_bytes: int) -> None:
 _inside = threading.local()  # .depth: calls into user code in progress on this thread
 
 
-_forker = {"pid": 0}  # the pid of the process that forked last, recorded in it just before the fork (copied into the child)
-
-
 def _before_fork() -> None:
-    _forker["pid"] = os.getpid()
+    """In user code about to fork: note this process's pid on the forking thread (the child inherits the note)."""
+    if getattr(_inside, "depth", 0):
+        _inside.forker = os.getpid()
 
 
 def _after_fork_in_child() -> None:
@@ -77,7 +76,7 @@ def _after_fork_in_child() -> None:
     The forker may already be gone before prctl takes effect (a forked copy that forks and returns at once, leaving
     user code: `os._exit` in `user_code()`); then nothing would ever signal this process, so it exits here."""
     if getattr(_inside, "depth", 0):
-        die_with_parent(_forker["pid"])
+        die_with_parent(_inside.forker)
 
 
 if hasattr(os, "register_at_fork"):  # once, when this module is first imported; it acts only inside user_code()
