@@ -16,9 +16,11 @@ def token_logprobs(model, ids: list[int], n: int):
     """log p of the last n tokens of `ids` under `model`, computed in float64 from its logits: [n]."""
     import torch
 
+    from emapg_cli.kl.common import gather_logprobs
+
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, -n - 1:-1].double()  # [n, V]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[-n:])[:, None]).squeeze(-1)
+    return gather_logprobs(logits, torch.tensor(ids[-n:]))
 
 
 def floor(path: str, m32, prompts: list[list[int]], eos: int) -> list[float]:

@@ -47,12 +47,13 @@ _users: dict[int, int] = {}  # id(config) -> decode loops inside `active()` on t
 
 
 class CascadeLayer(PreallocatedLayer):
-    """One layer: the distinct prompts' keys and values [U, kv, W, d] once, and each row's own columns after them in
-    a preallocated [B, kv, capacity, d] buffer (`update` writes and returns those; `get_seq_length` counts both)."""
+    """One layer: the distinct prompts' keys and values [U, kv, W, d] once (in float32, what the attention computes
+    in), and each row's own columns after them in a preallocated [B, kv, capacity, d] buffer (`update` writes and
+    returns those; `get_seq_length` counts both)."""
 
     def __init__(self, keys: Tensor, values: Tensor, capacity: int):
         super().__init__(capacity)
-        self.prompt_keys, self.prompt_values = keys, values  # [U, kv, W, d]
+        self.prompt_keys, self.prompt_values = keys.float(), values.float()  # [U, kv, W, d], converted once
 
     def get_seq_length(self) -> int:
         return self.prompt_keys.shape[-2] + self.length
@@ -122,13 +123,12 @@ def _attend(cache: "CascadeCache", layer: CascadeLayer, query: Tensor, key: Tens
     g = h // kv
     q = query.reshape(b, kv, g, d)  # [b, kv, g, d]: the query heads that share each key/value head
     grid = _to_grid(q, cache.flat, cache.prompts, cache.per)  # [U, kv, per x g, d]
-    prompt_k, prompt_v = layer.prompt_keys.float(), layer.prompt_values.float()  # [U, kv, W, d]
-    s_prompt = _from_grid(torch.matmul(grid, prompt_k.transpose(-1, -2)), cache.flat, cache.per, g)  # [b, kv, g, W]
+    s_prompt = _from_grid(torch.matmul(grid, layer.prompt_keys.transpose(-1, -2)), cache.flat, cache.per, g)  # [b, kv, g, W]
     s_prompt.masked_fill_(~cache.row_mask[:, None, None, :], float("-inf"))
     s_own = torch.matmul(q, key.transpose(-1, -2))  # [b, kv, g, S]
     probs = torch.softmax(torch.cat([s_prompt, s_own], -1).mul_(scale), -1)  # [b, kv, g, W + S]
     w = s_prompt.shape[-1]
-    from_prompt = torch.matmul(_to_grid(probs[..., :w], cache.flat, cache.prompts, cache.per), prompt_v)  # [U, kv, per x g, d]
+    from_prompt = torch.matmul(_to_grid(probs[..., :w], cache.flat, cache.prompts, cache.per), layer.prompt_values)  # [U, kv, per x g, d]
     out = _from_grid(from_prompt, cache.flat, cache.per, g) + torch.matmul(probs[..., w:], value)  # [b, kv, g, d]
     return out.reshape(b, 1, h, d)  # [b, q=1, H, d], as sdpa_attention_forward returns it
 
