@@ -123,12 +123,14 @@ def _attend(cache: "CascadeCache", layer: CascadeLayer, query: Tensor, key: Tens
     g = h // kv
     q = query.reshape(b, kv, g, d)  # [b, kv, g, d]: the query heads that share each key/value head
     grid = _to_grid(q, cache.flat, cache.prompts, cache.per)  # [U, kv, per x g, d]
-    s_prompt = _from_grid(torch.matmul(grid, layer.prompt_keys.transpose(-1, -2)), cache.flat, cache.per, g)  # [b, kv, g, W]
+    s_grid = torch.matmul(grid, layer.prompt_keys.transpose(-1, -2))  # [U, kv, per x g, W]
+    s_prompt = _from_grid(s_grid, cache.flat, cache.per, g)  # [b, kv, g, W]
     s_prompt.masked_fill_(~cache.row_mask[:, None, None, :], float("-inf"))
     s_own = torch.matmul(q, key.transpose(-1, -2))  # [b, kv, g, S]
     probs = torch.softmax(torch.cat([s_prompt, s_own], -1).mul_(scale), -1)  # [b, kv, g, W + S]
     w = s_prompt.shape[-1]
-    from_prompt = torch.matmul(_to_grid(probs[..., :w], cache.flat, cache.prompts, cache.per), layer.prompt_values)  # [U, kv, per x g, d]
+    p_grid = _to_grid(probs[..., :w], cache.flat, cache.prompts, cache.per)  # [U, kv, per x g, W]
+    from_prompt = torch.matmul(p_grid, layer.prompt_values)  # [U, kv, per x g, d]
     out = _from_grid(from_prompt, cache.flat, cache.per, g) + torch.matmul(probs[..., w:], value)  # [b, kv, g, d]
     return out.reshape(b, 1, h, d)  # [b, q=1, H, d], as sdpa_attention_forward returns it
 
