@@ -359,6 +359,7 @@ class EMAConfig(Section):
 
 class EvalConfig(Section):
     every: int = Field(0, ge=0, description="Evaluate the policy every this many RL steps (0: only before and after training).")
+    initial: bool = Field(True, description="Evaluate the policy before the first step (step 0). false: skip it (a study that measures the initial model once for all its runs, e.g. `emapg ablate --study anchors --preset smol`; summary.json's eval_accuracy_initial is then null).")
     anchor_every: int = Field(0, ge=0, description="Also evaluate the anchor's own weights every this many RL steps (0: never).")
     initial_kl_every: int = Field(0, ge=0, description="Log kl/to_initial every this many RL steps: the k3 estimate of KL(policy || the initial model) per token of the step's own rollouts, the initial model loaded again from model.path (one more policy-sized model in memory, one no-grad forward on a measured step; docs/anchors.md). 0: never.")
     n: int = Field(1, ge=1, description="Samples per evaluation item.")

@@ -301,7 +301,7 @@ class Trainer:
         self.on_started()  # status.json: running (the folder is kept from here on)
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
-            if self.eval_prompts:
+            if self.eval_prompts and self.cfg.eval.initial:
                 row.update(initial_evaluations(self))  # the policy's accuracy, and the teacher's when the run distils
                 self.state["eval_accuracy_initial"] = row["eval/accuracy"]
             logger.log(row, 0)
