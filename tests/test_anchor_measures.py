@@ -195,3 +195,42 @@ def test_a_measured_study_end_to_end(tmp_path, tiny_qwen2):
     assert (out / "measure" / "base" / measures.DONE).is_file() and (out / "anchors_gain_forgetting.png").is_file()
     again = cli("ablate", "--study", str(study), "--out", str(out), timeout=300, EMAPG_HOME=str(home))
     assert "0 done, 6 finished before, 0 failed" in again.stdout
+
+
+def test_heldout_kl_against_torch_distributions(tmp_path, tiny_qwen2):
+    """measures.heldout_kl: 0 for the initial model against itself; for a perturbed copy, the per-token mean of
+    torch.distributions' KL(Categorical(policy) || Categorical(initial)) at the response positions, computed here."""
+    import torch
+    from torch.distributions import Categorical, kl_divergence
+
+    from emapg_cli.models.loading import load_causal_lm, load_tokenizer
+    from emapg_cli.models.prompts import render_prompt
+
+    policy = tmp_path / "policy"
+    model = load_causal_lm(str(tiny_qwen2), "float32")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(policy)
+    load_tokenizer(str(tiny_qwen2)).save_pretrained(policy)
+    bench = tmp_path / "b.jsonl"
+    bench.write_text("".join(json.dumps({"id": f"gcd-1-{i}", "question": f"{i}+{i}?"}) + "\n" for i in range(3)))
+    sampled = tmp_path / "sampled"
+    sampled.mkdir()
+    (sampled / "results.jsonl").write_text("".join(json.dumps({"id": f"gcd-1-{i}", "responses": [f"<answer>{2 * i}</answer>", "x"],
+                                                                "correct": [True, False]}) + "\n" for i in range(3)))
+    prefix = [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "<answer>A</answer>"}]
+    assert measures.heldout_kl(str(tiny_qwen2), str(tiny_qwen2), sampled, bench, prefix)["kl"] == 0.0
+    got = measures.heldout_kl(str(policy), str(tiny_qwen2), sampled, bench, prefix)
+    tok, pi, pi0 = load_tokenizer(str(tiny_qwen2)), load_causal_lm(str(policy), "float32"), load_causal_lm(str(tiny_qwen2), "float32")
+    kls = []
+    with torch.no_grad():
+        for i in range(3):
+            prompt = render_prompt(tok, f"{i}+{i}?", prefix)
+            resp = tok(f"<answer>{2 * i}</answer>", add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt + resp])
+            a, b = pi(ids).logits[0, len(prompt) - 1:-1], pi0(ids).logits[0, len(prompt) - 1:-1]
+            kls += kl_divergence(Categorical(logits=a), Categorical(logits=b)).tolist()
+    assert got["tokens"] == len(kls) and got["responses"] == 3
+    assert got["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-4) and got["kl"] > 0

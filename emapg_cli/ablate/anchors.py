@@ -199,7 +199,7 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
     return report
 
 
-MEASURED = ("gain", "pass_n", "distinct", "distinct_items", "forgetting", "untrained_distinct_items")
+MEASURED = ("gain", "pass_n", "distinct", "distinct_items", "forgetting", "untrained_distinct_items", "kl_heldout")
 
 
 def _measured_row(measured: list[dict[str, Any]]) -> dict[str, Any]:
@@ -340,16 +340,17 @@ def _measured_markdown(report: Report) -> list[str]:
               "Gain: final greedy accuracy above the better of best constant and format only, in points, mean over the "
               "trained tasks. pass@n and distinct answers per item: n samples at the training temperature on held-out items. "
               "Distinct across items: different greedy answers over a task's held-out items (1: one answer to everything). "
-              "Forgetting: the initial model's greedy accuracy minus the run's on the untrained tasks, in points (> 0: lost).", "",
+              "Forgetting: the initial model's greedy accuracy minus the run's on the untrained tasks, in points (> 0: lost). "
+              "KL to initial, held-out: the exact per-token KL(policy || initial) along the policy's samples on held-out prompts.", "",
               "| rule | cell | seeds | gain (points) | pass@n % | distinct per item | distinct across items | forgetting (points) | "
-              "untrained: distinct across items |", "|---|---|---:|---|---|---|---|---|---|"]
+              "untrained: distinct across items | KL to initial, held-out (per token) |", "|---|---|---:|---|---|---|---|---|---|---|"]
     for r in report.rows:
         m = r.get("measured")
         if not m:
             continue
         lines.append(f"| {r['rule']} | {r['cell']} | {m['gain']['n']} | {_pts(m['gain'], True)} | {_pts(m['pass_n'])} | "
                      f"{_ci(m['distinct'])} | {_ci(m['distinct_items'])} | {_pts(m['forgetting'], True)} | "
-                     f"{_ci(m['untrained_distinct_items'])} |")
+                     f"{_ci(m['untrained_distinct_items'])} | {_f(m['kl_heldout']['mean'], 4)} |")
     lines += ["", "## (f) Per trained task (mean over seeds)", "",
               "| rule | cell | task | final greedy % | pass@n % | distinct per item | distinct across items |",
               "|---|---|---|---:|---:|---:|---:|"]

@@ -41,6 +41,7 @@ from emapg_cli.paths import expand, write_text_atomic
 MEASURE_DIR = "measure"
 BASELINES = "baselines.json"
 DONE = "done.json"  # a run's (or the base's) measurements are complete: written last
+KL_FILE = "kl.json"  # heldout_kl of a run
 #: The longest answer counted as one (a longer text inside <answer> tags is still one answer, cut to this).
 MAX_ANSWER_CHARS = 200
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -168,6 +169,17 @@ def _emapg(args: list[str], log: Path, env: Optional[dict[str, str]] = None) -> 
         raise UserError(f"measuring failed: `emapg {args[0]}` exited {rc} (its output: {log})")
 
 
+def _emapg_module(args: list[str], log: Path, env: Optional[dict[str, str]] = None) -> None:
+    """`python -m emapg_cli.ablate.measures ARGS` (heldout_kl in a process of its own), output appended to `log`."""
+    with open(log, "a") as f:
+        f.write(f"$ python -m emapg_cli.ablate.measures {' '.join(args[:1])} ...\n")
+        f.flush()
+        rc = subprocess.call([sys.executable, "-m", "emapg_cli.ablate.measures", *args], stdout=f, stderr=subprocess.STDOUT,
+                             env=env, start_new_session=True)
+    if rc != 0:
+        raise UserError(f"measuring failed: the held-out KL exited {rc} (its output: {log})")
+
+
 def _evaluate(sweep, model: str, bench: Path, out: Path, n: int, temperature: float, log: Path,
               env: Optional[dict[str, str]], sets: tuple[str, ...] = ()) -> None:
     """One `emapg eval` into `out` (skipped when it finished before), its plots removed (results only)."""
@@ -227,6 +239,7 @@ def measure_base(sweep, m: Measures, out: Path, log: Path, env: Optional[dict[st
     _evaluate(sweep, model, folder / "untrained", base / "untrained", 1, 0.0, log, env)
     _evaluate(sweep, model, heldout, base / "format_only", 1, 0.0, log, env,
               (f"data.chat_prefix={json.dumps(m.format_prefix)}",))
+    make_portable([*_records(base), log], out)
     write_text_atomic(base / DONE, "{}\n")
 
 
@@ -241,10 +254,78 @@ def measure_run(sweep, m: Measures, out: Path, rdir: Path, log: Path, env: Optio
         raise UserError(f"measuring {rdir}: its final policy ({policy}) is gone; delete the run folder to run it again")
     _evaluate(sweep, str(policy), benches(out) / "sampled.jsonl", here / "sampled", m.n, m.temperature, log, env)
     _evaluate(sweep, str(policy), benches(out) / "untrained", here / "untrained", 1, 0.0, log, env)
+    if not (here / KL_FILE).is_file():
+        from emapg_cli.config.loading import load_config
+
+        cfg = load_config(sweep.preset, sweep.config, sweep.set)
+        _emapg_module(["kl", str(policy), str(expand(cfg.model.path)), str(here / "sampled"), str(benches(out) / "sampled.jsonl"),
+                       json.dumps(cfg.data.prefix_messages()), str(here / KL_FILE)], log, env)
+    make_portable([*_records(here), rdir / "config.yaml", rdir.with_name(rdir.name + ".log"),
+                   rdir.with_name(rdir.name + ".status.json")], out)
     write_text_atomic(here / DONE, "{}\n")
     if not m.keep_weights:
         for name in ("final", "checkpoints", "plots"):  # plots: `emapg plot RUN` draws them again from metrics.jsonl
             shutil.rmtree(rdir / name, ignore_errors=True)
+
+
+def heldout_kl(policy: str, initial: str, sampled: Path, bench: Path, prefix: list[dict[str, str]]) -> dict[str, float]:
+    """The KL to the initial model on held-out prompts, per response token:
+
+        KL_t = sum_v pi(v | s_t) (log pi(v | s_t) - log pi_0(v | s_t))        (exact over the vocabulary)
+
+    at every response position s_t of the policy's first sample of each item of the `sampled` evaluation (held-out
+    prompts at the training temperature; the response text re-tokenised, which can split a word differently from the
+    sampled ids), averaged over the tokens (`kl`) and, summed per response, over the items (`kl_sequence`). The
+    distributions are the models' own (temperature 1). Runs in its own process (`python -m emapg_cli.ablate.measures`)."""
+    import torch
+
+    from emapg_cli.data.schema import read_jsonl
+    from emapg_cli.models.loading import load_causal_lm, load_tokenizer
+    from emapg_cli.models.prompts import render_prompt
+
+    tok = load_tokenizer(initial)
+    pi, pi0 = load_causal_lm(policy, "float32").eval(), load_causal_lm(initial, "float32").eval()
+    questions = {r["id"]: r["question"] for r in read_jsonl(bench)}
+    tokens, total, seqs = 0, 0.0, []
+    with torch.no_grad():
+        for row in read_results(sampled):
+            response = str((row.get("responses") or [""])[0])[:4096]
+            prompt = render_prompt(tok, questions[row["id"]], prefix)
+            resp = tok(response, add_special_tokens=False)["input_ids"]
+            if not resp:
+                continue
+            ids = torch.tensor([prompt + resp])  # [1, P + R]
+            at = slice(len(prompt) - 1, ids.shape[1] - 1)  # the positions that predict the response's tokens
+            lp = torch.log_softmax(pi(ids).logits[0, at].float(), -1)  # [R, V]
+            lq = torch.log_softmax(pi0(ids).logits[0, at].float(), -1)  # [R, V]
+            kl = (lp.exp() * (lp - lq)).sum(-1)  # [R]
+            tokens, total = tokens + kl.numel(), total + float(kl.sum())
+            seqs.append(float(kl.sum()))
+    return {"kl": total / tokens if tokens else float("nan"), "kl_sequence": sum(seqs) / len(seqs) if seqs else float("nan"),
+            "tokens": float(tokens), "responses": float(len(seqs))}
+
+
+def make_portable(files: list[Path], out: Path) -> None:
+    """The study's records name no path of the machine they ran on, so the folder can be committed and rebuilt
+    anywhere: in these text files the study folder's absolute path becomes `out` as given, and the expanded
+    $EMAPG_HOME becomes `$EMAPG_HOME` (results.jsonl hold model output, not paths, and are left as they are)."""
+    from emapg_cli.paths import emapg_home
+
+    swaps = [(str(out.resolve()), str(out)), (str(emapg_home().resolve()), "$EMAPG_HOME")]
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        new = text
+        for old, by in swaps:
+            new = new.replace(old, by)
+        if new != text:
+            write_text_atomic(path, new)
+
+
+def _records(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and p.suffix in (".json", ".md", ".yaml", ".log")]
 
 
 def is_measured(rdir: Path) -> bool:
@@ -272,8 +353,13 @@ def read_base(out: Path) -> dict[str, Any]:
 
 
 def read_run(rdir: Path) -> dict[str, Any]:
-    """{"heldout": per task of the run's final evaluation, "sampled", "untrained"}, each {} when missing."""
+    """{"heldout": per task of the run's final evaluation, "sampled", "untrained"}, each {} when missing, and "kl"
+    (heldout_kl's numbers, {} when missing)."""
     found: dict[str, Any] = {}
+    try:
+        found["kl"] = json.loads((rdir / MEASURE_DIR / KL_FILE).read_text())
+    except (OSError, ValueError):
+        found["kl"] = {}
     for name, folder in (("heldout", rdir), ("sampled", rdir / MEASURE_DIR / "sampled"),
                          ("untrained", rdir / MEASURE_DIR / "untrained")):
         try:
@@ -296,6 +382,7 @@ def summarize_run(found: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
     - `distinct_items`: mean over trained tasks of distinct greedy answers across the task's items;
     - `forgetting`: mean over untrained tasks of the initial model's greedy accuracy − the run's (> 0: forgot);
     - `untrained_distinct_items`: distinct greedy answers across the items of an untrained task, mean over tasks;
+    - `kl_heldout`: heldout_kl's per-token KL to the initial model on held-out prompts;
     - `tasks`: per trained task {final, pass, distinct, distinct_items}."""
     heldout, sampled, untrained = found["heldout"], found["sampled"], found["untrained"]
     constant, fmt = base["best_constant"].get("heldout", {}), base["format_only"]
@@ -311,7 +398,15 @@ def summarize_run(found: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
         "distinct_items": _mean(v["distinct_items"] for v in heldout.values()),
         "forgetting": _mean(start[t]["accuracy"] - u["accuracy"] for t, u in untrained.items() if t in start),
         "untrained_distinct_items": _mean(u["distinct_items"] for u in untrained.values()),
+        "kl_heldout": (found.get("kl") or {}).get("kl"),
         "tasks": {t: {"final": v["accuracy"], "pass": (sampled.get(t) or {}).get("pass"),
                       "distinct": (sampled.get(t) or {}).get("distinct"), "distinct_items": v["distinct_items"]}
                   for t, v in heldout.items()},
     }
+
+
+if __name__ == "__main__":  # kl POLICY INITIAL SAMPLED_DIR BENCH PREFIX_JSON OUT: heldout_kl into OUT
+    _, verb, policy_, initial_, sampled_, bench_, prefix_, out_ = sys.argv
+    assert verb == "kl"
+    numbers = heldout_kl(policy_, initial_, Path(sampled_), Path(bench_), json.loads(prefix_))
+    write_text_atomic(Path(out_), json.dumps(numbers, indent=2) + "\n")
