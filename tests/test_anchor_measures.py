@@ -234,3 +234,19 @@ def test_heldout_kl_against_torch_distributions(tmp_path, tiny_qwen2):
             kls += kl_divergence(Categorical(logits=a), Categorical(logits=b)).tolist()
     assert got["tokens"] == len(kls) and got["responses"] == 3
     assert got["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-4) and got["kl"] > 0
+
+
+def test_the_committed_real_study_rebuilds(tmp_path):
+    """docs/evidence/anchors-smol (the study on SmolLM2-135M, results only): `--aggregate-only` on a copy rebuilds
+    anchors.md and the plots from its files alone, with every finished run counted."""
+    real = Path(__file__).parents[1] / "docs" / "evidence" / "anchors-smol"
+    if not (real / "study.yaml").is_file():
+        pytest.skip("the real study folder is not in this checkout")
+    out = tmp_path / "study"
+    shutil.copytree(real, out, ignore=shutil.ignore_patterns("final", "checkpoints", ".emapg.lock"))
+    r = cli("ablate", "--study", "anchors", "--preset", "smol", "--aggregate-only", "--out", str(out))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    report = json.loads((out / "anchors.json").read_text())
+    done = [x for x in report["runs"] if x["status"] == "done"]
+    assert all(x["measured"] is not None for x in done)
+    assert (out / "anchors_accuracy.png").is_file() and (out / "anchors_gain_forgetting.png").is_file()
