@@ -289,7 +289,7 @@ def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Pat
 
     cells = [c["label"] for c in report.cells]
     rows, cols = _cell_grid(len(cells))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 7.5), 3.8 * rows + 0.4), squeeze=False, sharey=True)
     for ax, cell in zip(axes.flat, cells):
         draw(ax, cell)
         ax.set_title(cell, fontsize=10)
@@ -359,6 +359,6 @@ def plot_anchors(out: Path, report) -> list[Path]:
                          "final accuracy against KL to the initial model (dots: runs; diamonds: rule means)", out / ANCHORS_KL_PNG)]
     if report.base:
         paths.append(_cell_panels(report, gain, "forgetting on untrained tasks (points; > 0: lost)",
-                                  "gain above the best constant and format only (points)",
-                                  "accuracy gain against forgetting (dots: runs; diamonds: rule means)", out / ANCHORS_GAIN_PNG))
+                                  "gain above the better baseline\n(best constant, format only; points)",
+                                  "gain against forgetting (dots: runs; diamonds: rule means)", out / ANCHORS_GAIN_PNG))
     return paths
