@@ -105,8 +105,16 @@ def describe_rule(cfg) -> str:
     if a.source == "teacher":
         return f"teacher {a.path} ({a.dtype or cfg.model.dtype}), never updated"
     every = "every step" if e.update_period == 1 else f"every {e.update_period} steps"
+    start = getattr(cfg, "_anchor_from", None)  # a resume that changed the rule (cli/train_cmd.py)
     if a.rule == "fixed":
-        return "fixed: η 1 (set by the rule), the initial policy, never updated"
+        return f"fixed: η 1 (set by the rule), {f'{start}, not the initial policy' if start else 'the initial policy'}, never updated"
+    if start:
+        return f"{_describe(cfg, every)}, starting from {start}, not the initial policy"
+    return _describe(cfg, every)
+
+
+def _describe(cfg, every: str) -> str:
+    a, e = cfg.anchor, cfg.ema
     if a.rule == "bema":
         b = a.bema
         floor = f", β_min {b.min_beta:g}" if b.min_beta else ""

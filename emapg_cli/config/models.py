@@ -433,6 +433,8 @@ class Config(Section):
     stages: list[Stage] = Field(default_factory=list, description="Staged response lengths, e.g. [{steps: 300, max_new_tokens: 8192}, {steps: 200, max_new_tokens: 16384}]: stage i covers the next `steps` RL steps; steps past the last stage keep its settings; [] (default): rollout.max_new_tokens throughout. A pure function of the step, so a run resumes across stage boundaries.")
 
     _derived: Optional[Derived] = PrivateAttr(None)
+    #: A resume under another anchor.rule (--allow-method-change): the anchor it starts from (describe_rule says it).
+    _anchor_from: Optional[str] = PrivateAttr(None)
 
     @field_validator("name")
     @classmethod
