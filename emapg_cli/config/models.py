@@ -292,6 +292,18 @@ class BemaConfig(Section):
     ema_power: float = Field(0.5, ge=0, description="kappa, the EMA power: the EMA's step beta_t = (rho + gamma t)^-kappa at RL step t (eta_t = 1 - beta_t; 0: beta_t = 1, the EMA is the policy).")
     bias_power: float = Field(0.2, ge=0, description="eta_b, the bias power: the correction alpha_t (theta_t - theta_0) has alpha_t = (rho + gamma t)^-eta_b (0: alpha_t = 1).")
     min_beta: float = Field(0.0, ge=0, le=1, description="The smallest beta_t (TRL's min_ema_multiplier): beta_t = max((rho + gamma t)^-kappa, min_beta).")
+    update_after: int = Field(0, ge=0, le=10**9, description="tau, the burn-in (TRL's update_after): no BEMA update before RL step tau, the anchor stays the initial policy; after step tau, theta_0 and the EMA become the policy; the updates follow every ema.update_period steps from tau + ema.update_period on, their coefficients at the RL step t (as TRL's). 0: from the start.")
+
+    @model_validator(mode="after")
+    def _coefficients_in_range(self) -> "BemaConfig":
+        """beta_t and alpha_t lie in [0, 1] at every step t >= 1 exactly when rho + gamma >= 1 (rho + gamma t grows with
+        t; a base below 1 raised to a negative power exceeds 1: eta_t = 1 - beta_t < 0, and alpha_t overflows), unless
+        kappa = eta_b = 0 (both are then 1)."""
+        if (self.ema_power or self.bias_power) and self.lag + self.multiplier < 1:
+            raise ValueError(f"lag + multiplier (rho + gamma = {self.lag + self.multiplier:g}) must be at least 1, or "
+                             "beta_t = (rho + gamma t)^-kappa and alpha_t = (rho + gamma t)^-eta_b exceed 1 at t = 1 "
+                             "(the EMA's eta_t = 1 - beta_t below 0)")
+        return self
 
 
 class AnchorConfig(Section):
@@ -513,7 +525,8 @@ class Config(Section):
             mini_batches_per_step=mini,
             optimizer_steps_per_rl_step=mini * t.epochs,
             loads_anchor=self.kl.coef > 0 or self.anchor.source == "teacher",
-            ema_updates=0 if self.anchor.source == "teacher" else t.steps // self.ema.update_period,
+            ema_updates=0 if self.anchor.source == "teacher" or self.anchor.rule == "fixed" else
+            max(0, t.steps - self.anchor.bema.update_after) // self.ema.update_period,  # bema's from its burn-in on
         )
         return self
 
