@@ -625,8 +625,7 @@ def render_plan(plan: Plan):
     else:
         model += f"  ({plan.model_source})"
     run.add_row("model", escape(model))
-    run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)" if plan.ema_updates else
-                f"{plan.steps:,}  (no anchor updates)")
+    run.add_row("RL steps", f"{plan.steps:,}  ({f'{plan.ema_updates} EMA' if plan.ema_updates else 'no'} anchor updates)")
     for label, rule in (("anchor", plan.anchor_rule), ("KL coefficient", plan.kl_coef)):  # the anchor rule; adaptive beta
         if rule:
             run.add_row(label, escape(rule))
