@@ -105,17 +105,19 @@ def test_burn_in_by_hand():
 
 def test_bema_coefficients_stay_in_range():
     """beta_t = (rho + gamma t)^-kappa lies in [0, 1] for all t >= 1 iff rho + gamma >= 1 (the base grows with t):
-    lag 0, multiplier 0.001 gave beta_1 = 0.001^-0.5 = 31.6, ema/decay = 1 - 31.6 = -30.6; with bias_power 200,
-    alpha_1 = 0.5^-200 = 1.6e60 (and 0.001^-200 overflows a float). Refused in one line; rho + gamma = 1 exactly is the
-    edge that passes (beta_1 = 1)."""
+    lag 0, multiplier 0.001 gave beta_1 = 0.001^-0.5 = 31.6, ema/decay = 1 - 31.6 = -30.6; with bias_power 50,
+    alpha_1 = 0.5^-50 = 1.1e15 (and 0.001^-200 overflows a float: bias_power is also bounded, at most 100). Refused in
+    one line; rho + gamma = 1 exactly is the edge that passes (beta_1 = 1)."""
     from emapg_cli.config.loading import load_config
     from emapg_cli.errors import UserError
 
     for sets in (["anchor.bema.lag=0", "anchor.bema.multiplier=0.001"],
-                 ["anchor.bema.lag=0", "anchor.bema.multiplier=0.5", "anchor.bema.ema_power=0", "anchor.bema.bias_power=200"]):
+                 ["anchor.bema.lag=0", "anchor.bema.multiplier=0.5", "anchor.bema.ema_power=0", "anchor.bema.bias_power=50"]):
         with pytest.raises(UserError, match="must be at least 1") as err:
             load_config("toy", None, ["anchor.rule=bema", *sets])
         assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="anchor.bema.bias_power: Input should be less than or equal to 100"):
+        load_config("toy", None, ["anchor.rule=bema", "anchor.bema.bias_power=200"])
     edge = load_config("toy", None, ["anchor.rule=bema", "anchor.bema.lag=0.5", "anchor.bema.multiplier=0.5"])
     assert bema_coefficients(1, 0.5, 0.5, 0.5, 0.2) == (1.0, 1.0) and edge.anchor.bema.lag == 0.5
     # kappa = eta_b = 0: both coefficients are 1 whatever the base
