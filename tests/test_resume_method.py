@@ -63,3 +63,12 @@ def test_bema_run_resumed_as_ema_and_ema_as_bema(cli, emapg_home, tmp_path):
 def test_flag_without_resume_is_refused(cli, emapg_home, tmp_path):
     out = cli("train", "--preset", "toy", "--allow-method-change", "--dry-run")
     assert out.returncode == 2 and "--allow-method-change applies to --resume" in out.stderr
+
+
+def test_a_changed_bema_burn_in_is_a_method_change(cli, emapg_home, tmp_path):
+    """anchor.bema.update_after decides what θ_0 in the checkpoint is (the initial policy, or step tau's): changing
+    it on resume is refused the same way."""
+    run = _fake_run(tmp_path, "anchor.rule=bema")
+    out = cli("train", "--resume", str(run), "--set", "anchor.bema.update_after=50")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "trained with anchor.bema.update_after=0; anchor.bema.update_after=50" in out.stderr

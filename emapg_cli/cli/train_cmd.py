@@ -54,27 +54,34 @@ def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], 
     return cfg
 
 
+#: Keys whose change on resume changes what the checkpoint's anchor state means (--allow-method-change).
+METHOD_KEYS = ("anchor.rule", "anchor.bema.update_after")
+
+
 def _check_rule_change(run_dir: Path, saved, cfg, allow: bool) -> None:
-    """A resume under another anchor.rule continues from the anchor the newest checkpoint holds, whatever the new
-    rule starts from: refused unless `allow` (--allow-method-change), then noted on the config for the plan and the
-    settings line (config/anchor_rules.describe_rule). Into bema it is refused always: the checkpoint holds no θ_0."""
-    old, new = saved.anchor.rule, cfg.anchor.rule
-    if old == new or not cfg.derived.loads_anchor or cfg.anchor.source != "ema":
+    """A resume that changes a METHOD_KEYS key continues from the anchor (and BEMA's θ_0 and EMA) the newest
+    checkpoint holds, not from the initial policy the new setting starts from: refused unless `allow`
+    (--allow-method-change), then noted on the config for the plan and the settings line
+    (config/anchor_rules.describe_rule). Into bema from another rule it is refused always: the checkpoint holds no θ_0."""
+    from operator import attrgetter
+
+    changed = [(k, attrgetter(k)(saved), attrgetter(k)(cfg)) for k in METHOD_KEYS if attrgetter(k)(saved) != attrgetter(k)(cfg)]
+    if not changed or not cfg.derived.loads_anchor or cfg.anchor.source != "ema":
         return
     from emapg_cli.train.checkpoint import checkpoint_dirs
 
     found = checkpoint_dirs(run_dir)
-    if not found:  # nothing trained yet: the run starts from the initial policy under the new rule
+    if not found:  # nothing trained yet: the run starts from the initial policy under the new settings
         return
-    step = found[-1][0]
-    if new == "bema":
+    (key, old, new), step = changed[0], found[-1][0]
+    if cfg.anchor.rule == "bema" and saved.anchor.rule != "bema":
         raise UserError(f"--resume {run_dir}: anchor.rule=bema needs the initial policy θ_0, which a run trained with "
-                        f"anchor.rule={old} did not keep; start a new run")
+                        f"anchor.rule={saved.anchor.rule} did not keep; start a new run")
     if not allow:
-        raise UserError(f"--resume {run_dir}: the run was trained with anchor.rule={old}; anchor.rule={new} would continue "
-                        f"from the anchor checkpointed at step {step} (anchor.rule={old}'s), not from the initial policy: "
-                        "pass --allow-method-change to do so on purpose, or start a new run")
-    cfg._anchor_from = f"the anchor checkpointed at step {step} (anchor.rule={old}'s)"
+        raise UserError(f"--resume {run_dir}: the run was trained with {key}={old}; {key}={new} would continue from the "
+                        f"anchor checkpointed at step {step} ({key}={old}'s), not from the initial policy: pass "
+                        "--allow-method-change to do so on purpose, or start a new run")
+    cfg._anchor_from = f"the anchor checkpointed at step {step} ({key}={old}'s)"
 
 
 def _finished_steps(run_dir: Path) -> Optional[int]:
