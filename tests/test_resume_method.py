@@ -72,3 +72,14 @@ def test_a_changed_bema_burn_in_is_a_method_change(cli, emapg_home, tmp_path):
     out = cli("train", "--resume", str(run), "--set", "anchor.bema.update_after=50")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
     assert "trained with anchor.bema.update_after=0; anchor.bema.update_after=50" in out.stderr
+
+
+def test_the_settings_line_names_the_checkpointed_anchor():
+    """The line a run prints as it starts (train/progress.config_line) says it too, for the ema rule as well."""
+    from emapg_cli.train.progress import config_line
+
+    cfg = load_config("toy", None, [])
+    assert "checkpointed" not in config_line(cfg)
+    cfg._anchor_from = "the anchor checkpointed at step 3 (anchor.rule=bema's)"
+    assert "ema: η 0.9 every 5 steps, starting from the anchor checkpointed at step 3 (anchor.rule=bema's), not the " \
+           "initial policy" in config_line(cfg)
