@@ -521,10 +521,12 @@ def test_two_call_agent_trains_and_eval_grades_with_it(tiny_llama, tmp_path):
     assert summary["env"]["calls"] == 2.0 and summary["reward"] == f"rollout.agent {ref}"
 
 
+# episodes run in processes of their own (agents/agent.py): they count themselves in a file, one byte each (O_APPEND)
 BREAKS_AT_STEP_2 = TWO_CALLS.replace(
     '    msgs = [{"role": "user", "content": example["question"]}]',
-    '    global EPISODES\n    EPISODES += 1\n    if EPISODES > 20:  # the 4 episodes of the evaluation at step 0 and step 1\'s 16 work, then the tool is gone\n'
-    '        raise RuntimeError("no tools here")\n    msgs = [{"role": "user", "content": example["question"]}]') + "\n\nEPISODES = 0\n"
+    '    with open(__file__ + ".episodes", "a") as f:\n        f.write("x")\n'
+    '    if os.path.getsize(__file__ + ".episodes") > 20:  # the 4 episodes of the evaluation at step 0 and step 1\'s 16 work, then the tool is gone\n'
+    '        raise RuntimeError("no tools here")\n    msgs = [{"role": "user", "content": example["question"]}]') + "\n\nimport os\n"
 
 
 def test_failing_agent_stops_training_with_one_line(tiny_llama, tmp_path):
