@@ -198,6 +198,7 @@ def reward_plugin_memory_cap(ws: Path) -> None:
 
 
 MISBEHAVING_AGENT = '''import os
+import time
 
 
 def agent(client, example):
@@ -208,6 +209,8 @@ def agent(client, example):
         os._exit(0)
     if os.fork() == 0:  # a copy that returns into whatever called the agent
         pass
+    if os.fork() == 0:  # and one that stays, holding the inherited stdout
+        time.sleep(600)
     return 1.0
 '''
 
@@ -216,7 +219,7 @@ def agent(client, example):
 def agent_that_spins_exits_or_forks(ws: Path) -> None:
     """`emapg eval --agent a.py:agent | tee log` (n=2) whose agent spins in C on question 0 (it froze the evaluation
     for good: agents ran as threads in emapg's process, holding its GIL), calls os._exit(0) on question 1 (emapg ended
-    with exit 0, no results, no line) and forks on question 2 (the copy ran emapg's own code on): the evaluation ends
+    with exit 0, no results, no line) and forks on question 2 (a copy that returns ran emapg's own code on; one sleeps 600 s): the evaluation ends
     within a minute, exit 0 (reward.max_failure_rate 0.9), one warning line counting the 4 failed episodes, the forked
     episodes scored 1.0, and its output pipes close."""
     (ws / "b.jsonl").write_text(BENCH)
