@@ -52,10 +52,10 @@ def _f1(**_) -> RewardFn:
     return QAReward("f1")
 
 
-def _reasoning_gym(**_) -> RewardFn:
-    from emapg_cli.rewards.reasoning_gym_reward import ReasoningGymReward
+def _reasoning_gym(workers: Optional[int] = None, timeout: Optional[float] = None, **_) -> RewardFn:
+    from emapg_cli.rewards.reasoning_gym_reward import PLUGIN_TIMEOUT, ReasoningGymReward
 
-    return ReasoningGymReward()
+    return ReasoningGymReward(workers=workers, timeout=timeout or PLUGIN_TIMEOUT)
 
 
 #: name -> factory `factory(think=...)` (called once per `get_reward`, so each caller owns its

@@ -195,3 +195,21 @@ def reward_plugin_memory_cap(ws: Path) -> None:
         assert re.search(rf"cap{expected}\.py:cap:? +100\.0%", r.out), f"the workers are not capped at {expected} MiB: {r.show()}"
     one_line_error(emapg(ws, "eval", "--bench", "b.jsonl", "--responses", "r.jsonl", "--reward", "cap2048.py:hog",
                          "--set", "reward.plugin_memory_mib=256", "--out", "hog"), "MemoryError")
+
+
+@probe("reasoning_gym_scorer_evals_the_answer", slow=True)
+def reasoning_gym_scorer_evals_the_answer(ws: Path) -> None:
+    """spiral_matrix's scorer calls eval() on the model's answer (issue 40, item 1): the `reasoning-gym` reward ran it
+    in emapg's own process with no time limit, so `<answer>__import__("os").system("touch PWNED")</answer>` wrote
+    PWNED into the user's folder and an endless generator hung `emapg eval` past --grader-timeout. Scorers now run in
+    the grading pool's workers, in an empty private folder: nothing lands in the user's folder, the hang is cut at
+    --grader-timeout and counted (grader_timeouts), the evaluation goes on."""
+    ok(emapg(ws, "prepare", "reasoning-gym:spiral_matrix", "--size", "1", "--out", "sm"))
+    row = json.loads((ws / "sm" / "data.jsonl").read_text().splitlines()[0])
+    attacks = ['<answer>__import__("os").system("touch PWNED")</answer>', "<answer>next(x for x in iter(int,1) if x)</answer>"]
+    (ws / "r.jsonl").write_text(json.dumps({"id": row["id"], "responses": attacks}) + "\n")
+    ok(emapg(ws, "eval", "--bench", "sm", "--responses", "r.jsonl", "--reward", "reasoning-gym", "--grader-timeout", "2",
+             "--out", "ev", timeout=90))
+    assert not (ws / "PWNED").exists(), "the scorer's eval wrote PWNED into the user's folder"
+    summary = json.loads((ws / "ev" / "summary.json").read_text())
+    assert summary["grader_timeouts"] == 1, f"the hung scorer was not cut and counted: {summary.get('grader_timeouts')}"
