@@ -242,3 +242,28 @@ def test_the_reward_scores_in_workers_not_in_this_process(tmp_path, monkeypatch)
     folder = reward.fn.folder  # the workers' private folder, deleted on close
     reward.close()
     assert not list(tmp_path.iterdir()) and not __import__("os").path.exists(folder)
+
+
+def test_a_task_config_asking_for_too_much_work_is_refused(tmp_path, monkeypatch):
+    """issue 40, item 7: `--task-config '{"min_numbers":10000000,...}'` generated without bound in emapg's process."""
+    import threading
+
+    from emapg_cli.datasets import reasoning_gym_data
+    from emapg_cli.errors import UserError
+
+    # one row of 10^6 numbers takes ~25 s (and ~400 MB) to generate: three are far past a 3 s limit
+    monkeypatch.setattr(reasoning_gym_data, "GENERATE_TIMEOUT_S", 3.0, raising=False)  # raising: absent before
+    out, box = tmp_path / "out", {}
+    config = json.dumps({"min_numbers": 10 ** 6, "max_numbers": 10 ** 6})
+
+    def run():
+        try:
+            reasoning_gym_data.prepare_reasoning_gym("reasoning-gym:number_sorting", 3, 0, config, out)
+        except UserError as e:
+            box["error"] = str(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert "more than 3 s or 4096 MiB" in box.get("error", ""), box
+    assert not out.exists()
