@@ -158,7 +158,7 @@ def task_row_dicts(task: str, config: dict[str, Any], size: int, seed: int) -> l
     return [row.model_dump() for row in task_rows(task, config, size, seed)]
 
 
-def generate(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int) -> list[dict[str, Any]]:
+def generate(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int) -> list[Example]:
     """Each (task, config)'s `size` rows with seed `seed`, concatenated in the order given, each task generated in a
     worker within GENERATE_TIMEOUT_S and GENERATE_MEMORY_MIB: past either, a one-line UserError."""
     from emapg_cli.grading.pool import TimeoutPool
@@ -174,7 +174,7 @@ def generate(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int) 
                 raise UserError(why[i][len("UserError: "):])
             raise UserError(f"reasoning-gym task {task} with the config {json.dumps(config)}: {size} rows need more than "
                             f"{GENERATE_TIMEOUT_S:g} s or {GENERATE_MEMORY_MIB} MiB to generate ({why[i]}); ask for less")
-    return [row for rows in out for row in rows]
+    return [Example(**row) for rows in out for row in rows]
 
 
 def provenance(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int) -> dict[str, Any]:
@@ -203,7 +203,7 @@ def prepare_reasoning_gym(name: str, size: int, seed: int, task_config: Optional
     rows = generate(tasks_configs, size, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = out_dir / "data.jsonl"
-    n = write_jsonl(data, rows)
+    n = write_jsonl(data, (r.model_dump() for r in rows))
     manifest = {"name": name, "role": "train", **provenance(tasks_configs, size, seed), "rows": n,
                 "expected_rows": size * len(tasks), "dropped": 0, "dropped_by_reason": {}, "dropped_rows": [],
                 "sha256": sha256_file(data), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
