@@ -74,13 +74,14 @@ def item_scores(path: Path) -> dict[str, float]:
 def _row_score(line: str, path: Path, i: int) -> tuple[str, float]:
     try:
         row = json.loads(line)
-    except json.JSONDecodeError:
+        key, correct = row["id"], row["correct"]
+    except (ValueError, RecursionError):  # JSONDecodeError, an integer past Python's digit limit, deep nesting
         raise UserError(f"{path}:{i}: not a JSON line") from None
-    ok = isinstance(row, dict) and isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool)
-    correct = row.get("correct") if ok else None
-    if not (isinstance(correct, list) and correct and all(c is True or c is False for c in correct)):
+    except (TypeError, KeyError, IndexError):
+        key = correct = None
+    if type(key) not in (str, int) or type(correct) is not list or not correct or any(type(c) is not bool for c in correct):
         raise UserError(f"{path}:{i}: not a result row (needs an id and a non-empty list `correct` of true/false)")
-    return str(row["id"]), sum(correct) / len(correct)
+    return str(key), correct.count(True) / len(correct)
 
 
 def check_same_items(a: dict[str, float], b: dict[str, float], name_a: str, name_b: str) -> None:
