@@ -12,11 +12,11 @@ results rows) and in training's eval/accuracy.
 
 Some scorers `eval` the answer (spiral_matrix, string_insertion, binary_matrix, n_queens), and extract_answer is
 quadratic in the response: model output reaches them only in the grading pool's workers (`PooledReward`, as a
-reward plugin), each under the plugin memory cap, with the per-call time limit (`--grader-timeout`, 5 s), in an
-empty private working folder that is deleted when the reward closes; only the response's last
-MAX_RESPONSE_CHARS characters are sent. A call that raises, hangs or kills its worker scores 0 and is counted
-(reward/errors; `emapg eval`'s grader_errors, grader_timeouts): a row without a reasoning-gym entry in its meta,
-or whose entry no longer rebuilds (another reasoning-gym version), too.
+reward plugin), each under reward.plugin_memory_mib, with the per-call time limit (`--grader-timeout`, 5 s), in an
+empty private working folder that is deleted when the reward closes; only the response's last MAX_RESPONSE_CHARS
+characters are sent. A call that raises, hangs or kills its worker scores 0 and is counted (reward/errors;
+`emapg eval`'s grader_errors, grader_timeouts): a row without a reasoning-gym entry in its meta, or whose entry no
+longer rebuilds (another reasoning-gym version), too.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ class ReasoningGymReward(PooledReward):
 
     label = "reward reasoning-gym"
 
-    def __init__(self, workers: Optional[int] = None, timeout: float = PLUGIN_TIMEOUT) -> None:
+    def __init__(self, workers: Optional[int] = None, timeout: float = PLUGIN_TIMEOUT, memory_mib: int = PLUGIN_MEMORY_MIB) -> None:
         from emapg_cli.datasets.reasoning_gym_data import library
 
         library()  # one line naming the extra when reasoning-gym is not installed, before any work
         self.folder = tempfile.mkdtemp(prefix="emapg-scorer-")
-        super().__init__(score_task, warm_up, (self.folder,), workers, timeout, PLUGIN_MEMORY_MIB)
+        super().__init__(score_task, warm_up, (self.folder,), workers, timeout, memory_mib)
 
     def tasks(self, responses: Sequence[str], examples: Sequence[Any]) -> list[tuple]:
         return [(r[-MAX_RESPONSE_CHARS:], e.meta) for r, e in zip(responses, examples)]
