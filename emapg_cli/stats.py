@@ -273,9 +273,9 @@ def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95, resampl
         return math.nan, math.nan
     vals, counts = np.unique(xs, return_counts=True)
     rng = np.random.default_rng(seed)
-    means = _rows(resamples, vals.size, lambda rows: rng.multinomial(xs.size, counts / xs.size, size=rows) @ vals) / xs.size
+    means = (_rows(resamples, vals.size, lambda rows: rng.multinomial(xs.size, counts / xs.size, size=rows) @ vals) / xs.size).tolist()
     tail = (1.0 - confidence) / 2
-    return percentile(means.tolist(), tail), percentile(means.tolist(), 1.0 - tail)
+    return percentile(means, tail), percentile(means, 1.0 - tail)
 
 
 def pairs_for_power_mcnemar(p10: float, p01: float, power: float = 0.8, alpha: float = 0.05) -> Optional[int]:
