@@ -1,4 +1,5 @@
-"""Student-t statistics in plain Python (no SciPy): tail probabilities, quantiles, confidence intervals.
+"""Student-t statistics in plain Python (no SciPy): tail probabilities, quantiles, confidence intervals; the paired
+comparison's resampling and sign flips in numpy.
 
 Shared by `kl-check` (t-tests over batch statistics) and `ablate` (confidence intervals over seeds; the
 stability study's paired differences, percentile bootstrap and power analysis).
@@ -221,45 +222,58 @@ def mcnemar_exact(b: int, c: int) -> float:
     return 1.0 if m == 0 else min(1.0, 2.0 * binomial_cdf_half(min(b, c), m))
 
 
+def _rows(count: int, width: int, draw) -> Any:
+    """`draw(rows)` (an array of `rows` rows of `width` cells) for `count` rows in all, in blocks of at most 2^22 cells."""
+    import numpy as np
+
+    step = max(1, 2 ** 22 // max(width, 1))
+    return np.concatenate([draw(min(step, count - i)) for i in range(0, count, step)])
+
+
 def sign_flip_test(diffs: Sequence[float], exact_max: int = EXACT_FLIPS, flips: int = MC_FLIPS,
                    seed: int = PAIRED_SEED) -> tuple[float, str, Optional[int]]:
     """Two-sided paired permutation test of mean(diffs) = 0: under H0 the sign of each difference is a fair coin, and
     the statistic is |sum of the differences|. (p, method, random flips drawn or None):
 
     - `exact`: with m <= `exact_max` nonzero differences, all 2^m sign patterns, p = #{|sum s_i d_i| >= |sum d_i|} / 2^m;
-    - `monte-carlo`: `flips` random patterns from random.Random(`seed`), p = (1 + #{>=}) / (1 + flips) (Phipson &
-      Smyth 2010: never 0, valid at any count).
+    - `monte-carlo`: `flips` random patterns, p = (1 + #{>=}) / (1 + flips) (Phipson & Smyth 2010: never 0, valid at
+      any count). A pattern is drawn per distinct magnitude v (c_v differences): its sum is
+      sum_v v (2 B_v - c_v), B_v ~ Binomial(c_v, 1/2) the differences of magnitude v that keep a + sign, the same
+      distribution as a coin per difference (numpy.random.default_rng(`seed`)); vectorised: 10^6 pairs take seconds.
 
     Zero differences carry no sign and are left out; none left: p = 1. Sums are compared with a 1e-12 relative slack."""
-    d = [float(x) for x in diffs if float(x) != 0.0]
-    if not d:
+    import numpy as np
+
+    d = np.asarray(diffs, dtype=float)
+    d = d[d != 0.0]
+    if not d.size:
         return 1.0, "exact", None
-    observed = abs(sum(d))
-    slack = 1e-12 * max(1.0, sum(abs(x) for x in d))
-    if len(d) <= exact_max:
-        hits = 0
-        for mask in range(2 ** len(d)):
-            total = sum(-x if mask >> i & 1 else x for i, x in enumerate(d))
-            hits += abs(total) >= observed - slack
-        return hits / 2 ** len(d), "exact", None
-    rng = random.Random(seed)
-    hits = 0
-    for _ in range(flips):
-        total = sum(x if rng.random() < 0.5 else -x for x in d)
-        hits += abs(total) >= observed - slack
-    return (1 + hits) / (1 + flips), "monte-carlo", flips
+    observed = abs(float(d.sum()))
+    slack = 1e-12 * max(1.0, float(np.abs(d).sum()))
+    if d.size <= exact_max:
+        signs = 1 - 2 * (np.arange(2 ** d.size)[:, None] >> np.arange(d.size) & 1)  # row `mask`: bit i set negates d_i
+        return int((np.abs(signs @ d) >= observed - slack).sum()) / 2 ** d.size, "exact", None
+    mags, counts = np.unique(np.abs(d), return_counts=True)
+    rng = np.random.default_rng(seed)
+    totals = _rows(flips, mags.size, lambda rows: (2 * rng.binomial(counts, 0.5, size=(rows, mags.size)) - counts) @ mags)
+    return (1 + int((np.abs(totals) >= observed - slack).sum())) / (1 + flips), "monte-carlo", flips
 
 
 def bootstrap_mean_ci(values: Sequence[float], confidence: float = 0.95, resamples: int = PAIRED_RESAMPLES,
                       seed: int = PAIRED_SEED) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of `values` (the paired differences: pairs resampled with
-    replacement, `resamples` times, random.Random(`seed`)): the (1 - confidence)/2 and (1 + confidence)/2 quantiles
-    (`percentile`) of the resampled means. (nan, nan) without values."""
-    xs = [float(v) for v in values]
-    if not xs:
+    replacement, `resamples` times): the (1 - confidence)/2 and (1 + confidence)/2 quantiles (`percentile`) of the
+    resampled means. A resample of n values holding the distinct values v with counts c_v draws how often each comes
+    back, Multinomial(n; c_v / n) (numpy.random.default_rng(`seed`)), the same distribution as n draws with
+    replacement; vectorised: 10^6 pairs take seconds. (nan, nan) without values."""
+    import numpy as np
+
+    xs = np.asarray(values, dtype=float)
+    if not xs.size:
         return math.nan, math.nan
-    rng = random.Random(seed)
-    means = [sum(rng.choices(xs, k=len(xs))) / len(xs) for _ in range(resamples)]
+    vals, counts = np.unique(xs, return_counts=True)
+    rng = np.random.default_rng(seed)
+    means = (_rows(resamples, vals.size, lambda rows: rng.multinomial(xs.size, counts / xs.size, size=rows) @ vals) / xs.size).tolist()
     tail = (1.0 - confidence) / 2
     return percentile(means, tail), percentile(means, 1.0 - tail)
 
@@ -323,17 +337,20 @@ def _p(p: float) -> str:
 
 def paired_compare(a: Mapping[Any, float], b: Mapping[Any, float], confidence: float = 0.95,
                    resamples: int = PAIRED_RESAMPLES, seed: int = PAIRED_SEED) -> PairedComparison:
-    """A against B on the keys they share (sorted): the mean paired difference a - b with its percentile bootstrap
+    """A against B on the keys they share: the mean paired difference a - b with its percentile bootstrap
     interval (`bootstrap_mean_ci`), the discordant counts, and an exact paired test: McNemar's (`mcnemar_exact`) when
     every score is 0 or 1, else the paired permutation test (`sign_flip_test`: exact up to 16 nonzero differences,
     Monte Carlo beyond); the pairs for 80% power (McNemar: Connor's formula at the observed discordance;
     otherwise the paired t approximation of `seeds_for_power` at d_z = mean / sd)."""
-    keys = sorted(set(a) & set(b), key=lambda k: (str(type(k)), k))
-    xs, ys = [float(a[k]) for k in keys], [float(b[k]) for k in keys]
-    diffs = [x - y for x, y in zip(xs, ys)]
+    import numpy as np
+
+    keys = [k for k in a if k in b]  # the order does not matter: the draws depend on the multiset of differences
+    xs = np.fromiter((a[k] for k in keys), dtype=float, count=len(keys))
+    ys = np.fromiter((b[k] for k in keys), dtype=float, count=len(keys))
+    diffs = xs - ys
     n = len(diffs)
-    up, down = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
-    binary = n > 0 and all(v in (0.0, 1.0) for v in xs + ys)
+    up, down = int((diffs > 0).sum()), int((diffs < 0).sum())
+    binary = n > 0 and bool(np.isin(xs, (0.0, 1.0)).all() and np.isin(ys, (0.0, 1.0)).all())
     lo, hi = bootstrap_mean_ci(diffs, confidence, resamples, seed)
     flips = None
     if binary:
@@ -342,9 +359,9 @@ def paired_compare(a: Mapping[Any, float], b: Mapping[Any, float], confidence: f
     else:
         test = "permutation"
         p, method, flips = sign_flip_test(diffs, seed=seed)
-        iv = mean_ci(diffs)
-        power = seeds_for_power(iv.mean / iv.std) if n >= 2 and iv.std > 0 else None
-    mean = lambda v: sum(v) / len(v) if v else math.nan  # noqa: E731
+        sd = float(diffs.std(ddof=1)) if n >= 2 else 0.0
+        power = seeds_for_power(float(diffs.mean()) / sd) if sd > 0 else None
+    mean = lambda v: float(v.mean()) if v.size else math.nan  # noqa: E731
     return PairedComparison(n, mean(xs), mean(ys), mean(diffs), lo, hi, confidence, test, method, p, up, down,
                             n - up - down, power, resamples, seed, flips)
 

@@ -199,3 +199,71 @@ def test_training_evaluation_counts_a_full_score_only():
     scores = evaluate(Engine(), [[1], [2]], examples, reward, SamplingParams(n=1, max_new_tokens=4), acc)
     assert scores.accuracy == 0.5  # 1 of 2: the partial credit is not a solve
     assert solved_rule(get_reward("f1"))(2 / 3) and not solved_rule(reward)(2 / 3)  # f1 keeps "above 0.5"
+
+
+# issue 40, item 1: spiral_matrix's scorer calls eval() on the answer; a scorer may hang; extract_answer is quadratic
+PWNED = '<answer>__import__("os").system("touch PWNED")</answer>'
+HANG = "<answer>next(x for x in iter(int,1) if x)</answer>"  # int() is 0 forever: spiral_matrix's eval never returns
+
+
+def test_eval_runs_the_scorer_contained_cut_at_the_time_limit_and_counted(cli, tmp_path):
+    work = tmp_path / "work"  # the user's folder: the eval's cwd
+    work.mkdir()
+    assert cli("prepare", "reasoning-gym:spiral_matrix", "--size", "1", "--out", "sm", cwd=work).returncode == 0
+    [row] = _rows(work / "sm")
+    (work / "r.jsonl").write_text(json.dumps({"id": row["id"], "responses": [PWNED, HANG, f"<answer>{row['answers'][0]}</answer>"]}) + "\n")
+    # before: the scorer ran in emapg's process (PWNED in cwd) and the hang never ended (killed here after 120 s)
+    r = cli("eval", "--bench", "sm", "--responses", "r.jsonl", "--reward", "reasoning-gym", "--grader-timeout", "2",
+            "--out", "ev", cwd=work, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not (work / "PWNED").exists() and sorted(p.name for p in work.iterdir()) == ["ev", "r.jsonl", "sm"]
+    [result] = [json.loads(line) for line in (work / "ev" / "results.jsonl").read_text().splitlines()]
+    assert result["scores"] == [0.0, 0.0, 1.0]  # eval'd to 0 (os.system's status): wrong; the hang cut at 2 s: 0
+    summary = json.loads((work / "ev" / "summary.json").read_text())
+    assert summary["grader_timeouts"] == 1
+
+
+def test_the_reward_scores_in_workers_not_in_this_process(tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.chdir(tmp_path)
+    [ex] = _examples("spiral_matrix", {}, size=1)
+    reward = get_reward("reasoning-gym", timeout=2)
+    gold = f"<answer>{ex.answers[0]}</answer>"
+    # the cap keeps the end of a response: an answer followed by 20,000 characters is out of reach (16384 are seen)
+    late = gold + "x" * 20_000
+    box: dict = {}
+    worker = threading.Thread(target=lambda: box.update(out=reward([PWNED, HANG, gold, late], [ex] * 4)), daemon=True)
+    worker.start()
+    worker.join(60)  # before: the hang ran in this process and never returned
+    assert box.get("out") == [0.0, 0.0, 1.0, 0.0]
+    assert reward.errors == 1 and reward.fn.timeouts == 1 and "timed out after 2 s" in reward.last_error
+    assert not (tmp_path / "PWNED").exists()
+    folder = reward.fn.folder  # the workers' private folder, deleted on close
+    reward.close()
+    assert not list(tmp_path.iterdir()) and not __import__("os").path.exists(folder)
+
+
+def test_a_task_config_asking_for_too_much_work_is_refused(tmp_path, monkeypatch):
+    """issue 40, item 7: `--task-config '{"min_numbers":10000000,...}'` generated without bound in emapg's process."""
+    import threading
+
+    from emapg_cli.datasets import reasoning_gym_data
+    from emapg_cli.errors import UserError
+
+    # one row of 10^6 numbers takes ~25 s (and ~400 MB) to generate: three are far past a 3 s limit
+    monkeypatch.setattr(reasoning_gym_data, "GENERATE_TIMEOUT_S", 3.0, raising=False)  # raising: absent before
+    out, box = tmp_path / "out", {}
+    config = json.dumps({"min_numbers": 10 ** 6, "max_numbers": 10 ** 6})
+
+    def run():
+        try:
+            reasoning_gym_data.prepare_reasoning_gym("reasoning-gym:number_sorting", 3, 0, config, out)
+        except UserError as e:
+            box["error"] = str(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert "more than 3 s or 4096 MiB" in box.get("error", ""), box
+    assert not out.exists()

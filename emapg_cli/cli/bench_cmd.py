@@ -203,15 +203,16 @@ def generate(
     max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Tokens per response at most (default: rollout.max_new_tokens), at most 2^16.", min=1, max=2**16)] = None,
     threads: ThreadsOpt = None,
     engine: Annotated[Optional[str], typer.Option("--engine", help="Rollout engine: hf or vllm (default: rollout.engine).")] = None,
-    rounds: Annotated[int, typer.Option("--rounds", help="Rounds, each a GEMM measurement then a generation (after one warm-up); medians are reported.", min=1, max=1000)] = 3,
+    rounds: Annotated[int, typer.Option("--rounds", help="Rounds, each a generation between two GEMM measurements (after one warm-up); the limit is the best measurement, medians are reported.", min=1, max=1000)] = 3,
     until_end: Annotated[bool, typer.Option("--until-end", help="Responses end as in training (end tokens, rollout.stop); default: every response runs to --max-new-tokens, a fixed amount of work (hf engine; vLLM always ends on EOS).")] = False,
     json_path: JsonOpt = None, trust_code: TrustOpt = False,
 ) -> None:
     """Generated tokens/s of the rollout engine on the preset's prompts against the compute-bound limit.
 
-    The limit is the model's GEMMs measured in the same run: the GEMM FLOP/s of x @ W^T for every linear layer's
+    The limit is the model's GEMMs measured in the same run: the best GEMM FLOP/s of x @ W^T for every linear layer's
     weight W, x holding one row per sequence (a decode step), over 2 x (the linear layers' parameters) FLOPs
-    per token (docs/performance.md). JSON keys: tokens_per_s, limit_tokens_per_s, ratio, gemm_gflops, params, decode_path,
+    per token (docs/performance.md); a round above the limit is a warning. The prompts and --max-new-tokens must fit
+    the model's context. JSON keys: tokens_per_s, limit_tokens_per_s, ratio, gemm_gflops, params, decode_path,
     attention (the hf decode loop's: rollout.hf_attention), every round's values (runs).
     """
     from emapg_cli.bench.generate import bench_generate
@@ -234,11 +235,13 @@ def generate(
             ("work", f"{r['prompts']} prompts x {r['n']} samples, {'<= ' if until_end else ''}{r['max_new_tokens']} new tokens, "
                      f"{r['threads']} threads"),
             ("generated", f"{r['tokens_per_s']:.1f} tokens/s ({r['tokens_mean']:.0f} tokens per round, median of {r['rounds']})"),
-            ("GEMMs", f"{r['gemm_gflops']:.1f} GFLOP/s at [{r['gemm_rows']}, in] x the model's weights"),
+            ("GEMMs", f"{r['gemm_gflops']:.1f} GFLOP/s at [{r['gemm_rows']}, in] x the model's weights (the best measurement)"),
             ("limit", f"{r['limit_tokens_per_s']:.1f} tokens/s (GEMM FLOP/s / {r['flops_per_token'] / 1e6:.4g} MFLOP per token)"),
             ("ratio", f"{r['ratio']:.2f} of the limit, the median of the rounds ({ratios})"),
             ("load average", f"{r['load_average_before']:.1f} before, {r['load_average_after']:.1f} after")]
     _emit(r, json_path, rows)
+    for warning in r["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
 
 
 app.command("generate")(generate)

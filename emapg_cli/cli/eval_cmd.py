@@ -282,14 +282,18 @@ def _run(settings, label: str) -> None:
 
 def _compare(ctx: typer.Context, folders: Optional[tuple[Path, Path]], json_out: Optional[Path]) -> None:
     """--compare A B [--json FILE] (evaluation/compare.py): one report, no sampling; any other option is refused."""
-    from emapg_cli.evaluation.compare import compare, summary_lines, write_json
+    from emapg_cli.evaluation.compare import check_json_out, compare, settings_warning, summary_lines, write_json
 
     if folders is None:
         raise UserError("--json writes the record of a comparison: give --compare A B")
     other = sorted(_given(ctx) - {"compare", "json_out"})
     if other:
         raise UserError(f"--compare compares two finished evaluations and takes only --json, not --{other[0].rstrip('_').replace('_', '-')}")
+    if json_out is not None:  # refused before any work
+        check_json_out(json_out)
     result, record = compare(*folders)
+    if warning := settings_warning(record["differing_settings"]):
+        typer.echo(warning, err=True)
     for line in summary_lines(result, *(Path(record["a"]), Path(record["b"]))):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if json_out is not None:
@@ -331,7 +335,7 @@ def eval_(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    compare: Annotated[Optional[tuple[Path, Path]], typer.Option("--compare", help="Compare two finished evaluations of the same items instead of evaluating: A B, each an `emapg eval` output folder or an `emapg train` run folder (its final evaluation). Prints the paired difference of the per-item scores with a bootstrap interval, McNemar's exact test (0/1 scores) or a paired permutation test, the discordant counts and a one-line verdict (docs/evaluation.md).", show_default=False)] = None,
+    compare: Annotated[Optional[tuple[Path, Path]], typer.Option("--compare", help="Compare two finished evaluations of the same items instead of evaluating: A B, each an `emapg eval` output folder or an `emapg train` run folder (its final evaluation). Prints the paired difference of the per-item scores with a bootstrap interval, McNemar's exact test (0/1 scores) or a paired permutation test, the discordant counts and a one-line verdict (docs/eval.md).", show_default=False)] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="With --compare: also write every number of the comparison to this JSON file.")] = None,
 ) -> None:
     """Sample --n responses per problem (or read --responses), grade them (--reward), write results.jsonl, summary.json and summary.md.

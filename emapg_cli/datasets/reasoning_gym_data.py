@@ -43,6 +43,11 @@ DEFAULT_SIZE = 500
 MAX_SIZE = 100_000
 MAX_TASKS = 64
 
+#: Bounded work: each task's rows are generated in a worker process (grading/pool.py) within this many seconds and
+#: under this address-space cap; a config that asks for more (`{"min_numbers": 10000000, ...}`) is refused in one line.
+GENERATE_TIMEOUT_S = 600.0
+GENERATE_MEMORY_MIB = 4096
+
 #: What a task's generator or config may raise on bad settings (reasoning-gym validates with asserts).
 _CONFIG_ERRORS = (AssertionError, ValueError, TypeError, KeyError, IndexError, ZeroDivisionError, AttributeError)
 
@@ -148,9 +153,28 @@ def task_rows(task: str, config: dict[str, Any], size: int, seed: int, template:
     return rows
 
 
+def task_row_dicts(task: str, config: dict[str, Any], size: int, seed: int) -> list[dict[str, Any]]:
+    """`task_rows` as plain rows (in a generating worker)."""
+    return [row.model_dump() for row in task_rows(task, config, size, seed)]
+
+
 def generate(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int) -> list[Example]:
-    """Each (task, config)'s `size` rows with seed `seed`, concatenated in the order given."""
-    return [row for task, config in tasks for row in task_rows(task, config, size, seed)]
+    """Each (task, config)'s `size` rows with seed `seed`, concatenated in the order given, each task generated in a
+    worker within GENERATE_TIMEOUT_S and GENERATE_MEMORY_MIB: past either, a one-line UserError."""
+    from emapg_cli.grading.pool import TimeoutPool
+
+    why: dict[int, str] = {}
+    with TimeoutPool(task_row_dicts, workers=1, timeout=GENERATE_TIMEOUT_S, warmup=library,
+                     memory_limit=GENERATE_MEMORY_MIB << 20) as pool:
+        out = pool.map([(t, c, size, seed) for t, c in tasks],
+                       on_result=lambda i, v: why.setdefault(i, pool.stats.last_error) if v is None else None)
+    for i, (task, config) in enumerate(tasks):
+        if out[i] is None:
+            if why[i].startswith("UserError: "):
+                raise UserError(why[i][len("UserError: "):])
+            raise UserError(f"reasoning-gym task {task} with the config {json.dumps(config)}: {size} rows need more than "
+                            f"{GENERATE_TIMEOUT_S:g} s or {GENERATE_MEMORY_MIB} MiB to generate ({why[i]}); ask for less")
+    return [Example(**row) for rows in out for row in rows]
 
 
 def provenance(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int) -> dict[str, Any]:

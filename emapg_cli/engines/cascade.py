@@ -15,8 +15,10 @@ query token attends to both:
 
 The prompt products run per prompt group ([U, kv, rows_per_prompt x group, W] batched matmuls: the rows of a prompt
 share one read of its keys). The result is the same attention as `sdpa`'s over the concatenated cache, in another
-summation order: outputs agree to float rounding (~1e-7), so log-probs differ by ~1e-5 and a token whose draw sits
-that close to a boundary of the inverse CDF can flip (measured: docs/performance.md). The default (`sdpa`) samples
+summation order: in float32 outputs agree to float rounding (~1e-7), so log-probs differ by ~1e-5 and a token whose
+draw sits that close to a boundary of the inverse CDF can flip (measured: docs/performance.md). In bfloat16 the gap
+is bfloat16's, not float rounding's: cascade computes in float32 and rounds once, bf16 sdpa rounds on the way, so
+the two differ by ~2e-3 (a bf16 ulp), and more draws can flip. The default (`sdpa`) samples
 what transformers' `generate` samples, bit for bit.
 
 Only the decode loop's one-token steps inside `active()` run here (in float32, whatever the model's dtype); every

@@ -1,11 +1,12 @@
-"""`emapg eval --compare A B`: two evaluations of the same items, compared item by item (docs/evaluation.md,
+"""`emapg eval --compare A B`: two evaluations of the same items, compared item by item (docs/eval.md,
 "Paired comparison").
 
 A and B are each an `emapg eval` output folder (its results.jsonl) or an `emapg train` run folder (its final
 evaluation: evals/step_<N>.jsonl with the largest N). The score of an item is the fraction of its samples judged
 correct (avg@n of that item; 0 or 1 with one sample). Items are matched by id; two evaluations of different item
-sets are refused. The statistics are `stats.paired_compare`, the one implementation `emapg ablate`'s reports use.
-Nothing is written but the --json file.
+sets are refused; two evaluations made with different settings (`SETTINGS`) are compared with a warning naming them.
+The statistics are `stats.paired_compare`, the one implementation `emapg ablate`'s reports use. Nothing is written
+but the --json file, and never over a file that is not an earlier comparison record.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ RUN_EVALS = "evals"
 #: Bounded work: at most this many items (rows) per evaluation.
 MAX_ITEMS = 1_000_000
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+#: The settings compared between A and B: run.json's names of an eval folder, and a run's config keys for them.
+SETTINGS = {"n": "eval.n", "temperature": "eval.temperature", "top_p": "eval.top_p", "max_tokens": "eval.max_new_tokens",
+            "reward": "rollout.reward", "think": "grading.think", "truncated": "reward.truncated"}
+#: The settings of an `emapg eval --responses` folder that say how it was graded (it sampled nothing).
+GRADING = ("reward", "think", "truncated")
 
 
 def outcomes_file(folder: Path) -> Path:
@@ -52,7 +58,10 @@ def item_scores(path: Path) -> dict[str, float]:
                     continue
                 if len(scores) >= MAX_ITEMS:
                     raise UserError(f"{path}: more than {MAX_ITEMS:,} items")
-                scores.update(_row_score(line, f"{path}:{i}", scores))
+                key, score = _row_score(line, path, i)
+                if key in scores:
+                    raise UserError(f"{path}:{i}: repeated id {key!r}")
+                scores[key] = score
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except OSError as e:
@@ -62,37 +71,65 @@ def item_scores(path: Path) -> dict[str, float]:
     return scores
 
 
-def _row_score(line: str, where: str, seen: dict[str, float]) -> dict[str, float]:
+def _row_score(line: str, path: Path, i: int) -> tuple[str, float]:
     try:
         row = json.loads(line)
-    except json.JSONDecodeError:
-        raise UserError(f"{where}: not a JSON line") from None
-    ok = isinstance(row, dict) and isinstance(row.get("id"), (str, int)) and not isinstance(row.get("id"), bool)
-    correct = row.get("correct") if ok else None
-    if not (isinstance(correct, list) and correct and all(isinstance(c, bool) for c in correct)):
-        raise UserError(f"{where}: not a result row (needs an id and a non-empty list `correct` of true/false)")
-    key = str(row["id"])
-    if key in seen:
-        raise UserError(f"{where}: repeated id {key!r}")
-    return {key: sum(correct) / len(correct)}
+        key, correct = row["id"], row["correct"]
+    except (ValueError, RecursionError):  # JSONDecodeError, an integer past Python's digit limit, deep nesting
+        raise UserError(f"{path}:{i}: not a JSON line") from None
+    except (TypeError, KeyError, IndexError):
+        key = correct = None
+    if type(key) not in (str, int) or type(correct) is not list or not correct or any(type(c) is not bool for c in correct):
+        raise UserError(f"{path}:{i}: not a result row (needs an id and a non-empty list `correct` of true/false)")
+    return str(key), correct.count(True) / len(correct)
 
 
 def check_same_items(a: dict[str, float], b: dict[str, float], name_a: str, name_b: str) -> None:
     """The two evaluations hold the same item ids, or one line naming how they differ."""
-    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
     if only_a or only_b:
         first = f"first: {only_a[0]!r} only in {name_a}" if only_a else f"first: {only_b[0]!r} only in {name_b}"
         raise UserError(f"--compare: the evaluations hold different items ({len(a)} in {name_a}, {len(b)} in {name_b}; "
                         f"{len(only_a)} only in {name_a}, {len(only_b)} only in {name_b}; {first}): compare evaluations of the same items")
 
 
+def settings(file: Path) -> dict[str, Any]:
+    """The `SETTINGS` the outcomes `file` were made with: its eval folder's run.json (only `GRADING` when it graded
+    given responses), or its run's config.yaml; {} when they cannot be read."""
+    from emapg_cli.fileio import read_yaml_mapping
+
+    try:
+        if file.name == RESULTS:
+            run = json.loads((file.parent / "run.json").read_text(encoding="utf-8"))
+            return {k: run.get(k) for k in SETTINGS if run.get("model") is not None or k in GRADING}
+        config = read_yaml_mapping(file.parent.parent / "config.yaml", "config")
+    except (OSError, ValueError, UserError, AttributeError):
+        return {}
+    sections = {k: v for k, v in config.items() if isinstance(v, dict)}
+    return {name: sections.get(key.partition(".")[0], {}).get(key.partition(".")[2]) for name, key in SETTINGS.items()}
+
+
+def differing_settings(file_a: Path, file_b: Path) -> dict[str, list[Any]]:
+    """{setting: [A's, B's]} for each of `SETTINGS` both sides record with different values."""
+    a, b = settings(file_a), settings(file_b)
+    return {k: [a[k], b[k]] for k in SETTINGS if a.get(k) is not None and b.get(k) is not None and a[k] != b[k]}
+
+
 def compare(folder_a: Path, folder_b: Path) -> tuple[PairedComparison, dict[str, Any]]:
-    """The paired comparison of two evaluations and its JSON record."""
+    """The paired comparison of two evaluations and its JSON record (with `differing_settings`)."""
     file_a, file_b = outcomes_file(folder_a), outcomes_file(folder_b)
     a, b = item_scores(file_a), item_scores(file_b)
     check_same_items(a, b, "A", "B")
     result = paired_compare(a, b)
-    return result, record(result, file_a, file_b)
+    return result, {**record(result, file_a, file_b), "differing_settings": differing_settings(file_a, file_b)}
+
+
+def settings_warning(differ: dict[str, list[Any]]) -> Optional[str]:
+    """One line naming the settings A and B differ in, None when they do not."""
+    if not differ:
+        return None
+    what = ", ".join(f"{k} {a!r} vs {b!r}" for k, (a, b) in differ.items())
+    return f"warning: A and B were evaluated with different settings ({what}): the difference mixes them with the models'"
 
 
 def record(result: PairedComparison, file_a: Path, file_b: Path) -> dict[str, Any]:
@@ -110,11 +147,29 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     """The --json record, written under a temporary name and renamed."""
     from emapg_cli.paths import write_text_atomic
 
+    check_json_out(path)
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def check_json_out(path: Path) -> None:
+    """--json `path` may be written: a file name in a folder that exists, new or an earlier comparison record."""
     if path.is_dir():
         raise UserError(f"--json {path}: is a folder; give a file name")
+    if path.exists() and not _is_record(path):
+        raise UserError(f"--json {path}: exists and is not an earlier comparison record; nothing is written over it "
+                        "(give a new file name)")
     if not path.parent.is_dir():
         raise UserError(f"--json {path}: no folder {path.parent}")
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _is_record(path: Path) -> bool:
+    """`path` holds a comparison record --json wrote (a JSON object with its keys)."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and {"a", "b", "items", "verdict", "bootstrap"} <= data.keys()
 
 
 def summary_lines(result: PairedComparison, file_a: Optional[Path] = None, file_b: Optional[Path] = None) -> list[str]:

@@ -347,24 +347,32 @@ def call_plugin(ref: str, response: str, example: dict) -> float:
     return reward_value(load_plugin(ref)(response, example))
 
 
-class PluginReward:
-    """A per-sample plugin run over the grading pool (started on the first call; `close()` stops it)."""
+class PooledReward:
+    """Third-party scoring code run over the grading pool (grading/pool.py), never in emapg's process: `call(*task)`
+    per response in killable worker processes with a per-call time limit and an address-space cap, each worker
+    warmed up with `warmup(*warmup_args)`. A call that raises, times out or kills its worker scores 0 and is counted
+    (`errors`, `stats`). Subclasses say what a task is (`tasks`) and name themselves (`label`). Started on the first
+    call; `close()` stops it."""
 
-    def __init__(self, ref: str, workers: Optional[int] = None, timeout: float = PLUGIN_TIMEOUT,
-                 memory_mib: int = PLUGIN_MEMORY_MIB) -> None:
-        self.ref = check_ref(ref)
-        load_plugin(self.ref)  # import it here, in the parent (the run has started): a failure is one line
+    label = "reward"
+
+    def __init__(self, call: Callable, warmup: Callable, warmup_args: tuple, workers: Optional[int], timeout: float,
+                 memory_mib: int) -> None:
+        self._call, self._warmup, self._warmup_args = call, warmup, warmup_args
         self.workers, self.timeout, self.memory_mib = workers, timeout, memory_mib
         self._pool = None
         self.batch_first_error = ""  # the first failure of the last call ("Type: message"), "" when none
 
     @property
     def errors(self) -> int:
-        """Calls that raised, returned a non-number or timed out (each scored 0)."""
-        if self._pool is None:
-            return 0
-        st = self._pool.stats
+        """Calls that raised, returned a non-number, timed out or killed their worker (each scored 0)."""
+        st = self.stats
         return st.errors + st.timeouts + st.crashes
+
+    @property
+    def timeouts(self) -> int:
+        """Calls cut at the time limit (scored 0; counted in `errors` too)."""
+        return self.stats.timeouts
 
     @property
     def stats(self):
@@ -378,13 +386,16 @@ class PluginReward:
         """The last failed call's error ("Type: message", or a timeout), "" when none."""
         return self.stats.last_error
 
+    def tasks(self, responses: Sequence[str], examples: Sequence[Any]) -> list[tuple]:
+        raise NotImplementedError
+
     def __call__(self, responses: Sequence[str], examples: Sequence[Any]) -> list[float]:
         from emapg_cli.grading.pool import TimeoutPool, WorkerStartError
         from emapg_cli.grading.verify import default_workers
 
-        if self._pool is None:  # each worker imports the plugin before its first call (not timed as one)
-            self._pool = TimeoutPool(call_plugin, workers=self.workers or default_workers(), timeout=self.timeout, default=None,
-                                     warmup=load_plugin, warmup_args=(self.ref,), memory_limit=self.memory_mib << 20)
+        if self._pool is None:  # each worker warms up (imports) before its first call (not timed as one)
+            self._pool = TimeoutPool(self._call, workers=self.workers or default_workers(), timeout=self.timeout, default=None,
+                                     warmup=self._warmup, warmup_args=self._warmup_args, memory_limit=self.memory_mib << 20)
         pool = self._pool
         self.batch_first_error = ""
 
@@ -392,11 +403,10 @@ class PluginReward:
             if value is None and not self.batch_first_error:
                 self.batch_first_error = pool.stats.last_error
 
-        tasks = [(self.ref, r, e.model_dump() if hasattr(e, "model_dump") else dict(e)) for r, e in zip(responses, examples)]
         try:
-            values = pool.map(tasks, on_result=note)
+            values = pool.map(self.tasks(responses, examples), on_result=note)
         except WorkerStartError as e:  # e.g. its import needs more than the memory cap
-            raise UserError(f"reward plugin {self.ref}: its worker processes cannot start ({e.reason[:200]}); each may use "
+            raise UserError(f"{self.label}: its worker processes cannot start ({e.reason[:200]}); each may use "
                             f"reward.plugin_memory_mib = {self.memory_mib} MiB (0: no cap)") from None
         return [0.0 if v is None else float(v) for v in values]
 
@@ -404,3 +414,17 @@ class PluginReward:
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+
+
+class PluginReward(PooledReward):
+    """A per-sample plugin run over the grading pool (`PooledReward`)."""
+
+    def __init__(self, ref: str, workers: Optional[int] = None, timeout: float = PLUGIN_TIMEOUT,
+                 memory_mib: int = PLUGIN_MEMORY_MIB) -> None:
+        self.ref = check_ref(ref)
+        load_plugin(self.ref)  # import it here, in the parent (the run has started): a failure is one line
+        self.label = f"reward plugin {self.ref}"
+        super().__init__(call_plugin, load_plugin, (self.ref,), workers, timeout, memory_mib)
+
+    def tasks(self, responses: Sequence[str], examples: Sequence[Any]) -> list[tuple]:
+        return [(self.ref, r, e.model_dump() if hasattr(e, "model_dump") else dict(e)) for r, e in zip(responses, examples)]

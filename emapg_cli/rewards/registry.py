@@ -52,10 +52,11 @@ def _f1(**_) -> RewardFn:
     return QAReward("f1")
 
 
-def _reasoning_gym(**_) -> RewardFn:
-    from emapg_cli.rewards.reasoning_gym_reward import ReasoningGymReward
+def _reasoning_gym(workers: Optional[int] = None, timeout: Optional[float] = None, memory_mib: Optional[int] = None,
+                   **_) -> RewardFn:
+    from emapg_cli.rewards.reasoning_gym_reward import PLUGIN_MEMORY_MIB, PLUGIN_TIMEOUT, ReasoningGymReward
 
-    return ReasoningGymReward()
+    return ReasoningGymReward(workers, timeout or PLUGIN_TIMEOUT, PLUGIN_MEMORY_MIB if memory_mib is None else memory_mib)
 
 
 #: name -> factory `factory(think=...)` (called once per `get_reward`, so each caller owns its
@@ -167,12 +168,12 @@ def get_reward(name: str, think: str = "emapg", workers: Optional[int] = None, t
     """The reward registered as `name`, or the plugin `name` refers to; an unknown name is a UserError
     listing the known ones. `think` is the `grading.think` rule of the rewards that extract answers;
     `workers` and `timeout` (None: the defaults, as in training) size the grading pool and bound one
-    call (a plugin call, a math-verify comparison); `memory_mib` caps a plugin's workers (reward.plugin_memory_mib;
-    None: its default)."""
+    call (a plugin call, a math-verify comparison); `memory_mib` caps the workers of a plugin or of the reasoning-gym
+    scorers (reward.plugin_memory_mib; None: its default)."""
     from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB, PLUGIN_TIMEOUT, PluginReward, is_plugin_ref
 
     name = check_reward(name)
     if is_plugin_ref(name):
         return SafeReward(name, PluginReward(name, workers=workers, timeout=timeout or PLUGIN_TIMEOUT,
                                              memory_mib=PLUGIN_MEMORY_MIB if memory_mib is None else memory_mib))
-    return SafeReward(name, _build(REWARDS[name], think=think, workers=workers, timeout=timeout))
+    return SafeReward(name, _build(REWARDS[name], think=think, workers=workers, timeout=timeout, memory_mib=memory_mib))

@@ -234,3 +234,20 @@ def agent_that_spins_exits_or_forks(ws: Path) -> None:
     warnings = [x for x in r.err.splitlines() if "failed on" in x]
     assert len(warnings) == 1 and "failed on 4 of 6 episodes" in warnings[0], r.show()
     assert "did not return within rollout.agent_timeout_s = 5 s" in warnings[0], r.show()
+
+@probe("reasoning_gym_scorer_evals_the_answer", slow=True)
+def reasoning_gym_scorer_evals_the_answer(ws: Path) -> None:
+    """spiral_matrix's scorer calls eval() on the model's answer (issue 40, item 1): the `reasoning-gym` reward ran it
+    in emapg's own process with no time limit, so `<answer>__import__("os").system("touch PWNED")</answer>` wrote
+    PWNED into the user's folder and an endless generator hung `emapg eval` past --grader-timeout. Scorers now run in
+    the grading pool's workers, in an empty private folder: nothing lands in the user's folder, the hang is cut at
+    --grader-timeout and counted (grader_timeouts), the evaluation goes on."""
+    ok(emapg(ws, "prepare", "reasoning-gym:spiral_matrix", "--size", "1", "--out", "sm"))
+    row = json.loads((ws / "sm" / "data.jsonl").read_text().splitlines()[0])
+    attacks = ['<answer>__import__("os").system("touch PWNED")</answer>', "<answer>next(x for x in iter(int,1) if x)</answer>"]
+    (ws / "r.jsonl").write_text(json.dumps({"id": row["id"], "responses": attacks}) + "\n")
+    ok(emapg(ws, "eval", "--bench", "sm", "--responses", "r.jsonl", "--reward", "reasoning-gym", "--grader-timeout", "2",
+             "--out", "ev", timeout=90))
+    assert not (ws / "PWNED").exists(), "the scorer's eval wrote PWNED into the user's folder"
+    summary = json.loads((ws / "ev" / "summary.json").read_text())
+    assert summary["grader_timeouts"] == 1, f"the hung scorer was not cut and counted: {summary.get('grader_timeouts')}"

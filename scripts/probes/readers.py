@@ -301,3 +301,42 @@ def huge_integer_ids(ws: Path) -> None:
     one_line_error(emapg(ws, "prepare", "mine", "--from", "big.json", "--out", "p2"), "big.json", "digits")
     leftovers = [d for d in ("o1", "o2", "p1", "p2") if (ws / d).exists()]
     assert not leftovers, f"output folders left behind: {leftovers}"
+
+
+# ------------------------------------------------------------------------------------------ issue 40
+
+def _eval_folder(folder: Path, run: dict, correct: list[bool]) -> Path:
+    folder.mkdir()
+    _write(folder / "results.jsonl", "".join(json.dumps({"id": str(i), "correct": [c]}) + "\n" for i, c in enumerate(correct)))
+    _write(folder / "run.json", json.dumps(run))
+    return folder
+
+
+@probe("compare_json_never_over_results")
+def compare_json_never_over_results(ws: Path) -> None:
+    """`eval --compare A B --json A/results.jsonl` replaced A's per-item results with the comparison record (issue 40,
+    item 6): --json writes a new file or an earlier record, anything else is one line and stays as it was. And two
+    evaluations made with different settings (32 samples at T 0.8 against greedy, item 9) are compared with one
+    warning line naming them."""
+    run = {"model": "m", "n": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 64, "reward": "math"}
+    a = _eval_folder(ws / "A", {**run, "n": 32, "temperature": 0.8}, [True, False, True, True])
+    _eval_folder(ws / "B", run, [False, False, True, True])
+    before = (a / "results.jsonl").read_bytes()
+    one_line_error(emapg(ws, "eval", "--compare", "A", "B", "--json", "A/results.jsonl"), "not an earlier comparison record")
+    assert (a / "results.jsonl").read_bytes() == before, "A/results.jsonl was written over"
+    r = ok(emapg(ws, "eval", "--compare", "A", "B", "--json", "cmp.json"))
+    warnings = [line for line in r.err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "n 32 vs 1" in warnings[0] and "temperature 0.8 vs 0.0" in warnings[0], r.show()
+
+
+@probe("bench_generate_past_the_context")
+def bench_generate_past_the_context(ws: Path) -> None:
+    """`bench generate --max-new-tokens 65536` on a model of 1,024 positions ran past its context without a word
+    (issue 40, item 7): one line naming the context."""
+    code = "import sys; from emapg_cli.models.tiny import save_tiny; save_tiny(sys.argv[1], hidden=16, layers=1, heads=2, kv_heads=1)"
+    subprocess.run([sys.executable, "-c", code, str(ws / "tiny")], check=True, cwd=ws, timeout=120, capture_output=True,
+                   env=base_env(ws))
+    _write(ws / "d.jsonl", "".join(json.dumps({"id": str(i), "question": f"{i}+1", "answers": [str(i + 1)]}) + "\n" for i in range(4)))
+    one_line_error(emapg(ws, "bench", "generate", "--preset", "toy", "--set", "model.path=tiny", "--set", "data.train=d.jsonl",
+                         "--set", "rollout.n=2", "--sequences", "2", "--max-new-tokens", "65536", "--threads", "1", timeout=120),
+                   "past the model's context of 1024")
