@@ -235,6 +235,7 @@ def agent_that_spins_exits_or_forks(ws: Path) -> None:
     assert len(warnings) == 1 and "failed on 4 of 6 episodes" in warnings[0], r.show()
     assert "did not return within rollout.agent_timeout_s = 5 s" in warnings[0], r.show()
 
+
 @probe("reasoning_gym_scorer_evals_the_answer", slow=True)
 def reasoning_gym_scorer_evals_the_answer(ws: Path) -> None:
     """spiral_matrix's scorer calls eval() on the model's answer (issue 40, item 1): the `reasoning-gym` reward ran it
