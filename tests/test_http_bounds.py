@@ -121,10 +121,6 @@ def test_nccl_joins_are_bounded_in_count_and_time(monkeypatch):
 
 
 def _listening(port: int) -> set[str]:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from probes.rollout import _listening as listening
 
     return listening(port)

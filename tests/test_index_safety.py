@@ -1,6 +1,6 @@
 """Issue 20, "data loss" and "every reader one line": the index folder is claimed and validated, only what emapg
 made is deleted, observations are cut by characters before tokenising, and status.json says how a run ended.
-The CLI-level checks are the probes in scripts/probes/index.py; these are the small in-process ones."""
+The CLI-level checks are the probes in tests/probes/index.py; these are the small in-process ones."""
 
 from __future__ import annotations
 

@@ -8,17 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 
 from emapg_cli.errors import UserError
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from probes.one_line import broken_model_folders  # noqa: E402  (the probe's cases: one builder for both)
+from probes.one_line import broken_model_folders  # the probe's cases: one builder for both
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from .common import emapg, one_line_error
 from .server import (_connect, _dripper, _fake_server, _health, _post, _read_reply, _refused, _Server, _tiny_model, _tmp,
                      serve_process)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 #: The address-space limit of the probes' servers (GiB): the tiny model's server needs ~2.
 MEMORY_GB = 6.0

@@ -4,11 +4,11 @@ A probe is a function `fn(ws: Path) -> None` that gets a fresh empty folder, run
 real subprocess, see `common.emapg`) and raises `AssertionError` with a one-line reason when emapg
 misbehaves. Probes are grouped by surface, one module each (`AREAS`); `@probe(...)` registers one.
 
-    python scripts/hostile_probes.py            # every probe, PASS/FAIL per line, exit 1 on any FAIL
-    python scripts/hostile_probes.py --fast     # without the slow ones
-    python scripts/hostile_probes.py -k server  # probes whose id contains "server"
+`tests/probes/test_probes.py` runs the registry under pytest, one test per probe (slow probes marked `slow`):
 
-`tests/test_hostile_probes.py` runs the same registry under pytest (slow probes marked `slow`).
+    pytest tests/probes                      # the fast probes (as CI runs them)
+    pytest tests/probes -m slow              # the slow ones
+    pytest tests/probes -m "" -k server      # every probe whose id contains "server"
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-#: Probe modules, one per surface (scripts/probes/<area>.py).
+#: Probe modules, one per surface (tests/probes/<area>.py).
 AREAS = ("trust", "server", "rollout", "index", "readers", "first_hour", "one_line", "isolation", "openai")
 
 

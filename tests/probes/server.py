@@ -470,7 +470,6 @@ def client_bad_replies(ws: Path) -> None:
     """The search agent's HTTP client against servers answering non-UTF-8, not JSON, JSON nested 100,000 deep, other
     shapes, non-string passages, a reply over its byte cap, a redirect to a local file: each is one UserError line
     naming the URL and what was wrong (they used to be UnicodeDecodeError / RecursionError / TypeError tracebacks)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from emapg_cli.errors import UserError
     from emapg_cli.retrieval.http import HTTPRetriever
 
@@ -517,7 +516,6 @@ def client_reply_deadline(ws: Path) -> None:
     """A server sends its reply one byte every 0.2 s, each byte well within the client's 0.5 s timeout: the client
     gives up within a few seconds (the whole reply must come within 3 x the timeout) with one line naming the URL,
     instead of reading for as long as the server drips (hours for a large reply)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from emapg_cli.errors import UserError
     from emapg_cli.retrieval.http import HTTPRetriever
 
@@ -540,7 +538,6 @@ def client_failover_from_dripping_server(ws: Path) -> None:
     one, with `search.timeout_s` 2: each search is answered by the healthy one within ~2 s, the dripping try
     abandoned at its deadline (the timeout used to bound each read of the socket, so the first try read for as long
     as the server dripped, a minute and more, before the search failed or failed over)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from emapg_cli.errors import UserError
     from emapg_cli.retrieval.http import HTTPRetriever
 
@@ -564,7 +561,6 @@ def client_url_not_http(ws: Path) -> None:
     errors (exit 2, one line naming search.url), so nothing is ever read from a local file."""
     for url in ("notaurl", "file:///etc/passwd"):
         one_line_error(emapg(ws, "config", "show", "--set", f"search.url={url}"), "search.url")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from emapg_cli.config.models import SearchConfig
 
     for url in ("ftp://example.org/x", "http://", "https:///retrieve", "//host/retrieve"):
