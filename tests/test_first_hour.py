@@ -220,12 +220,9 @@ def test_eval_plots_draw_pass_at_k_and_groups(tmp_path):
 
 
 def test_readme_quick_start_is_what_the_newcomer_check_runs():
-    import importlib.util
+    from acceptance import newcomer_check as script
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("newcomer_check", root / "scripts" / "newcomer_check.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     readme = (root / "README.md").read_text()
     quick = readme[readme.index("## Quick start"):readme.index("## Install")]
     first = next(line for line in quick.splitlines() if line.startswith("python3 -m venv"))

@@ -4,7 +4,7 @@ The acceptance run (issue 18): 20 steps at lr 1e-5 in bf16 with master weights m
 float32 run of the same seed, in the same direction; bf16 weights updated in place (master_weights=false) move far
 less, because an AdamW step of about lr is below half a bf16 ulp of most weights and rounds away. The runs here are
 the tiny test model (random, `test_digit` reward: GRPO groups have non-zero advantages without a warm start) at the
-training tests' small shapes; `scripts/master_weights_check.py` runs the same comparison on the prepared toy.
+training tests' small shapes; `tests/acceptance/master_weights_check.py` runs the same comparison on the prepared toy.
 """
 
 from __future__ import annotations

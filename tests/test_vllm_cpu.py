@@ -13,7 +13,7 @@ default 0.02 greedy decoding just repeats the last prompt token and comparisons 
 Log-probability tolerance: both sides compute in float32 on this CPU, vLLM with oneDNN GEMMs,
 its own attention kernel and torch.compile'd fusions, transformers eagerly. Reordered float32
 sums differ by ~1e-6 relative per op; through this 2-layer model that is ~1e-5 on a
-log-probability (measured: max 2.2e-5 over ~160 tokens; 1.9e-4 for scripts/vllm_check.py's wider
+log-probability (measured: max 2.2e-5 over ~160 tokens; 1.9e-4 for tests/acceptance/vllm_check.py's wider
 hidden-256 model), so 1e-3 leaves a wide margin while a wrong token, position, temperature or
 stale weight moves a log-probability by >> 1e-2 (measured: 2.3 nats for the raw instead of
 the tempered distribution, up to 4.8 nats for a stale tied lm_head).
@@ -54,7 +54,7 @@ def _cpu_platform():
     except UserError as e:  # e.g. vLLM's CUDA build on a machine without a GPU
         pytest.skip(str(e))
     if device != "cpu":
-        pytest.skip("these tests are for vLLM's CPU build; on a GPU run scripts/vllm_check.py")
+        pytest.skip("these tests are for vLLM's CPU build; on a GPU run tests/acceptance/vllm_check.py")
 
 
 @pytest.fixture(scope="module")

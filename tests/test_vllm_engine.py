@@ -3,7 +3,7 @@
 vLLM is not installed here, so the engine's orchestration is exercised against a fake `vllm`
 module shaped like the real one (LLM, SamplingParams, inputs.TokensPrompt, platforms.current_platform,
 RequestOutput / CompletionOutput records, the in-process worker's reload_weights). The real thing is
-checked by tests/test_vllm_cpu.py (`-m vllm`, vLLM's CPU build), scripts/vllm_check.py and the gpu test.
+checked by tests/test_vllm_cpu.py (`-m vllm`, vLLM's CPU build), tests/acceptance/vllm_check.py and the gpu test.
 """
 
 from __future__ import annotations

@@ -183,9 +183,9 @@ def preset_comment(ws: Path) -> None:
 @probe("docs-numbers-match-code")
 def docs_numbers(ws: Path) -> None:
     """The numbers docs/dry_run.md and docs/toy.md quote from the code (dry-run memory plan, automatic threads) are the
-    code's: `python scripts/doc_numbers.py` regenerates and compares them."""
-    script = ROOT / "scripts" / "doc_numbers.py"
-    assert script.is_file(), "no scripts/doc_numbers.py: the docs' numbers are not generated from the code"
+    code's: `python tests/doc_numbers.py` regenerates and compares them."""
+    script = ROOT / "tests" / "doc_numbers.py"
+    assert script.is_file(), "no tests/doc_numbers.py: the docs' numbers are not generated from the code"
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, f"stale docs: {r.stdout.strip()[-400:]} {r.stderr.strip()[-400:]}"
     dry = (ROOT / "docs" / "dry_run.md").read_text()

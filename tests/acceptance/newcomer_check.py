@@ -4,9 +4,9 @@ fresh clone -> fresh virtual environment -> the README's install lines -> `emapg
 && emapg train --preset toy` -> `emapg eval --bench toy --model <run>/final/policy` -> `emapg plot <run>`,
 each step timed, in a fresh EMAPG_HOME; prints a table of wall times and the accuracies.
 
-    python scripts/newcomer_check.py                                   # the README's lines as they are
-    python scripts/newcomer_check.py --torch-install "pip install torch==2.13.0"   # a torch wheel you already have
-    python scripts/newcomer_check.py --train-args "--set train.steps=10"           # a quick smoke run
+    python tests/acceptance/newcomer_check.py                                   # the README's lines as they are
+    python tests/acceptance/newcomer_check.py --torch-install "pip install torch==2.13.0"   # a torch wheel you already have
+    python tests/acceptance/newcomer_check.py --train-args "--set train.steps=10"           # a quick smoke run
 
 Needs git, python3 with venv, and network access to PyPI (and to the PyPI torch index the torch line
 names) unless the packages are cached. Everything is written under --workdir (default: a new temporary folder).
@@ -56,7 +56,7 @@ def report(rows: list, numbers: dict) -> None:
 
 
 def main() -> None:
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repo", default=str(here), help="What to clone (a URL or a local repository; default: this checkout).")
     parser.add_argument("--workdir", type=Path, default=None, help="Empty folder for the clone, venv, EMAPG_HOME and runs (default: a new temp folder).")

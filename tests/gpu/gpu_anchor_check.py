@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One prepared GPU check of the anchor pass under bf16 autocast (`ema.anchor_autocast`).
 
-    python scripts/gpu_anchor_check.py [--hidden 1024] [--layers 8] [--rows 16] [--len 2048] [--out anchor_check.json]
+    python tests/gpu/gpu_anchor_check.py [--hidden 1024] [--layers 8] [--rows 16] [--len 2048] [--out anchor_check.json]
 
 Builds a random Llama locally (emapg_cli.models.tiny; nothing is downloaded) at the given width,
 holds it as the fp32 anchor on the GPU, and runs the trainer's anchor pass (train/passes.py

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """One prepared GPU check of float32 master weights (model.master_weights) at the olympiad preset's model size.
 
-    python scripts/gpu_master_weights_check.py [--steps 3] [--rows 16] [--len 1024] [--lr 1e-6] [--out master_weights_gpu.json]
-    python scripts/gpu_master_weights_check.py --device cpu --tiny      # the same logic on a tiny model (no GPU)
+    python tests/gpu/gpu_master_weights_check.py [--steps 3] [--rows 16] [--len 1024] [--lr 1e-6] [--out master_weights_gpu.json]
+    python tests/gpu/gpu_master_weights_check.py --device cpu --tiny      # the same logic on a tiny model (no GPU)
 
 Builds DeepSeek-R1-Distill-Qwen-1.5B's architecture (its shapes from train/plan.py KNOWN_MODELS; random
 weights, nothing is downloaded) on the device and runs `--steps` policy updates of the trainer

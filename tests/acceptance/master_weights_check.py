@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Float32 master weights on the toy: do bf16 runs move the weights as far as the float32 run? (issue 18's acceptance)
 
-    python scripts/master_weights_check.py [--home DIR] [--steps 20] [--lr 1e-5] [--single-only] [--out master_weights.json]
+    python tests/acceptance/master_weights_check.py [--home DIR] [--steps 20] [--lr 1e-5] [--single-only] [--out master_weights.json]
 
 Uses the prepared toy under $EMAPG_HOME/toy (or --home; `emapg prepare --preset toy` is run first when it is
 missing, about 2.5 minutes on 2 CPU cores), then trains `--preset toy` for `--steps` RL steps at `--lr` with the

@@ -2,16 +2,16 @@
 
 A doc holds each generated block between two marker lines,
 
-    <!-- BEGIN generated:NAME (python scripts/doc_numbers.py --write) -->
+    <!-- BEGIN generated:NAME (python tests/doc_numbers.py --write) -->
     ...
     <!-- END generated:NAME -->
 
 and `GENERATORS[NAME]` writes what goes between them. `tests/test_doc_numbers.py` regenerates every block and
-fails when a doc differs from the code; after a change to the code, `python scripts/doc_numbers.py --write` updates
-the docs (and `python scripts/doc_numbers.py` alone prints what differs).
+fails when a doc differs from the code; after a change to the code, `python tests/doc_numbers.py --write` updates
+the docs (and `python tests/doc_numbers.py` alone prints what differs).
 
-    python scripts/doc_numbers.py            # check: exit 1 and name the stale blocks
-    python scripts/doc_numbers.py --write    # rewrite the blocks in place
+    python tests/doc_numbers.py            # check: exit 1 and name the stale blocks
+    python tests/doc_numbers.py --write    # rewrite the blocks in place
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ to the GEMM floor (wall time on a GPU), TFLOP/s and % of the dense bf16 peak (ta
 the fused update), and the peak CUDA memory above the set-up. Exit status 1 when a fused update
 is below the target.
 
-    python scripts/gpu_bench_check.py                      # H100/H200: dense bf16 peak 989 TFLOP/s
-    python scripts/gpu_bench_check.py --peak-tflops 312    # A100
+    python tests/gpu/gpu_bench_check.py                      # H100/H200: dense bf16 peak 989 TFLOP/s
+    python tests/gpu/gpu_bench_check.py --peak-tflops 312    # A100
 """
 
 from __future__ import annotations
