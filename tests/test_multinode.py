@@ -133,14 +133,14 @@ exit $rc
 
 @pytest.mark.slow  # the shipped sbatch script run twice as a 2-node job on this host (138 s measured on 2 busy cores)
 def test_the_slurm_script_runs_a_two_node_job(tiny_qwen2, tmp_path):
-    """scripts/slurm/emapg_multinode.sbatch as Slurm would run it on 2 nodes, with `srun` and `scontrol`
+    """scripts/examples/slurm/emapg_multinode.sbatch as Slurm would run it on 2 nodes, with `srun` and `scontrol`
     replaced by one-host stand-ins (every node is this host): the script's ranks, rendezvous address and arguments start a
     2-process run that finishes; run again on the finished folder, it resumes it (nothing to do)."""
     import os
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "slurm" / "emapg_multinode.sbatch"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "examples" / "slurm" / "emapg_multinode.sbatch"
     fake = tmp_path / "bin"
     fake.mkdir()
     for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):

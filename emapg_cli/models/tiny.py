@@ -116,7 +116,7 @@ def save_tiny_encoder(path: str | Path, texts: list[str], vocab_size: int = 1000
     their most frequent words up to `vocab_size`; other words are spelled in characters), saved to
     `path` in `save_pretrained` format (what the dense retriever loads, with mean pooling, like e5-base-v2).
 
-    Tests of the dense retriever and `scripts/train_tiny_encoder.py` build it; nothing is downloaded.
+    Tests of the dense retriever and `scripts/benchmarks/train_tiny_encoder.py` build it; nothing is downloaded.
     """
     from collections import Counter
 

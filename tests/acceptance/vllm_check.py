@@ -75,7 +75,7 @@ def hf_logprobs(model, prompt: list[int], completion: list[int], device: str) ->
 
 def perturb(model, device: str = "cpu") -> None:
     """Add noise of 0.5 x each tensor's std (0.1 for a constant one) to every parameter, seed 0: weights, biases,
-    norms, the tied embedding all move (the weight push check; scripts/float64_floor.py measures its rounding)."""
+    norms, the tied embedding all move (the weight push check; docs/evidence/float64_floor.py measures its rounding)."""
     import torch
 
     gen = torch.Generator().manual_seed(0)

@@ -1,7 +1,7 @@
 """Train a tiny dual encoder (one shared BERT, e5-style) on (query, passage) pairs with in-batch negatives.
 
 No pretrained encoder can be downloaded in a closed environment; this gives the dense retriever an honest small
-encoder to be measured with (`scripts/dense_recall.py`). The model is `models.tiny.save_tiny_encoder` (a random
+encoder to be measured with (`scripts/benchmarks/dense_recall.py`). The model is `models.tiny.save_tiny_encoder` (a random
 BERT and a WordPiece vocabulary of the corpus's characters and most frequent words); training follows e5/DPR:
 queries encoded as "query: " + q, passages as "passage: " + p, mean pooling, L2 normalisation, and the InfoNCE loss
 over a batch of distinct passages
@@ -12,7 +12,7 @@ each query's positive its own passage, the other B-1 passages of the batch its n
 AdamW, constant learning rate, for `--minutes` of wall time or `--steps` steps, whichever ends first. The saved
 folder loads with `emapg retriever index CORPUS --out DIR --dense FOLDER`.
 
-    python scripts/train_tiny_encoder.py --pairs pairs.jsonl --corpus corpus.jsonl --out enc --minutes 3
+    python scripts/benchmarks/train_tiny_encoder.py --pairs pairs.jsonl --corpus corpus.jsonl --out enc --minutes 3
 
 pairs.jsonl: one {"query", "passage"} per line (the passage's text as in the corpus).
 """

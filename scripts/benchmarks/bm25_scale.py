@@ -1,6 +1,6 @@
 """Measure `emapg retriever index` (the streamed bm25 build) at growing corpus sizes and extrapolate to wiki-18.
 
-For each size N (synthetic Wikipedia-like passages, scripts/synthetic_corpus.py, generated once into --work):
+For each size N (synthetic Wikipedia-like passages, scripts/benchmarks/synthetic_corpus.py, generated once into --work):
   * build: `emapg retriever index` in a subprocess: wall time and the child's peak RSS (os.wait4's ru_maxrss);
   * on-disk size of the index folder (score matrix, vocabulary, doc store);
   * load: a fresh process times `BM25Retriever.load` (memory-mapped, with its checks) and its RSS after loading;
@@ -13,7 +13,7 @@ size varies a little with N); the script measures the per-term cost of the vocab
 for a larger vocabulary than the synthetic one (the largest measured peak + that cost per further term).
 Optionally (--in-memory-max) the previous in-memory build (read_corpus + bm25s.index) is measured for comparison.
 
-    python scripts/bm25_scale.py --sizes 100000 1000000 --work scale-work --json bm25-scale.json
+    python scripts/benchmarks/bm25_scale.py --sizes 100000 1000000 --work scale-work --json bm25-scale.json
 
 The machine's other load makes wall times noisy; RSS and sizes are exact.
 """
@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 WIKI18 = 21_015_324  # wiki-18 passages (DPR's Wikipedia split, Search-R1's corpus)
 TARGET = 20_000_000
 #: The build's one per-row memory: the 8-byte id hashes of the duplicate-id check, twice while they are concatenated.

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Time the same test files serially and with pytest-xdist (`-n 2 --dist loadfile --basetemp`, as .ci/run runs them),
 # interleaved in rounds (a shared machine is noisy: compare the min of the rounds, and the CPU seconds).
-# Usage: scripts/ci_parallel_bench.sh ROUNDS tests/test_a.py tests/test_b.py ...
+# Usage: scripts/benchmarks/ci_parallel_bench.sh ROUNDS tests/test_a.py tests/test_b.py ...
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rounds="${1:?usage: ci_parallel_bench.sh ROUNDS FILES...}"; shift
 logs="$(mktemp -d)"
 for round in $(seq "$rounds"); do

@@ -2,8 +2,8 @@
 server's preallocated staging copy and checked finite) against a two-process gloo group (one broadcast per tensor
 into preallocated buffers: how the weights travelled before issue 32). docs/rollout_server.md quotes its output.
 
-    python scripts/weight_push_speed.py                 # 3 rounds, each: gloo then http, for 3 layouts of float32
-    python scripts/weight_push_speed.py --rounds 5
+    python scripts/benchmarks/weight_push_speed.py                 # 3 rounds, each: gloo then http, for 3 layouts of float32
+    python scripts/benchmarks/weight_push_speed.py --rounds 5
 
 The server is a real `RolloutService` behind `make_server` in a subprocess (one torch thread), on a stand-in engine
 (the push path does not touch it); the trainer side is `RemoteEngine.push_weights`. Every server is on 127.0.0.1.

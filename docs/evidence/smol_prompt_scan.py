@@ -2,7 +2,7 @@
 (docs/smol.md, "The answer format"): greedy and sampled (4 per item), on the first N held-out items of the smol
 preset's tasks (seed 1, the preset's test seed).
 
-    python scripts/smol_prompt_scan.py --prefixes none,one,one_instructed,two --items 48 --temperature 0.7
+    python docs/evidence/smol_prompt_scan.py --prefixes none,one,one_instructed,two --items 48 --temperature 0.7
 
 Prints one JSON line per (prefix, task): greedy format rate and accuracy, sampled format rate and accuracy.
 """

@@ -6,9 +6,9 @@ Needs a prepared toy (`emapg prepare --preset toy` into EMAPG_HOME). Every run g
 (`emapg train --preset toy --set rollout.engine_url=http://127.0.0.1:PORT --set rollout.max_staleness=K`, one
 torch thread): on a 2-core machine each side has one core.
 
-    python scripts/async_throughput.py --steps 12 --rounds 3              # throughput, interleaved rounds
-    python scripts/async_throughput.py --accuracy --seeds 0 1 2           # final accuracy, 3 seeds x {0, 1}
-    python scripts/async_throughput.py --print-commands                   # what it would run, nothing started
+    python scripts/benchmarks/async_throughput.py --steps 12 --rounds 3              # throughput, interleaved rounds
+    python scripts/benchmarks/async_throughput.py --accuracy --seeds 0 1 2           # final accuracy, 3 seeds x {0, 1}
+    python scripts/benchmarks/async_throughput.py --print-commands                   # what it would run, nothing started
 
 Throughput: the two variants alternate within every round (0 then 1, then 1 then 0, ...), so a change of the
 machine's load hits both. A run's steps/s is (steps - 1) / the sum over steps 2..N of time/rollout + time/update

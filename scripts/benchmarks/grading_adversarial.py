@@ -11,8 +11,8 @@ time and the CPU time (this process and its workers), the ratio adversarial / or
 timeout; two more kinds that are slow inside sympy itself, which only the timeout bounds, are timed
 here too), and finally the real CLI on one 2 MB response.
 
-    python scripts/grading_adversarial.py                 # 2 rounds, 2 workers, 1 s timeout
-    python scripts/grading_adversarial.py --rounds 3 --workers 4 --timeout 5
+    python scripts/benchmarks/grading_adversarial.py                 # 2 rounds, 2 workers, 1 s timeout
+    python scripts/benchmarks/grading_adversarial.py --rounds 3 --workers 4 --timeout 5
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ TRL runs in its own virtual environment (never an emapg dependency), for example
     python3 -m venv venv-trl && venv-trl/bin/pip install torch==2.13.0 && \\
         venv-trl/bin/pip install trl==1.16.0 transformers==<emapg's> math-verify==<emapg's>
     emapg prepare --preset toy
-    python scripts/trl_compare.py --trl-python venv-trl/bin/python --rounds 3
+    python scripts/benchmarks/trl_compare.py --trl-python venv-trl/bin/python --rounds 3
     emapg prepare --preset smol
-    python scripts/trl_compare.py --preset smol --trl-python venv-trl/bin/python --rounds 3 --threads 2
+    python scripts/benchmarks/trl_compare.py --preset smol --trl-python venv-trl/bin/python --rounds 3 --threads 2
 
 Run it on a quiet machine: other jobs on the cores change both sides' times.
 """
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PHASES = ("generation", "reward", "passes", "update", "other")
 
 

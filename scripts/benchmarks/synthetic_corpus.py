@@ -16,7 +16,7 @@ generates articles the same way:
 Deterministic by `--seed` (numpy PCG64), streamed to the output file (written to a temporary name, renamed at
 the end), memory independent of `--passages`.
 
-    python scripts/synthetic_corpus.py corpus-1e6.jsonl --passages 1000000
+    python scripts/benchmarks/synthetic_corpus.py corpus-1e6.jsonl --passages 1000000
 """
 
 from __future__ import annotations

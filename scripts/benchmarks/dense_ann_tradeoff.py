@@ -11,7 +11,7 @@ recall@3 against Flat's exact top 3 (share of Flat's 3 ids found), recall@1 (Fla
 and median over `--rounds` rounds, kinds interleaved within each round: the machine is shared), build seconds and
 index bytes.
 
-    python scripts/dense_ann_tradeoff.py --rows 100000 --dim 256
+    python scripts/benchmarks/dense_ann_tradeoff.py --rows 100000 --dim 256
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ wall time and greedy test accuracy, the RL wall time and the final accuracy, the
 For `toy-search`, the final policy is also evaluated with search disabled (`emapg eval
 --retriever ... --max-turns 0`: only the final turn, no search).
 
-    python scripts/toy_benchmark.py                 # seeds 0 1 2, under ./toy-benchmark
-    python scripts/toy_benchmark.py --seeds 0 --out bench-seed0
-    python scripts/toy_benchmark.py --prepare-only --out ws-avx512   # the warm start alone
+    python scripts/benchmarks/toy_benchmark.py                 # seeds 0 1 2, under ./toy-benchmark
+    python scripts/benchmarks/toy_benchmark.py --seeds 0 --out bench-seed0
+    python scripts/benchmarks/toy_benchmark.py --prepare-only --out ws-avx512   # the warm start alone
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
-        python scripts/toy_benchmark.py --prepare-only --out ws-avx2  # ... as on a CPU without AVX-512
-    python scripts/toy_benchmark.py --preset toy-search --seeds 0 1 2 --out toy-search-benchmark
-    python scripts/toy_benchmark.py --preset toy-tools --seeds 0 1 2 --out toy-tools-benchmark
+        python scripts/benchmarks/toy_benchmark.py --prepare-only --out ws-avx2  # ... as on a CPU without AVX-512
+    python scripts/benchmarks/toy_benchmark.py --preset toy-search --seeds 0 1 2 --out toy-search-benchmark
+    python scripts/benchmarks/toy_benchmark.py --preset toy-tools --seeds 0 1 2 --out toy-tools-benchmark
 
 For `toy-tools`, the final policy is also evaluated in the `calc` environment (`emapg eval --env calc`, greedy)
 for its calculator calls per episode; the table adds calls before (the warm start's, greedy, from its manifest)

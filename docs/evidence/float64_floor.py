@@ -1,8 +1,8 @@
 """How far a model's float32 log-probs are from float64 ones (transformers alone), as prepared and after
-scripts/vllm_check.py's perturbation (0.5 x std noise per tensor, seed 0): the rounding floor that any comparison of
+tests/acceptance/vllm_check.py's perturbation (0.5 x std noise per tensor, seed 0): the rounding floor that any comparison of
 two float32 engines on that model sits on (docs/smol.md, "Every path on the real model").
 
-    python scripts/float64_floor.py $EMAPG_HOME/smol/model
+    python docs/evidence/float64_floor.py $EMAPG_HOME/smol/model
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
 
     from emapg_cli.models.prompts import render_prompt
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "acceptance"))
     from vllm_check import perturb
 
     path = sys.argv[1]

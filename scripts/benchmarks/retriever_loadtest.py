@@ -13,9 +13,9 @@ server's limits (4xx expected). The server's peak RSS (VmHWM) and peak anonymous
 mmap'd index does not account for) are sampled from /proc. Bounded: `--queries` per cell (each client sends
 at least one request), `--max-seconds` in all (cells not started by then are skipped), a timeout per request.
 
-    python scripts/retriever_loadtest.py                        # a synthetic 20,000-passage index, built here
-    python scripts/retriever_loadtest.py --index DIR --rounds 2 # an index of `emapg retriever index`
-    python scripts/retriever_loadtest.py --docs 100000 --keep-index idx-1e5
+    python scripts/benchmarks/retriever_loadtest.py                        # a synthetic 20,000-passage index, built here
+    python scripts/benchmarks/retriever_loadtest.py --index DIR --rounds 2 # an index of `emapg retriever index`
+    python scripts/benchmarks/retriever_loadtest.py --docs 100000 --keep-index idx-1e5
 
 The server runs without its reply cache (`--cache-mb 0`: every query is searched, as in-process) unless
 `--cache-mb` says otherwise; queries are passages' own words (2 to 5 of them), distinct within a cell.
@@ -37,7 +37,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # this checkout's emapg_cli (the doc store reader)
 SYLLABLES = ("ka ri to mu sen da vel or an ith ba lo que ster mon gal pre dis tor ven lim "
              "sa no ru be che pol tra xi fen gor hu win ly zed ma kor ul ep").split()

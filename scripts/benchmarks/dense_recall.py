@@ -2,7 +2,7 @@
 
 No pretrained encoder (e5-base-v2) can be downloaded in a closed environment, so the dense rows are what an honest
 tiny encoder gets: the random tiny BERT of `models.tiny.save_tiny_encoder` (a floor), and the same encoder trained
-for `--minutes` by `scripts/train_tiny_encoder.py` (in-batch negatives) on data that never contains an evaluation
+for `--minutes` by `scripts/benchmarks/train_tiny_encoder.py` (in-batch negatives) on data that never contains an evaluation
 question. Every dense index is FAISS Flat (exact), built and queried through `retrieval/dense.py`.
 
   * toy-search (the preset's world, seed 0): 3,400 passages. Queries: the gold searches of the 300 test questions
@@ -13,7 +13,7 @@ question. Every dense index is FAISS Flat (exact), built and queried through `re
     top k, as tests/test_retrieval.py::test_hotpotqa_gold_recall. Training pairs come from the corpus alone
     (self-supervised, no question): (title -> paragraph) and (one random sentence -> its paragraph).
 
-    python scripts/dense_recall.py --out dense-recall --minutes 3
+    python scripts/benchmarks/dense_recall.py --out dense-recall --minutes 3
 """
 
 from __future__ import annotations

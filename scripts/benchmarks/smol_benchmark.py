@@ -2,7 +2,7 @@
 `emapg train --preset smol --set train.seed=S`, both timed; then the base model and the final policy graded by
 `emapg eval --preset smol` (the run's own evaluation settings) to split the gain into format and content.
 
-    python scripts/smol_benchmark.py --seeds 0 1 2 --out smol-benchmark
+    python scripts/benchmarks/smol_benchmark.py --seeds 0 1 2 --out smol-benchmark
 
 Prints per seed: prepare and train wall times, greedy held-out accuracy before and after (the run's eval/accuracy),
 the gain; then the mean gain with a 95% confidence interval (Student's t over the seeds). For the base model and
