@@ -166,8 +166,9 @@ def main() -> None:
         rv = _command()(standalone_mode=False, prog_name="emapg")
     except UserError as e:
         _fail(str(e))
-    except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help
-        typer.echo(e.ctx.get_help())
+    except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help, once (rich has printed it
+        if e.format_message().strip():  # while the error was made, and left its message empty; plain click has not)
+            typer.echo(e.format_message())
         sys.exit(0)
     except click.UsageError as e:
         _fail(f"{e.format_message()} (see '{e.ctx.command_path if e.ctx else 'emapg'} --help')")
