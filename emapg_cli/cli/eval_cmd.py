@@ -396,4 +396,13 @@ def eval_(
     if cfg is not None:  # what the config gave: one line, before the work
         what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
         console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
+    elif model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: said before the work
+        given = _given(ctx)
+        origin = {k: "typed" if k in given else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
+        cost = f"; at most {settings.n} x {settings.max_tokens:,} = {settings.n * settings.max_tokens:,} generated tokens per item"
+        if "max_tokens" not in given:
+            cost += " (--max-tokens caps it" + ("; --preset smol evaluates reasoning-gym tasks with its chat turns and "
+                                                 "16 tokens)" if settings.reward == "reasoning-gym" else ")")
+        console.print(_settings_line(settings, "the command line", origin, threads_note) + cost, markup=False,
+                      highlight=False, soft_wrap=True)
     _run(settings, o["bench"])
