@@ -73,3 +73,36 @@ def test_eval_without_a_preset_says_its_settings_and_cost_first_and_prints_progr
     # 2 samples x 28,000 tokens = 56,000 tokens per item at most
     assert "at most 2 x 28,000 = 56,000 generated tokens per item" in first and "--preset smol" in first, first
     assert any(line.startswith("eval ") and "1/1" in line for line in r.stdout.splitlines()[1:]), r.stdout
+
+
+def test_the_training_accuracy_panel_is_in_percent_as_every_printout(tmp_path, monkeypatch):
+    """eval_accuracy.png drew 0-1 while the progress line, the summary and the eval plots say %."""
+    from emapg_cli.plots import train as plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
+    rows = [{"step": s, "reward/mean": 0.1 * s, "eval/accuracy": a} for s, a in ((0, 0.125), (5, 0.36))]
+    plots.plot_runs([("smol", rows)], tmp_path)
+    ax = figures[0].axes[0]  # eval_accuracy.png: the first panel
+    assert "(%)" in ax.get_title()
+    assert list(ax.get_lines()[0].get_ydata()) == [12.5, 36.0]  # 0.125 and 0.36, x 100
+
+
+def test_kl_check_panel_c_draws_identical_estimators_as_one_line_with_one_entry():
+    """Panel (c) drew topk and topk_paper's equal variances on top of each other: 6 legend entries, about 2 lines."""
+    from types import SimpleNamespace as NS
+
+    from emapg_cli.klcheck.plot import variance_panel
+    from emapg_cli.plots.common import pyplot
+
+    def row(name, direction, k, var):
+        return NS(spec=NS(name=name, direction=direction, k=k), grad_variance=var)
+
+    rows = [row(name, d, k, v * (3.0 if name == "topk_mass" else 1.0)) for name in ("topk", "topk_paper", "topk_mass")
+            for d, v0 in (("reverse", 1.0), ("forward", 2.0)) for k, v in ((4, v0), (16, v0 / 4))]
+    fig, ax = pyplot().subplots()
+    variance_panel(ax, rows)
+    labels = sorted(line.get_label() for line in ax.get_lines())
+    # topk and topk_paper agree in both directions (one line each); topk_mass (x 3) is its own: 4 lines, not 6
+    assert labels == ["topk = topk_paper (forward)", "topk = topk_paper (reverse)", "topk_mass (forward)", "topk_mass (reverse)"]
+    pyplot().close(fig)
