@@ -164,7 +164,7 @@ def test_config_line_names_the_run_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("EMAPG_HOME", str(tmp_path))
     line = config_line(load_config("toy"))  # the model path as the run will read it: $EMAPG_HOME expanded
     assert line == (f"toy: {tmp_path}/toy/model (float32), 200 steps x 32 prompts x 8 samples, lr 0.0003, "
-                    "KL β 0.01 topk reverse k 8, EMA anchor η 0.9 every 5, reward math, engine hf")
+                    f"KL β 0.01 topk reverse k 8, EMA anchor η 0.9 every 5, reward math, engine hf, evaluated on {tmp_path}/toy/test.jsonl")
     distill = config_line(load_config("toy-distill"))  # a teacher is named as such, with its dtype and the objective
     assert f"teacher anchor {tmp_path}/toy-distill/teacher (float32), objective distill, reward" in distill
 

@@ -106,3 +106,28 @@ def test_kl_check_panel_c_draws_identical_estimators_as_one_line_with_one_entry(
     # topk and topk_paper agree in both directions (one line each); topk_mass (x 3) is its own: 4 lines, not 6
     assert labels == ["topk = topk_paper (forward)", "topk = topk_paper (reverse)", "topk_mass (forward)", "topk_mass (reverse)"]
     pyplot().close(fig)
+
+
+def test_moving_data_train_without_data_eval_is_one_warning_line(cli, emapg_home):
+    """`train --preset smol --set data.train=reasoning-gym:chain_sum` evaluated on the preset's gcd/letter_counting set
+    and reported its gain there, without a word."""
+    r = cli("train", "--preset", "smol", "--set", "data.train=reasoning-gym:chain_sum", "--dry-run")
+    warnings = [x for x in r.stdout.splitlines() if x.startswith("warning: --set data.train")]
+    assert r.returncode == 0 and len(warnings) == 1, r.stdout + r.stderr
+    assert "leaves data.eval at $EMAPG_HOME/smol/test.jsonl" in warnings[0]
+    both = cli("train", "--preset", "smol", "--set", "data.train=reasoning-gym:chain_sum", "--set", "data.eval=x.jsonl",
+               "--dry-run")
+    assert "warning: --set data.train" not in both.stdout  # the user chose both: nothing to say
+
+
+def test_the_launch_line_and_the_closing_table_say_which_set_is_evaluated(monkeypatch, tmp_path):
+    from emapg_cli.config import load_config
+    from emapg_cli.train.progress import config_line, eval_sets, summary_rows
+
+    monkeypatch.setenv("EMAPG_HOME", str(tmp_path))
+    cfg = load_config("smol")
+    assert config_line(cfg).endswith(f", evaluated on {tmp_path}/smol/test.jsonl")
+    rows = dict(summary_rows({"eval_accuracy_initial": 0.125, "eval_accuracy_final": 0.255}, "runs/r",
+                             evaluated=eval_sets(cfg)))
+    # 25.5 - 12.5 = +13.0 points
+    assert rows["eval accuracy"] == f"12.5% -> 25.5% (+13.0 points), evaluated on {tmp_path}/smol/test.jsonl"
