@@ -397,6 +397,9 @@ def eval_(
         what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
         console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
     elif model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: said before the work
+        from emapg_cli.models.hub import check_model_source
+
+        check_model_source(model, "--model")  # a model that cannot load: its one line, not a settings line first
         given = _given(ctx)
         origin = {k: "typed" if k in given else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
         cost = f"; at most {settings.n} x {settings.max_tokens:,} = {settings.n * settings.max_tokens:,} generated tokens per item"

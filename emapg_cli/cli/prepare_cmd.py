@@ -96,7 +96,7 @@ def _prepare_toy_distill(seed: int) -> None:
 
 def _prepare_smol(seed: int) -> None:
     from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.smol_prepare import PRESET, prepare_smol
+    from emapg_cli.toy.smol_prepare import PRESET, check_model_folder_is_ours, prepare_smol
 
     from emapg_cli.hf_quiet import quiet_transformers
 
@@ -104,6 +104,7 @@ def _prepare_smol(seed: int) -> None:
         raise UserError("--preset smol takes no --seed: its tasks' seeds are fixed (train 0, test 1; docs/smol.md)")
     quiet_transformers()
     home = emapg_home()
+    check_model_folder_is_ours(home / PRESET)  # before the claim writes its marker into a folder it would refuse
     with _claim(home / PRESET, f"--preset {PRESET}"):
         m = prepare_smol(home, say=lambda line: console.print(line, markup=False, highlight=False))
     card = m["model_source"]
