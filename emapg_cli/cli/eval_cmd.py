@@ -308,7 +308,7 @@ def eval_(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Maximum response length in tokens; with --retriever, per turn. Default 28000, or 500 with --retriever.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Base sampling seed.")] = 429,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N problems.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<model>: a run's name for its final/policy, a prepared folder's name for its model/, else the folder's name; the model's alone when it starts with the bench's name); rerunning with the same folder resumes.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<model name>, the model named by its run for a final/policy, by its folder for a prepared model/; the model's name alone when it starts with the bench's); rerunning with the same folder resumes.")] = None,
     instruction: Annotated[Optional[str], typer.Option("--instruction", help="Text appended to each problem (default: none, the problem alone is the user message).")] = None,
     chunk: Annotated[Optional[int], typer.Option("--chunk", min=1, help="Problems per generate call; results are saved after each (default: 512 for vllm, 64/n for hf).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1, help="vLLM: prompt + response token limit (default: the model's).")] = None,
