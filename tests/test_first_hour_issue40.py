@@ -70,8 +70,9 @@ def test_eval_without_a_preset_says_its_settings_and_cost_first_and_prints_progr
     first = r.stdout.splitlines()[0]
     assert first.startswith("eval settings from the command line: bench ") and "n 2 (command line)" in first, first
     assert "max tokens 28000 (eval's default)" in first, first
-    # 2 samples x 28,000 tokens = 56,000 tokens per item at most
-    assert "at most 2 x 28,000 = 56,000 generated tokens per item" in first and "--preset smol" in first, first
+    # 2 samples x 28,000 tokens = 56,000 tokens per item at most; --limit 1: 1 x 56,000 = 56,000 in all
+    assert "at most 2 x 28,000 = 56,000 generated tokens per item, 56,000 for the 1 item" in first, first
+    assert "--preset smol" in first, first
     assert any(line.startswith("eval ") and "1/1" in line for line in r.stdout.splitlines()[1:]), r.stdout
 
 

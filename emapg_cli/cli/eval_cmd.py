@@ -240,8 +240,20 @@ def _settings_line(s, what: str, origin: dict, threads_note: str) -> str:
             f"reward {s.reward}{user_env}{search}{prefix}{threads_note}")
 
 
-def _run(settings, label: str) -> None:
-    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots."""
+def _cost(s, items: int, capped: bool) -> str:
+    """What an evaluation may generate at most: `; at most 4 x 28,000 = 112,000 generated tokens per item, 22,400,000
+    for the 200 items`, and what caps it when the 28,000 tokens are eval's default."""
+    per = s.n * s.max_tokens
+    line = f"; at most {s.n} x {s.max_tokens:,} = {per:,} generated tokens per item, {items * per:,} for the {items} item{'s' * (items != 1)}"
+    if not capped:
+        line += " (--max-tokens caps it" + ("; --preset smol evaluates reasoning-gym tasks with its chat turns and 16 "
+                                            "tokens)" if s.reward == "reasoning-gym" else ")")
+    return line
+
+
+def _run(settings, label: str, intro: Optional[list] = None) -> None:
+    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots. `intro`:
+    (the settings line, whether --max-tokens was typed), printed with `_cost` first, once the items are counted."""
     import json
 
     from rich.markup import escape
@@ -263,6 +275,9 @@ def _run(settings, label: str) -> None:
     task = bar.add_task("eval", total=None, acc="-")
 
     def progress(done: int, total: int, acc: float) -> None:
+        if intro:  # the first call: the bench is read and the model found, nothing generated yet
+            console.print(intro[0] + _cost(settings, total, intro[1]), markup=False, highlight=False, soft_wrap=True)
+            intro.clear()
         bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
 
     out = settings.out
@@ -396,16 +411,9 @@ def eval_(
     if cfg is not None:  # what the config gave: one line, before the work
         what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
         console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
-    elif model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: said before the work
-        from emapg_cli.models.hub import check_model_source
-
-        check_model_source(model, "--model")  # a model that cannot load: its one line, not a settings line first
-        given = _given(ctx)
+    intro = None
+    if cfg is None and model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: the first
+        given = _given(ctx)  # line says so once the bench is read and the model found (`_run`)
         origin = {k: "typed" if k in given else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
-        cost = f"; at most {settings.n} x {settings.max_tokens:,} = {settings.n * settings.max_tokens:,} generated tokens per item"
-        if "max_tokens" not in given:
-            cost += " (--max-tokens caps it" + ("; --preset smol evaluates reasoning-gym tasks with its chat turns and "
-                                                 "16 tokens)" if settings.reward == "reasoning-gym" else ")")
-        console.print(_settings_line(settings, "the command line", origin, threads_note) + cost, markup=False,
-                      highlight=False, soft_wrap=True)
-    _run(settings, o["bench"])
+        intro = [_settings_line(settings, "the command line", origin, threads_note), "max_tokens" in given]
+    _run(settings, o["bench"], intro)
