@@ -33,6 +33,8 @@ FD_BACKOFF_S = 0.1
 #: After refusing a request whose body was not read, read and drop at most this much of it (for at
 #: most one second) before closing, so the client sees the reply rather than a connection reset.
 LINGER_BYTES = 1 << 20
+#: The accept loop's 503 (no thread): wait at most this long for the request line (its path picks the body's shape).
+BUSY_PEEK_S = 0.05
 #: The accept loop's 503 (no thread): drop at most `LINGER_BYTES` of what the client already sent, for at most
 #: this long, so a client that keeps sending cannot hold the accept loop.
 BUSY_DRAIN_S = 0.2
@@ -127,6 +129,8 @@ class BoundedServer(ThreadingMixIn, HTTPServer):
         self.work = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_connections)
         self.watchdog = Watchdog(min(0.5, timeout_s / 4), self.watchdog_name)
+        if ":" in address[0]:  # an IPv6 address (::1, ::)
+            self.address_family = socket.AF_INET6
         try:
             super().__init__(address, handler)
         except BaseException:
@@ -156,11 +160,14 @@ class BoundedServer(ThreadingMixIn, HTTPServer):
             self._busy(request)
 
     def _busy(self, request) -> None:
-        """503 at once from the accept loop (no thread), then close."""
+        """503 at once from the accept loop (no thread), then close; its body in the shape of the request's path, when
+        the request line has come within BUSY_PEEK_S."""
         try:
             request.settimeout(0.5)
+            head = request.recv(512, socket.MSG_PEEK) if select.select([request], [], [], BUSY_PEEK_S)[0] else b""
+            path = head.split(b" ", 2)[1].decode("latin-1") if head.count(b" ") >= 2 else ""
             request.sendall(json_response(503, self.error_json(503, f"busy: {self.max_connections} connections are "
-                                                                        "being served; retry later"), close=True))
+                                                                        "being served; retry later", path), close=True))
             request.shutdown(socket.SHUT_WR)
             request.setblocking(False)
             dropped, end = 0, time.monotonic() + BUSY_DRAIN_S
@@ -183,8 +190,9 @@ class BoundedServer(ThreadingMixIn, HTTPServer):
             self.watchdog.set(request, None)
             self._slots.release()
 
-    def error_json(self, code: int, message: str) -> dict:
-        """The JSON body of a refusal (`{"error": message}`; a server whose clients expect another shape overrides it)."""
+    def error_json(self, code: int, message: str, path: str = "") -> dict:
+        """The JSON body of a refusal of a request to `path` (`{"error": message}`; a server whose clients expect
+        another shape overrides it)."""
         return {"error": message}
 
     def handle_error(self, request, client_address) -> None:
@@ -216,7 +224,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
 
     def error_json(self, code: int, message: str) -> dict:
         """The JSON body of a refusal of this request (the server's, unless a route's clients expect another shape)."""
-        return self.server.error_json(code, message)
+        return self.server.error_json(code, message, getattr(self, "path", "") or "")
 
     def client_left(self) -> bool:
         """Whether this request's client has closed its connection (a `cancelled` hook of its generation)."""

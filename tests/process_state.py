@@ -48,6 +48,7 @@ CACHES = (
 )
 #: Memoised pure functions (same arguments, same answer, whatever a test did): kept.
 PURE_CACHES = (
+    "emapg_cli.agents.agent:_http",  # an agent process's connection pool (made in agent processes only)
     "emapg_cli.agents.protocol:*",  # compiled tag patterns
     "emapg_cli.grading.verify:*",  # math-verify's parser, parsed gold answers
     "emapg_cli.kl.fused:_float32_out",  # whether this torch's CUDA GEMMs can return float32 (a property of the build)

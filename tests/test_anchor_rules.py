@@ -29,7 +29,7 @@ def test_each_rule_writes_its_point_into_the_ema_section(rule, eta, period):
     # previous, N = 1
     cfg = _cfg(f"anchor.rule={rule}")
     assert (cfg.ema.decay, cfg.ema.update_period) == (eta, period)
-    assert cfg.derived.ema_updates == 200 // period
+    assert cfg.derived.ema_updates == (0 if rule == "fixed" else 200 // period)  # fixed never moves: no updates
 
 
 def test_ema_adaptive_and_bema_keep_the_ema_section():
@@ -188,3 +188,22 @@ def test_bema_resumes_bit_for_bit(tiny_llama, tmp_path):
     assert (b / "checkpoints" / "step_3" / "anchor_rule.pt").is_file()
     assert _fingerprint(a)[0] == _fingerprint(b)[0]
     assert train_cmd  # the launcher the helper runs
+
+
+def test_fixed_reports_no_updates_and_previous_refuses_stale_samples(cli, emapg_home):
+    """Issue 40 item 8: anchor.rule=fixed made 200 // 5 = 40 "EMA anchor updates", every one a no-op (eta = 1): it
+    makes none (train/anchor_rule.anchor_due) and the plan says so. Issue 41: anchor.rule=previous with
+    rollout.max_staleness = 1 anchors to the policy one update before the one that sampled the step: refused."""
+    from emapg_cli.train.anchor_rule import anchor_due
+
+    fixed = _cfg("anchor.rule=fixed")
+    assert fixed.derived.ema_updates == 0 and not any(anchor_due(fixed, s, False) for s in range(1, 201))
+    assert _cfg().derived.ema_updates == 200 // 5  # the toy's ema rule: 40
+    wide = {"COLUMNS": "400"}
+    plan = cli("train", "--preset", "toy", "--set", "anchor.rule=fixed", "--dry-run", env=wide)
+    assert plan.returncode == 0 and "(no anchor updates)" in plan.stdout and "EMA anchor updates" not in plan.stdout
+    stale = cli("train", "--preset", "toy", "--set", "anchor.rule=previous", "--set", "rollout.max_staleness=1",
+                "--set", "rollout.engine_url=http://127.0.0.1:9", "--dry-run", env=wide)
+    assert stale.returncode == 2 and stale.stderr.strip().splitlines() == [
+        "error: anchor.rule=previous anchors to the policy that sampled the step, and rollout.max_staleness=1 samples "
+        "from weights up to that many updates older: drop one"]

@@ -95,16 +95,16 @@ def test_plan_without_master_weights_is_the_lossy_bf16_one():
 def test_largest_micro_batch_that_fits_a_smaller_device():
     # Without master weights, on 40 GiB = 42,949,672,960 B: state 14P = 24,879,232,000, gradients 2P =
     # 3,554,176,000, one logits chunk 402,022,656 and the fp32 head gradient 933,494,784 leave 13,180,747,520 B;
-    # each sequence's checkpointed activations take 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B
-    # -> 7 sequences (7.78).
+    # each sequence's checkpointed activations take 9,216 x (28 x 1,536 + 48,896) x 2 = 1,693,974,528 B and one
+    # layer's float32 attention mask 9,216 x 9,216 x 4 = 339,738,624 B, 2,033,713,152 B in all -> 6 sequences (6.48).
     plan = make_plan(olympiad(["model.master_weights=false"]), device_memory_gib=40)
-    assert plan.max_micro_batch_fit == 7
-    assert "micro_batch_size <= 7 fits (now 8)" in " ".join(plan.notes)
+    assert plan.max_micro_batch_fit == 6
+    assert "micro_batch_size <= 6 fits (now 8)" in " ".join(plan.notes)
     # With master weights: state 16P = 28,433,408,000, fp32 gradients 4P = 7,108,352,000 and the bf16 working
-    # copy 2P = 3,554,176,000, with the same chunk and head gradient, leave 2,518,219,520 B -> 1 sequence (1.49);
-    # on 80 GiB (85,899,345,920 B) 45,467,892,480 B -> 26 (26.84).
+    # copy 2P = 3,554,176,000, with the same chunk and head gradient, leave 2,518,219,520 B -> 1 sequence (1.24);
+    # on 80 GiB (85,899,345,920 B) 45,467,892,480 B -> 22 (22.36).
     assert make_plan(olympiad(), device_memory_gib=40).max_micro_batch_fit == 1
-    assert make_plan(olympiad(), device_memory_gib=80).max_micro_batch_fit == 26
+    assert make_plan(olympiad(), device_memory_gib=80).max_micro_batch_fit == 22
 
 
 def test_no_anchor_without_kl_and_topk_extras_with_topk():
@@ -225,3 +225,32 @@ def test_launch_problems_are_one_list_for_the_trainer_and_the_plan():
     check_launch(cfg, 1)  # nothing to refuse
     with pytest.raises(UserError, match=r"^rollout.prompts_per_step \(6\) is not a multiple of 4 processes$"):
         check_launch(cfg, 4)  # the trainer: the first problem, one line
+
+
+def test_attention_masks_are_counted():
+    """Each decoder layer saves a float32 [b, 1, T, T] attention mask for its backward: T more elements per token per
+    layer, which A (activation_elems_per_token_per_layer) leaves out. olympiad: b = 8, T = 1,024 + 8,192 = 9,216, L = 28.
+    Checkpointed (the preset): one layer's at a time, 8 x 9,216 x 9,216 x 4 B = 2,717,908,992 B (2.53 GiB);
+    without: 28 of them, 76,101,451,776 B (70.9 GiB)."""
+    on = {t.name: t.bytes for t in make_plan(olympiad()).memory}
+    off = {t.name: t.bytes for t in make_plan(olympiad(["model.gradient_checkpointing=false"])).memory}
+    assert on["attention masks"] == 8 * 9216 * 9216 * 4 == 2_717_908_992
+    assert off["attention masks"] == 28 * 2_717_908_992 == 76_101_451_776
+
+
+def test_auto_counts_the_masks_where_they_pass_the_headroom():
+    """SmolLM2-135M's shapes (h 576, L 30, 9/3 heads of 64, I 1,536) in float32 without checkpointing, T = 1,200: per
+    token per layer the activations are A x 4 B = 11,328 x 4 = 45,312 B (4h + 4q + 3kv + 4I = 2,304 + 2,304 + 576 +
+    6,144) and the mask 1,200 x 4 = 4,800 B more, 10.6% of them: more than auto's 10% headroom. Each micro-batch row
+    adds (45,312 + 4,800) x 30 x 1,200 B = 1,804,032,000 B of activations and masks (plus its share of the logits)."""
+    from emapg_cli.train.plan import activation_elems_per_token_per_layer, memory_terms
+
+    smol = ModelShapes(arch="llama", hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
+                       vocab=49152, tie_embeddings=True, qkv_bias=False)
+    assert activation_elems_per_token_per_layer(smol) == 11_328
+    cfg = load_config("smol", None, ["model.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=null"])
+    one, two = ({t.name: t.bytes for t in memory_terms(smol, cfg, 1200, micro_batch=b, device_memory_bytes=2**40,
+                                                         master_weights=True)} for b in (1, 2))
+    assert one["attention masks"] == 1200 * 1200 * 30 * 4 == 172_800_000
+    assert (two["activations"] + two["attention masks"]) - (one["activations"] + one["attention masks"]) == 1_804_032_000
+    assert one["attention masks"] / one["activations"] == pytest.approx(1200 / 11_328) and 1200 / 11_328 > 0.10

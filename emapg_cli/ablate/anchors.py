@@ -65,6 +65,7 @@ class AnchorRun:
     kl_mean: Optional[float] = None  # mean kl/value: the KL to the anchor
     items: int = 0  # items in its final per-item evaluation (0: none found)
     reason: str = ""
+    measured: Optional[dict[str, Any]] = None  # measures.summarize_run (a study with `measure:`)
 
 
 @dataclass
@@ -82,6 +83,8 @@ class Report:
     comparisons: list[dict[str, Any]] = field(default_factory=list)  # per non-baseline rule x cell: seeds, items
     curves: list[dict[str, Any]] = field(default_factory=list)  # per rule x cell: eval accuracy {steps, mean, std, runs}
     runs: list[dict[str, Any]] = field(default_factory=list)
+    base: dict[str, Any] = field(default_factory=dict)  # measures.read_base: the initial model and the baselines
+    curve_metric: str = "eval/accuracy"  # what `curves` hold: reward/mean when the runs evaluate only at the end
 
     def row(self, rule: str, cell: str) -> dict[str, Any]:
         return next(r for r in self.rows if r["rule"] == rule and r["cell"] == cell)
@@ -105,13 +108,23 @@ def final_items(folder: Path) -> dict[str, float]:
         return {}
 
 
-def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path) -> tuple[AnchorRun, dict[str, float]]:
-    """The AnchorRun of one record and its final per-item scores."""
+def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path,
+                base: Optional[dict[str, Any]] = None) -> tuple[AnchorRun, dict[str, float]]:
+    """The AnchorRun of one record and its final per-item scores; with `base` (a study with `measure:`), its
+    measurements against the initial model's, and the initial model's accuracy where the run did not evaluate it."""
     o = outcome(rec, rule, cell, sweep.analysis)
     run = AnchorRun(rec.spec.run_id, rule, cell, rec.spec.seed, o.status, o.initial, o.final, o.best, o.collapsed,
                     reason=o.reason)
     if not o.counted:
         return run, {}
+    if base is not None:
+        from emapg_cli.ablate.measures import read_run, summarize_run
+
+        if run.initial is None and base["heldout"]:
+            start = base["heldout"].values()
+            run.initial = sum(t["accuracy"] * t["items"] for t in start) / sum(t["items"] for t in start)
+        if o.status == "done":
+            run.measured = summarize_run(read_run(run_dir(out, rec.spec)), base)
     for key, metric in TAIL_METRICS:
         setattr(run, key, last_fraction_mean(rec.curves.get(metric, []), sweep.analysis.tail_fraction))
     kl = [v for _, v in rec.curves.get("kl/value", [])]
@@ -139,6 +152,15 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
     runs: list[AnchorRun] = []
     items: dict[tuple[str, str, int], dict[str, float]] = {}
     curves: dict[tuple[str, str], list[list[tuple[int, float]]]] = {}
+    base = None
+    if sweep.measure is not None:
+        from emapg_cli.ablate.measures import read_base
+
+        base = read_base(out)
+    # the curve over training: the evaluations, or each step's share solved on its fresh prompts when the runs
+    # evaluate only at the end (a study that measures the initial model once: eval.every 0)
+    evaluated = [len(r.curves.get("eval/accuracy", [])) for r in records if r.status == "done"]
+    metric = "eval/accuracy" if not evaluated or max(evaluated) > 2 else "reward/mean"
     for rec in records:
         rule = str(rec.spec.values.get("variant"))
         if rule not in rules:
@@ -146,14 +168,15 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
         labels = {k: rec.spec.grid.get(k) or format_value(rec.spec.values.get(k)) for k in axes}
         label = cell_label(axes, labels)
         cells.setdefault(label, {"label": label, "values": {k: rec.spec.values.get(k) for k in axes}})
-        run, its = run_numbers(rec, rule, label, sweep, out)
+        run, its = run_numbers(rec, rule, label, sweep, out, base)
         runs.append(run)
         items[(rule, label, run.seed)] = its
         if run.status == "done":
-            curves.setdefault((rule, label), []).append(rec.curves.get("eval/accuracy", []))
+            curves.setdefault((rule, label), []).append(rec.curves.get(metric, []))
     order = [cell_label(axes, dict(zip(axes, combo))) for combo in product(*([format_value(v) for v in sweep.grid[k]] for k in axes))]
     ordered = [cells[c] for c in order if c in cells] + [c for label, c in cells.items() if label not in order]
-    report = Report(sweep.name, axes, a.baseline, a.settings(), CONFIDENCE, rules, ordered, runs=[asdict(r) for r in runs])
+    report = Report(sweep.name, axes, a.baseline, a.settings(), CONFIDENCE, rules, ordered, runs=[asdict(r) for r in runs],
+                    base=base or {}, curve_metric=metric)
     for rule in rules:
         for label in (c["label"] for c in ordered):
             mine = [r for r in runs if r.rule == rule and r.cell == label]
@@ -167,12 +190,24 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
                 "initial": interval([r.initial for r in done]),
                 "collapsed": sum(bool(r.collapsed) for r in judged), "judged": len(judged),
                 **{k: interval([getattr(r, k) for r in done]) for k in ("kl_to_initial", "entropy", "response_len", "kl_mean")},
+                **({"measured": _measured_row([r.measured for r in done if r.measured])} if base is not None else {}),
             })
             steps, mean, std = mean_band(curves.get((rule, label), []))
             report.curves.append({"rule": rule, "cell": label, "steps": steps, "mean": mean, "std": std,
                                   "runs": len(curves.get((rule, label), []))})
     _compare_rules(report, runs, items)
     return report
+
+
+MEASURED = ("gain", "pass_n", "distinct", "distinct_items", "forgetting", "untrained_distinct_items", "kl_heldout")
+
+
+def _measured_row(measured: list[dict[str, Any]]) -> dict[str, Any]:
+    """The seed intervals of a rule's measurements (measures.summarize_run): each scalar, and per trained task."""
+    tasks = sorted({t for m in measured for t in m["tasks"]})
+    return {**{k: interval([m[k] for m in measured]) for k in MEASURED},
+            "tasks": {t: {k: interval([(m["tasks"].get(t) or {}).get(k) for m in measured])
+                          for k in ("final", "pass", "distinct", "distinct_items")} for t in tasks}}
 
 
 def _compare_rules(report: Report, runs: list[AnchorRun], items: dict[tuple[str, str, int], dict[str, float]]) -> None:
@@ -262,6 +297,8 @@ def markdown(report: Report) -> str:
                 continue
             cells = [_cmp_text((report.comparison(rule, c["label"]) or {}).get(unit), power) for c in report.cells]
             lines.append(f"| {rule} | " + " | ".join(cells) + " |")
+    if report.base:
+        lines += _measured_markdown(report)
     left = [r for r in report.runs if r["status"] not in ("done", "diverged")]
     diverged = [r for r in report.runs if r["status"] == "diverged"]
     if left or diverged:
@@ -269,6 +306,60 @@ def markdown(report: Report) -> str:
         lines += [f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged]
         lines += [f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in left]
     return "\n".join(lines) + "\n"
+
+
+def _pts(iv: dict[str, Any], signed: bool = False) -> str:
+    """An interval of fractions in points: `+12.3 [+8.0, +16.6]`."""
+    if iv["mean"] is None:
+        return "–"
+    f = (lambda x: f"{100 * x:+.1f}") if signed else (lambda x: f"{100 * x:.1f}")
+    return f(iv["mean"]) + (f" [{f(iv['lo'])}, {f(iv['hi'])}]" if iv["lo"] is not None else "")
+
+
+def _measured_markdown(report: Report) -> list[str]:
+    """(d) the initial model and the baselines per task, (e) what each rule kept (`measure:`), (f) per task."""
+    b = report.base
+    const, fmt, start, sampled = b["best_constant"].get("heldout", {}), b["format_only"], b["heldout"], b["sampled"]
+    lines = ["", "## (d) The initial model and the baselines a gain must clear (held-out, per trained task)", "",
+             "Best constant: the accuracy of answering the task's most common gold answer to every item. Format only: the "
+             "initial model shown two demonstrations of the answer format, greedy, no RL. Accuracies in %.", "",
+             "| task | best constant (answer) | format only | initial greedy | initial pass@n | initial distinct answers per item | "
+             "initial distinct greedy answers across items |", "|---|---|---:|---:|---:|---:|---:|"]
+    for task in sorted(set(const) | set(start)):
+        c, s_, p = const.get(task) or {}, start.get(task) or {}, sampled.get(task) or {}
+        lines.append(f"| {task} | {_f(100 * c['accuracy'], 1) if c else '–'} (`{c.get('answer', '')}`) | "
+                     f"{_f(100 * fmt[task]['accuracy'], 1) if task in fmt else '–'} | {_f(100 * s_['accuracy'], 1) if s_ else '–'} | "
+                     f"{_f(100 * p['pass'], 1) if p else '–'} | {_f(p.get('distinct'), 2) if p else '–'} | "
+                     f"{_f(s_.get('distinct_items'), 0) if s_ else '–'} |")
+    untrained, uconst = b["untrained"], b["best_constant"].get("untrained", {})
+    if untrained:
+        lines += ["", "Untrained tasks (forgetting is measured there): initial greedy accuracy "
+                  + ", ".join(f"{t} {100 * u['accuracy']:.1f}% ({u['distinct_items']:.0f} distinct answers; best constant "
+                              f"{100 * (uconst.get(t) or {}).get('accuracy', float('nan')):.1f}%)" for t, u in sorted(untrained.items())) + "."]
+    lines += ["", "## (e) What each rule kept (mean over seeds [95% t interval])", "",
+              "Gain: final greedy accuracy above the better of best constant and format only, in points, mean over the "
+              "trained tasks. pass@n and distinct answers per item: n samples at the training temperature on held-out items. "
+              "Distinct across items: different greedy answers over a task's held-out items (1: one answer to everything). "
+              "Forgetting: the initial model's greedy accuracy minus the run's on the untrained tasks, in points (> 0: lost). "
+              "KL to initial, held-out: the exact per-token KL(policy || initial) along the policy's samples on held-out prompts.", "",
+              "| rule | cell | seeds | gain (points) | pass@n % | distinct per item | distinct across items | forgetting (points) | "
+              "untrained: distinct across items | KL to initial, held-out (per token) |", "|---|---|---:|---|---|---|---|---|---|---|"]
+    for r in report.rows:
+        m = r.get("measured")
+        if not m:
+            continue
+        lines.append(f"| {r['rule']} | {r['cell']} | {m['gain']['n']} | {_pts(m['gain'], True)} | {_pts(m['pass_n'])} | "
+                     f"{_ci(m['distinct'])} | {_ci(m['distinct_items'])} | {_pts(m['forgetting'], True)} | "
+                     f"{_ci(m['untrained_distinct_items'])} | {_f(m['kl_heldout']['mean'], 4)} |")
+    lines += ["", "## (f) Per trained task (mean over seeds)", "",
+              "| rule | cell | task | final greedy % | pass@n % | distinct per item | distinct across items |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    for r in report.rows:
+        for task, t in sorted(((r.get("measured") or {}).get("tasks") or {}).items()):
+            lines.append(f"| {r['rule']} | {r['cell']} | {task} | {_f(t['final']['mean'] and 100 * t['final']['mean'], 1)} | "
+                         f"{_f(t['pass']['mean'] and 100 * t['pass']['mean'], 1)} | {_f(t['distinct']['mean'], 2)} | "
+                         f"{_f(t['distinct_items']['mean'], 1)} |")
+    return lines
 
 
 def write(out: Path, report: Report) -> list[Path]:

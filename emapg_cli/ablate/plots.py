@@ -274,6 +274,7 @@ def plot_distill(out: Path, report) -> list[Path]:
 
 ANCHORS_ACCURACY_PNG = "anchors_accuracy.png"
 ANCHORS_KL_PNG = "anchors_kl_accuracy.png"
+ANCHORS_GAIN_PNG = "anchors_gain_forgetting.png"
 
 
 def _cell_grid(n: int):
@@ -288,7 +289,7 @@ def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Pat
 
     cells = [c["label"] for c in report.cells]
     rows, cols = _cell_grid(len(cells))
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 7.5), 3.8 * rows + 0.4), squeeze=False, sharey=True)
     for ax, cell in zip(axes.flat, cells):
         draw(ax, cell)
         ax.set_title(cell, fontsize=10)
@@ -335,8 +336,29 @@ def plot_anchors(out: Path, report) -> list[Path]:
             ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
             ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
 
+    def gain(ax, cell):
+        for rule in report.rules:
+            pts = [(100 * r["measured"]["forgetting"], 100 * r["measured"]["gain"]) for r in report.runs
+                   if r["rule"] == rule and r["cell"] == cell and r.get("measured")
+                   and r["measured"]["forgetting"] is not None and r["measured"]["gain"] is not None]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
+            ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
+        ax.axhline(0, color="grey", lw=0.6)
+        ax.axvline(0, color="grey", lw=0.6)
+
     tail = f"the last {report.analysis['tail_fraction']:.0%} of the run"
-    return [_cell_panels(report, curves, "RL step", "held-out accuracy", "held-out accuracy over training (mean ± std over seeds)",
-                         out / ANCHORS_ACCURACY_PNG, title="rule (seeds)", title_fontsize=7),
+    sampled = report.curve_metric == "reward/mean"
+    paths = [_cell_panels(report, curves, "RL step", "share solved on the step's fresh prompts" if sampled else "held-out accuracy",
+                          "sampled accuracy on each step's new prompts over training (mean ± std over seeds)" if sampled
+                          else "held-out accuracy over training (mean ± std over seeds)",
+                          out / ANCHORS_ACCURACY_PNG, title="rule (seeds)", title_fontsize=7),
             _cell_panels(report, scatter, f"KL to the initial model (kl/to_initial over {tail})", "final held-out accuracy",
                          "final accuracy against KL to the initial model (dots: runs; diamonds: rule means)", out / ANCHORS_KL_PNG)]
+    if report.base:
+        paths.append(_cell_panels(report, gain, "forgetting on untrained tasks (points; > 0: lost)",
+                                  "gain above the better baseline\n(best constant, format only; points)",
+                                  "gain against forgetting (dots: runs; diamonds: rule means)", out / ANCHORS_GAIN_PNG))
+    return paths

@@ -65,6 +65,13 @@ def is_finished(out: Path, spec: RunSpec) -> bool:
     return (run_dir(out, spec) / SUMMARY).is_file()
 
 
+def is_complete(sweep: Sweep, out: Path, spec: RunSpec) -> bool:
+    """Trained, and measured when the study measures its runs (`measure:`)."""
+    from emapg_cli.ablate.measures import is_measured
+
+    return is_finished(out, spec) and (sweep.measure is None or is_measured(run_dir(out, spec)))
+
+
 def read_status(out: Path, spec: RunSpec) -> dict:
     """The run's status record ({} when it never started, or when the file is not a JSON object: a record this
     command did not write, which tells nothing)."""
@@ -233,6 +240,8 @@ class _Pool:
         self.stopping = False
 
     def run(self, spec: RunSpec) -> RunResult:
+        if is_finished(self.out, spec):  # trained before: only its measurements are left
+            return self._measure(spec, RunResult(spec.run_id, "done"), read_status(self.out, spec) or {"run_id": spec.run_id})
         args = [*launch_args(self.sweep, spec, self.out), *self.train_flags]
         # `emapg` itself runs as this interpreter's module, so the sweep uses the emapg it was started with
         cmd = [sys.executable, "-m", "emapg_cli", *args] if self.prefix == ["emapg"] else [*self.prefix, *args]
@@ -267,7 +276,25 @@ class _Pool:
         record.update(status="done" if ok else "failed", returncode=rc, wall_time_s=round(wall, 2), error=error,
                       finished_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _write_status(status, record)
-        return RunResult(spec.run_id, record["status"], rc, wall, error)
+        return self._measure(spec, RunResult(spec.run_id, record["status"], rc, wall, error), record)
+
+    def _measure(self, spec: RunSpec, result: RunResult, record: dict) -> RunResult:
+        """The study's measurements of a trained run (`measure:`), timed into its status record; a failure fails the
+        run (its training is kept: the next invocation measures it again)."""
+        from emapg_cli.ablate.measures import measure_run
+
+        if self.sweep.measure is None or result.status != "done" or self.stopping:
+            return result
+        start = time.monotonic()
+        try:
+            measure_run(self.sweep, self.sweep.measure, self.out, run_dir(self.out, spec), log_path(self.out, spec), self.env)
+        except UserError as e:
+            record.update(status="failed", error=str(e))
+            _write_status(status_path(self.out, spec), record)
+            return RunResult(spec.run_id, "failed", result.returncode, result.wall_time_s, str(e))
+        record["measure_wall_time_s"] = round(time.monotonic() - start, 2)
+        _write_status(status_path(self.out, spec), record)
+        return result
 
     def stop(self) -> None:
         with self.lock:
@@ -292,7 +319,7 @@ def run_sweep(sweep: Sweep, runs: list[RunSpec], out: Path, jobs: int = 1, show_
     results: dict[str, RunResult] = {}
     todo = []
     for spec in runs:
-        if is_finished(out, spec):
+        if is_complete(sweep, out, spec):
             results[spec.run_id] = RunResult(spec.run_id, "skipped")
         else:
             todo.append(spec)

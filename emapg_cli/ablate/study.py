@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from emapg_cli.ablate.grid import Axis, RunSpec, Variant, check_axes, format_value, plan_runs
+from emapg_cli.ablate.measures import Cost, Measures
 from emapg_cli.config.loading import is_path_like, preset_dir
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import read_yaml_mapping
@@ -89,6 +90,8 @@ class StudyFile(BaseModel):
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Named configurations: name -> {dotted key: value}.")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="Cartesian grid: dotted key -> list of values (`|V|`: vocabulary size; `x2`: twice the key's value without this axis).")
     analysis: Optional[StudyAnalysis] = Field(None, description="Analysis of the aggregated runs: kind stability (variants x the one grid axis) or distill (variants against the teacher, no grid); none by default.")
+    measure: Optional[Measures] = Field(None, description="Evaluations of every finished run's final policy and, once, of the initial model (pass@n, distinct answers, forgetting on untrained tasks, the best-constant and format-only baselines; ablate/measures.py). None by default.")
+    cost: Optional[Cost] = Field(None, description="Seconds per step and per evaluated sequence measured for this design, so --dry-run estimates its wall time.")
 
 
 class Sweep(BaseModel):
@@ -103,6 +106,8 @@ class Sweep(BaseModel):
     variants: dict[str, dict[str, Any]] = Field(default_factory=dict)
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     analysis: Optional[StudyAnalysis] = None
+    measure: Optional[Measures] = None
+    cost: Optional[Cost] = None
 
     @model_validator(mode="after")
     def _analysis_fits(self) -> "Sweep":
@@ -143,8 +148,13 @@ def list_studies() -> list[str]:
     return sorted(p.stem for p in studies_dir().glob("*.yaml"))
 
 
-def load_study(name: str) -> tuple[str, StudyFile]:
-    """(name, parsed file) of a named study or a path to a study YAML file."""
+def load_study(name: str, preset: Optional[str] = None, generic: bool = False) -> tuple[str, StudyFile]:
+    """(name, parsed file) of a named study or a path to a study YAML file. A named study with a design fitted to the
+    preset named (a built-in preset, not a file: `presets/ablations/NAME-PRESET.yaml`, e.g. anchors-smol) takes that
+    design unless `generic`."""
+    fitted = studies_dir() / f"{name}-{preset}.yaml" if preset and not is_path_like(name) and not is_path_like(preset) else None
+    if fitted is not None and not generic and fitted.is_file():
+        name = fitted.stem
     path = Path(name) if is_path_like(name) else studies_dir() / f"{name}.yaml"
     if not path.is_file():
         raise UserError(f"unknown study '{name}' (available: {', '.join(list_studies())})")
@@ -163,6 +173,7 @@ def build_sweep(
     grids: list[Axis],
     seeds: Optional[int],
     sets: list[str],
+    generic: bool = False,
 ) -> Sweep:
     """Combine a named study (optional) with the command-line options; the command line wins.
 
@@ -170,7 +181,7 @@ def build_sweep(
     items come after the study's `set`, `--preset`/`--config`/`--seeds` replace the study's.
     """
     if study:
-        name, file = load_study(study)
+        name, file = load_study(study, preset, generic)
     else:
         name, file = "", StudyFile()
     check_axes(grids)
@@ -201,6 +212,8 @@ def build_sweep(
         variants=file.variants,
         grid=grid,
         analysis=file.analysis,
+        measure=file.measure,
+        cost=file.cost,
     )
 
 
@@ -218,3 +231,25 @@ def read_sweep(out: Path) -> Sweep:
         return Sweep.model_validate(read_yaml_mapping(path, "sweep record"))
     except ValidationError as err:
         raise UserError(f"{path}: not a valid sweep record ({err.errors()[0]['msg']}); delete the folder to start over") from None
+
+
+def estimate_wall_s(sweep: Sweep, runs: list[RunSpec], base_done: bool = False) -> Optional[float]:
+    """The study's wall time from its `cost:` record (None without one): every run's steps at cost.step_s and its
+    evaluated sequences (evaluations of eval_items, and the measurements) at cost.sequence_s, cost.jobs runs at once,
+    plus the initial model's measurements unless `base_done`. `runs`: the runs still to do. Reads no data file, so it works before the model and the data are prepared."""
+    from emapg_cli.config.loading import load_config
+
+    c, m = sweep.cost, sweep.measure
+    if c is None:
+        return None
+    tasks = c.tasks
+    untrained = len(m.untrained.split(":", 1)[-1].split(",")) * m.untrained_size if m else 0
+    sampled = m.per_task * tasks * m.n if m else 0
+    total = 0.0
+    for spec in runs:
+        cfg = load_config(sweep.preset, sweep.config, spec.overrides)
+        steps, every = cfg.train.steps, cfg.eval.every
+        evals = int(cfg.eval.initial) + (len(range(every, steps, every)) if every else 0) + 1
+        total += steps * c.step_s + (evals * c.eval_items + sampled + untrained) * c.sequence_s
+    base = (2 * c.eval_items + sampled + untrained) * c.sequence_s if m and not base_done else 0.0
+    return total / c.jobs + base

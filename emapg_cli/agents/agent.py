@@ -1,24 +1,30 @@
 """`rollout.agent=FILE.py:fn`: any agent written against an OpenAI client drives training and `emapg eval --agent`.
 
-`fn(client, example)` runs once per episode: `client` is an `openai.OpenAI` pointed at the trainer's in-process
+`fn(client, example)` runs once per episode in an agent process of its own (a `grading.pool.TimeoutPool` worker:
+its own session, under an address-space cap, killed with emapg and at the episode's deadline; a fork it makes exits
+when the call returns in it, `bounds.user_code`): `client` is an `openai.OpenAI` pointed at the trainer's in-process
 endpoint on 127.0.0.1 (agents/endpoint.py, engines/openai_http.py) with the episode's own API key (no retries, the
 episode's time limit), `example` the canonical row (`id`, `question`, `answers`, `source`, `meta`). It returns the
 episode's reward: a number, or a dict with `reward` and other numbers (each logged as `agent/<name>`, its mean over
-the episodes that returned it). The `n` episodes of each prompt run at once in threads (at most `workers` episodes
-of the step at a time, admitted in order); their calls are sampled in lockstep rounds (agents/rounds.py), so the
-samples are reproducible. Each episode's calls become its training sequences (agents/trajectory.py).
+the episodes that returned it). The `n` episodes of each prompt run at once (at most `workers` episodes of the step at
+a time, admitted in order), each on a lane: a long-lived thread of the runner that keeps its agent process from one
+episode to the next (a worker dies with the thread that started it). Their calls are sampled in lockstep rounds
+(agents/rounds.py), so the samples are reproducible. Each episode's calls become its training sequences
+(agents/trajectory.py).
 
-A failed episode (the agent raised, returned something else than a reward, ran past `timeout_s`, or made no model
-call) is scored 0 and counted (`agent/errors`); past `reward.max_failure_rate` of a step's episodes the run stops with
-one line naming the first failure (`AgentEnvironment.metrics`). Episodes past their time are given up on: their key
-is refused from then on, and their thread, which Python cannot stop, is left to end on its own (a daemon thread).
+A failed episode (the agent raised, exited, returned something else than a reward, ran past `timeout_s`, or made no
+model call) is scored 0 and counted (`agent/errors`); past `reward.max_failure_rate` of a step's episodes the run
+stops with one line naming the first failure (`AgentEnvironment.metrics`). An episode past its time is given up on:
+its key is refused from then on and its process is killed (a new one takes the lane).
 """
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from emapg_cli.agents.endpoint import EpisodeBackend, Session
@@ -32,6 +38,8 @@ from emapg_cli.errors import UserError
 MODEL_ID = "policy"
 #: Metric names of the runner (`agent/<name>`); a reward dict may not use them.
 RESERVED = ("calls", "episode_s", "errors", "prefix_breaks", "sequences")
+#: Each agent process's address-space cap in MiB (the reward plugins' workers have reward.plugin_memory_mib, 2048).
+AGENT_MEMORY_MIB = 4096
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,36 @@ def _late(timeout: float) -> tuple:
     return None, f"did not return within rollout.agent_timeout_s = {timeout:g} s", timeout
 
 
+@functools.lru_cache(maxsize=1)
+def _http():
+    """One connection pool for every episode of an agent process (a client of its own costs ~0.05 s)."""
+    import openai
+
+    return openai.DefaultHttpxClient()
+
+
+def warm_agent(ref: str) -> None:
+    """An agent process's warm-up (not timed as an episode): the agent imported and the client's connections made."""
+    load_agent(ref)
+    _http()
+
+
+def run_episode(ref: str, url: str, key: str, timeout: float, example: dict) -> tuple[str, float, dict]:
+    """One episode, in an agent process (`AgentRunner`'s pool worker, warmed up by `warm_agent`): ("", reward, its
+    other metrics), or (the failure's line, 0.0, {})."""
+    import openai
+
+    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=timeout, http_client=_http())
+    try:
+        value = load_agent(ref)(client, example)
+    except BaseException as e:  # noqa: BLE001 - the agent's failure: scored 0 and counted
+        return _one_line(e), 0.0, {}
+    try:
+        return ("", *agent_value(value))
+    except (TypeError, ValueError) as e:
+        return str(e), 0.0, {}
+
+
 class AgentRunner:
     """Runs `settings.ref`'s episodes over any `Engine` (see the module's docstring); `close()` stops its endpoint."""
 
@@ -112,29 +150,39 @@ class AgentRunner:
             raise UserError("rollout.agent gives each episode an openai.OpenAI client: pip install 'emapg[agent]' "
                             "(or openai)") from None
         self.tokenizer, self.settings, self.max_context_tokens = tokenizer, settings, max_context_tokens
-        self.fn = load_agent(settings.ref)
+        load_agent(settings.ref)  # imported here once, so that a broken agent is one line before any episode runs
         self.backend = EpisodeBackend(tokenizer)
         # each call is bounded by the run's caps (Policy: rollout.max_new_tokens within rollout.max_context_tokens)
         limits = RequestLimits(max_new_tokens=max(MAX_NEW_TOKENS, max_context_tokens))
         self.service = OpenAIService(tokenizer, MODEL_ID, self.backend, request_limits=limits)
         self.server: Any = None
         self.url = ""
-        self._http: Any = None  # one connection pool for every episode's client (a client of its own costs ~0.1 s)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # episodes for the lanes; None: a lane ends
+        self._lanes = 0
 
     def _endpoint(self) -> str:
         if self.server is None:
-            import openai
-
             from emapg_cli.engines.openai_http import start_server
 
             self.server, self.url = start_server(self.service, "127.0.0.1", 0)
-            self._http = openai.DefaultHttpxClient()
         return self.url
 
+    def _lane(self) -> None:
+        """Runs episodes (`job(pool)` from `_jobs`) in its agent process until `close()` (see the module's docstring)."""
+        from emapg_cli.grading.pool import TimeoutPool
+
+        pool = TimeoutPool(run_episode, workers=1, timeout=self.settings.timeout_s, warmup=warm_agent,
+                           warmup_args=(self.settings.ref,), memory_limit=AGENT_MEMORY_MIB << 20)
+        try:
+            while (job := self._jobs.get()) is not None:
+                job(pool)
+        finally:
+            pool.close()
+
     def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
+        for _ in range(self._lanes):  # each lane ends after its episode, killing its agent process
+            self._jobs.put(None)
+        self._lanes = 0
         if self.server is not None:
             self.server.shutdown()
             self.server.server_close()
@@ -150,6 +198,9 @@ class AgentRunner:
         n, s = params.n, self.settings
         url = self._endpoint()
         rows = [i for i in range(len(examples)) for _ in range(n)]
+        while self._lanes < min(s.workers, len(rows)):  # a lane per episode running at once
+            self._lanes += 1
+            threading.Thread(target=self._lane, name=f"emapg-agent-lane-{self._lanes}", daemon=True).start()
         policy = Policy(temperature=params.temperature, top_p=params.top_p, fixed=True, max_tokens=params.max_new_tokens,
                         max_context=self.max_context_tokens, stop=params.stop)
         results: list[Optional[tuple]] = [None] * len(rows)
@@ -162,21 +213,25 @@ class AgentRunner:
                     results[slot] = result
                 done.notify_all()
 
-        def run(slot: int) -> None:
+        def run(slot: int, pool) -> None:
+            from emapg_cli.grading.pool import WorkerStartError
+
+            try:
+                pool.warm()  # a new agent process's start is not the episode's time
+            except WorkerStartError:
+                pass  # raised again by the episode's map: the episode fails with its line
+            started[slot] = time.monotonic()
             example = examples[rows[slot]]
             row = example.model_dump() if hasattr(example, "model_dump") else dict(example)
-            result = self._episode(sessions[slot], row, url)
+            result = self._episode(pool, sessions[slot], row, url, started[slot])
             if result[1] and time.monotonic() - started[slot] >= self.settings.timeout_s:
                 result = _late(self.settings.timeout_s)  # its client's own timeout fired first: the same deadline
             finish(slot, result)
             self.backend.close(sessions[slot])
             rounds.leave(slot)
 
-        def launch(slot: int) -> None:
-            started[slot] = time.monotonic()
-            threading.Thread(target=run, args=(slot,), name=f"emapg-agent-{slot}", daemon=True).start()
-
-        rounds = Rounds(_Versioned(engine, params.min_version), params.seed, len(rows), s.workers, launch)
+        rounds = Rounds(_Versioned(engine, params.min_version), params.seed, len(rows), s.workers,
+                        lambda slot: self._jobs.put(functools.partial(run, slot)))
         sessions = [self.backend.open(Session(slot, policy, rounds, s.max_calls, s.max_tokens, s.timeout_s))
                     for slot in range(len(rows))]
         rounds.begin()
@@ -196,40 +251,41 @@ class AgentRunner:
                 late = [i for i, r in enumerate(results) if r is None and started[i] is not None and now - started[i] > timeout]
                 for i in late:
                     results[i] = _late(timeout)
-                if all(r is not None for r in results):
-                    break
-                if not late:
+                over = all(r is not None for r in results)
+                if not late and not over:
                     left = [timeout - (now - t) for i, t in enumerate(started) if t is not None and results[i] is None]
                     done.wait(timeout=max(0.01, min(left, default=0.5)))
             for i in late:  # outside the lock: leaving may run a round in this thread
                 self.backend.close(sessions[i])
                 rounds.leave(i)
+            if over:
+                return
 
-    def _episode(self, session: Session, example: dict, url: str) -> tuple:
-        """(the agent's return value or None, an error line or "", wall seconds) of one episode."""
-        import openai
+    def _episode(self, pool, session: Session, example: dict, url: str, started: float) -> tuple:
+        """((reward, metrics) or None, an error line or "", wall seconds) of one episode, run in `pool`'s process
+        (killed at the episode's deadline)."""
+        from emapg_cli.grading.pool import WorkerStartError
 
-        t0 = time.monotonic()
-        client = openai.OpenAI(base_url=url, api_key=session.key, max_retries=0, timeout=self.settings.timeout_s,
-                               http_client=self._http)  # not closed here: the pool is the runner's
+        before, left = replace(pool.stats), max(0.01, started + self.settings.timeout_s - time.monotonic())
+        pool.timeout = left
         try:
-            value, error = self.fn(client, example), ""
-        except BaseException as e:  # noqa: BLE001 - the agent's failure: scored 0 and counted
-            value, error = None, _one_line(e)
-        return value, error, time.monotonic() - t0
+            out = pool.map([(self.settings.ref, url, session.key, left, example)])[0]
+        except WorkerStartError as e:  # e.g. its import needs more than the memory cap
+            out = (f"its process could not start: {e.reason[:200]}", 0.0, {})
+        seconds = time.monotonic() - started
+        if out is None and pool.stats.timeouts > before.timeouts:
+            return _late(self.settings.timeout_s)
+        if out is None:  # it exited (os._exit), was killed, or its process failed otherwise
+            return None, f"ended its process without returning ({pool.stats.last_error})", seconds
+        return (None if out[0] else out[1:]), out[0], seconds
 
     def _result(self, session: Session, prompt: list[int], value: Any, error: str, seconds: float) -> AgentEpisode:
         with session.lock:
             calls = list(session.calls)
             requests = session.requests
-        reward, extras = 0.0, {}
         if not error and requests == 0:
             error = "made no model call"
-        if not error:
-            try:
-                reward, extras = agent_value(value)
-            except (TypeError, ValueError) as e:
-                error = str(e)
+        reward, extras = (0.0, {}) if error else value
         segments, breaks = build_sequences(calls)
         ep = AgentEpisode(token_ids=[], text="", finish_reason="stop", logprobs=None, segments=segments, prompt=list(prompt),
                           requests=requests, prefix_breaks=breaks, seconds=seconds, error=error,
@@ -257,8 +313,6 @@ class _Versioned:
         self.engine, self.min_version = engine, min_version
 
     def generate(self, prompts, params, cancelled=None):
-        from dataclasses import replace
-
         return self.engine.generate(prompts, replace(params, min_version=self.min_version), cancelled=cancelled)
 
 

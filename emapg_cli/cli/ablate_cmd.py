@@ -26,6 +26,7 @@ def ablate(
     launcher: Annotated[Optional[str], typer.Option("--launcher", help="Command that starts one run, before `train ...`; {processes} is replaced by --processes (e.g. 'torchrun --nproc_per_node {processes} -m emapg_cli').")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate the sweep and print one shell line per run (`emapg train ...`, or the launcher's line with --processes), run nothing.")] = False,
     aggregate_only: Annotated[bool, typer.Option("--aggregate-only", help="Run nothing; rebuild results.csv, summary.md and the plots from the runs on disk (with --study: the study file's `analysis:` replaces the one recorded in the folder).")] = False,
+    generic: Annotated[bool, typer.Option("--generic", help="A study with a design fitted to the preset (presets/ablations/STUDY-PRESET.yaml, e.g. anchors-smol, the default of `--study anchors --preset smol`): run the study's generic design instead (anchors on smol: 7 rules x 2 learning rates x 3 seeds, about 35 h on 2 cores).")] = False,
     trust_code: Annotated[bool, typer.Option("--trust-code", help="Run a reward plugin / user environment that the study, preset or --config file names; those named by --set / --grid on this command line always run (docs/reliability.md).")] = False,
 ) -> None:
     """Sweep `emapg train` over grids x variants x seeds; write results.csv, summary.md and plots (and, for a study
@@ -48,17 +49,18 @@ def ablate(
         if not out.is_dir():
             raise UserError(f"--aggregate-only: {out} is not a sweep folder")
         with claim_folder(out, "ablate"):
-            _report(out, study)
+            _report(out, study, preset, generic)
         return
-    sweep = build_sweep(study, preset, config, [parse_grid(g) for g in grid or []], seeds, list(set_ or []))
+    sweep = build_sweep(study, preset, config, [parse_grid(g) for g in grid or []], seeds, list(set_ or []), generic)
     runs = sweep.runs()  # every combination validated before anything is written or started
     # per preset, so a GPU sweep never lands in the folder (and resumes the runs) of a toy sweep
-    out = out or Path("ablations") / (f"{sweep.name}-{Path(sweep.preset).stem}" if sweep.preset and Path(sweep.preset).stem != sweep.name else sweep.name)
+    out = out or Path("ablations") / (f"{sweep.name}-{Path(sweep.preset).stem}" if sweep.preset and not sweep.name.endswith(Path(sweep.preset).stem) else sweep.name)
     prefix = launch_prefix(processes, launcher)
     flags = _trust_flags(sweep, runs, list(set_ or []), [parse_grid(g) for g in grid or []], trust_code)
     if dry_run:
         for spec in runs:
             typer.echo(shell_command(sweep, spec, out, prefix, flags))
+        _estimate(sweep, runs, out, jobs)
         return
     import yaml
 
@@ -69,18 +71,46 @@ def ablate(
         save_plan(out, runs)
         configs = len({r.config_id for r in runs})
         how = "--jobs"
+        if jobs is None and sweep.cost is not None:
+            jobs, how = sweep.cost.jobs, "the study's cost.jobs"
         if jobs is None:
             from emapg_cli.ablate.runner import auto_jobs, is_finished
 
             jobs, how = auto_jobs(sum(not is_finished(out, r) for r in runs), processes)
         console.print(f"ablate [bold]{escape(sweep.name)}[/]: {configs} configuration(s) x {sweep.seeds} seed(s) = "
                       f"{len(runs)} runs -> {escape(str(out))}, {jobs} at once ({escape(how)})")
+        if sweep.measure is not None:  # the initial model, once for every run (ablate/measures.py)
+            from emapg_cli.ablate.measures import measure_base
+            from emapg_cli.ablate.runner import child_env
+
+            console.print("measuring the initial model (once for every run): the study's baselines")
+            measure_base(sweep, sweep.measure, out, out / "measure.log", child_env(1))
         results = run_sweep(sweep, runs, out, jobs=jobs, prefix=prefix, train_flags=flags)
         counts = {s: sum(r.status == s for r in results) for s in ("done", "skipped", "failed")}
         console.print(f"runs: {counts['done']} done, {counts['skipped']} finished before, {counts['failed']} failed")
         _report(out)
     if counts["failed"]:
         raise typer.Exit(1)
+
+
+def _estimate(sweep, runs, out: Path, jobs: Optional[int]) -> None:
+    """The dry run's last lines, on stderr (stdout stays one shell line per run, for `| sh`): `N runs` and, for a study
+    with a `cost:` record, `estimated wall time: …` of the runs still to do (finished ones in --out are not counted)."""
+    from emapg_cli.ablate.measures import DONE, MEASURE_DIR
+    from emapg_cli.ablate.runner import is_complete
+    from emapg_cli.ablate.study import estimate_wall_s
+
+    todo = [r for r in runs if not is_complete(sweep, out, r)]
+    typer.echo(f"{len(runs)} runs" + (f" ({len(runs) - len(todo)} finished in {out})" if len(todo) < len(runs) else ""), err=True)
+    if sweep.cost is None:
+        return
+    c = sweep.cost
+    if jobs is not None and jobs != c.jobs:
+        typer.echo(f"(the estimate assumes {c.jobs} runs at once, as measured: --jobs {jobs} changes it)", err=True)
+    seconds = estimate_wall_s(sweep, todo, (out / MEASURE_DIR / "base" / DONE).is_file())
+    minutes = round(seconds / 60)
+    typer.echo(f"estimated wall time: {minutes // 60} h {minutes % 60:02d} min ({c.jobs} runs at once; {c.step_s:g} s a step, "
+               f"{c.sequence_s:g} s an evaluated sequence: {c.measured or 'the study file'})", err=True)
 
 
 def _trust_flags(sweep, runs, sets: list[str], grids, trust_code: bool) -> list[str]:
@@ -193,7 +223,7 @@ def _anchors(out: Path, sweep, records) -> list[Path]:
     return paths
 
 
-def _with_study_analysis(sweep, study: Optional[str]):
+def _with_study_analysis(sweep, study: Optional[str], preset: Optional[str] = None, generic: bool = False):
     """The recorded sweep with the named study's `analysis:` (--aggregate-only --study), checked against the record's
     variants and grid; unchanged without --study or when the study has none. The folder's study.yaml is not rewritten."""
     if not study:
@@ -202,7 +232,7 @@ def _with_study_analysis(sweep, study: Optional[str]):
 
     from emapg_cli.ablate.study import Sweep, load_study
 
-    name, file = load_study(study)
+    name, file = load_study(study, preset, generic)
     if file.analysis is None:
         return sweep
     try:
@@ -211,14 +241,14 @@ def _with_study_analysis(sweep, study: Optional[str]):
         raise UserError(f"study {name}: its analysis does not fit the sweep in the folder ({err.errors()[0]['msg']})") from None
 
 
-def _report(out: Path, study: Optional[str] = None) -> None:
+def _report(out: Path, study: Optional[str] = None, preset: Optional[str] = None, generic: bool = False) -> None:
     """Aggregate the sweep in `out`, draw the plots and print the ranked table (`study`: see _with_study_analysis)."""
     from emapg_cli.ablate.aggregate import (RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std,
                                             one_seed_caveat)
     from emapg_cli.ablate.plots import plot_all
 
     sweep, records, summaries = aggregate(out)
-    sweep = _with_study_analysis(sweep, study)
+    sweep = _with_study_analysis(sweep, study, preset, generic)
     plots = plot_all(out, summaries, records, sweep.name)
     from rich.table import Table
 

@@ -74,6 +74,7 @@ def serve(
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     h, p = server.server_address[:2]
+    h = f"[{h}]" if ":" in h else h  # an IPv6 address in a URL
     try:  # from the ready line on, Ctrl-C is a clean stop (a client may send it as soon as it reads the line)
         typer.echo(f"rollout server ready at http://{h}:{p} (engine {engine}, {served.fingerprint['architecture']}, "
                    f"{served.device}{f'; OpenAI API at http://{h}:{p}/v1' if api else ''}{'; a secret is required' if secret else ''}; Ctrl-C stops)")

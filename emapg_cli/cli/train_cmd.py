@@ -25,6 +25,10 @@ TrustCodeOpt = Annotated[
     bool,
     typer.Option("--trust-code", help="Run the reward plugin / user environment (rollout.reward, rollout.env = FILE.py:NAME or module:NAME) that a --config file, a preset file or the run's saved config.yaml names; without it only those named by --set on this command line run (docs/reliability.md)."),
 ]
+AllowMethodChangeOpt = Annotated[
+    bool,
+    typer.Option("--allow-method-change", help="With --resume: continue under another anchor.rule than the run's on purpose. The anchor is then the one the newest checkpoint holds (e.g. an EMA of the policy), not the new rule's start (the initial policy for fixed); the plan and the settings line say so. Without it such a --set is refused."),
+]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan and a GPU memory estimate without loading weights, then exit.")]
 ProcessesOpt = Annotated[
     Optional[int],
@@ -33,7 +37,8 @@ ProcessesOpt = Annotated[
 ]
 
 
-def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]):
+def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], overrides: Optional[list[str]],
+                   allow_method_change: bool = False):
     if preset or config:
         raise UserError("--resume takes the run's own config.yaml; use --set for changes, not --preset/--config")
     if not (run_dir / "config.yaml").is_file():
@@ -45,7 +50,38 @@ def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], 
             had = "with" if saved.derived.loads_anchor else "without"
             raise UserError(f"--resume {run_dir}: the run was trained {had} a KL anchor (kl.coef={saved.kl.coef}); "
                             f"kl.coef={cfg.kl.coef} cannot change that on resume; start a new run")
+        _check_rule_change(run_dir, saved, cfg, allow_method_change)
     return cfg
+
+
+#: Keys whose change on resume changes what the checkpoint's anchor state means (--allow-method-change).
+METHOD_KEYS = ("anchor.rule", "anchor.bema.update_after")
+
+
+def _check_rule_change(run_dir: Path, saved, cfg, allow: bool) -> None:
+    """A resume that changes a METHOD_KEYS key continues from the anchor (and BEMA's θ_0 and EMA) the newest
+    checkpoint holds, not from the initial policy the new setting starts from: refused unless `allow`
+    (--allow-method-change), then noted on the config for the plan and the settings line
+    (config/anchor_rules.describe_rule). Into bema from another rule it is refused always: the checkpoint holds no θ_0."""
+    from operator import attrgetter
+
+    changed = [(k, attrgetter(k)(saved), attrgetter(k)(cfg)) for k in METHOD_KEYS if attrgetter(k)(saved) != attrgetter(k)(cfg)]
+    if not changed or not cfg.derived.loads_anchor or cfg.anchor.source != "ema":
+        return
+    from emapg_cli.train.checkpoint import checkpoint_dirs
+
+    found = checkpoint_dirs(run_dir)
+    if not found:  # nothing trained yet: the run starts from the initial policy under the new settings
+        return
+    (key, old, new), step = changed[0], found[-1][0]
+    if cfg.anchor.rule == "bema" and saved.anchor.rule != "bema":
+        raise UserError(f"--resume {run_dir}: anchor.rule=bema needs the initial policy θ_0, which a run trained with "
+                        f"anchor.rule={saved.anchor.rule} did not keep; start a new run")
+    if not allow:
+        raise UserError(f"--resume {run_dir}: the run was trained with {key}={old}; {key}={new} would continue from the "
+                        f"anchor checkpointed at step {step} ({key}={old}'s), not from the initial policy: pass "
+                        "--allow-method-change to do so on purpose, or start a new run")
+    cfg._anchor_from = f"the anchor checkpointed at step {step} ({key}={old}'s)"
 
 
 def _finished_steps(run_dir: Path) -> Optional[int]:
@@ -86,12 +122,13 @@ def train(
     dry_run: DryRunOpt = False,
     processes: ProcessesOpt = None,
     trust_code: TrustCodeOpt = False,
+    allow_method_change: AllowMethodChangeOpt = False,
 ) -> None:
     """Train a policy with EMA-anchored GRPO; writes metrics, checkpoints, final weights and summary.json."""
     if resume is not None:
         if out is not None and out.resolve() != resume.resolve():
             raise UserError("--resume DIR already names the run directory; drop --out")
-        cfg = _resume_config(resume, preset, config, set_)
+        cfg = _resume_config(resume, preset, config, set_, allow_method_change)
         run_dir = resume
         done = _finished_steps(run_dir)
         if done is not None and done >= cfg.train.steps and not dry_run:
@@ -107,6 +144,8 @@ def train(
         # (the marker only on the main process: it writes it, and the other ranks start a moment later)
         if (run_dir / "checkpoints").exists() or (_is_main_process() and marker_kind(run_dir) == "train"):
             raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
+    if allow_method_change and resume is None:
+        raise UserError("--allow-method-change applies to --resume (a new run has no method to change)")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
 

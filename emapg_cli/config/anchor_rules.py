@@ -22,7 +22,8 @@ gave from one typed on purpose: a rule that sets eta replaces ema.decay whatever
 run's settings line say so), and to choose eta yourself use anchor.rule=ema. A key that only another rule reads is an
 error when it is not at its default (a run's config.yaml holds every key, so "given" is "not the default"):
 ema.decay_schedule outside `ema`, ema.target_distance outside `ema`/`adaptive`, anchor.mixup_alpha outside `mixup`,
-anchor.bema.* outside `bema`; and any rule but `ema` with anchor.source=teacher.
+anchor.bema.* outside `bema`; any rule but `ema` with anchor.source=teacher; and `previous` with rollout.max_staleness > 0
+(the samples then come from older weights than the previous policy).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ def apply_rule(cfg) -> None:
         raise ValueError("anchor.rule=adaptive needs ema.target_distance (the policy-anchor distance to track, e.g. 0.03)")
     if rule != "mixup" and _changed(a, ("mixup_alpha",)):
         raise ValueError(f"anchor.mixup_alpha applies to anchor.rule=mixup, not {rule}")
+    if rule == "previous" and cfg.rollout.max_staleness:
+        raise ValueError(f"anchor.rule=previous anchors to the policy that sampled the step, and rollout.max_staleness="
+                         f"{cfg.rollout.max_staleness} samples from weights up to that many updates older: drop one")
     bema = _changed(a.bema, tuple(type(a.bema).model_fields))
     if rule != "bema" and bema:
         raise ValueError(f"anchor.bema.{bema[0]} applies to anchor.rule=bema, not {rule}")
@@ -105,8 +109,16 @@ def describe_rule(cfg) -> str:
     if a.source == "teacher":
         return f"teacher {a.path} ({a.dtype or cfg.model.dtype}), never updated"
     every = "every step" if e.update_period == 1 else f"every {e.update_period} steps"
+    start = getattr(cfg, "_anchor_from", None)  # a resume that changed the rule (cli/train_cmd.py)
     if a.rule == "fixed":
-        return "fixed: η 1 (set by the rule), the initial policy, never updated"
+        return f"fixed: η 1 (set by the rule), {f'{start}, not the initial policy' if start else 'the initial policy'}, never updated"
+    if start:
+        return f"{_describe(cfg, every)}, starting from {start}, not the initial policy"
+    return _describe(cfg, every)
+
+
+def _describe(cfg, every: str) -> str:
+    a, e = cfg.anchor, cfg.ema
     if a.rule == "bema":
         b = a.bema
         floor = f", β_min {b.min_beta:g}" if b.min_beta else ""

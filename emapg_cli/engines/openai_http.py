@@ -86,7 +86,7 @@ class OpenAIServer(BoundedServer):
         super().__init__(address, _Handler, max_connections=max_connections, timeout_s=timeout_s,
                          max_body_bytes=max_body_bytes)
 
-    def error_json(self, code: int, message: str) -> dict:
+    def error_json(self, code: int, message: str, path: str = "") -> dict:
         return error_json(code, message)
 
 
@@ -105,4 +105,4 @@ def start_server(service: Any, host: str = "127.0.0.1", port: int = 0, **limits:
     server = OpenAIServer((host, port), service, **limits)
     threading.Thread(target=server.serve_forever, name="emapg-openai", daemon=True).start()
     h, p = server.server_address[:2]
-    return server, f"http://{h}:{p}/v1"
+    return server, f"http://{f'[{h}]' if ':' in h else h}:{p}/v1"

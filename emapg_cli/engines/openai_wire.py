@@ -40,6 +40,8 @@ CHAT_KEYS = frozenset((*COMMON, "messages", "max_completion_tokens", "top_logpro
 COMPLETION_KEYS = frozenset((*COMMON, "prompt", "echo", "suffix", "best_of"))
 #: OpenAI's caps: stop strings per request, top log-probs per token (chat; completions: 5).
 MAX_STOP, MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 4, 20, 5
+#: The deepest nesting of lists and objects in a chat request's messages and tools (tool-call arguments decoded).
+MAX_DEPTH = 64
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -234,15 +236,18 @@ def _messages(value: Any, limits: WireLimits) -> list[dict[str, Any]]:
     return out
 
 
-def _chars(obj: Any) -> int:
-    """Characters of the strings in `obj` (nested lists and dicts), to bound the tokenizer's work before it runs."""
-    if isinstance(obj, str):
-        return len(obj)
-    if isinstance(obj, dict):
-        return sum(_chars(k) + _chars(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return sum(_chars(v) for v in obj)
-    return 0
+def _size(obj: Any) -> tuple[int, int]:
+    """(characters of the strings in `obj`, its depth of nested lists and dicts), to bound the template's and the
+    tokenizer's work before they run; without recursion (a body may nest as deep as the JSON parser allows)."""
+    chars, depth, stack = 0, 0, [(obj, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, str):
+            chars += len(x)
+        elif isinstance(x, (dict, list)):
+            depth = max(depth, d + 1)
+            stack += [(v, d + 1) for v in ([*x.keys(), *x.values()] if isinstance(x, dict) else x)]
+    return chars, depth
 
 
 def parse_chat(body: Any, limits: WireLimits = WireLimits()) -> Request:
@@ -276,8 +281,15 @@ def parse_chat(body: Any, limits: WireLimits = WireLimits()) -> Request:
                 isinstance(k, str) and (isinstance(v, (str, bool, int)) or (isinstance(v, float) and math.isfinite(v)))
                 for k, v in kwargs.items()):
             raise _bad("chat_template_kwargs must map names to strings, numbers or booleans", "chat_template_kwargs")
+        if "chat_template" in kwargs:  # its Jinja would run here, unbounded: the model's own template is the contract
+            raise _bad("chat_template_kwargs.chat_template: a client's own chat template is refused; requests are "
+                       "rendered with the model's", "chat_template_kwargs")
         req.template_kwargs = dict(kwargs)
-    if _chars(body.get("messages")) + _chars(tools) > limits.max_chars:
+    (chars, depth), (tool_chars, tool_depth) = _size(req.messages), _size(tools)
+    if max(depth, tool_depth) > MAX_DEPTH:
+        raise _bad(f"messages or tools nest lists and objects {max(depth, tool_depth)} deep: at most {MAX_DEPTH}",
+                   "tools" if tool_depth > MAX_DEPTH else "messages")
+    if chars + tool_chars > limits.max_chars:
         raise OpenAIError(413, f"messages and tools of more than {limits.max_chars} characters", param="messages")
     return req
 
@@ -306,7 +318,7 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
         raise _bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids", "prompt")
     if len(prompts) > limits.max_prompts:
         raise _bad(f"{len(prompts)} prompts: at most {limits.max_prompts} per request", "prompt")
-    if sum(_chars(p) if isinstance(p, str) else len(p) for p in prompts) > limits.max_chars:
+    if sum(len(p) for p in prompts) > limits.max_chars:
         raise OpenAIError(413, f"prompts of more than {limits.max_chars} characters (or token ids)", param="prompt")
     req.prompts = prompts
     return req

@@ -64,6 +64,15 @@ class RolloutServer(BoundedServer):
         super().__init__(address, _Handler, max_connections=limits.max_connections, timeout_s=limits.timeout_s,
                          max_body_bytes=limits.max_body_bytes)
 
+    def error_json(self, code: int, message: str, path: str = "") -> dict:
+        """A refusal of an OpenAI route (`--openai`; the accept loop's 503 included) is OpenAI's error body; of the
+        others, `{"error": "..."}`."""
+        if self.openai is not None and path.startswith("/v1/"):
+            from emapg_cli.engines.openai_wire import error_json
+
+            return error_json(code, message)
+        return super().error_json(code, message, path)
+
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
@@ -87,14 +96,6 @@ class _Handler(BoundedHandler):
 
     def _is_openai(self) -> bool:
         return self.server.openai is not None and self.path.startswith("/v1/")
-
-    def error_json(self, code: int, message: str) -> dict:
-        """A refusal of an OpenAI route (`--openai`) is OpenAI's error body; of the others, `{"error": "..."}`."""
-        if self._is_openai():
-            from emapg_cli.engines.openai_wire import error_json
-
-            return error_json(code, message)
-        return super().error_json(code, message)
 
     def _answer(self, work: Callable[[], dict], linger: bool = False) -> None:
         """Reply with what `work()` returns, or with the status of what it raised (one line); `linger`: a refusal

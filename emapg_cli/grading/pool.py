@@ -89,6 +89,18 @@ def _ref(fn: Callable[..., Any]) -> str:
     return f"{fn.__module__}:{fn.__qualname__}"
 
 
+def _death(proc: subprocess.Popen) -> str:
+    """Why a worker that closed its pipes without answering is gone, in a few words. It is waited for without being
+    reaped (WNOWAIT): `_kill` reaps it after its signal, so its pid (its group's id) cannot be reused before."""
+    for _ in range(20):
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        if info is not None:
+            return (f"the worker exited with code {info.si_status}" if info.si_code == os.CLD_EXITED else
+                    f"the worker was killed by signal {info.si_status} (e.g. at its memory cap)")
+        time.sleep(0.05)
+    return "the worker closed its pipes without answering"
+
+
 class WorkerStartError(RuntimeError):
     """A new worker could not import its function or warm up; `reason` says why, in one line."""
 
@@ -201,6 +213,22 @@ class TimeoutPool:
             pass
 
     # -- work ------------------------------------------------------------------------------------
+    def warm(self) -> None:
+        """Start the missing workers and wait until each has warmed up (WorkerStartError when one cannot), so that the
+        next tasks' time never includes a start."""
+        self._workers += [self._start() for _ in range(self.n_workers - len(self._workers))]
+        for w in self._workers:
+            while not w.ready:
+                try:
+                    if not w.conn.poll(max(0.0, w.started + STARTUP_TIMEOUT - time.monotonic())):
+                        raise WorkerStartError(self.fn_ref, f"it did not start in {STARTUP_TIMEOUT:.0f} s")
+                    self._receive(w, lambda index, value: None)
+                except (EOFError, OSError, WorkerStartError) as e:
+                    self._kill(w)
+                    self._workers.remove(w)
+                    raise e if isinstance(e, WorkerStartError) else WorkerStartError(
+                        self.fn_ref, f"it exited while starting (exit code {w.proc.returncode})") from None
+
     def map(self, tasks: Sequence[tuple], on_result: Optional[Callable[[int, Any], None]] = None) -> list[Any]:
         """`[fn(*args) for args in tasks]`, in order; `on_result(index, result)` as each finishes."""
         results: list[Any] = [self.default] * len(tasks)
@@ -236,7 +264,7 @@ class TimeoutPool:
                             self._kill(w)
                             raise WorkerStartError(self.fn_ref, f"it exited while starting (exit code {w.proc.returncode})") from None
                         self.stats.crashes += 1
-                        self.stats.last_error = "the worker died (e.g. at its memory cap)"
+                        self.stats.last_error = _death(w.proc)
                 elif not w.ready:
                     if time.monotonic() < w.started + STARTUP_TIMEOUT:
                         continue

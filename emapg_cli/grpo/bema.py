@@ -15,6 +15,12 @@ RL steps here (the paper's and TRL's BEMACallback count optimizer steps; TRL's d
 eta_b 0.2 are `anchor.bema`'s). kappa = 0 makes beta_t = 1 (mu_t = theta_t); eta_b = 0 makes alpha_t = 1 (the
 anchor is then mu_t + theta_t - theta_0); a large rho with kappa > 0 makes beta_t small (a slow EMA).
 
+The burn-in tau (anchor.bema.update_after; the paper's tau) follows TRL's BEMACallback: no update before RL step tau
+(the anchor stays the initial policy); at step tau, theta_0 and mu are set to the policy and the anchor is left as it
+is; then an update every N steps from tau + N, at the coefficients of the step t itself, not of t - tau
+(train/anchor_rule.py). On a steady trend the correction overshoots: the anchor runs ahead of the policy
+(docs/anchors.md).
+
 At t = 0 the anchor is theta_0: mu_0 = theta_0 and the correction is 0. The correction needs theta_0 and mu kept
 beside the anchor (`bema_update_`'s `ema` and `theta0`): two more copies of the anchor's tensors.
 """

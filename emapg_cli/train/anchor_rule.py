@@ -29,6 +29,11 @@ class BemaBuffers:
         self.theta0 = [t.detach().clone() for t in tensors]
         self.ema = [t.detach().clone() for t in tensors]
 
+    def snapshot(self, tensors: list[Tensor]) -> None:
+        """theta_0 and mu become `tensors` (the policy's): the end of BEMA's burn-in (anchor.bema.update_after)."""
+        for mine, t in zip(self.theta0 + self.ema, tensors + tensors):
+            mine.copy_(t.detach())
+
     def state_dict(self) -> dict[str, Tensor]:
         return {**{f"theta0.{i}": t for i, t in enumerate(self.theta0)}, **{f"ema.{i}": t for i, t in enumerate(self.ema)}}
 
@@ -59,6 +64,16 @@ def bema_coefficients_at(cfg, step: int) -> tuple[float, float]:
     return bema_coefficients(step, b.lag, b.multiplier, b.ema_power, b.bias_power, b.min_beta)
 
 
+def anchor_due(cfg, step: int, skipped: bool) -> bool:
+    """Whether RL step `step` moves the anchor: every ema.update_period steps, not after a skipped update, never for
+    anchor.rule=fixed; bema's every N steps from its burn-in tau = anchor.bema.update_after on (TRL's BEMACallback: at
+    step tau, θ_0 and mu are taken from the policy, skipped update or not, and the anchor stays where it is)."""
+    tau = cfg.anchor.bema.update_after  # 0 for every rule but bema (config/anchor_rules.py)
+    if cfg.anchor.rule == "fixed" or step < tau or (step - tau) % cfg.ema.update_period:
+        return False
+    return step == tau or not skipped
+
+
 @torch.no_grad()
 def move_anchor(cfg, state: dict[str, Any], step: int, strategy, policy, anchor, bema: Optional[BemaBuffers]) -> None:
     """The anchor update of RL step `step` (the trainer calls it every ema.update_period steps, not after a skipped
@@ -66,6 +81,8 @@ def move_anchor(cfg, state: dict[str, Any], step: int, strategy, policy, anchor,
     if bema is not None:
         from emapg_cli.grpo.bema import bema_update_
 
+        if step == cfg.anchor.bema.update_after:  # the burn-in's end: θ_0 and mu become the policy (anchor_due)
+            return bema.snapshot(strategy.ema_tensors(policy))
         beta, alpha = bema_coefficients_at(cfg, step)
         bema_update_(strategy.ema_tensors(anchor), bema.ema, bema.theta0, strategy.ema_tensors(policy), beta, alpha)
         return
@@ -75,9 +92,9 @@ def move_anchor(cfg, state: dict[str, Any], step: int, strategy, policy, anchor,
 
 def anchor_metrics(cfg, state: dict[str, Any], step: int) -> dict[str, float]:
     """`ema/decay`: the eta in force after step `step`; for bema 1 - beta_t of its latest update (of its first before
-    it), with `ema/bema_alpha` = alpha_t, the correction's weight."""
+    it, at tau + N), with `ema/bema_alpha` = alpha_t, the correction's weight."""
     if cfg.anchor.rule != "bema":
         return {"ema/decay": decay_in_force(cfg.ema, state, step)}
-    n = cfg.ema.update_period
-    beta, alpha = bema_coefficients_at(cfg, max(n, step - step % n))
+    n, tau = cfg.ema.update_period, cfg.anchor.bema.update_after
+    beta, alpha = bema_coefficients_at(cfg, tau + max(n, (step - tau) // n * n))
     return {"ema/decay": 1.0 - beta, "ema/bema_alpha": alpha}

@@ -134,13 +134,17 @@ def training_numerics(cfg: Config) -> None:
 def config_warnings(cfg: Config) -> list[str]:
     """What a run may do but should know, one line each (`train` and `--dry-run` print them): rollout.top_p < 1 with a
     KL estimator that has a sampled part (its support condition fails outside the nucleus; the measured bias from
-    `klcheck.nucleus_bias`)."""
+    `klcheck.nucleus_bias`); reasoning-gym's gameable partial credit."""
     from emapg_cli.klcheck.nucleus_bias import nucleus_warning  # plain data, no torch
 
     out = []
     if cfg.kl.coef > 0 and cfg.rollout.top_p < 1:
         line = nucleus_warning(cfg.kl.estimator, cfg.kl.direction, cfg.rollout.top_p)
         out += [line] if line is not None else []
+    if cfg.rollout.reward == "reasoning-gym" and cfg.reward.credit == "partial" and cfg.train.objective != "distill":
+        out.append("rollout.reward=reasoning-gym trains on partial credit (reward.credit=partial), which can be gamed: an "
+                   "answer holding the gold inside it scores len(gold)/len(answer) (a constant 12 earned 0.30 mean reward "
+                   "on gcd with 1% solved); reward.credit=solved trains on solved responses only (docs/smol.md)")
     return out
 
 

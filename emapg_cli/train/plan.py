@@ -216,6 +216,9 @@ def memory_terms(
       activations      b*T*(L*h + A) * bytes(dtype) with gradient checkpointing (each layer's input,
                        plus one layer recomputed at a time), b*T*L*A * bytes(dtype) without;
                        A = activation_elems_per_token_per_layer
+      attention masks  b*T*T*L * 4 (b*T*T * 4 checkpointed): the float32 [b, 1, T, T] mask each layer saves for
+                       its backward: T more elements per token per layer (float32 SmolLM2-135M at T = 1,200:
+                       1,200 / A = 1,200 / 11,328 = 10.6% more than its activations, past auto's 10% headroom)
       logits           c*V * (4 n + bytes(dtype) if not fp32) with c = min(chunk, b*T): the fused
                        output layer (kl/fused.py) holds one chunk of fp32 logits (turned into the
                        softmax in place; n = 1), or for the exact estimator n = EXACT_BUFFERS fp32
@@ -333,6 +336,9 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
                                 f"{bt_text} x (L x h + A) x {wb} B, A = {a} (checkpointed)", "update"))
     else:
         terms.append(MemoryTerm("activations", bt * layers * a * wb, f"{bt_text} x L x A x {wb} B, A = {a}", "update"))
+    kept = 1 if cfg.model.gradient_checkpointing else layers  # the layers whose saved tensors are held at once
+    terms.append(MemoryTerm("attention masks", bt * t * kept * FP32, f"{bt_text} x T x {'1' if kept == 1 else 'L'} x 4 B "
+                            "(each layer's float32 [b, 1, T, T] mask, saved for its backward)", "update"))
     exact = cfg.derived.loads_anchor and INFO[cfg.kl.estimator].full_vocab
     n_buf = EXACT_BUFFERS if exact else 1
     c = min(cfg.train.logit_chunk or auto_chunk(m.vocab, cfg.train.logit_memory_mib, n_buf), bt)
@@ -619,7 +625,7 @@ def render_plan(plan: Plan):
     else:
         model += f"  ({plan.model_source})"
     run.add_row("model", escape(model))
-    run.add_row("RL steps", f"{plan.steps:,}  ({plan.ema_updates} EMA anchor updates)")
+    run.add_row("RL steps", f"{plan.steps:,}  ({f'{plan.ema_updates} EMA' if plan.ema_updates else 'no'} anchor updates)")
     for label, rule in (("anchor", plan.anchor_rule), ("KL coefficient", plan.kl_coef)):  # the anchor rule; adaptive beta
         if rule:
             run.add_row(label, escape(rule))

@@ -125,7 +125,7 @@ def config_line(cfg) -> str:
         from emapg_cli.train.eta_control import describe
 
         anchor = f"EMA anchor {describe(e)} every {e.update_period}"
-    if cfg.anchor.rule != "ema":  # a named rule (config/anchor_rules.py)
+    if cfg.anchor.rule != "ema" or cfg._anchor_from:  # a named rule (config/anchor_rules.py), or a resume that changed it
         from emapg_cli.config.anchor_rules import describe_rule
 
         anchor = f"anchor {describe_rule(cfg)}"

@@ -29,7 +29,7 @@ from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, load_model_config, preflight
 from emapg_cli.train.distill import initial_evaluations
 from emapg_cli.train.engine_setup import make_rollout_engine
-from emapg_cli.train.anchor_rule import anchor_metrics, make_bema, move_anchor
+from emapg_cli.train.anchor_rule import anchor_due, anchor_metrics, make_bema, move_anchor
 from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate, write_items  # noqa: F401 - eval_max_new_tokens: re-exported
 from emapg_cli.train.initial_kl import initial_kl, make_initial
@@ -215,7 +215,7 @@ class Trainer:
         then either); returns ||theta - theta_ema|| / ||theta||."""
         if self.anchor is None or self.cfg.anchor.source == "teacher":  # a teacher never moves: no EMA step, no distance
             return None
-        if step % self.cfg.ema.update_period == 0 and not skipped_now:  # the rule's eta, or BEMA (train/anchor_rule.py)
+        if anchor_due(self.cfg, step, skipped_now):  # the rule's eta, or BEMA (train/anchor_rule.py); never for fixed
             move_anchor(self.cfg, self.state, step, self.strategy, self.policy, self.anchor, self.bema)
         return self.strategy.ema_distance(self.policy, self.anchor)
 
@@ -301,7 +301,7 @@ class Trainer:
         self.on_started()  # status.json: running (the folder is kept from here on)
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
-            if self.eval_prompts:
+            if self.eval_prompts and self.cfg.eval.initial:
                 row.update(initial_evaluations(self))  # the policy's accuracy, and the teacher's when the run distils
                 self.state["eval_accuracy_initial"] = row["eval/accuracy"]
             logger.log(row, 0)

@@ -1,5 +1,5 @@
-"""User code is contained (issue 32, item 12; docs/reliability.md "User code is contained"): a reward plugin or an
-environment that forks cannot break the grading pool or leave an orphan holding emapg's stdout (`emapg eval ... |
+"""User code is contained (issue 32, item 12; issue 40, item 2; docs/reliability.md "User code is contained"): a
+reward plugin, an environment or an agent that forks cannot break the grading pool or leave an orphan holding emapg's stdout (`emapg eval ... |
 tee log` returns), a plugin that hangs at import is one line, an environment's `invalid` property is bounded by
 rollout.env_timeout_s like its methods, and reward plugin workers run under their own memory cap."""
 
@@ -195,3 +195,42 @@ def reward_plugin_memory_cap(ws: Path) -> None:
         assert re.search(rf"cap{expected}\.py:cap:? +100\.0%", r.out), f"the workers are not capped at {expected} MiB: {r.show()}"
     one_line_error(emapg(ws, "eval", "--bench", "b.jsonl", "--responses", "r.jsonl", "--reward", "cap2048.py:hog",
                          "--set", "reward.plugin_memory_mib=256", "--out", "hog"), "MemoryError")
+
+
+MISBEHAVING_AGENT = '''import os
+import time
+
+
+def agent(client, example):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example["question"]}])
+    if example["id"] == "0":
+        sum(range(10 ** 12))  # spins in C, holding the GIL
+    if example["id"] == "1":
+        os._exit(0)
+    if os.fork() == 0:  # a copy that returns into whatever called the agent
+        pass
+    if os.fork() == 0:  # and one that stays, holding the inherited stdout
+        time.sleep(600)
+    return 1.0
+'''
+
+
+@probe("agent_that_spins_exits_or_forks")
+def agent_that_spins_exits_or_forks(ws: Path) -> None:
+    """`emapg eval --agent a.py:agent | tee log` (n=2) whose agent spins in C on question 0 (it froze the evaluation
+    for good: agents ran as threads in emapg's process, holding its GIL), calls os._exit(0) on question 1 (emapg ended
+    with exit 0, no results, no line) and forks on question 2 (a copy that returns ran emapg's own code on; one sleeps 600 s): the evaluation ends
+    within a minute, exit 0 (reward.max_failure_rate 0.9), one warning line counting the 4 failed episodes, the forked
+    episodes scored 1.0, and its output pipes close."""
+    (ws / "b.jsonl").write_text(BENCH)
+    (ws / "a.py").write_text(MISBEHAVING_AGENT)
+    t0 = time.monotonic()
+    r, _ = _through_a_pipe(ws, "eval", "--bench", "b.jsonl", "--model", str(_tiny_model(ws)), "--backend", "hf", "--agent",
+                           "a.py:agent", "--n", "2", "--max-tokens", "4", "--set", "rollout.agent_timeout_s=5", "--set",
+                           "reward.max_failure_rate=0.9", "--set", "rollout.max_new_tokens=4", "--set", "data.max_prompt_tokens=64",
+                           "--out", "o", timeout=240)
+    ok(r)
+    assert time.monotonic() - t0 < 120, f"the evaluation took {time.monotonic() - t0:.0f} s"
+    warnings = [x for x in r.err.splitlines() if "failed on" in x]
+    assert len(warnings) == 1 and "failed on 4 of 6 episodes" in warnings[0], r.show()
+    assert "did not return within rollout.agent_timeout_s = 5 s" in warnings[0], r.show()

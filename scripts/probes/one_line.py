@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from . import probe
-from .common import ROOT, base_env, emapg, ok, one_line_error
+from .common import ROOT, base_env, emapg, ok, one_line_error, snapshot
 
 BENCH = "".join(json.dumps({"id": str(i), "question": f"{i}+{i}", "answers": [str(2 * i)]}) + "\n" for i in range(3))
 RESPONSES = "".join(json.dumps({"id": str(i), "responses": ["a"]}) + "\n" for i in range(3))
@@ -238,3 +238,58 @@ def ablate_aggregate_tampered_runs(ws: Path) -> None:
         if needle is not None:
             hits = [ln for ln in warnings if f"{run_id}/" in ln and needle in ln]
             assert hits, f"{name}: no warning about {run_id}/{case[0]} holding {needle!r}: {r.show()}"
+
+
+# ------------------------------------------------------------------------------------ config values (issue 40)
+
+@probe("config_values_bounded")
+def config_values_bounded(ws: Path) -> None:
+    """Values that passed validation and broke later (issue 40, item 5): train.logit_memory_mib=1e308 on a real model's
+    plan (an OverflowError in the chunk arithmetic), BEMA's lag 0 with multiplier 0.001 (beta_1 = 0.001^-0.5 = 31.6:
+    ema/decay logged as -30.6), BEMA's bias_power 200 below base 1 (an OverflowError at step 1), anchor.rule=previous
+    with rollout.max_staleness=1 (the anchor is then not the policy that sampled): one line each, exit 2, nothing run."""
+    code = "import sys; from emapg_cli.models.tiny import save_tiny; save_tiny(sys.argv[1], hidden=16, layers=1, heads=2, kv_heads=1)"
+    subprocess.run([sys.executable, "-c", code, str(ws / "tiny")], check=True, cwd=ROOT, timeout=120, capture_output=True,
+                   env=base_env(ws))
+    one_line_error(emapg(ws, "train", "--preset", "toy", "--set", f"model.path={ws / 'tiny'}", "--set",
+                         "train.logit_memory_mib=1e308", "--dry-run", timeout=60), "train.logit_memory_mib")
+    for sets, needle in ((("anchor.bema.lag=0", "anchor.bema.multiplier=0.001"), "at least 1"),
+                         (("anchor.bema.lag=0", "anchor.bema.multiplier=0.5", "anchor.bema.bias_power=50"), "at least 1"),
+                         (("anchor.bema.bias_power=200",), "anchor.bema.bias_power")):
+        argv = [a for s in ("anchor.rule=bema", *sets) for a in ("--set", s)]
+        one_line_error(emapg(ws, "train", "--preset", "toy", *argv, "--dry-run", timeout=60), "anchor.bema", needle)
+    one_line_error(emapg(ws, "train", "--preset", "toy", "--set", "anchor.rule=previous", "--set", "rollout.max_staleness=1",
+                         "--set", "rollout.engine_url=http://127.0.0.1:9", "--dry-run", timeout=60),
+                   "anchor.rule=previous", "rollout.max_staleness")
+
+
+@probe("resume_changes_the_method")
+def resume_changes_the_method(ws: Path) -> None:
+    """`train --resume RUN --set anchor.rule=fixed` on a run trained with ema (issue 40, item 4) exited 0, wrote
+    `rule: fixed` into config.yaml and printed "the initial policy" while the anchor was the checkpointed EMA: refused
+    in one line, nothing written; with --allow-method-change the plan names the checkpointed anchor."""
+    run = ws / "run"
+    (run / "checkpoints" / "step_4").mkdir(parents=True)
+    code = ("import sys; from emapg_cli.config.loading import load_config, to_yaml; "
+            "open(sys.argv[1], 'w').write(to_yaml(load_config('toy', None, [])))")
+    subprocess.run([sys.executable, "-c", code, str(run / "config.yaml")], check=True, cwd=ROOT, timeout=60,
+                   capture_output=True, env=base_env(ws))
+    before = snapshot(run)
+    one_line_error(emapg(ws, "train", "--resume", "run", "--set", "anchor.rule=fixed", timeout=60),
+                   "anchor.rule=ema", "--allow-method-change")
+    assert snapshot(run) == before, "the refused resume changed the run folder"
+    plan = ok(emapg(ws, "train", "--resume", "run", "--set", "anchor.rule=fixed", "--allow-method-change", "--dry-run",
+                    env={"COLUMNS": "400"}, timeout=60))
+    assert "the anchor checkpointed at step 4 (anchor.rule=ema's), not the initial policy" in " ".join(plan.out.split()), plan.show()
+
+
+@probe("plan_says_what_runs")
+def plan_says_what_runs(ws: Path) -> None:
+    """The plan said what did not happen (issue 40, items 5 and 8): anchor.rule=fixed counted 40 "EMA anchor updates",
+    every one a no-op, and reasoning-gym's gameable partial credit trained without a word. Now: "no anchor updates",
+    and one warning line naming reward.credit=solved."""
+    fixed = ok(emapg(ws, "train", "--preset", "toy", "--set", "anchor.rule=fixed", "--dry-run", timeout=60))
+    assert "no anchor updates" in fixed.out and "EMA anchor updates" not in fixed.out, fixed.show()
+    partial = ok(emapg(ws, "train", "--preset", "smol", "--set", "reward.credit=partial", "--dry-run", timeout=60))
+    warned = [x for x in partial.out.splitlines() if x.startswith("warning: rollout.reward=reasoning-gym trains on partial")]
+    assert len(warned) == 1 and "reward.credit=solved" in warned[0], partial.show()

@@ -43,7 +43,7 @@ def _server(ws: Path) -> int:
 
         root = Path(tempfile.mkdtemp(prefix="emapg-openai-probes-"))
         atexit.register(shutil.rmtree, root, True)
-        model = save_tiny(root / "model", arch="qwen2")
+        model = _CACHE["model"] = save_tiny(root / "model", arch="qwen2")
         proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", "rollout", "serve", "--model", str(model), "--port", "0",
                                  "--threads", "1", "--openai", "--timeout", "2", "--max-connections", "8",
                                  "--max-new-tokens", "64", "--max-request-tokens", "65536"], cwd=root,
@@ -196,6 +196,57 @@ def template_text_is_data(ws: Path) -> None:
     _still_serves(port)
 
 
+@probe("client-chat-template-and-deep-tool-arguments")
+def client_chat_template(ws: Path) -> None:
+    """A client sends its own Jinja as chat_template_kwargs.chat_template (two nested range(100000) loops gave no
+    reply in 10 s and the server spun on after the client left; `'x' * 500000000` took 2 GB): 400 naming
+    chat_template_kwargs, at once. Tool-call arguments nested 900 deep (an object, or a JSON string of one): 400
+    with one line (it was `500 RecursionError`)."""
+    port = _server(ws)
+    for template in ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                     "{{ 'x' * 500000000 }}"):
+        _refused(_post(port, "/v1/chat/completions", {**CHAT, "chat_template_kwargs": {"chat_template": template}}), 400,
+                 param="chat_template_kwargs", within_s=2)
+    deep = "[" * 900 + "]" * 900
+    for arguments in (deep, json.loads(deep)):
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "1", "tool_call_id": "c1"}]
+        _refused(_post(port, "/v1/chat/completions", {**CHAT, "messages": messages}), 400, param="messages", needle="deep")
+    _still_serves(port)
+
+
+@probe("listens-on-ipv6-loopback")
+def listens_on_ipv6_loopback(ws: Path) -> None:
+    """`emapg rollout serve --host ::1 --openai` (a loopback address, as docs/rollout_server.md lists it): it
+    listens (it could not: an IPv4 socket), says `http://[::1]:PORT`, and answers GET /v1/models over IPv6."""
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        return  # no IPv6 loopback on this machine: nothing to probe
+    _server(ws)  # builds the tiny model
+    proc = subprocess.Popen([sys.executable, "-m", "emapg_cli", "rollout", "serve", "--model", str(_CACHE["model"]),
+                             "--host", "::1", "--port", "0", "--threads", "1", "--openai"], cwd=ws,
+                            env={**base_env(ws), "EMAPG_ROLLOUT_SECRET": SECRET}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line, end = "", time.monotonic() + 120
+        while time.monotonic() < end and "ready" not in line and proc.poll() is None:
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                line = proc.stdout.readline()
+        m = re.search(r"OpenAI API at http://\[::1\]:(\d+)/v1", line)
+        assert m, f"`rollout serve --host ::1` did not listen: {line!r} {proc.stderr.read()[-300:] if proc.poll() is not None else ''!r}"
+        with socket.create_connection(("::1", int(m.group(1))), timeout=30) as s:
+            s.sendall(f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n\r\n".encode())
+            status, body = _read_reply(s)
+        assert status == 200 and body.get("object") == "list", f"{status} {body!r:.200}"
+    finally:
+        proc.kill()
+        proc.wait(30)
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 @probe("unknown-routes-and-methods")
 def unknown_routes(ws: Path) -> None:
     """Routes OpenAI has and this server does not (embeddings, responses): JSON 404; a path with a query is the route;
@@ -230,9 +281,10 @@ def secret_required(ws: Path) -> None:
 @probe("requests-dripped-and-connections-held")
 def requests_dripped(ws: Path) -> None:
     """A client dripping its request one byte every 0.3 s is dropped at --timeout (2 s), not when it stops; 8 idle
-    connections take every slot (--max-connections 8): the 9th gets a 503 at once (from the accept loop, before any
-    path is read: the server's own `{"error": "busy: ..."}`, which an `openai` client raises as APIStatusError 503),
-    and once they are dropped at their 2 s the server answers again."""
+    connections take every slot (--max-connections 8): the 9th gets a 503 at once (from the accept loop, without a
+    thread: OpenAI's error body `{"error": {"message": "busy: ...", "type", "code"}}` on /v1/..., which an `openai`
+    client raises as APIStatusError 503; it was the server's own `{"error": "busy: ..."}`), and once they are dropped
+    at their 2 s the server answers again."""
     port = _server(ws)
     with _connect(port, 10) as s:
         t0, closed = time.monotonic(), None
@@ -250,7 +302,7 @@ def requests_dripped(ws: Path) -> None:
     try:
         time.sleep(0.3)
         status, body, seconds = _request(port, f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n")
-        assert status == 503 and str(body.get("error", "")).startswith("busy") and seconds < 2, f"{status} {body!r:.200}"
+        _refused((status, body, seconds), 503, needle="busy", within_s=2)
     finally:
         for s in held:
             s.close()
