@@ -6,13 +6,16 @@ console is not a terminal it draws no bar and prints one plain line per task, e.
 
     train  12/200  reward 0.410  kl 1.20e-03  850 tok/s  0:00:41  ETA 4:12
 
-at most every `interval()` seconds (EMAPG_PROGRESS_SECONDS, default 30), and a last one when the bar stops.
+at most every `interval()` seconds (EMAPG_PROGRESS_SECONDS, default 30), and a last one when the bar stops. A line
+comes every interval even when nothing advanced (a first chunk of long generations): a thread prints the current
+state, its elapsed time grown, so a log never falls silent for longer than the interval.
 Every command builds its bar from this class, so the rule lives in one place. rich only; no torch.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -42,6 +45,7 @@ class Progress(rich.progress.Progress):
         self.plain = not disable and not console.is_terminal and not console.is_jupyter
         super().__init__(*columns, console=console, disable=disable or self.plain, **kwargs)
         self._every, self._printed_at, self._dirty = interval(), time.monotonic(), False
+        self._quiet: Optional[threading.Event] = None  # set to stop the heartbeat thread (plain lines only)
 
     def line(self, task: rich.progress.Task) -> str:
         """The task's columns as text, the drawn ones (bar, spinner) left out."""
@@ -65,9 +69,10 @@ class Progress(rich.progress.Progress):
 
     def _tick(self) -> None:
         if self.plain:
-            self._dirty = True
-            if time.monotonic() - self._printed_at >= self._every:
-                self._emit()
+            with self._lock:  # the heartbeat thread prints too
+                self._dirty = True
+                if time.monotonic() - self._printed_at >= self._every:
+                    self._emit()
 
     def update(self, task_id: rich.progress.TaskID, **kwargs: Any) -> None:  # type: ignore[override]
         super().update(task_id, **kwargs)
@@ -77,7 +82,23 @@ class Progress(rich.progress.Progress):
         super().advance(task_id, advance)
         self._tick()
 
+    def start(self) -> None:
+        super().start()
+        if self.plain and self._every > 0 and self._quiet is None:
+            self._quiet = threading.Event()
+            threading.Thread(target=self._heartbeat, args=(self._quiet,), name="emapg-progress", daemon=True).start()
+
+    def _heartbeat(self, quiet: threading.Event) -> None:
+        """A line whenever `interval()` passed since the last one, advanced or not (module doc)."""
+        while not quiet.wait(max(0.01, self._every - (time.monotonic() - self._printed_at))):
+            with self._lock:
+                if time.monotonic() - self._printed_at >= self._every:
+                    self._emit()
+
     def stop(self) -> None:
+        if self._quiet is not None:
+            self._quiet.set()
+            self._quiet = None
         super().stop()
         if self.plain and self._dirty:  # the last state, once
             self._emit()

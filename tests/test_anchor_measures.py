@@ -160,6 +160,9 @@ def test_eval_initial_false_skips_the_step_0_evaluation(tmp_path, tiny_qwen2):
     assert evals == [1]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_accuracy_initial"] is None and summary["eval_accuracy_final"] is not None
+    # the per-item rows keep what was answered (distinct answers across items are counted from them)
+    rows = [json.loads(x) for x in (out / "evals" / "step_1.jsonl").read_text().splitlines()]
+    assert rows and all(isinstance(r["responses"], list) and len(r["responses"]) == len(r["correct"]) for r in rows)
 
 
 @pytest.mark.slow

@@ -97,3 +97,23 @@ def test_help_paragraphs_are_one_line_each_for_the_terminal_to_wrap():
                                                      "policy logits) and variance by Monte Carlo")
     helps = [c.help for c in root.commands.values()] + [c.help for c in root.commands["bench"].commands.values()]
     assert all("\n" not in p for h in helps if h for p in h.split("\n\n") if not p.startswith("\b"))
+
+
+def test_a_bare_command_group_prints_its_help_once(cli_many):
+    """Issue 40 (9): `emapg config` (and every group, `emapg` itself included) printed its help twice: rich prints it
+    while click makes the no-arguments error, then main echoed `ctx.get_help()` again."""
+    groups = [p for p in _commands() if getattr(_command_at(p), "commands", None)]
+    assert {"", "config", "bench", "retriever", "rollout"} <= {" ".join(p) for p in groups}
+    for path, r in zip(groups, cli_many(*[tuple(p) for p in groups])):
+        assert r.returncode == 0 and r.stdout.count("Usage:") == 1, (path, r.stdout)
+
+
+def _command_at(path: list[str]):
+    import typer
+
+    from emapg_cli.cli.app import app
+
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    return cmd

@@ -79,8 +79,12 @@ def test_config_checks_look_up_each_optional_package(monkeypatch):
 def test_default_eval_folder_is_derived_from_the_run_and_the_bench():
     from emapg_cli.evaluation.naming import default_out
 
-    assert default_out("toy", "runs/toy-1/final/policy", None) == Path("runs/eval/toy-toy-1")
-    assert default_out("toy", "runs/toy-2/final/policy/", None) == Path("runs/eval/toy-toy-2")  # no collision
+    # issue 40: the run's name already says the bench (`toy-1` of `--preset toy`): not `toy-toy-1`
+    assert default_out("toy", "runs/toy-1/final/policy", None) == Path("runs/eval/toy-1")
+    assert default_out("toy", "runs/toy-2/final/policy/", None) == Path("runs/eval/toy-2")  # no collision
+    assert default_out("toy", "/h/toy/model", None) == Path("runs/eval/toy")  # the prepared model: its folder's name
+    assert default_out("/h/smol/test.jsonl", "/h/smol/model", None) == Path("runs/eval/smol")
+    assert default_out("toy", "runs/smol-1/final/policy", None) == Path("runs/eval/toy-smol-1")
     assert default_out("aime24", "runs/a/final/anchor", None) == Path("runs/eval/aime24-a-anchor")
     assert default_out("aime24", "runs/a/checkpoints/step_50/policy", None) == Path("runs/eval/aime24-a-step_50")
     assert default_out("data/olympiad.jsonl", "Qwen/Qwen2.5-3B", None) == Path("runs/eval/olympiad-Qwen2.5-3B")
@@ -101,7 +105,7 @@ def test_eval_bench_toy_after_prepare(emapg_home, tiny_llama, tmp_path):
     r = cli("eval", "--bench", "toy", "--model", "runs/toy-x/final/policy", "--backend", "hf", "--n", "2",
             "--max-tokens", "4", "--grader-workers", "1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    out = tmp_path / "runs" / "eval" / "toy-toy-x"
+    out = tmp_path / "runs" / "eval" / "toy-x"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_items"] == 4 and summary["n"] == 2
     assert (out / "plots" / "pass_at_k.png").stat().st_size > 0
@@ -160,7 +164,7 @@ def test_config_line_names_the_run_shape(monkeypatch, tmp_path):
     monkeypatch.setenv("EMAPG_HOME", str(tmp_path))
     line = config_line(load_config("toy"))  # the model path as the run will read it: $EMAPG_HOME expanded
     assert line == (f"toy: {tmp_path}/toy/model (float32), 200 steps x 32 prompts x 8 samples, lr 0.0003, "
-                    "KL β 0.01 topk reverse k 8, EMA anchor η 0.9 every 5, reward math, engine hf")
+                    f"KL β 0.01 topk reverse k 8, EMA anchor η 0.9 every 5, reward math, engine hf, evaluated on {tmp_path}/toy/test.jsonl")
     distill = config_line(load_config("toy-distill"))  # a teacher is named as such, with its dtype and the objective
     assert f"teacher anchor {tmp_path}/toy-distill/teacher (float32), objective distill, reward" in distill
 

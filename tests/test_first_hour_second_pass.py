@@ -85,7 +85,8 @@ def test_offline_hub_id_fails_fast_in_one_line(monkeypatch, tmp_path):
         check_model_source(str(tmp_path / "m"))
     (tmp_path / "m" / "config.json").write_text('{"model_type": "llama", "vocab_size": 8}')
     check_model_source(str(tmp_path / "m"))  # a local model folder: fine
-    check_model_source(str(tmp_path / "missing"))  # a missing local path: left to the loaders (their hint names `prepare`)
+    with pytest.raises(UserError, match="missing: no such model folder"):  # a missing local path: one line (issue 40)
+        check_model_source(str(tmp_path / "missing"))
 
 
 def test_unreachable_hub_is_named(monkeypatch, tmp_path):

@@ -149,7 +149,7 @@ def test_a_distillation_run_draws_its_teacher_and_not_a_zero_reward(tmp_path, mo
     monkeypatch.setattr(plt.Figure, "savefig", keep)
     paths = [p.name for p in plot_runs([("d", rows)], tmp_path)]
     assert paths == ["eval_accuracy.png", "kl.png", "training.png"]  # no reward panel of zeros
-    assert ("teacher 82.8%", [0.828, 0.828]) in drawn[0]  # the dashed reference line on the accuracy panel
+    assert ("teacher 82.8%", [82.8, 82.8]) in drawn[0]  # the dashed reference line on the accuracy panel (in %, issue 40)
 
 
 def test_a_one_sample_evaluation_draws_no_single_dot(tmp_path):

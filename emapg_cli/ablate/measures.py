@@ -10,7 +10,8 @@ and the number of distinct answers (Yue et al. 2504.13837), and with forgetting 
 - `untrained`: greedy, on reasoning-gym tasks the study never trains on (`untrained`, prepared once with the same
   chat turns as the training prompts): accuracy against the initial model's (forgetting) and distinct answers.
 
-The per-task greedy held-out accuracy is the run's own final evaluation (evals/step_<N>.jsonl). Once per study,
+The per-task greedy held-out accuracy and answers are the run's own final evaluation (evals/step_<N>.jsonl; a run
+whose rows lack the answers, written by an older version, is evaluated again greedily into measure/heldout). Once per study,
 `measure_base` evaluates the initial model the same way (and greedy on data.eval, the step-0 evaluation each run
 would otherwise repeat: the study sets eval.initial=false) and two baselines a gain must clear:
 
@@ -252,12 +253,14 @@ def measure_run(sweep, m: Measures, out: Path, rdir: Path, log: Path, env: Optio
     policy = rdir / "final" / "policy"
     if not policy.is_dir():
         raise UserError(f"measuring {rdir}: its final policy ({policy}) is gone; delete the run folder to run it again")
+    from emapg_cli.config.loading import load_config
+
+    cfg = load_config(sweep.preset, sweep.config, sweep.set)
+    if not all("responses" in row for row in read_results(rdir)):  # a run of an older version: its answers again
+        _evaluate(sweep, str(policy), expand(cfg.data.eval), here / "heldout", 1, 0.0, log, env)
     _evaluate(sweep, str(policy), benches(out) / "sampled.jsonl", here / "sampled", m.n, m.temperature, log, env)
     _evaluate(sweep, str(policy), benches(out) / "untrained", here / "untrained", 1, 0.0, log, env)
     if not (here / KL_FILE).is_file():
-        from emapg_cli.config.loading import load_config
-
-        cfg = load_config(sweep.preset, sweep.config, sweep.set)
         _emapg_module(["kl", str(policy), str(expand(cfg.model.path)), str(here / "sampled"), str(benches(out) / "sampled.jsonl"),
                        json.dumps(cfg.data.prefix_messages()), str(here / KL_FILE)], log, env)
     make_portable([*_records(here), rdir / "config.yaml", rdir.with_name(rdir.name + ".log"),
@@ -360,7 +363,8 @@ def read_run(rdir: Path) -> dict[str, Any]:
         found["kl"] = json.loads((rdir / MEASURE_DIR / KL_FILE).read_text())
     except (OSError, ValueError):
         found["kl"] = {}
-    for name, folder in (("heldout", rdir), ("sampled", rdir / MEASURE_DIR / "sampled"),
+    greedy = rdir / MEASURE_DIR / "heldout"  # the final evaluation again, where the run's rows lack the answers
+    for name, folder in (("heldout", greedy if greedy.is_dir() else rdir), ("sampled", rdir / MEASURE_DIR / "sampled"),
                          ("untrained", rdir / MEASURE_DIR / "untrained")):
         try:
             found[name] = per_task(read_results(folder))

@@ -12,7 +12,7 @@ from rich.markup import escape
 from emapg_cli import __version__
 from emapg_cli.cli import config_cmd
 from emapg_cli.cli.common import err_console
-from emapg_cli.errors import UserError
+from emapg_cli.errors import UserError, write_failure
 
 app = typer.Typer(
     name="emapg",
@@ -166,8 +166,9 @@ def main() -> None:
         rv = _command()(standalone_mode=False, prog_name="emapg")
     except UserError as e:
         _fail(str(e))
-    except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help
-        typer.echo(e.ctx.get_help())
+    except click.NoArgsIsHelpError as e:  # `emapg` / `emapg config` alone: show the help, once (rich has printed it
+        if e.format_message().strip():  # while the error was made, and left its message empty; plain click has not)
+            typer.echo(e.format_message())
         sys.exit(0)
     except click.UsageError as e:
         _fail(f"{e.format_message()} (see '{e.ctx.command_path if e.ctx else 'emapg'} --help')")
@@ -186,10 +187,10 @@ def main() -> None:
         if isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_FAILURES):  # not a bug here: say where to look
             _fail("another process of this launch stopped (a collective lost its connection to it): its own log, on its "
                   "machine, says why; the run keeps its last checkpoint (emapg train --resume)", code=1)
-        if _is_torch_write_failure(e):
+        if _is_torch_write_failure(e) or write_failure(e):  # a library's own write failed for want of room
             from emapg_cli.outputs import last_folder
 
-            _fail(f"writing in {last_folder() or 'the output folder'}: a checkpoint file could not be written "
-                  "(disk full or a file-size limit?)")
+            _fail(f"writing in {last_folder() or 'the output folder'}: a file could not be written "
+                  f"({write_failure(e) or 'disk full or a file-size limit?'})")
         _internal_error(e)
     sys.exit(rv if isinstance(rv, int) else 0)

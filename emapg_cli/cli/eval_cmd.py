@@ -240,8 +240,20 @@ def _settings_line(s, what: str, origin: dict, threads_note: str) -> str:
             f"reward {s.reward}{user_env}{search}{prefix}{threads_note}")
 
 
-def _run(settings, label: str) -> None:
-    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots."""
+def _cost(s, items: int, capped: bool) -> str:
+    """What an evaluation may generate at most: `; at most 4 x 28,000 = 112,000 generated tokens per item, 22,400,000
+    for the 200 items`, and what caps it when the 28,000 tokens are eval's default."""
+    per = s.n * s.max_tokens
+    line = f"; at most {s.n} x {s.max_tokens:,} = {per:,} generated tokens per item, {items * per:,} for the {items} item{'s' * (items != 1)}"
+    if not capped:
+        line += " (--max-tokens caps it" + ("; --preset smol evaluates reasoning-gym tasks with its chat turns and 16 "
+                                            "tokens)" if s.reward == "reasoning-gym" else ")")
+    return line
+
+
+def _run(settings, label: str, intro: Optional[list] = None) -> None:
+    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots. `intro`:
+    (the settings line, whether --max-tokens was typed), printed with `_cost` first, once the items are counted."""
     import json
 
     from rich.markup import escape
@@ -263,6 +275,9 @@ def _run(settings, label: str) -> None:
     task = bar.add_task("eval", total=None, acc="-")
 
     def progress(done: int, total: int, acc: float) -> None:
+        if intro:  # the first call: the bench is read and the model found, nothing generated yet
+            console.print(intro[0] + _cost(settings, total, intro[1]), markup=False, highlight=False, soft_wrap=True)
+            intro.clear()
         bar.update(task, completed=done, total=total, acc=f"{100 * acc:.1f}%")
 
     out = settings.out
@@ -312,7 +327,7 @@ def eval_(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", min=1, help="Maximum response length in tokens; with --retriever, per turn. Default 28000, or 500 with --retriever.")] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Base sampling seed.")] = 429,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Evaluate only the first N problems.")] = None,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<run name> for a run's final/policy, runs/eval/<bench>-<folder name> otherwise); rerunning with the same folder resumes.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output folder (default: runs/eval/<bench>-<model name>, the model named by its run for a final/policy, by its folder for a prepared model/; the model's name alone when it starts with the bench's); rerunning with the same folder resumes.")] = None,
     instruction: Annotated[Optional[str], typer.Option("--instruction", help="Text appended to each problem (default: none, the problem alone is the user message).")] = None,
     chunk: Annotated[Optional[int], typer.Option("--chunk", min=1, help="Problems per generate call; results are saved after each (default: 512 for vllm, 64/n for hf).")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", min=1, help="vLLM: prompt + response token limit (default: the model's).")] = None,
@@ -400,4 +415,9 @@ def eval_(
     if cfg is not None:  # what the config gave: one line, before the work
         what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
         console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
-    _run(settings, o["bench"])
+    intro = None
+    if cfg is None and model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: the first
+        given = _given(ctx)  # line says so once the bench is read and the model found (`_run`)
+        origin = {k: "typed" if k in given else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
+        intro = [_settings_line(settings, "the command line", origin, threads_note), "max_tokens" in given]
+    _run(settings, o["bench"], intro)

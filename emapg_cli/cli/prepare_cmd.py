@@ -12,7 +12,13 @@ from rich.table import Table
 
 from emapg_cli.cli.common import console, err_console
 from emapg_cli.errors import UserError
-from emapg_cli.outputs import claim_folder
+from emapg_cli.outputs import claim_folder, config_sha256
+
+
+def _claim(folder: Path, what: str):
+    """Hold `folder` as the output of `emapg prepare WHAT` (a dataset name, `--preset NAME`): a folder another
+    `prepare` made for something else is refused before a byte is written (outputs.py, the marker's hash)."""
+    return claim_folder(folder, "prepare", config_sha256(what), same_config=True)
 
 
 def _progress_bar(label: str):
@@ -36,7 +42,7 @@ def _prepare_toy(seed: int) -> None:
     from emapg_cli.toy.prepare import prepare_toy
 
     home = emapg_home()
-    with claim_folder(home / "toy", "prepare"):
+    with _claim(home / "toy", "--preset toy"):
         manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
     table = Table(title="prepared the toy task", show_header=False)
     table.add_row("folder", escape(str(home / "toy")))
@@ -53,7 +59,8 @@ def _prepare_toy_search(seed: int) -> None:
     from emapg_cli.toy.search_prepare import PRESET, prepare_toy_search
 
     home = emapg_home()
-    m = prepare_toy_search(home, seed, progress=True)
+    with _claim(home / PRESET, f"--preset {PRESET}"):
+        m = prepare_toy_search(home, seed, progress=True)
     _print_prepared("prepared the toy search task", home / PRESET, PRESET, m, [
         ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
         ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
@@ -65,7 +72,7 @@ def _prepare_toy_tools(seed: int) -> None:
     from emapg_cli.toy.tools_prepare import PRESET, prepare_toy_tools
 
     home = emapg_home()
-    with claim_folder(home / PRESET, "prepare"):
+    with _claim(home / PRESET, f"--preset {PRESET}"):
         m = prepare_toy_tools(home, seed, progress=True)
     _print_prepared("prepared the toy tools task", home / PRESET, PRESET, m, [
         ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
@@ -79,7 +86,7 @@ def _prepare_toy_distill(seed: int) -> None:
     from emapg_cli.toy.distill_prepare import PRESET, prepare_toy_distill
 
     home = emapg_home()
-    with claim_folder(home / PRESET, "prepare"):
+    with _claim(home / PRESET, f"--preset {PRESET}"):
         m = prepare_toy_distill(home, seed, say=lambda line: console.print(line, markup=False, highlight=False))
     _print_prepared("prepared the toy distillation task", home / PRESET, PRESET, m, [
         ("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({PRESET}/student, {PRESET}/teacher)"),
@@ -89,7 +96,7 @@ def _prepare_toy_distill(seed: int) -> None:
 
 def _prepare_smol(seed: int) -> None:
     from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.smol_prepare import PRESET, prepare_smol
+    from emapg_cli.toy.smol_prepare import PRESET, check_model_folder_is_ours, prepare_smol
 
     from emapg_cli.hf_quiet import quiet_transformers
 
@@ -97,7 +104,8 @@ def _prepare_smol(seed: int) -> None:
         raise UserError("--preset smol takes no --seed: its tasks' seeds are fixed (train 0, test 1; docs/smol.md)")
     quiet_transformers()
     home = emapg_home()
-    with claim_folder(home / PRESET, "prepare"):
+    check_model_folder_is_ours(home / PRESET)  # before the claim writes its marker into a folder it would refuse
+    with _claim(home / PRESET, f"--preset {PRESET}"):
         m = prepare_smol(home, say=lambda line: console.print(line, markup=False, highlight=False))
     card = m["model_source"]
     _print_prepared("prepared the smol task", home / PRESET, PRESET, m, [
@@ -120,7 +128,7 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
     out_dir = out or emapg_home() / "data" / "hotpotqa-corpus"
     docs, dups = hotpotqa_corpus(from_file)
     path = out_dir / "corpus.jsonl"
-    with claim_folder(out_dir, "prepare"):
+    with _claim(out_dir, "hotpotqa-corpus"):
         write_jsonl(path, docs)
         manifest = {"name": "hotpotqa-corpus", "source": str(from_file), "source_sha256": sha256_file(from_file),
                     "rows": len(docs), "duplicates_dropped": dups, "sha256": sha256_file(path)}
@@ -135,7 +143,7 @@ def _prepare_reasoning_gym(name: str, size: Optional[int], seed: int, task_confi
 
     parse_reference(name)  # an unknown task: one line before any folder is made
     out_dir = dataset_dir(name, out)
-    with claim_folder(out_dir, "prepare"):
+    with _claim(out_dir, name):
         manifest = prepare_reasoning_gym(name, size or DEFAULT_SIZE, seed, task_config, out_dir)
     _show_manifest(out_dir, manifest)
     console.print(f"train on it with rollout.reward=reasoning-gym (data.train: {escape(str(out_dir))})", highlight=False)
@@ -250,7 +258,7 @@ def prepare(
     from emapg_cli.datasets.prepare import dataset_dir, prepare_dataset
 
     bar, start = _progress_bar(escape(f"converting {names[0]}"))
-    with claim_folder(dataset_dir(names[0], out), "prepare"), bar:
+    with _claim(dataset_dir(names[0], out), names[0]), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)
 

@@ -103,6 +103,16 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def _eval_set_warning(cfg, items: list[str]) -> list[str]:
+    """One line when --set moves data.train and leaves data.eval to the preset or config file: the evaluation (and the
+    gain the run reports) stays on their set, not on the new training task."""
+    keys = {item.split("=", 1)[0].strip() for item in items}
+    if "data.train" not in keys or "data.eval" in keys or not cfg.data.eval:
+        return []
+    return [f"--set data.train={cfg.data.train} leaves data.eval at {cfg.data.eval}: the run evaluates (and reports its "
+            "gain) on that set, not on the new training task; add --set data.eval=... to evaluate on it"]
+
+
 def train(
     preset: PresetOpt = None,
     config: ConfigOpt = None,
@@ -144,7 +154,7 @@ def train(
 
     config_checks(cfg)  # optional packages and the reward name: before a plan or any work
     if _is_main_process():  # e.g. a sampled-tail KL estimator under nucleus sampling: its measured bias
-        for note in config_warnings(cfg):
+        for note in config_warnings(cfg) + _eval_set_warning(cfg, set_ or []):
             console.print(f"[yellow]warning:[/] {escape(note)}", highlight=False, soft_wrap=True)
     # the run's plugins run if this command line named them, or with --trust-code; a dry-run says what the run will need
     refs = code_refs(cfg)
@@ -173,7 +183,7 @@ def train(
         return
 
     from emapg_cli.hf_quiet import quiet_transformers
-    from emapg_cli.train.progress import config_line, summary_rows
+    from emapg_cli.train.progress import config_line, eval_sets, summary_rows
     from emapg_cli.train.threads import set_torch_threads
     from emapg_cli.train.trainer import Trainer
 
@@ -207,6 +217,6 @@ def train(
 
         _, plots_dir, pngs = plot_folders([run_dir], run_dir / PLOTS_DIR)
         table = Table(title="[bold green]done[/]", show_header=False, title_justify="left")
-        for label, value in summary_rows(summary, run_dir, (plots_dir, len(pngs)), cfg.train.objective):
+        for label, value in summary_rows(summary, run_dir, (plots_dir, len(pngs)), cfg.train.objective, eval_sets(cfg)):
             table.add_row(label, escape(value))
         console.print(table)

@@ -9,6 +9,21 @@ from emapg_cli.paths import save_figure_atomic
 from emapg_cli.stats import t_quantile
 
 
+def variance_panel(ax, rows) -> None:
+    """Panel (c): the gradient variance of topk / topk_paper / topk_mass against k, one line per direction. Estimators
+    whose points agree to 6 significant digits are one line with one legend entry (`topk = topk_paper (reverse)`), not
+    lines drawn on top of each other under several entries."""
+    lines: dict[tuple, list[str]] = {}  # (direction, points) -> the estimators that have them
+    for direction in ("reverse", "forward"):
+        for name in ("topk", "topk_paper", "topk_mass"):
+            pts = sorted((r.spec.k, r.grad_variance) for r in rows if r.spec.name == name and r.spec.direction == direction)
+            if pts:
+                lines.setdefault((direction, tuple((k, float(f"{v:.6g}")) for k, v in pts)), []).append(name)
+    for (direction, pts), names in lines.items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o" if direction == "reverse" else "--s",
+                label=f"{' = '.join(names)} ({direction})")
+
+
 def plot_check(result: CheckResult, path: str | Path) -> Path:
     """Three panels: (a) relative value bias (v - KL)/KL with confidence-level error bars and the
     closed-form expectation, (b) relative gradient bias measured vs closed form, (c) gradient
@@ -46,11 +61,7 @@ def plot_check(result: CheckResult, path: str | Path) -> Path:
         a.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
 
     ax = axes[2]
-    for name in ("topk", "topk_paper", "topk_mass"):
-        for direction, style in (("reverse", "-o"), ("forward", "--s")):
-            pts = sorted((r.spec.k, r.grad_variance) for r in rows if r.spec.name == name and r.spec.direction == direction)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{name} ({direction})")
+    variance_panel(ax, rows)
     ax.set_xscale("log")
     ks = sorted({r.spec.k for r in rows if r.spec.k is not None})
     if ks:

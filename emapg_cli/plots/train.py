@@ -17,7 +17,7 @@ from emapg_cli.plots.common import colors, pyplot, save
 
 #: (metric key, panel title, file name, smoothed) in page order.
 PANELS = (
-    ("eval/accuracy", "greedy eval accuracy, eval/accuracy", "eval_accuracy.png", False),
+    ("eval/accuracy", "greedy eval accuracy (%), eval/accuracy", "eval_accuracy.png", False),
     # what each toy is about (drawn when a run logged it): the search agent's searches, a tool environment's calls
     # (a distillation run's KL to the teacher is kl/value: its anchor is the teacher)
     ("search/calls_per_episode", "searches per episode, search/calls_per_episode", "searches.png", True),
@@ -32,6 +32,8 @@ PANELS = (
 OVERVIEW_PNG = "training.png"
 #: A distillation run's teacher accuracy (logged at step 0): a reference line on the eval accuracy panel.
 TEACHER = "eval/teacher_accuracy"
+#: Metrics logged as fractions and drawn in %, as every accuracy emapg prints.
+PERCENT = frozenset({"eval/accuracy"})
 
 
 def series(rows: list[dict], key: str) -> list[tuple[int, float]]:
@@ -73,11 +75,12 @@ def _draw(ax, runs: list[tuple[str, list[dict]]], key: str, title: str, smoothed
         if not pts:
             continue
         teacher = series(rows, TEACHER) if key == "eval/accuracy" else []
+        scale = 100.0 if key in PERCENT else 1.0
         if teacher:
-            ax.axhline(teacher[0][1], color=palette(i % palette.N), ls="--", lw=1.2,
+            ax.axhline(scale * teacher[0][1], color=palette(i % palette.N), ls="--", lw=1.2,
                        label=f"teacher {100 * teacher[0][1]:.1f}%" + (f" ({label})" if len(runs) > 1 else ""))
         drawn = True
-        steps, values = [s for s, _ in pts], [v for _, v in pts]
+        steps, values = [s for s, _ in pts], [scale * v for _, v in pts]
         color = palette(i % palette.N)
         if smoothed and len(pts) > 10:
             ax.plot(steps, values, color=color, alpha=0.25, lw=0.8)

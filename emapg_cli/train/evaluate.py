@@ -71,7 +71,9 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
                 counts[row, 1] += 1.0
         for j, i in enumerate(mine):
             scores = [float(x) for x in rewards[j * params.n:(j + 1) * params.n]]
-            items.append((i, {"id": str(examples[i].id), "correct": [solved(x) for x in scores], "scores": scores}))
+            texts = [c.text[:MAX_ITEM_CHARS] for c in completions[j * params.n:(j + 1) * params.n]]
+            items.append((i, {"id": str(examples[i].id), "correct": [solved(x) for x in scores], "scores": scores,
+                              "responses": texts}))
     counts = counts.to(accelerator.device)
     if world > 1:
         counts = accelerator.reduce(counts, reduction="sum")
@@ -86,10 +88,13 @@ def evaluate(engine, prompts: list[list[int]], examples: list, reward_fn, params
 
 #: A run's per-item outcomes of each policy evaluation: evals/step_<N>.jsonl (what `emapg eval --compare` reads).
 EVALS_DIR = "evals"
+#: The longest response text kept in a row of evals/step_<N>.jsonl (what was answered: distinct answers, reading).
+MAX_ITEM_CHARS = 2000
 
 
 def write_items(run_dir, step: int, items: list[dict]) -> None:
-    """evals/step_<step>.jsonl: one row per evaluation item {id, correct, scores}, written under a temporary name."""
+    """evals/step_<step>.jsonl: one row per evaluation item {id, correct, scores, responses (each cut to MAX_ITEM_CHARS)},
+    written under a temporary name."""
     from pathlib import Path
 
     from emapg_cli.data.schema import json_line

@@ -135,17 +135,28 @@ def config_line(cfg) -> str:
         anchor += f", objective {cfg.train.objective}"
     return (f"{cfg.name}: {expand(cfg.model.path)} ({cfg.model.dtype}), {cfg.train.steps} steps x {r.prompts_per_step} prompts"
             f" x {r.n} samples, lr {cfg.optim.lr:g}, KL {kl if k.coef > 0 else 'off'}, {anchor}, reward {r.reward}, engine {r.engine}"
-            + (f" at {r.engine_url}" if r.engine_url else ""))
+            + (f" at {r.engine_url}" if r.engine_url else "") + f", {eval_sets(cfg)}")
+
+
+def eval_sets(cfg) -> str:
+    """Which set the run evaluates on (data.eval, its paths expanded): `evaluated on /home/u/.cache/emapg/smol/test.jsonl`."""
+    from emapg_cli.paths import expand
+    from emapg_cli.train.checks import eval_refs
+
+    refs = [str(expand(ref)) for ref in eval_refs(cfg.data.eval)]
+    return f"evaluated on {', '.join(refs)}" if refs else "no evaluation set (data.eval is null)"
 
 
 def summary_rows(summary: dict[str, Any], run_dir, plots: Optional[tuple[Any, int]] = None,
-                 objective: str = "rl") -> list[tuple[str, str]]:
+                 objective: str = "rl", evaluated: str = "") -> list[tuple[str, str]]:
     """The closing table of a run: (label, rounded value) rows (a distillation run: the teacher's accuracy and the gap
-    left to it; no train reward when `objective` is `distill`, which has no verifier)."""
+    left to it; no train reward when `objective` is `distill`, which has no verifier); `evaluated`: which set the
+    accuracy is measured on (`eval_sets`)."""
     rows = [("run", str(run_dir))]
     init, final = summary.get("eval_accuracy_initial"), summary.get("eval_accuracy_final")
     if init is not None and final is not None:
-        rows.append(("eval accuracy", f"{100 * init:.1f}% -> {100 * final:.1f}% ({100 * (final - init):+.1f} points)"))
+        rows.append(("eval accuracy", f"{100 * init:.1f}% -> {100 * final:.1f}% ({100 * (final - init):+.1f} points)"
+                     + (f", {evaluated}" if evaluated else "")))
     teacher = summary.get("teacher_accuracy")
     if teacher is not None:
         gap = f" (gap left {100 * (teacher - final):.1f} points)" if final is not None else ""

