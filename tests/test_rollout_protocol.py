@@ -230,7 +230,7 @@ def test_a_hostile_servers_ids_are_refused_against_the_vocabulary():
     (SamplingParams(n=200_000, max_new_tokens=16), 413, "200000 sequences: at most 65536"),
 ])
 def test_generation_requests_are_checked_against_the_limits(params, code, message):
-    from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+    from emapg_cli.serve.request_limits import Refused, RequestLimits, check_generation
 
     with pytest.raises(Refused, match=message) as e:
         check_generation([[1, 2, 3]], params, RequestLimits())
@@ -238,7 +238,7 @@ def test_generation_requests_are_checked_against_the_limits(params, code, messag
 
 
 def test_request_tokens_count_prompts_and_new_tokens_per_sample():
-    from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+    from emapg_cli.serve.request_limits import Refused, RequestLimits, check_generation
 
     limits = RequestLimits(max_request_tokens=100)
     # n 2 x ((3 + 2) prompt tokens + 2 prompts x 20 new tokens) = 2 x 45 = 90 <= 100: accepted
@@ -271,14 +271,14 @@ def test_push_header_round_trip_and_bounds():
     ("127.0.0.1", "short", "at least 16 characters"), ("0.0.0.0", "x" * 15, "at least 16 characters"),
 ])
 def test_a_server_off_loopback_needs_a_secret(host, secret, message):
-    from emapg_cli.engines.rollout_server import check_exposure
+    from emapg_cli.serve.rollout_server import check_exposure
 
     with pytest.raises(ValueError, match=message):
         check_exposure(host, secret)
 
 
 def test_loopback_needs_no_secret():
-    from emapg_cli.engines.rollout_server import check_exposure
+    from emapg_cli.serve.rollout_server import check_exposure
 
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         check_exposure(host, None)
@@ -298,7 +298,7 @@ def test_engine_timeout_is_bounded_naming_the_key():
 def test_staging_finds_nan_and_inf_but_not_a_sum_that_overflowed():
     """A pushed version is refused when a tensor holds NaN or Inf; one whose values are finite but sum past float32's
     range (10 x 3e38 = 3e39 > 3.4e38) is not: the fast check (the sum) falls back to the elementwise one."""
-    from emapg_cli.engines.rollout_weights import Staging
+    from emapg_cli.serve.rollout_weights import Staging
 
     staging = Staging({}, lambda *a: None)
     staging.tensors = {"a": torch.full((10,), 3e38), "b": torch.zeros(4, dtype=torch.bfloat16)}
