@@ -125,7 +125,7 @@ def test_engine_url_config_and_refusals():
         ({"rollout": {"engine_url": "http://h:1", "gpu_memory_utilization": 0.3}}, "rollout.gpu_memory_utilization sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1", "hf_batch_size": 8}}, "rollout.hf_batch_size sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1", "hf_fast_decode": False}}, "rollout.hf_fast_decode sets up an engine"),
-        ({"rollout": {"engine_url": "http://h:1", "hf_attention": "cascade"}}, "rollout.hf_attention sets up an engine"),
+        ({"rollout": {"engine_url": "http://h:1", "hf_attention": "cascade"}}, "rollout.hf_attention is gone"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
         ({"rollout": {"engine_weights_backend": "http"}}, "rollout.engine_weights_backend applies to a rollout server"),
@@ -133,6 +133,7 @@ def test_engine_url_config_and_refusals():
     for data, message in refusals:
         with pytest.raises(ValidationError, match=message):
             Config.model_validate(data)
+    assert "hf_attention" not in Config.model_validate({"rollout": {"hf_attention": "sdpa"}}).rollout.model_dump()  # old runs' config.yaml
 
 
 def test_engine_url_refuses_several_processes():
@@ -146,7 +147,7 @@ def test_engine_url_refuses_several_processes():
 
 @pytest.mark.parametrize("argv, message", [
     (["rollout", "serve", "--model", "/nonexistent/m"], "--model /nonexistent/m: no model folder there"),
-    (["serve-rollouts", "--model", "/nonexistent/m", "--engine", "sglang"], "--engine must be hf or vllm, got 'sglang'"),
+    (["rollout", "serve", "--model", "/nonexistent/m", "--engine", "sglang"], "--engine must be hf or vllm, got 'sglang'"),
     (["rollout", "serve", "--model", "/nonexistent/m", "--dtype", "int8"], "--dtype must be one of float32, bfloat16, float16"),
 ])
 def test_rollout_serve_refuses_bad_options_in_one_line(argv, message, monkeypatch, capsys):

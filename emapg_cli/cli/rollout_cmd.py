@@ -1,4 +1,4 @@
-"""`emapg rollout serve` (alias `emapg serve-rollouts`): a rollout server, an engine in its own process that trainers
+"""`emapg rollout serve`: a rollout server, an engine in its own process that trainers
 reach at `rollout.engine_url` (docs/rollout_server.md)."""
 
 from __future__ import annotations
