@@ -322,7 +322,7 @@ class PairedComparison:
         """One line: the difference, its interval, the test, and what it means at level `alpha`."""
         how = (f"McNemar exact, {self.a_better} vs {self.b_better} discordant" if self.binary else
                f"paired permutation, {self.method}" + (f" {self.flips} flips, seed {self.seed}" if self.flips else ""))
-        head = (f"{a} − {b} = {self.diff:+.4f} [{self.lo:+.4f}, {self.hi:+.4f}] over {self.n} pairs ({how}, p = {_p(self.p)}): ")
+        head = (f"{a} − {b} = {self.diff:+.4f} [{self.lo:+.4f}, {self.hi:+.4f}] over {self.n} pairs ({how}, p = {p_text(self.p)}): ")
         if self.n == 0:
             return f"{a} and {b} share no pairs: nothing to compare"
         if self.p < alpha:
@@ -331,8 +331,28 @@ class PairedComparison:
         return head + f"no difference at the {alpha:g} level{need}"
 
 
-def _p(p: float) -> str:
-    return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
+# The numbers of the reports (eval --compare, the ablate studies' markdown): one formatting for all; "–" for none.
+
+def finite(x: Optional[float]) -> Optional[float]:
+    """x, or None for None and non-finite values (JSON has no NaN)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def fixed(x: Optional[float], digits: int = 3, signed: bool = False) -> str:
+    """x with `digits` decimals (a sign always, when `signed`); '–' for None and non-finite values."""
+    if finite(x) is None:
+        return "–"
+    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
+
+
+def sig3(x: Optional[float]) -> str:
+    """3 significant digits; '–' for None."""
+    return "–" if x is None else f"{x:.3g}"
+
+
+def p_text(p: Optional[float]) -> str:
+    """A p-value: 3 decimals, 2 significant digits below 0.001; '–' for None."""
+    return "–" if p is None else (f"{p:.2g}" if p < 0.001 else f"{p:.3f}")
 
 
 def paired_compare(a: Mapping[Any, float], b: Mapping[Any, float], confidence: float = 0.95,

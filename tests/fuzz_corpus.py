@@ -481,7 +481,7 @@ def train_cases() -> list[Case]:
     cases += [case("retriever", f"serve-{opt[2:]}-{value}", "retriever", "serve", "idx", opt, value)
               for opt, value in (("--workers", "0"), ("--workers", "many"), ("--max-batch", "0"), ("--max-pending", "-1"),
                                  ("--cache-mb", "-1"), ("--timeout", "1e300"))]
-    # issue 23, `emapg rollout serve` (and its alias `serve-rollouts`): a missing model folder or a bad option is one
+    # issue 23, `emapg rollout serve`: a missing model folder or a bad option is one
     # line before any engine loads (no case names a real model, so none starts a server)
     cases += [case("rollout", f"serve-{name}", "rollout", "serve", *argv)
               for name, argv in (("no-model-option", ()), ("model-missing", ("--model", "nomodel")),
@@ -510,7 +510,6 @@ def train_cases() -> list[Case]:
                                  ("max-sequences-zero", ("--model", "nomodel", "--max-sequences", "0")),
                                  ("max-new-tokens-negative", ("--model", "nomodel", "--max-new-tokens", "-1")),
                                  ("max-request-tokens-text", ("--model", "nomodel", "--max-request-tokens", "many")))]
-    cases += [case("rollout", "serve-rollouts-alias-model-missing", "serve-rollouts", "--model", "nomodel")]
     # trust (issue 20): standard-library / builtin callables refused as rewards and environments; a config file's
     # plugin needs --trust-code; a plugin that exits at import is one line
     for ref in ("builtins:exec", "builtins:eval", "pty:spawn", "os:system", "subprocess:run", "os.path:join"):

@@ -38,7 +38,6 @@ REGISTRIES = (
     "emapg_cli.config.loading:_warned_remote_code",  # the trust_remote_code warning, once per source and process
     "emapg_cli.outputs:_claimed",  # output folders this process holds
     "emapg_cli.outputs:_last",
-    "emapg_cli.engines.cascade:_users",  # decode loops inside cascade.active() per model config (empty between calls)
 )
 #: Memoised functions whose answers depend on files a test writes, cleared after every test.
 CACHES = (

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from emapg_cli.engines.base import Completion, EngineBase, SamplingParams
-from emapg_cli.engines.openai_wire import OpenAIError, parse_chat, parse_completion, parse_tool_calls
+from emapg_cli.serve.openai_wire import OpenAIError, parse_chat, parse_completion, parse_tool_calls
 from emapg_cli.errors import UserError
 
 openai = pytest.importorskip("openai")  # the dev extra installs it
@@ -73,7 +73,7 @@ def test_tool_calls_parsed_from_hermes_blocks():
 @pytest.fixture(scope="module")
 def rollouts(tiny_qwen2):
     """The `RolloutService` of the tiny model (one per module: the servers of these tests share it)."""
-    from emapg_cli.engines.rollout_service import RolloutService, load_served
+    from emapg_cli.serve.rollout_service import RolloutService, load_served
 
     return RolloutService(load_served("hf", str(tiny_qwen2)))
 
@@ -82,8 +82,8 @@ def rollouts(tiny_qwen2):
 def serving(rollouts, tiny_qwen2, limits=None, secret=None, **api):
     """`emapg rollout serve --openai` in a thread of this process: its OpenAI base url. `limits`: the server's
     (`ServerLimits`), `api`: rollout_openai's keywords (request_limits, timeout_s)."""
-    from emapg_cli.engines.openai_service import rollout_openai
-    from emapg_cli.engines.rollout_server import ServerLimits, make_server
+    from emapg_cli.serve.openai_service import rollout_openai
+    from emapg_cli.serve.rollout_server import ServerLimits, make_server
 
     server = make_server(rollouts, "127.0.0.1", 0, limits or ServerLimits(), secret,
                          openai=rollout_openai(rollouts, str(tiny_qwen2), **api))
@@ -173,8 +173,8 @@ def test_openai_requests_keep_the_servers_request_limits(rollouts, tiny_qwen2):
     bound /generate: max_tokens 9 and 5 completions of one prompt are 413s, a stop string of 300 characters a 400
     (request_limits' 256), a 5,000-character message a 413 before its body is read; each in OpenAI's error body. A
     request that names no max_tokens gets at most the 8 the server allows."""
-    from emapg_cli.engines.request_limits import RequestLimits
-    from emapg_cli.engines.rollout_server import ServerLimits
+    from emapg_cli.serve.request_limits import RequestLimits
+    from emapg_cli.serve.rollout_server import ServerLimits
 
     with serving(rollouts, tiny_qwen2, ServerLimits(max_body_bytes=4096),
                  request_limits=RequestLimits(max_new_tokens=8, max_sequences=4)) as url:

@@ -66,7 +66,7 @@ def test_a_reply_over_its_cap_is_refused():
 def test_a_refusal_reaches_a_client_still_sending_its_body():
     """The shared server refuses a 64 MiB body over its 1 KiB cap before reading it; the client, which sends the body
     as buffers, stops sending and gets the 413 with its JSON error (not a connection reset)."""
-    from emapg_cli.http_server import BoundedHandler, BoundedServer
+    from emapg_cli.serve.http_server import BoundedHandler, BoundedServer
 
     class Handler(BoundedHandler):
         def do_POST(self) -> None:  # noqa: N802
@@ -95,9 +95,9 @@ def test_nccl_joins_are_bounded_in_count_and_time(monkeypatch):
     once), each for at most JOIN_TIMEOUT_S (here 1 s) for a trainer that never joins. They used to be unbounded: the
     server dialled the host:port a client named, and 100 connects naming a black hole held 100 threads for 10
     minutes each. The group is built with gloo here (no GPU), as GROUP_BACKEND lets the test choose."""
-    from emapg_cli.engines import rollout_service
-    from emapg_cli.engines.request_limits import Refused
-    from emapg_cli.engines.rollout_service import RolloutService, ServedModel
+    from emapg_cli.serve import rollout_service
+    from emapg_cli.serve.request_limits import Refused
+    from emapg_cli.serve.rollout_service import RolloutService, ServedModel
 
     monkeypatch.setattr(rollout_service, "JOIN_TIMEOUT_S", 1.0)
     monkeypatch.setattr(rollout_service, "GROUP_BACKEND", "gloo")
@@ -132,8 +132,8 @@ def test_a_server_with_a_secret_answers_only_requests_that_carry_it(monkeypatch)
     from types import SimpleNamespace
 
     from emapg_cli.engines.remote import RemoteEngine
-    from emapg_cli.engines.rollout_server import make_server
-    from emapg_cli.engines.rollout_service import RolloutService, ServedModel
+    from emapg_cli.serve.rollout_server import make_server
+    from emapg_cli.serve.rollout_service import RolloutService, ServedModel
     from emapg_cli.errors import UserError
 
     engine = SimpleNamespace(records_topk=False)
@@ -157,7 +157,7 @@ def test_a_server_with_a_secret_answers_only_requests_that_carry_it(monkeypatch)
 
 
 def test_the_agent_endpoint_is_a_bounded_server_answering_in_openais_error_body():
-    """The trainer's agent endpoint (engines/openai_http.OpenAIServer) keeps the shared server's bounds: a client that
+    """The trainer's agent endpoint (serve/openai_http.OpenAIServer) keeps the shared server's bounds: a client that
     drips its request a byte at a time is dropped at `timeout_s` (0.5 s here; a per-recv timeout alone held it for as
 long as it dripped),
     a connection past `max_connections` (1) gets a 503 at once, a body over `max_body_bytes` a 413 unread, and each
@@ -165,7 +165,7 @@ long as it dripped),
     import json
     from types import SimpleNamespace
 
-    from emapg_cli.engines.openai_http import start_server
+    from emapg_cli.serve.openai_http import start_server
 
     never = lambda *a: pytest.fail("a refused request reached the service")  # noqa: E731
     service = SimpleNamespace(models=never, chat=never, completions=never)

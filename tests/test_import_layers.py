@@ -25,15 +25,16 @@ PACKAGE = Path(emapg_cli.__file__).resolve().parent
 FLOORS: dict[str, int] = {
     # 0: helpers every floor may use
     "emapg_cli": 0, "errors": 0, "paths": 0, "fileio": 0, "estimator_names": 0, "stats": 0, "outputs": 0,
-    "hf_quiet": 0, "progress": 0, "http_reply": 0, "http_server": 0, "http_client": 0, "bounds": 0,
+    "hf_quiet": 0, "progress": 0, "http_client": 0, "bounds": 0,
     # 1: pure maths (tensors in, tensors out) and answer grading
     "kl": 1, "grpo": 1, "grading": 1,
     # 2: the canonical example schema
     "data": 2,
     # 3: models (loading, dtypes, prompt rendering, tiny test models) and datasets (cards, layouts, loading)
     "models": 3, "datasets": 3,
-    # 4: the extension points: environments/agents, rewards, retrievers, engines (they do not import config)
-    "agents": 4, "rewards": 4, "retrieval": 4, "engines": 4,
+    # 4: the extension points: environments/agents, rewards, retrievers, engines (they do not import config), and the
+    # serving side over the engines (rollout server, OpenAI endpoint, the bounded HTTP server the retriever runs on too)
+    "agents": 4, "rewards": 4, "retrieval": 4, "engines": 4, "serve": 4,
     # 5: the run's config (pydantic models, presets); it checks plugin references through rewards.plugin
     "config": 5,
     # 6: the cores of the commands, which read the config and pass settings down

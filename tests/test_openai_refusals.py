@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from emapg_cli.engines.openai_wire import OpenAIError, parse_chat
+from emapg_cli.serve.openai_wire import OpenAIError, parse_chat
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -68,7 +68,7 @@ class _Models:
 
 
 def test_the_openai_endpoint_listens_on_ipv6_loopback():
-    from emapg_cli.engines.openai_http import start_server
+    from emapg_cli.serve.openai_http import start_server
 
     try:
         socket.socket(socket.AF_INET6).bind(("::1", 0))
@@ -88,7 +88,7 @@ def test_the_openai_endpoint_listens_on_ipv6_loopback():
 def test_the_busy_503_is_openais_error_body_on_the_v1_routes():
     """--max-connections 1, one connection held: the accept loop answers the next ones 503 before any handler reads
     them; on /v1/... with OpenAI's error body (what an OpenAI client parses), elsewhere with the server's own."""
-    from emapg_cli.engines.rollout_server import RolloutServer, ServerLimits
+    from emapg_cli.serve.rollout_server import RolloutServer, ServerLimits
 
     server = RolloutServer(("127.0.0.1", 0), None, ServerLimits(max_connections=1, timeout_s=10), openai=object())
     threading.Thread(target=server.serve_forever, daemon=True).start()

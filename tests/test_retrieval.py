@@ -373,7 +373,7 @@ def test_client_cuts_long_queries_and_splits_by_characters(monkeypatch):
 def test_server_busy_drain_is_bounded():
     """The accept loop's 503 drops at most LINGER_BYTES of what a client sends (it used to read until the client
     stopped: a client sending without end held the accept loop, so nobody else was even refused)."""
-    from emapg_cli import http_server
+    from emapg_cli.serve import http_server
     from emapg_cli.retrieval import server as srv
 
     class Flood:  # a client that always has 64 KiB more to send

@@ -125,7 +125,7 @@ def test_engine_url_config_and_refusals():
         ({"rollout": {"engine_url": "http://h:1", "gpu_memory_utilization": 0.3}}, "rollout.gpu_memory_utilization sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1", "hf_batch_size": 8}}, "rollout.hf_batch_size sets up an engine"),
         ({"rollout": {"engine_url": "http://h:1", "hf_fast_decode": False}}, "rollout.hf_fast_decode sets up an engine"),
-        ({"rollout": {"engine_url": "http://h:1", "hf_attention": "cascade"}}, "rollout.hf_attention sets up an engine"),
+        ({"rollout": {"engine_url": "http://h:1", "hf_attention": "cascade"}}, "rollout.hf_attention is gone"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
         ({"rollout": {"engine_weights_backend": "http"}}, "rollout.engine_weights_backend applies to a rollout server"),
@@ -133,6 +133,7 @@ def test_engine_url_config_and_refusals():
     for data, message in refusals:
         with pytest.raises(ValidationError, match=message):
             Config.model_validate(data)
+    assert "hf_attention" not in Config.model_validate({"rollout": {"hf_attention": "sdpa"}}).rollout.model_dump()  # old runs' config.yaml
 
 
 def test_engine_url_refuses_several_processes():
@@ -146,7 +147,7 @@ def test_engine_url_refuses_several_processes():
 
 @pytest.mark.parametrize("argv, message", [
     (["rollout", "serve", "--model", "/nonexistent/m"], "--model /nonexistent/m: no model folder there"),
-    (["serve-rollouts", "--model", "/nonexistent/m", "--engine", "sglang"], "--engine must be hf or vllm, got 'sglang'"),
+    (["rollout", "serve", "--model", "/nonexistent/m", "--engine", "sglang"], "--engine must be hf or vllm, got 'sglang'"),
     (["rollout", "serve", "--model", "/nonexistent/m", "--dtype", "int8"], "--dtype must be one of float32, bfloat16, float16"),
 ])
 def test_rollout_serve_refuses_bad_options_in_one_line(argv, message, monkeypatch, capsys):
@@ -230,7 +231,7 @@ def test_a_hostile_servers_ids_are_refused_against_the_vocabulary():
     (SamplingParams(n=200_000, max_new_tokens=16), 413, "200000 sequences: at most 65536"),
 ])
 def test_generation_requests_are_checked_against_the_limits(params, code, message):
-    from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+    from emapg_cli.serve.request_limits import Refused, RequestLimits, check_generation
 
     with pytest.raises(Refused, match=message) as e:
         check_generation([[1, 2, 3]], params, RequestLimits())
@@ -238,7 +239,7 @@ def test_generation_requests_are_checked_against_the_limits(params, code, messag
 
 
 def test_request_tokens_count_prompts_and_new_tokens_per_sample():
-    from emapg_cli.engines.request_limits import Refused, RequestLimits, check_generation
+    from emapg_cli.serve.request_limits import Refused, RequestLimits, check_generation
 
     limits = RequestLimits(max_request_tokens=100)
     # n 2 x ((3 + 2) prompt tokens + 2 prompts x 20 new tokens) = 2 x 45 = 90 <= 100: accepted
@@ -271,14 +272,14 @@ def test_push_header_round_trip_and_bounds():
     ("127.0.0.1", "short", "at least 16 characters"), ("0.0.0.0", "x" * 15, "at least 16 characters"),
 ])
 def test_a_server_off_loopback_needs_a_secret(host, secret, message):
-    from emapg_cli.engines.rollout_server import check_exposure
+    from emapg_cli.serve.rollout_server import check_exposure
 
     with pytest.raises(ValueError, match=message):
         check_exposure(host, secret)
 
 
 def test_loopback_needs_no_secret():
-    from emapg_cli.engines.rollout_server import check_exposure
+    from emapg_cli.serve.rollout_server import check_exposure
 
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         check_exposure(host, None)
@@ -298,7 +299,7 @@ def test_engine_timeout_is_bounded_naming_the_key():
 def test_staging_finds_nan_and_inf_but_not_a_sum_that_overflowed():
     """A pushed version is refused when a tensor holds NaN or Inf; one whose values are finite but sum past float32's
     range (10 x 3e38 = 3e39 > 3.4e38) is not: the fast check (the sum) falls back to the elementwise one."""
-    from emapg_cli.engines.rollout_weights import Staging
+    from emapg_cli.serve.rollout_weights import Staging
 
     staging = Staging({}, lambda *a: None)
     staging.tensors = {"a": torch.full((10,), 3e38), "b": torch.zeros(4, dtype=torch.bfloat16)}

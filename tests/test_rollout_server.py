@@ -25,8 +25,8 @@ PARAMS = SamplingParams(n=2, max_new_tokens=6, seed=7, topk=3)
 
 def _serve(model_path: Path):
     """A rollout server on `model_path` in a thread of this process (port 0); (url, server)."""
-    from emapg_cli.engines.rollout_server import make_server
-    from emapg_cli.engines.rollout_service import RolloutService, load_served
+    from emapg_cli.serve.rollout_server import make_server
+    from emapg_cli.serve.rollout_service import RolloutService, load_served
 
     server = make_server(RolloutService(load_served("hf", str(model_path))), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()

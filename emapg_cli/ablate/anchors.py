@@ -38,7 +38,7 @@ from emapg_cli.ablate.runner import run_dir
 from emapg_cli.ablate.stability import outcome
 from emapg_cli.ablate.study import Sweep
 from emapg_cli.errors import UserError
-from emapg_cli.stats import PairedComparison, holm, paired_compare
+from emapg_cli.stats import PairedComparison, fixed, holm, p_text, paired_compare
 
 ANCHORS_MD = "anchors.md"
 ANCHORS_JSON = "anchors.json"
@@ -239,28 +239,18 @@ def _compare_rules(report: Report, runs: list[AnchorRun], items: dict[tuple[str,
 # --- writing ---------------------------------------------------------------------------------------
 
 
-def _f(x: Optional[float], digits: int = 3, signed: bool = False) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
-
-
-def _p(p: Optional[float]) -> str:
-    return "–" if p is None else (f"{p:.1e}" if p < 0.001 else f"{p:.3f}")
-
-
 def _ci(iv: dict[str, Any]) -> str:
     if iv["mean"] is None:
         return "–"
-    return _f(iv["mean"]) + (f" [{_f(iv['lo'])}, {_f(iv['hi'])}]" if iv["lo"] is not None else "")
+    return fixed(iv["mean"]) + (f" [{fixed(iv['lo'])}, {fixed(iv['hi'])}]" if iv["lo"] is not None else "")
 
 
 def _cmp_text(c: Optional[dict[str, Any]], power_unit: str) -> str:
     if c is None or c["n"] == 0:
         return "–"
     power = f"{c['pairs_for_power']} {power_unit}" if c["pairs_for_power"] else "–"
-    return (f"{_f(c['diff'], signed=True)} [{_f(c['lo'], signed=True)}, {_f(c['hi'], signed=True)}] · {c['a_better']}:{c['b_better']} · "
-            f"p {_p(c['p'])} (Holm {_p(c.get('p_holm'))}) · {power}")
+    return (f"{fixed(c['diff'], signed=True)} [{fixed(c['lo'], signed=True)}, {fixed(c['hi'], signed=True)}] · {c['a_better']}:{c['b_better']} · "
+            f"p {p_text(c['p'])} (Holm {p_text(c.get('p_holm'))}) · {power}")
 
 
 def markdown(report: Report) -> str:
@@ -277,9 +267,9 @@ def markdown(report: Report) -> str:
              "| rule | cell | seeds | final accuracy [95% t CI] | best | collapsed | KL to initial | entropy | response length | KL to anchor |",
              "|---|---|---:|---|---|---|---|---|---|---|"]
     for r in report.rows:
-        lines.append(f"| {r['rule']} | {r['cell']} | {r['runs']} | {_ci(r['final'])} | {_f(r['best']['mean'])} | "
-                     f"{r['collapsed']}/{r['judged']} | {_f(r['kl_to_initial']['mean'], 4)} | {_f(r['entropy']['mean'])} | "
-                     f"{_f(r['response_len']['mean'], 2)} | {_f(r['kl_mean']['mean'], 4)} |")
+        lines.append(f"| {r['rule']} | {r['cell']} | {r['runs']} | {_ci(r['final'])} | {fixed(r['best']['mean'])} | "
+                     f"{r['collapsed']}/{r['judged']} | {fixed(r['kl_to_initial']['mean'], 4)} | {fixed(r['entropy']['mean'])} | "
+                     f"{fixed(r['response_len']['mean'], 2)} | {fixed(r['kl_mean']['mean'], 4)} |")
     for unit, title, what, power in (
             ("seeds", "(b) Rule − baseline, paired by seed (final accuracy)",
              "Each cell: mean difference [95% percentile bootstrap over seeds] · seeds where the rule was higher : lower · exact "
@@ -327,10 +317,10 @@ def _measured_markdown(report: Report) -> list[str]:
              "initial distinct greedy answers across items |", "|---|---|---:|---:|---:|---:|---:|"]
     for task in sorted(set(const) | set(start)):
         c, s_, p = const.get(task) or {}, start.get(task) or {}, sampled.get(task) or {}
-        lines.append(f"| {task} | {_f(100 * c['accuracy'], 1) if c else '–'} (`{c.get('answer', '')}`) | "
-                     f"{_f(100 * fmt[task]['accuracy'], 1) if task in fmt else '–'} | {_f(100 * s_['accuracy'], 1) if s_ else '–'} | "
-                     f"{_f(100 * p['pass'], 1) if p else '–'} | {_f(p.get('distinct'), 2) if p else '–'} | "
-                     f"{_f(s_.get('distinct_items'), 0) if s_ else '–'} |")
+        lines.append(f"| {task} | {fixed(100 * c['accuracy'], 1) if c else '–'} (`{c.get('answer', '')}`) | "
+                     f"{fixed(100 * fmt[task]['accuracy'], 1) if task in fmt else '–'} | {fixed(100 * s_['accuracy'], 1) if s_ else '–'} | "
+                     f"{fixed(100 * p['pass'], 1) if p else '–'} | {fixed(p.get('distinct'), 2) if p else '–'} | "
+                     f"{fixed(s_.get('distinct_items'), 0) if s_ else '–'} |")
     untrained, uconst = b["untrained"], b["best_constant"].get("untrained", {})
     if untrained:
         lines += ["", "Untrained tasks (forgetting is measured there): initial greedy accuracy "
@@ -350,15 +340,15 @@ def _measured_markdown(report: Report) -> list[str]:
             continue
         lines.append(f"| {r['rule']} | {r['cell']} | {m['gain']['n']} | {_pts(m['gain'], True)} | {_pts(m['pass_n'])} | "
                      f"{_ci(m['distinct'])} | {_ci(m['distinct_items'])} | {_pts(m['forgetting'], True)} | "
-                     f"{_ci(m['untrained_distinct_items'])} | {_f(m['kl_heldout']['mean'], 4)} |")
+                     f"{_ci(m['untrained_distinct_items'])} | {fixed(m['kl_heldout']['mean'], 4)} |")
     lines += ["", "## (f) Per trained task (mean over seeds)", "",
               "| rule | cell | task | final greedy % | pass@n % | distinct per item | distinct across items |",
               "|---|---|---|---:|---:|---:|---:|"]
     for r in report.rows:
         for task, t in sorted(((r.get("measured") or {}).get("tasks") or {}).items()):
-            lines.append(f"| {r['rule']} | {r['cell']} | {task} | {_f(t['final']['mean'] and 100 * t['final']['mean'], 1)} | "
-                         f"{_f(t['pass']['mean'] and 100 * t['pass']['mean'], 1)} | {_f(t['distinct']['mean'], 2)} | "
-                         f"{_f(t['distinct_items']['mean'], 1)} |")
+            lines.append(f"| {r['rule']} | {r['cell']} | {task} | {fixed(t['final']['mean'] and 100 * t['final']['mean'], 1)} | "
+                         f"{fixed(t['pass']['mean'] and 100 * t['pass']['mean'], 1)} | {fixed(t['distinct']['mean'], 2)} | "
+                         f"{fixed(t['distinct_items']['mean'], 1)} |")
     return lines
 
 

@@ -33,7 +33,7 @@ from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
 from emapg_cli.ablate.plots import mean_band
 from emapg_cli.ablate.stability import steps_to_target
 from emapg_cli.ablate.study import Sweep
-from emapg_cli.stats import mean_ci, paired_differences
+from emapg_cli.stats import finite, fixed, mean_ci, paired_differences, sig3
 
 DISTILL_MD = "distill.md"
 DISTILL_JSON = "distill.json"
@@ -126,15 +126,11 @@ def run_numbers(rec: RunRecord, variant: str, teacher_fraction: float, tail_frac
     return run
 
 
-def _num(x: Optional[float]) -> Optional[float]:
-    return x if x is not None and math.isfinite(x) else None
-
-
 def interval(values: list[Optional[float]]) -> dict[str, Any]:
     """n, mean, std, the 95% t interval (stats.mean_ci), min and max of the values that are not None."""
     xs = [v for v in values if v is not None]
     iv = mean_ci(xs, CONFIDENCE)
-    return {"n": iv.n, "mean": _num(iv.mean), "std": _num(iv.std), "lo": _num(iv.lo), "hi": _num(iv.hi),
+    return {"n": iv.n, "mean": finite(iv.mean), "std": finite(iv.std), "lo": finite(iv.lo), "hi": finite(iv.hi),
             "min": min(xs) if xs else None, "max": max(xs) if xs else None}
 
 
@@ -207,20 +203,9 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
 # --- writing ---------------------------------------------------------------------------------------
 
 
-def _f(x: Optional[float], digits: int = 3, signed: bool = False) -> str:
-    if x is None:
-        return "–"
-    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
-
-
-def sig3(x: Optional[float]) -> str:
-    """3 significant digits; '–' for None."""
-    return "–" if x is None else f"{x:.3g}"
-
-
 def mean_range(iv: dict[str, Any], digits: int = 3, fmt=None) -> str:
     """'mean (min–max)' over seeds; the mean alone for one value; '–' for none."""
-    f = fmt or (lambda x: _f(x, digits))
+    f = fmt or (lambda x: fixed(x, digits))
     if iv["n"] == 0:
         return "–"
     return f(iv["mean"]) if iv["n"] == 1 else f"{f(iv['mean'])} ({f(iv['min'])}–{f(iv['max'])})"
@@ -230,8 +215,8 @@ def with_ci(iv: dict[str, Any], digits: int = 3, signed: bool = False) -> str:
     """'mean [lo, hi]' (the 95% t interval, with ≥ 2 values)."""
     if iv["n"] == 0:
         return "–"
-    text = _f(iv["mean"], digits, signed)
-    return text + (f" [{_f(iv['lo'], digits, signed)}, {_f(iv['hi'], digits, signed)}]" if iv["n"] >= 2 else "")
+    text = fixed(iv["mean"], digits, signed)
+    return text + (f" [{fixed(iv['lo'], digits, signed)}, {fixed(iv['hi'], digits, signed)}]" if iv["n"] >= 2 else "")
 
 
 def markdown(report: Report) -> str:
@@ -260,7 +245,7 @@ def markdown(report: Report) -> str:
         lines.append(f"| {v} | {r['runs']}{extra} | {with_ci(r['final'])} | {mean_range(r['teacher'])} | {mean_range(r['gap_closed'], 2)} | "
                      f"{reached} | {mean_range(r['steps_to_target'], fmt=sig3)} | {mean_range(r['wall_to_target_s'], fmt=sig3)} | "
                      f"{mean_range(r['entropy'], fmt=sig3)} | {mean_range(r['tail_mass'], fmt=sig3)} | {mean_range(r['kl'], fmt=sig3)} | "
-                     f"{mean_range(r['grad_norm'], fmt=sig3)} | {_f(r['wall_time_s']['mean'], 0)} |")
+                     f"{mean_range(r['grad_norm'], fmt=sig3)} | {fixed(r['wall_time_s']['mean'], 0)} |")
     lines += ["", f"## (b) Paired differences: variant − {report.baseline}", "",
               f"Seed by seed (the same seeds in every variant): final accuracy on the seeds both finished; steps and wall "
               f"time to {pct} on the seeds where both reached it. Mean [{report.confidence:.0%} Student-t interval] (pairs); "

@@ -31,7 +31,8 @@ from typing import Any, Optional
 from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, write_report_files
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.study import StudyAnalysis, Sweep
-from emapg_cli.stats import bootstrap_within_best, mean_ci, median, paired_compare, paired_differences, seeds_for_power
+from emapg_cli.stats import (bootstrap_within_best, finite, fixed, mean_ci, median, paired_compare, paired_differences,
+                             seeds_for_power, sig3)
 
 STABILITY_MD = "stability.md"
 STABILITY_JSON = "stability.json"
@@ -138,11 +139,7 @@ def outcome(rec: RunRecord, method: str, column: str, analysis: StudyAnalysis) -
 
 def _iv(values: list[Optional[float]]) -> dict[str, Any]:
     iv = mean_ci([v for v in values if v is not None], CONFIDENCE)
-    return {"n": iv.n, "mean": _num(iv.mean), "std": _num(iv.std), "lo": _num(iv.lo), "hi": _num(iv.hi)}
-
-
-def _num(x: Optional[float]) -> Optional[float]:
-    return x if x is not None and math.isfinite(x) else None
+    return {"n": iv.n, "mean": finite(iv.mean), "std": finite(iv.std), "lo": finite(iv.lo), "hi": finite(iv.hi)}
 
 
 @dataclass
@@ -223,9 +220,9 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
             sd = iv.std if iv.n >= 2 else math.nan
             d_z = iv.mean / sd if math.isfinite(sd) and sd > 0 else math.nan
             report.differences.append({
-                "method": m, "column": label, "n": iv.n, "seeds": sorted(diffs), "mean": _num(iv.mean), "sd": _num(sd),
-                "lo": _num(iv.lo), "hi": _num(iv.hi), "excludes_zero": iv.n >= 2 and (iv.lo > 0 or iv.hi < 0),
-                "d_z": _num(d_z), "seeds_for_power": seeds_for_power(d_z) if math.isfinite(d_z) else None,
+                "method": m, "column": label, "n": iv.n, "seeds": sorted(diffs), "mean": finite(iv.mean), "sd": finite(sd),
+                "lo": finite(iv.lo), "hi": finite(iv.hi), "excludes_zero": iv.n >= 2 and (iv.lo > 0 or iv.hi < 0),
+                "d_z": finite(d_z), "seeds_for_power": seeds_for_power(d_z) if math.isfinite(d_z) else None,
                 # the exact paired permutation test over the seeds (stats.paired_compare, as emapg eval --compare)
                 "p": paired_compare(finals[m][label], finals[analysis.baseline][label]).p if diffs else None,
             })
@@ -236,7 +233,7 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
     sens = bootstrap_within_best(finals, analysis.within_points / 100, BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CONFIDENCE, floor)
     for m in methods:
         point, lo, hi = sens[m] if any(finals[m][label] for label in labels) else (None, None, None)  # no finished run: no verdict
-        report.sensitivity.append({"method": m, "fraction": _num(point), "lo": _num(lo), "hi": _num(hi),
+        report.sensitivity.append({"method": m, "fraction": finite(point), "lo": finite(lo), "hi": finite(hi),
                                    "columns": sum(1 for label in labels if any(finals[x][label] for x in methods))})
     for m in methods:
         first = next((c for c in (report.cell(m, label) for label in labels)
@@ -254,16 +251,6 @@ def column_header(report: Report, col: dict[str, Any]) -> str:
     """`x2 (0.0006)` for a relative value with one typed value, else the label."""
     vals = col["values"]
     return f"{col['label']} ({format_value(vals[0])})" if len(vals) == 1 and format_value(vals[0]) != col["label"] else col["label"]
-
-
-def _f(x: Optional[float], digits: int = 3, signed: bool = False) -> str:
-    if x is None:
-        return "–"
-    return f"{x:+.{digits}f}" if signed else f"{x:.{digits}f}"
-
-
-def _g(x: Optional[float]) -> str:
-    return "–" if x is None else f"{x:.3g}"
 
 
 def boundary_text(report: Report, b: dict[str, Any]) -> str:
@@ -297,11 +284,11 @@ def markdown(report: Report) -> str:
             fi = c["final"]
             n = c["runs"]
             extra = "".join(f" (+{c[k]} {k})" for k in ("failed", "unfinished") if c[k])
-            ci = f"[{_f(fi['lo'])}, {_f(fi['hi'])}]" if fi["n"] >= 2 else "–"
+            ci = f"[{fixed(fi['lo'])}, {fixed(fi['hi'])}]" if fi["n"] >= 2 else "–"
             stt = f"{c['steps_to_target_median']:g} ({c['reached_target']}/{n})" if c["steps_to_target_median"] is not None else f"– (0/{n})"
             div = f", {c['diverged']} diverged" if c["diverged"] else ""
-            lines.append(f"| {m} | {head} | {n}{extra} | {_f(fi['mean'])} | {ci} | {_f(c['best']['mean'])} | {c['collapsed']}/{n}{div} | "
-                         f"{stt} | {_g(c['kl_mean'])} | {_g(c['ema_distance_final'])} |")
+            lines.append(f"| {m} | {head} | {n}{extra} | {fixed(fi['mean'])} | {ci} | {fixed(c['best']['mean'])} | {c['collapsed']}/{n}{div} | "
+                         f"{stt} | {sig3(c['kl_mean'])} | {sig3(c['ema_distance_final'])} |")
     lines += ["", f"## (b) Paired differences: method − {report.baseline}", "",
               f"Final accuracy of the method minus the baseline's, seed by seed (the same seeds in every cell), then the mean and "
               f"its {report.confidence:.0%} Student-t interval; `*`: the interval excludes 0. d_z = mean / sd of the differences; "
@@ -311,22 +298,22 @@ def markdown(report: Report) -> str:
               f"| method | {report.axis} | pairs | mean difference | 95% CI | d_z | seeds for 80% power | p |", "|---|---|---:|---|---|---|---:|---:|"]
     for d in report.differences:
         head = heads[[c["label"] for c in report.columns].index(d["column"])]
-        ci = f"[{_f(d['lo'], signed=True)}, {_f(d['hi'], signed=True)}]" if d["n"] >= 2 else "–"
+        ci = f"[{fixed(d['lo'], signed=True)}, {fixed(d['hi'], signed=True)}]" if d["n"] >= 2 else "–"
         star = " *" if d["excludes_zero"] else ""
         power = "–" if d["seeds_for_power"] is None else str(d["seeds_for_power"])
-        lines.append(f"| {d['method']} | {head} | {d['n']} | {_f(d['mean'], signed=True)}{star} | {ci} | {_f(d['d_z'], 2, True)} | {power} | "
-                     f"{_f(d.get('p'))} |")
+        lines.append(f"| {d['method']} | {head} | {d['n']} | {fixed(d['mean'], signed=True)}{star} | {ci} | {fixed(d['d_z'], 2, True)} | {power} | "
+                     f"{fixed(d.get('p'))} |")
     lines += ["", "## (c) Tuning sensitivity", "",
               f"The fraction of the {report.axis} values where the method's mean final accuracy is within {a['within_points']:g} points "
               f"of the best method's there, with a {report.confidence:.0%} percentile bootstrap interval ({report.bootstrap['resamples']} "
               "resamples of the seeds with replacement, the same resampled seeds for every method and value; generator seed "
               f"{report.bootstrap['seed']}). A value where no method's mean final accuracy is above the runs' mean initial accuracy "
-              f"({_f(a.get('sensitivity_floor'))}) works for none and counts against every method. Higher: the method works over "
+              f"({fixed(a.get('sensitivity_floor'))}) works for none and counts against every method. Higher: the method works over "
               "more of the range without retuning.", "",
               "| method | within range | 95% CI |", "|---|---|---|"]
     for s in report.sensitivity:
         k = "–" if s["fraction"] is None else f"{s['fraction']:.2f} ({round(s['fraction'] * s['columns'])}/{s['columns']})"
-        lines.append(f"| {s['method']} | {k} | [{_f(s['lo'], 2)}, {_f(s['hi'], 2)}] |")
+        lines.append(f"| {s['method']} | {k} | [{fixed(s['lo'], 2)}, {fixed(s['hi'], 2)}] |")
     lines += ["", "## (d) Collapse boundary", "",
               f"The smallest {report.axis} (in the grid's order) at which at least half of the method's runs collapsed.", "",
               "| method | collapse boundary |", "|---|---|"]

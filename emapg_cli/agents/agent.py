@@ -3,7 +3,7 @@
 `fn(client, example)` runs once per episode in an agent process of its own (a `grading.pool.TimeoutPool` worker:
 its own session, under an address-space cap, killed with emapg and at the episode's deadline; a fork it makes exits
 when the call returns in it, `bounds.user_code`): `client` is an `openai.OpenAI` pointed at the trainer's in-process
-endpoint on 127.0.0.1 (agents/endpoint.py, engines/openai_http.py) with the episode's own API key (no retries, the
+endpoint on 127.0.0.1 (agents/endpoint.py, serve/openai_http.py) with the episode's own API key (no retries, the
 episode's time limit), `example` the canonical row (`id`, `question`, `answers`, `source`, `meta`). It returns the
 episode's reward: a number, or a dict with `reward` and other numbers (each logged as `agent/<name>`, its mean over
 the episodes that returned it). The `n` episodes of each prompt run at once (at most `workers` episodes of the step at
@@ -141,8 +141,8 @@ class AgentRunner:
     """Runs `settings.ref`'s episodes over any `Engine` (see the module's docstring); `close()` stops its endpoint."""
 
     def __init__(self, tokenizer, settings: AgentSettings, max_context_tokens: int):
-        from emapg_cli.engines.openai_service import OpenAIService
-        from emapg_cli.engines.request_limits import MAX_NEW_TOKENS, RequestLimits
+        from emapg_cli.serve.openai_service import OpenAIService
+        from emapg_cli.serve.request_limits import MAX_NEW_TOKENS, RequestLimits
 
         try:
             import openai  # noqa: F401 - the client each episode is given
@@ -162,7 +162,7 @@ class AgentRunner:
 
     def _endpoint(self) -> str:
         if self.server is None:
-            from emapg_cli.engines.openai_http import start_server
+            from emapg_cli.serve.openai_http import start_server
 
             self.server, self.url = start_server(self.service, "127.0.0.1", 0)
         return self.url
@@ -191,7 +191,7 @@ class AgentRunner:
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams, examples: Sequence[Any]) -> list[list[AgentEpisode]]:
         """`params.n` episodes per example (row i*n + j is sample j of prompt i); `prompts[i]` is the trainer's own
         rendered prompt of example i (the row of an episode without a sequence)."""
-        from emapg_cli.engines.openai_service import Policy
+        from emapg_cli.serve.openai_service import Policy
 
         if len(examples) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(examples)} examples")

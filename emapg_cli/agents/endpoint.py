@@ -1,6 +1,6 @@
 """The trainer's in-process OpenAI endpoint for agents (docs/agents.md): one session per episode, named by its API key.
 
-`EpisodeBackend` is the `engines.openai_service.Backend` of the agent runner. Each episode gets a fresh random API key
+`EpisodeBackend` is the `serve.openai_service.Backend` of the agent runner. Each episode gets a fresh random API key
 (its `openai.OpenAI` client sends it); the endpoint attributes every call to that episode, and refuses a key it does
 not know or an episode that has ended (401). Per episode:
 
@@ -34,9 +34,9 @@ from typing import Any, Optional
 from emapg_cli.agents.rounds import EpisodeOver, Rounds
 from emapg_cli.agents.trajectory import Call
 from emapg_cli.engines.base import Cancelled
-from emapg_cli.engines.openai_service import Policy
-from emapg_cli.engines.openai_wire import OpenAIError
-from emapg_cli.http_server import Refused
+from emapg_cli.serve.openai_service import Policy
+from emapg_cli.serve.openai_wire import OpenAIError
+from emapg_cli.serve.http_server import Refused
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Session:
     requests: int = 0  # model calls (requests) made
     sampled: int = 0  # tokens the episode's calls sampled
     known: list[tuple[str, list[int]]] = field(default_factory=list)  # (text, ids) of prompt + completion, for reuse
-    turns: dict = field(default_factory=dict)  # its tool-calling turns as sampled (engines/openai_wire.own_turns)
+    turns: dict = field(default_factory=dict)  # its tool-calling turns as sampled (serve/openai_wire.own_turns)
     over: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 

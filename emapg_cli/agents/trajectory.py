@@ -3,7 +3,7 @@
 A call **extends** a sequence when its prompt's token ids start with the sequence's token ids so far (its first
 prompt, then every completion and everything between them): exactly what a chat loop produces when the endpoint
 renders each new prompt from the previous one (the agent endpoint reuses an episode's earlier ids for a prompt text
-that starts with an earlier prompt + completion, engines/openai_service.py `Backend.tokenize`). The ids between the
+that starts with an earlier prompt + completion, serve/openai_service.py `Backend.tokenize`). The ids between the
 sequence's end and the end of the call's prompt (the tool result, the next user turn, the chat template's own
 tokens) are appended as an observation (mask 0, log-prob 0) and the completion as a policy turn (mask 1, the
 engine's log-probs), with `agents.episode`'s two functions, so an agent's trajectory is laid out exactly as an

@@ -114,7 +114,7 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
     eng = make_engine(backend, cfg.model.path, seed=cfg.train.seed, dtype=cfg.model.dtype,
                       max_model_len=max(len(p) for p in prompts) + new, trust_remote_code=cfg.model.trust_remote_code,
                       batch_size=r.hf_batch_size, share_prompts=cfg.train.share_prompts != "never",
-                      fast_decode=r.hf_fast_decode, attention=r.hf_attention, temperature=r.temperature, top_p=r.top_p,
+                      fast_decode=r.hf_fast_decode, temperature=r.temperature, top_p=r.top_p,
                       end_token_ids=None if until_end else ())
     lm = getattr(eng, "model", None)
     if lm is None:  # an engine with weights of its own: the same model's GEMMs, loaded here
@@ -137,7 +137,6 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
         runs.append({"gemm_s": min(g, gemm_seconds(weights, rows)), "generate_s": wall, "tokens": tokens})  # before, after
     return _summary(runs, rows, params_n, dict(
         preset=preset, model=str(expand(cfg.model.path)), engine=backend, decode_path=getattr(eng, "decode_path", backend),
-        attention=r.hf_attention if backend == "hf" else None,
         sequences=sequences, until_end=until_end, prompts=len(prompts), n=n, max_new_tokens=new, temperature=r.temperature, top_p=r.top_p,
         prompt_tokens_mean=statistics.mean(len(p) for p in prompts), rounds=rounds, threads=_threads(),
         load_average_before=load_before[0], load_average_after=os.getloadavg()[0]))

@@ -21,7 +21,7 @@ def bench_step(preset: str, overrides: Iterable[str] = (), steps: int = 3, warmu
     rows = []
     with tempfile.TemporaryDirectory(prefix="emapg-bench-") as tmp:
         trainer = Trainer(cfg, Path(tmp) / "run")
-        trainer._setup()
+        trainer.setup()
         trainer.scorer.eval()
         for step in range(1, warmup + steps + 1):
             result = trainer.step(step)

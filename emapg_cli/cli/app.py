@@ -65,7 +65,6 @@ app.add_typer(retriever_cmd.app, name="retriever")
 from emapg_cli.cli import rollout_cmd  # noqa: E402
 
 app.add_typer(rollout_cmd.app, name="rollout")
-app.command("serve-rollouts", hidden=True)(rollout_cmd.serve)  # the same command under the other name
 from emapg_cli.cli import plot_cmd  # noqa: E402
 
 app.command("plot")(plot_cmd.plot)

@@ -213,7 +213,7 @@ def generate(
     weight W, x holding one row per sequence (a decode step), over 2 x (the linear layers' parameters) FLOPs
     per token (docs/performance.md); a round above the limit is a warning. The prompts and --max-new-tokens must fit
     the model's context. JSON keys: tokens_per_s, limit_tokens_per_s, ratio, gemm_gflops, params, decode_path,
-    attention (the hf decode loop's: rollout.hf_attention), every round's values (runs).
+    every round's values (runs).
     """
     from emapg_cli.bench.generate import bench_generate
     from emapg_cli.hf_quiet import quiet_transformers
@@ -230,8 +230,7 @@ def generate(
     r = bench_generate(preset, set_ or [], model=model, sequences=sequences, max_new_tokens=max_new_tokens, engine=engine,
                        rounds=rounds, until_end=until_end)
     ratios = ", ".join(f"{x:.2f}" for x in r["ratio_runs"])
-    rows = [("model", f"{r['model']} ({r['params'] / 1e6:.1f}M linear parameters, {r['engine']} engine, {r['decode_path']}"
-                       f"{', ' + r['attention'] + ' attention' if r['attention'] else ''})"),
+    rows = [("model", f"{r['model']} ({r['params'] / 1e6:.1f}M linear parameters, {r['engine']} engine, {r['decode_path']})"),
             ("work", f"{r['prompts']} prompts x {r['n']} samples, {'<= ' if until_end else ''}{r['max_new_tokens']} new tokens, "
                      f"{r['threads']} threads"),
             ("generated", f"{r['tokens_per_s']:.1f} tokens/s ({r['tokens_mean']:.0f} tokens per round, median of {r['rounds']})"),

@@ -1,4 +1,4 @@
-"""`emapg rollout serve` (alias `emapg serve-rollouts`): a rollout server, an engine in its own process that trainers
+"""`emapg rollout serve`: a rollout server, an engine in its own process that trainers
 reach at `rollout.engine_url` (docs/rollout_server.md)."""
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def serve(
 
     Prints one line `rollout server ready at http://HOST:PORT ...` once it listens.
     """
-    from emapg_cli.engines.request_limits import RequestLimits
-    from emapg_cli.engines.rollout_server import ServerLimits, check_exposure, make_server
-    from emapg_cli.engines.rollout_service import RolloutService, check_model_path, load_served
+    from emapg_cli.serve.request_limits import RequestLimits
+    from emapg_cli.serve.rollout_server import ServerLimits, check_exposure, make_server
+    from emapg_cli.serve.rollout_service import RolloutService, check_model_path, load_served
     from emapg_cli.models.loading import DTYPES
     from emapg_cli.train.threads import set_torch_threads
 
@@ -65,8 +65,8 @@ def serve(
     rollouts = RolloutService(served)
     api = None
     if openai:
-        from emapg_cli.engines.openai_service import rollout_openai
-        from emapg_cli.engines.rollout_server import WAIT_TIMEOUT_S
+        from emapg_cli.serve.openai_service import rollout_openai
+        from emapg_cli.serve.rollout_server import WAIT_TIMEOUT_S
 
         api = rollout_openai(rollouts, model, max_model_len, trust_remote_code, limits.request, WAIT_TIMEOUT_S)
     try:

@@ -20,7 +20,9 @@ from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
 Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
 #: Keys that moved: setting one is a one-line error naming where it went.
 MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
-                                   "a user environment's is its class's max_turns attribute (docs/environments.md)"}
+                                   "a user environment's is its class's max_turns attribute (docs/environments.md)",
+              "rollout.hf_attention": "rollout.hf_attention is gone: the hf decode loop's attention is transformers' sdpa "
+                                      "(cascade attention was removed: it did not measurably speed up generation)"}
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -93,7 +95,6 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM on a GPU only: fraction of GPU memory the engine may take (on CPU the KV cache is 1 GiB, or VLLM_CPU_KVCACHE_SPACE GiB).")
     hf_batch_size: int = Field(256, ge=1, le=1 << 20, description="hf engine only: sequences generated together in one `generate` call.")
     hf_fast_decode: bool = Field(True, description="hf engine only: sample through emapg's own decode loop (a preallocated key/value cache; rows that end leave the batch; engines/hf_decode.py, docs/performance.md), which draws the same tokens as transformers' `generate`, faster; a model the loop does not support uses `generate`, with a warning naming why. false: always `generate`.")
-    hf_attention: Literal["sdpa", "cascade"] = Field("sdpa", description="hf engine's decode loop only: the attention of its one-token steps. sdpa: transformers' own (the samples equal `generate`'s bit for bit). cascade: each distinct prompt's keys and values are read once per step for all its samples, not once per sample (engines/cascade.py; docs/performance.md: ~1.1x faster generation on SmolLM2-135M with 8 samples per prompt); the same attention in another summation order, so log-probs differ by float rounding (~1e-5) and a rare token can differ. Only models on sdpa attention; others use sdpa.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
     engine_weights_backend: Literal["auto", "http", "nccl"] = Field("auto", description="rollout.engine_url only: how the weights travel to the rollout server: nccl (GPU to GPU over a torch.distributed NCCL group; both sides on CUDA, on different GPUs), http (the tensors' bytes in the push request's own body, through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else http).")
     engine_timeout_s: float = Field(1800.0, gt=0, le=86400, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take, all of it, before the run stops with a one-line error (at most a day).")
@@ -101,9 +102,10 @@ class RolloutConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _max_turns_moved(cls, data):
-        if isinstance(data, dict) and "max_turns" in data:
-            raise ValueError(MOVED_KEYS["rollout.max_turns"])
+    def _moved_keys(cls, data):
+        for key in ("max_turns", "hf_attention"):
+            if isinstance(data, dict) and key in data:
+                raise ValueError(MOVED_KEYS[f"rollout.{key}"])
         return data
 
     @field_validator("engine_url")
@@ -464,12 +466,14 @@ class Config(Section):
     def _old_max_turns(cls, data):
         """Configs written before rollout.env (a run's config.yaml, for --resume) hold rollout.max_turns; its value
         1 without search was the single-turn default and is dropped; any other value is the error naming
-        search.max_turns (RolloutConfig)."""
+        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped."""
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "max_turns" in data["rollout"]:
             search = data.get("search") or {}
             enabled = search.get("enabled") if isinstance(search, dict) else getattr(search, "enabled", False)
             if str(data["rollout"]["max_turns"]) == "1" and str(enabled).lower() not in ("true", "1"):
                 data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "max_turns"}}
+        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and data["rollout"].get("hf_attention") == "sdpa":
+            data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "hf_attention"}}
         return data
 
     @model_validator(mode="after")
@@ -538,7 +542,7 @@ class Config(Section):
         r = self.rollout
         # values other than the defaults, not keys given: a run's config.yaml (read by --resume) holds every key
         changed = [k for k in ("engine_timeout_s", "engine_weights_backend", "gpu_memory_utilization", "hf_batch_size",
-                               "hf_fast_decode", "hf_attention")
+                               "hf_fast_decode")
                    if getattr(r, k) != RolloutConfig.model_fields[k].default]
         server_keys = [k for k in changed if k.startswith("engine_")]
         if r.engine_url is None:

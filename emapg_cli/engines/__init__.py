@@ -35,7 +35,6 @@ def make_engine(
     weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None,
     share_prompts: bool = True,
     fast_decode: bool = True,
-    attention: str = "sdpa",
     temperature: float = 1.0,
     top_p: float = 1.0,
     end_token_ids: Optional[Sequence[int]] = None,
@@ -48,8 +47,7 @@ def make_engine(
     `dtype` (no float32 master weights: nothing trains it). `model` given (the trainer's policy module, with its
     `tokenizer`): `hf` samples from that live module (`shares_weights`; `weights_context(model)` is entered around
     each generation, `batch_size` rows at a time, `share_prompts` prefills each distinct prompt once, `fast_decode`
-    samples through emapg's decode loop, engines/hf_decode.py, where the model allows, with `attention` `sdpa` or
-    `cascade`, engines/cascade.py), while vLLM
+    samples through emapg's decode loop, engines/hf_decode.py, where the model allows), while vLLM
     loads `model_path` and is pushed the policy's weights (`load_weights`), with sleep mode on so the update can
     take its memory back. `dtype` None: bfloat16 on a GPU, float32 on CPU. vLLM only: `temperature`, `top_p` are
     the sampling settings whose log-probs must be exact (the rollouts'); `gpu_memory_utilization` applies on a GPU
@@ -81,5 +79,5 @@ def make_engine(
         if tokenizer is None:
             tokenizer = load_tokenizer(model_path, trust_remote_code)
         return HFEngine(model, tokenizer, batch_size=batch_size, weights_context=weights_context, share_prompts=share_prompts,
-                        end_token_ids=end_token_ids, fast_decode=fast_decode, attention=attention)
+                        end_token_ids=end_token_ids, fast_decode=fast_decode)
     raise ValueError(f"unknown backend '{backend}' (hf, vllm or auto)")

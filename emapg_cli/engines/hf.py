@@ -117,23 +117,18 @@ class HFEngine(EngineBase):
 
     def __init__(self, model, tokenizer, batch_size: int = 256,
                  weights_context: Optional[Callable[[Any], ContextManager[Any]]] = None, share_prompts: bool = True,
-                 end_token_ids: Optional[Sequence[int]] = None, fast_decode: bool = True, attention: str = "sdpa"):
+                 end_token_ids: Optional[Sequence[int]] = None, fast_decode: bool = True):
         """`weights_context(model)` is entered around each generate call (default: nothing); the trainer
         passes one that gathers a sharded model's full weights for the duration (train/parallel.py).
         `share_prompts`: prefill each distinct prompt of a batch once (`emapg_cli.models.prefix.prompt_cache`).
         `end_token_ids`: the tokens a response ends on; default the tokenizer's EOS plus `model.generation_config`'s
         EOS ids (`engines.base.end_token_ids`). `fast_decode`: emapg's decode loop (`engines/hf_decode.py`) where the
-        model supports it; False: transformers' `generate` (the same samples, slower). `attention`: the decode loop's
-        attention, `sdpa` (bit-identical to `generate`) or `cascade` (each prompt read once per step: faster, the same
-        distribution up to float rounding; engines/cascade.py)."""
+        model supports it; False: transformers' `generate` (the same samples, slower)."""
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.share_prompts = share_prompts
         self.fast_decode = fast_decode
-        if attention not in ("sdpa", "cascade"):
-            raise ValueError(f"unknown decode attention {attention!r} (sdpa or cascade)")
-        self.attention = attention
         self.weights_context = weights_context or (lambda model: contextlib.nullcontext())
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. the EOS token) before generating")
@@ -225,7 +220,7 @@ class HFEngine(EngineBase):
         stop = self._stop_criteria(params.stop)
         out = decode(_forward_model(self.model), input_ids, attention, uniforms, sampler.draw, self.end_ids,
                      (lambda seqs: stop(seqs, None)) if stop is not None else None, share_prompts=self.share_prompts,
-                     cascade=self.attention == "cascade", cancelled=cancelled)
+                     cancelled=cancelled)
         rows = []
         for r, n in enumerate(out.steps.tolist()):
             ids = out.tokens[r, :n]

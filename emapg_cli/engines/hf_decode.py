@@ -31,7 +31,6 @@ missing; the engine then uses `generate` and says so (engines/hf.py).
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -42,8 +41,7 @@ from transformers.cache_utils import DynamicCache
 
 from emapg_cli.engines.base import Cancelled
 from emapg_cli.engines.kv_cache import PreallocatedLayer, preallocated_cache  # noqa: F401 - PreallocatedLayer: re-exported
-from emapg_cli.engines.cascade import CascadeCache, active as cascade_active, supported as cascade_supported
-from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache, prompt_prefix
+from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache
 
 #: A batch never shrinks below this many rows (or the chunk's rows, when fewer): below it a step costs about
 #: the same (the weights are read from memory once per step whatever the rows), and MKL's small-batch GEMM
@@ -89,14 +87,12 @@ Draw = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Optional[Tensor]]]
 
 @torch.inference_mode()
 def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: Draw, end_ids: tuple[int, ...],
-           stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True, cascade: bool = False,
+           stop: Optional[Callable[[Tensor], Tensor]] = None, *, share_prompts: bool = True,
            min_rows: Optional[int] = None, cancelled: Optional[Callable[[], bool]] = None) -> Decoded:
     """Sample up to N = uniforms.shape[1] tokens for each left-padded prompt row (input_ids, attention [B, P]).
 
     `stop(sequences [b, P + t]) -> [b] bool`: rows that end on a stop string (generate's StopStringCriteria).
-    Step t of row r draws with uniforms[r, t]. `cascade`: when prompts repeat (and `share_prompts`), attend to each
-    prompt once per step (engines/cascade.py: faster, not bit-identical). `min_rows`: the batch's floor (None:
-    `MIN_ROWS`). `cancelled`: polled before every step; once it returns True, `engines.base.Cancelled` is raised
+    Step t of row r draws with uniforms[r, t]. `min_rows`: the batch's floor (None: `MIN_ROWS`). `cancelled`: polled before every step; once it returns True, `engines.base.Cancelled` is raised
     (the rollout server's client left)."""
     b, plen = input_ids.shape
     n = uniforms.shape[1]
@@ -107,54 +103,45 @@ def decode(model, input_ids: Tensor, attention: Tensor, uniforms: Tensor, draw: 
     pos = position_ids(mask)  # [B, P + N] as generate assigns them
     out = Decoded(tokens=torch.zeros(b, n, dtype=torch.long), logprobs=torch.zeros(b, n), topk=None,
                   steps=torch.full((b,), n))
-    cache, groups = _step_cache(model, input_ids, attention, n, share_prompts, cascade)
+    cache = _step_cache(model, input_ids, attention, n, share_prompts)
     start = plen - 1 if cache.get_seq_length() else 0  # columns already in the cache
     live = torch.arange(b, device=dev)  # [b'] the original row of each live batch row
     ends = torch.tensor(end_ids, device=dev)
     floor = min(MIN_ROWS if min_rows is None else min_rows, b)
-    with cascade_active(model, cache) if groups is not None else contextlib.nullcontext():
-        for t in range(n):
-            if cancelled is not None and cancelled():
-                raise Cancelled("the generation was cancelled")
-            cols = slice(start, plen + t)
-            if groups is not None:
-                cache.set_rows(groups[live])
-            logits = model(input_ids=seqs[live, cols], attention_mask=mask[live, : plen + t],
-                           position_ids=pos[live, cols], use_cache=True, logits_to_keep=1, **{key: cache}).logits
-            scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)  # [b', V] as generate takes them
-            tokens, logp, top = draw(scores, uniforms[live, t])
-            seqs[live, plen + t] = tokens
-            out.tokens[live.cpu(), t], out.logprobs[live.cpu(), t] = tokens.cpu(), logp.float().cpu()
-            if top is not None:
-                if out.topk is None:
-                    out.topk = torch.zeros(b, n, top.shape[1], dtype=torch.long)  # [B, N, k]
-                out.topk[live.cpu(), t] = top.cpu()
-            done = torch.isin(tokens, ends)  # [b']
-            if stop is not None:
-                done |= stop(seqs[live, : plen + t + 1])
-            start = plen + t
-            if done.any():
-                out.steps[live[done].cpu()] = torch.minimum(out.steps[live[done].cpu()], torch.tensor(t + 1))
-                live = _compact(cache, live, floor, out.steps, t + 1)
-            if not len(live) or bool((out.steps[live.cpu()] <= t + 1).all()):
-                break
+    for t in range(n):
+        if cancelled is not None and cancelled():
+            raise Cancelled("the generation was cancelled")
+        cols = slice(start, plen + t)
+        logits = model(input_ids=seqs[live, cols], attention_mask=mask[live, : plen + t],
+                       position_ids=pos[live, cols], use_cache=True, logits_to_keep=1, **{key: cache}).logits
+        scores = logits[:, -1, :].to(dtype=torch.float32, copy=True)  # [b', V] as generate takes them
+        tokens, logp, top = draw(scores, uniforms[live, t])
+        seqs[live, plen + t] = tokens
+        out.tokens[live.cpu(), t], out.logprobs[live.cpu(), t] = tokens.cpu(), logp.float().cpu()
+        if top is not None:
+            if out.topk is None:
+                out.topk = torch.zeros(b, n, top.shape[1], dtype=torch.long)  # [B, N, k]
+            out.topk[live.cpu(), t] = top.cpu()
+        done = torch.isin(tokens, ends)  # [b']
+        if stop is not None:
+            done |= stop(seqs[live, : plen + t + 1])
+        start = plen + t
+        if done.any():
+            out.steps[live[done].cpu()] = torch.minimum(out.steps[live[done].cpu()], torch.tensor(t + 1))
+            live = _compact(cache, live, floor, out.steps, t + 1)
+        if not len(live) or bool((out.steps[live.cpu()] <= t + 1).all()):
+            break
     return out
 
 
-def _step_cache(model, input_ids: Tensor, attention: Tensor, n: int, share_prompts: bool,
-                cascade: bool) -> tuple[DynamicCache, Optional[Tensor]]:
+def _step_cache(model, input_ids: Tensor, attention: Tensor, n: int, share_prompts: bool) -> DynamicCache:
     """The decode loop's cache with the prompts prefilled (each distinct prompt once, when they repeat and
-    `share_prompts`; else empty), and the prompt of each row [B] when it is a cascade cache (else None)."""
+    `share_prompts`; else empty)."""
     plen = input_ids.shape[1]
     decoder = model.get_decoder()
-    if cascade and share_prompts and cascade_supported(model):
-        prefix = prompt_prefix(decoder, input_ids, attention)
-        if prefix is not None:
-            cache, groups = prefix
-            return CascadeCache(cache, attention[groups.first, : plen - 1], n + 1), groups.inverse
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
     shared = prompt_cache(decoder, input_ids, attention) if share_prompts else None
-    return preallocated_cache(layers, plen + n, shared), None
+    return preallocated_cache(layers, plen + n, shared)
 
 
 def _compact(cache: DynamicCache, live: Tensor, floor: int, steps: Tensor, t: int) -> Tensor:

@@ -1,6 +1,6 @@
 """Raw tensors from a trainer to a rollout server over an NCCL group of two (the `nccl` weight backend, both sides on
 CUDA): rank 0 sends, rank 1 receives. The `http` backend needs none of this: its bytes come in the push's own body
-(engines/rollout_weights.py).
+(serve/rollout_weights.py).
 
 The group is built directly on a `TCPStore` and a `ProcessGroupNCCL` object, never through `init_process_group`: the
 trainer's own default group (accelerate's) is not touched, and the server needs none. The server hosts the store,

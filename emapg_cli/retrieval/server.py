@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused
+from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused
 from emapg_cli.retrieval.base import Retriever
 
 #: Largest request body accepted (bytes); `Content-Length` above it is refused (413) without reading.
@@ -305,7 +305,7 @@ def retrieve_reply(retriever: Retriever, request: Any, default_topk: int = 3,
 
 
 class RetrieverServer(BoundedServer):
-    """A `BoundedServer` (emapg_cli/http_server.py: connections, deadlines, bodies) over one `Searcher`."""
+    """A `BoundedServer` (emapg_cli/serve/http_server.py: connections, deadlines, bodies) over one `Searcher`."""
 
     watchdog_name = "emapg-retriever-watchdog"
 

@@ -163,26 +163,25 @@ class RolloutPipeline:
 
 
 @contextlib.contextmanager
-def eval_sampler(trainer, model, params, step: int):
+def eval_sampler(model, params, step: int, *, policy, engine, generator, pipeline: "RolloutPipeline",
+                 push: Callable[[Any], None], local: Callable[[Any], Any]):
     """(generator, params) of an evaluation of `model` after RL step `step` (`Trainer._eval`), for the block.
 
-    An engine in this process samples `model` itself: another model than the policy (the EMA anchor, a teacher) is
-    pushed in for the block and the policy back after it. A versioned engine holds the policy's versions only: the
-    policy is evaluated there at its current version (min_version = step, or the setup version at step 0), any other
-    model with the hf engine in this process on that module, so its weights never enter the engine."""
-    if not trainer.engine.versioned:
-        swap = model is not trainer.policy
+    An engine in this process samples `model` itself: another model than the `policy` (the EMA anchor, a teacher) is
+    put in for the block by `push(model)` and the policy back after it. A versioned engine holds the policy's versions
+    only: the policy is evaluated there at its current version (min_version = step, or the setup version at step 0),
+    any other model by `local(model)`, a generator on that module in this process, so its weights never enter the
+    engine."""
+    if not engine.versioned:
+        swap = model is not policy
         if swap:
-            trainer._push(model)
-        yield trainer.generator, params
+            push(model)
+        yield generator, params
         if swap:
-            trainer._push(trainer.policy)
+            push(policy)
         return
-    if model is trainer.policy:
-        trainer.pipeline.drain()  # the next step's generation first: one request at a time on the engine
-        yield trainer.generator, replace(params, min_version=max(step, trainer.pipeline.start))
+    if model is policy:
+        pipeline.drain()  # the next step's generation first: one request at a time on the engine
+        yield generator, replace(params, min_version=max(step, pipeline.start))
         return
-    from emapg_cli.train.engine_setup import in_process_engine
-
-    local = in_process_engine(trainer.cfg, model, trainer.tokenizer, trainer._generating, backend="hf", ends_like=trainer.policy)
-    yield trainer.env.bind(local), params
+    yield local(model), params

@@ -1,5 +1,6 @@
-"""Rollouts: the prompts that fit the token budget, the deterministic prompt schedule, scoring, and the padded batch
-the passes consume (rendering a prompt is `models/prompts.py`)."""
+"""A rollout's parts, which the step's rollout phase (rollout_phase.py) puts together: the prompts that fit the token
+budget, the deterministic prompt schedule, scoring, and the padded batch the passes consume (rendering a prompt is
+`models/prompts.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The RL loop, read top to bottom in `run`: setup, then each `step` (rollout -> GRPO advantages -> old/anchor passes
--> update -> EMA anchor) followed by evaluate / log / checkpoint, then finish. The pieces sit beside it: rollouts.py
+-> update -> EMA anchor) followed by evaluate / log / checkpoint, then finish. The pieces sit beside it: rollout_phase.py
 (with dynamic_sampling.py), passes.py, update.py, setup.py, bookkeeping.py, checkpoint.py, loggers.py.
 Built on `accelerate.Accelerator`; how the ranks hold the policy and the anchor (DDP or FSDP2) is the `train.parallel`
 strategy of train/parallel.py, which the loop calls without branching. Every source of randomness is seeded per step
@@ -28,7 +28,7 @@ from emapg_cli.train.async_rollouts import RolloutPipeline, eval_sampler
 from emapg_cli.train.bookkeeping import check_skips, run_summary
 from emapg_cli.train.checks import check_launch, load_model_config, preflight
 from emapg_cli.train.distill import initial_evaluations
-from emapg_cli.train.engine_setup import make_rollout_engine
+from emapg_cli.train.engine_setup import in_process_engine, make_rollout_engine
 from emapg_cli.train.anchor_rule import anchor_due, anchor_metrics, make_bema, move_anchor
 from emapg_cli.train.rollout import reward_failures
 from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate, write_items  # noqa: F401 - eval_max_new_tokens: re-exported
@@ -38,7 +38,7 @@ from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismat
 from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, check_layouts, reference_passes
 from emapg_cli.train.progress import PhaseTimer, TrainProgress
-from emapg_cli.train.rollouts import Rollouts, group_advantages
+from emapg_cli.train.rollout_phase import Rollouts, group_advantages
 from emapg_cli.train.setup import build_models, make_scheduler, run_prompts, seed_everything  # noqa: F401 - make_scheduler: re-exported
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
@@ -75,7 +75,7 @@ class Trainer:
         self.reward_fn = self.inputs.reward_fn
 
     # ------------------------------------------------------------------ setup
-    def _setup(self) -> int:
+    def setup(self) -> int:
         """Load data, models, engine, optimizer; restore the checkpoint when resuming. Returns the last finished step."""
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
@@ -90,8 +90,7 @@ class Trainer:
         self.initial = make_initial(cfg, self.acc.device)  # eval.initial_kl_every: the model kl/to_initial compares with
         last = self._resume()
         self.engine = make_rollout_engine(cfg, self.policy, self.tokenizer, weights_context=self._generating)
-        # what rollouts and evaluation sample from: the engine, or the environment's episodes on it
-        self.generator = self.env.bind(self.engine)
+        self.generator = self.env.bind(self.engine)  # what rollouts and evaluation sample from: the engine, or episodes on it
         self.rollouts = Rollouts(cfg, self.acc, self.generator, self.train_prompts, self.train_ex, self.reward_fn, self._grader,
                                  self.tokenizer.pad_token_id, topk=self.settings.engine_topk if self.engine.records_topk else 0, timed=self.phases)
         self._push(self.policy, last)
@@ -109,8 +108,7 @@ class Trainer:
                 t = torch.tensor([b], device=self.acc.device)
                 torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
                 return int(t.item())
-        cfg, line = resolve(cfg, load_model_config(cfg.model.path), self.train_prompts, self.acc.device,
-                            self.acc.num_processes, agree)
+        cfg, line = resolve(cfg, load_model_config(cfg.model.path), self.train_prompts, self.acc.device, self.acc.num_processes, agree)
         self._warn(line)
         return cfg
 
@@ -139,9 +137,9 @@ class Trainer:
         return self.acc.unwrap_model(self.scorer).lm
 
     def _push(self, model, version: int = 0) -> None:
-        """Make the engine sample from `model` (the policy or the anchor). An engine with weights of
-        its own (vLLM) is sent whole tensors, gathered first when the model is sharded (every rank
-        calls this), a versioned one (a rollout server) the policy as `version`; `hf` samples from the live module."""
+        """Make the engine sample from `model` (the policy or the anchor). An engine with weights of its own (vLLM) is
+        sent whole tensors, gathered first when the model is sharded (every rank calls this), a versioned one (a rollout
+        server) the policy as `version`; `hf` samples from the live module."""
         if self.engine.shares_weights:
             self.engine.load_weights(model)
             return
@@ -153,7 +151,9 @@ class Trainer:
         """Accuracy of `model` (the policy or the anchor) on the evaluation set (`eval_params`): {key: over all items}
         plus {key/<source>: per source} when the set mixes sources."""
         params = eval_params(self.cfg, step, seed=derive_seed(self.cfg.train.seed, _EVAL, step))
-        with eval_sampler(self, model, params, step) as (generator, params):  # `model`'s weights in the engine, or another
+        local = lambda m: self.env.bind(in_process_engine(self.cfg, m, self.tokenizer, self._generating, "hf", self.policy))  # noqa: E731
+        with eval_sampler(model, params, step, policy=self.policy, engine=self.engine, generator=self.generator,
+                          pipeline=self.pipeline, push=self._push, local=local) as (generator, params):
             scores = evaluate(generator, self.eval_prompts, self.eval_ex, self.reward_fn, params, self.acc, self.cfg.reward.truncated)
         if key == "eval/accuracy" and self.acc.is_main_process:  # the policy's per-item outcomes: evals/step_<N>.jsonl
             write_items(self.run_dir, step, scores.items)
@@ -269,7 +269,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to `train.steps`; returns the summary also written to summary.json."""
         start_time = time.time()
-        last = self._setup()  # nothing is written before the data, models and checkpoint loaded
+        last = self.setup()  # nothing is written before the data, models and checkpoint loaded
         logger = self._start(last)
         elapsed0, metrics = float(self.state.get("elapsed_s", 0.0)), {}
         progress = TrainProgress(self.cfg.train.steps, last, show=self.acc.is_main_process, objective=self.cfg.train.objective,
@@ -302,7 +302,7 @@ class Trainer:
         if last == 0:
             row = {"data/train_prompts": float(len(self.train_prompts)), "data/skipped_prompts": float(self.skipped_prompts)}
             if self.eval_prompts and self.cfg.eval.initial:
-                row.update(initial_evaluations(self))  # the policy's accuracy, and the teacher's when the run distils
+                row.update(initial_evaluations(self._eval, self.policy, self.anchor, self.cfg.train.objective, self.state))
                 self.state["eval_accuracy_initial"] = row["eval/accuracy"]
             logger.log(row, 0)
         self.scorer.eval()

@@ -10,7 +10,6 @@ Variants (each adds one thing to the one before):
   prealloc      + the preallocated key/value cache
   compact       + rows that end leave the batch (the default engine)
   no-share      the default engine without prompt sharing (every row prefills its own prompt)
-  cascade       compact + cascade attention (rollout.hf_attention: cascade): each prompt's keys read once per step
 
     python scripts/benchmarks/generate_shares.py --preset toy --model MODEL --sequences 64 --max-new-tokens 32 --threads 2 --rounds 3
 """
@@ -82,7 +81,7 @@ def main() -> None:
     flops_token = 2.0 * sum(w.numel() for w in weights)  # per token (docs/performance.md)
     names = args.variants.split(",")
     engines = {v: HFEngine(lm, tok, fast_decode=v != "generate", share_prompts=v != "no-share",
-                           attention="cascade" if v == "cascade" else "sdpa", end_token_ids=() if args.fixed_length else None)
+                           end_token_ids=() if args.fixed_length else None)
                for v in names}
     with variant(names[0]):
         engines[names[0]].generate(prompts, SamplingParams(n=n, max_new_tokens=2, seed=0))  # warm-up

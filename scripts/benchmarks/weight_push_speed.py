@@ -25,8 +25,8 @@ SERVER = r'''
 import json, sys
 from types import SimpleNamespace
 import torch
-from emapg_cli.engines.rollout_server import make_server
-from emapg_cli.engines.rollout_service import RolloutService, ServedModel
+from emapg_cli.serve.rollout_server import make_server
+from emapg_cli.serve.rollout_service import RolloutService, ServedModel
 torch.set_num_threads(1)
 params = {f"p{i}": ("float32", shape) for i, shape in enumerate(json.loads(sys.argv[1]))}
 engine = SimpleNamespace(records_topk=False, load_weights=lambda model: None)

@@ -4,6 +4,8 @@
     python tests/gpu/gpu_master_weights_check.py [--steps 3] [--rows 16] [--len 1024] [--lr 1e-6] [--out master_weights_gpu.json]
     python tests/gpu/gpu_master_weights_check.py --device cpu --tiny      # the same logic on a tiny model (no GPU)
 
+A `--device cpu --tiny` run's output is kept in docs/evidence/master_weights_gpu.json (the logic checked, no GPU numbers).
+
 Builds DeepSeek-R1-Distill-Qwen-1.5B's architecture (its shapes from train/plan.py KNOWN_MODELS; random
 weights, nothing is downloaded) on the device and runs `--steps` policy updates of the trainer
 (train/update.py `update_policy`, the olympiad preset's loss: PPO-clip, seq-mean-token-mean, AdamW at

@@ -1,13 +1,13 @@
 """`emapg rollout serve`'s HTTP front: the routes of engines/rollout_protocol.py over a `RolloutService`.
 
-A `BoundedServer` (emapg_cli/http_server.py, as the retriever server): at most `max_connections` connections, each
+A `BoundedServer` (emapg_cli/serve/http_server.py, as the retriever server): at most `max_connections` connections, each
 request read within `timeout_s` (idle and half-sent connections are dropped), a JSON body read only up to its one
 `Content-Length`, at most `max_body_bytes`, and parsed one at a time; running out of file descriptors pauses
-accepting. What a generation may ask is checked by engines/request_limits.py (every route that generates calls it).
-A weight push's body is read exactly as its manifest declares (engines/rollout_weights.py). With a `secret`, every
+accepting. What a generation may ask is checked by serve/request_limits.py (every route that generates calls it).
+A weight push's body is read exactly as its manifest declares (serve/rollout_weights.py). With a `secret`, every
 request must carry `Authorization: Bearer <secret>` (401 otherwise). Every refusal is a status with a one-line JSON
 `{"error": "..."}` (no traceback reaches a client; an unexpected failure is a 500 naming its type and message).
-With `openai` (`--openai`), the `/v1/...` paths are OpenAI's routes (engines/openai_http.py), on the same limits,
+With `openai` (`--openai`), the `/v1/...` paths are OpenAI's routes (serve/openai_http.py), on the same limits,
 secret and deadlines; their refusals are OpenAI's error body.
 Generation and weight updates are ordered by the service's lock, not here.
 """
@@ -19,13 +19,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
-from emapg_cli.engines.request_limits import RequestLimits, check_generation
+from emapg_cli.serve.request_limits import RequestLimits, check_generation
 from emapg_cli.engines.rollout_protocol import (
     HEADER_BYTES, ProtocolError, header_length, params_from_json, parse_push_header, token_lists,
 )
-from emapg_cli.engines.rollout_service import RolloutService
-from emapg_cli.engines.rollout_weights import read_exactly_into
-from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused, peer_closed
+from emapg_cli.serve.rollout_service import RolloutService
+from emapg_cli.serve.rollout_weights import read_exactly_into
+from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused, peer_closed
 
 #: Largest JSON body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB; a body
 #: parses into ~36 bytes of Python objects per token id, and bodies are parsed one at a time).
@@ -60,7 +60,7 @@ class RolloutServer(BoundedServer):
     def __init__(self, address: tuple[str, int], service: RolloutService, limits: ServerLimits = ServerLimits(),
                  secret: Optional[str] = None, openai: Any = None):
         self.service, self.limits, self.secret = service, limits, secret
-        self.openai = openai  # `--openai`: an OpenAIService answering /v1/... (engines/openai_http.py)
+        self.openai = openai  # `--openai`: an OpenAIService answering /v1/... (serve/openai_http.py)
         super().__init__(address, _Handler, max_connections=limits.max_connections, timeout_s=limits.timeout_s,
                          max_body_bytes=limits.max_body_bytes)
 
@@ -68,7 +68,7 @@ class RolloutServer(BoundedServer):
         """A refusal of an OpenAI route (`--openai`; the accept loop's 503 included) is OpenAI's error body; of the
         others, `{"error": "..."}`."""
         if self.openai is not None and path.startswith("/v1/"):
-            from emapg_cli.engines.openai_wire import error_json
+            from emapg_cli.serve.openai_wire import error_json
 
             return error_json(code, message)
         return super().error_json(code, message, path)
@@ -126,7 +126,7 @@ class _Handler(BoundedHandler):
         if not self._authorized(unread=False):
             return
         if self._is_openai():
-            from emapg_cli.engines.openai_http import answer
+            from emapg_cli.serve.openai_http import answer
 
             answer(self, self.server.openai, time.monotonic())
         elif self.path == "/health":
@@ -140,7 +140,7 @@ class _Handler(BoundedHandler):
         arrival = time.monotonic()  # a request's deadline counts from here
         if self._is_openai():
             if self._authorized(unread=True):
-                from emapg_cli.engines.openai_http import answer
+                from emapg_cli.serve.openai_http import answer
 
                 answer(self, self.server.openai, arrival)
             return

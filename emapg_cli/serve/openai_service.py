@@ -1,6 +1,6 @@
 """The policy behind OpenAI's wire format, without its HTTP: render, tokenize, check, sample through a backend, reply.
 
-`OpenAIService` answers the three routes of engines/openai_wire.py for one tokenizer and one `Backend`:
+`OpenAIService` answers the three routes of serve/openai_wire.py for one tokenizer and one `Backend`:
 
 * the rollout server's (`emapg rollout serve --openai`, `RolloutBackend` below): any caller, every request sampled on
   its own under the server's generation lock, a request's `seed` honoured (none: a fresh random one);
@@ -13,7 +13,7 @@ special tokens (the template writes them), as the trainer renders its prompts (m
 string prompt is tokenized with them (vLLM's rule), a token-id prompt is taken as it is. A backend may tokenize a
 session's text itself (`Backend.tokenize`: the agent endpoint reuses an episode's earlier ids, docs/agents.md).
 
-What a request may make the engine sample is checked by engines/request_limits.py, as every route of the rollout
+What a request may make the engine sample is checked by serve/request_limits.py, as every route of the rollout
 server that generates is (the server's `--max-new-tokens`, `--max-sequences`, `--max-request-tokens`: 413 above),
 after the per-caller checks of `Policy` (the context's room, the per-call cap: 400). A request's `Caller` carries its
 arrival, from which its deadline counts, and whether its client has left, which stops its generation.
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from emapg_cli.engines.base import Completion, SamplingParams
-from emapg_cli.engines.openai_wire import (Choice, OpenAIError, Request, WireLimits, chat_reply, completion_reply,
+from emapg_cli.serve.openai_wire import (Choice, OpenAIError, Request, WireLimits, chat_reply, completion_reply,
                                            models_reply, own_turns, parse_chat, parse_completion, remember_turns)
-from emapg_cli.engines.request_limits import RequestLimits, check_generation
+from emapg_cli.serve.request_limits import RequestLimits, check_generation
 
 
 def _stays() -> bool:
@@ -89,7 +89,7 @@ class Backend(Protocol):
 
 
 class OpenAIService:
-    """The routes of engines/openai_wire.py over `backend` (see the module's docstring)."""
+    """The routes of serve/openai_wire.py over `backend` (see the module's docstring)."""
 
     def __init__(self, tokenizer, model_id: str, backend: Backend, limits: WireLimits = WireLimits(),
                  scorer: Optional[Callable] = None, request_limits: RequestLimits = RequestLimits()):

@@ -72,7 +72,7 @@ def error_json(code: int, message: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class WireLimits:
-    """What one request may ask in OpenAI's format (the sampling it asks is bounded by engines/request_limits.py; the
+    """What one request may ask in OpenAI's format (the sampling it asks is bounded by serve/request_limits.py; the
     server adds size, connections and deadlines)."""
 
     max_n: int = 16  # choices per request

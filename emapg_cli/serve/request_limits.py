@@ -3,7 +3,7 @@ its size capped, before anything is generated.
 
 Every route of the server that generates calls `check_generation` with the request's prompts (token ids) and
 `SamplingParams`, whatever its wire format, so each carries the same limits. A refusal is `Refused`
-(emapg_cli/http_server.py) with its HTTP status: 400 for a value no engine can sample with (a temperature that is negative, NaN or infinite; a top_p outside
+(emapg_cli/serve/http_server.py) with its HTTP status: 400 for a value no engine can sample with (a temperature that is negative, NaN or infinite; a top_p outside
 (0, 1]; an empty prompt; an empty stop string), 413 for a request over the server's limits (`RequestLimits`, the
 options of `emapg rollout serve`). The work of a request is bounded by its sequences (prompts x n), the new tokens
 of each, and its tokens in all (n x (prompt + max_new_tokens) summed over its prompts), which bounds the engine's
@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from emapg_cli.engines.base import SamplingParams
-from emapg_cli.http_server import Refused
+from emapg_cli.serve.http_server import Refused
 
 #: Most sequences (prompts x n) in one request: a paper-scale RL step is 512 prompts x 16 = 8,192.
 MAX_SEQUENCES = 65536

@@ -2,7 +2,7 @@
 
 One lock orders generation and weight updates: a generation holds it from start to end, and a pushed version is
 applied under it, so weights never change in the middle of a generation. A push is received into a staging copy and
-checked (engines/rollout_weights.py) while generations go on; only the copy into the engine waits for the lock.
+checked (serve/rollout_weights.py) while generations go on; only the copy into the engine waits for the lock.
 A generate request may ask for exactly one version (the trainer's synchronous loop: the weights it pushed last) or
 for at least one (`SamplingParams.min_version`, the asynchronous pipeline). Its deadline counts from its arrival:
 waiting for the lock (another generation), for its version, and generating all happen within its `timeout_s`; a
@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 
 from emapg_cli.engines.base import Cancelled, Completion, SamplingParams
 from emapg_cli.engines.rollout_protocol import PROTOCOL, ProtocolError, check_manifest, tensor_bytes
-from emapg_cli.engines.rollout_weights import JOIN_TIMEOUT_S, Joins, Staging
-from emapg_cli.http_server import Refused
+from emapg_cli.serve.rollout_weights import JOIN_TIMEOUT_S, Joins, Staging
+from emapg_cli.serve.http_server import Refused
 
 #: The label of weights loaded from the model folder, before any push.
 LOADED = -1

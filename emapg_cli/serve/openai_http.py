@@ -1,4 +1,4 @@
-"""The HTTP of the OpenAI routes (engines/openai_service.py), on the shared bounded server (emapg_cli/http_server.py):
+"""The HTTP of the OpenAI routes (serve/openai_service.py), on the shared bounded server (emapg_cli/serve/http_server.py):
 `answer`, which the rollout server's handler calls for `/v1/...` paths (`emapg rollout serve --openai`: its
 connection caps, timeouts, body cap, request limits and secret), and `OpenAIServer`, those routes alone, for the
 trainer's agent endpoint.
@@ -17,9 +17,9 @@ import threading
 import time
 from typing import Any, Optional
 
-from emapg_cli.engines.openai_service import Caller
-from emapg_cli.engines.openai_wire import OpenAIError, error_body, error_json
-from emapg_cli.http_server import BoundedHandler, BoundedServer, Refused
+from emapg_cli.serve.openai_service import Caller
+from emapg_cli.serve.openai_wire import OpenAIError, error_body, error_json
+from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused
 
 #: Largest request body (bytes) of the agent endpoint: a long conversation with tool schemas is well below it.
 MAX_BODY = 8 << 20
