@@ -376,10 +376,20 @@ def test_server_busy_drain_is_bounded():
     from emapg_cli.serve import http_server
     from emapg_cli.retrieval import server as srv
 
+    import socket
+
+    ready, peer = socket.socketpair()  # select() sees data waiting on the request (the 503 peeks at its first line)
+    peer.sendall(b"x")
+
     class Flood:  # a client that always has 64 KiB more to send
         read = 0
 
-        def recv(self, n):
+        def fileno(self):
+            return ready.fileno()
+
+        def recv(self, n, flags=0):
+            if flags & socket.MSG_PEEK:
+                return b"x" * n  # a peek reads nothing away
             self.read += n
             if self.read > 64 * http_server.LINGER_BYTES:
                 raise OSError("stop: unbounded")
@@ -395,6 +405,7 @@ def test_server_busy_drain_is_bounded():
     server.max_connections = srv.Limits().max_connections
     flood = Flood()
     server._busy(flood)
+    ready.close(), peer.close()
     assert flood.read <= http_server.LINGER_BYTES
 
 
