@@ -281,3 +281,28 @@ def test_step_failure_rate_stops_above_max_failure_rate_and_warns_below(capsys):
     assert "warning: step 4: reward plugin p.py:score failed on 5 of 10 calls (50%" in capsys.readouterr().err
     cfg.rollout.reward = "math"  # a registered reward: not a plugin, not counted here
     assert reward_failures(reward, reward.start_count(), cfg, 5) == {}
+
+
+def test_a_steps_timeouts_are_logged_for_rewards_scoring_in_workers():
+    """reward/timeouts: the calls a pooled reward (a plugin's, reasoning-gym's) cut at its time limit since the step's
+    start_count(), for a registered reward too (issue 40: a hung scorer scores 0 and is counted); none for a reward
+    without workers. Here the pool's count goes 2 -> 5 during the step: 3 timeouts logged."""
+    from types import SimpleNamespace
+
+    from emapg_cli.rewards.registry import SafeReward
+    from emapg_cli.train.rollout import reward_failures
+
+    class Pooled:
+        timeouts = 2
+
+        def __call__(self, responses, examples):
+            Pooled.timeouts += 3  # three of this batch's calls ran past the limit (scored 0 by the pool)
+            return [0.0] * len(responses)
+
+    cfg = SimpleNamespace(rollout=SimpleNamespace(reward="reasoning-gym"), reward=SimpleNamespace(max_failure_rate=0.5))
+    reward = SafeReward("reasoning-gym", Pooled())
+    counted = reward.start_count()
+    reward(["a"] * 4, [{}] * 4)
+    assert reward_failures(reward, counted, cfg, 1) == {"reward/timeouts": 3.0}
+    plain = SafeReward("math", lambda r, e: [1.0] * len(r))
+    assert reward_failures(plain, plain.start_count(), cfg, 1) == {}

@@ -87,11 +87,18 @@ class SafeReward:
         self._last_error = ""  # the last of them, "Type: message"
         self.calls = 0  # items scored, over this object's life
         self.first_error = ""  # the first failure since `start_count()` ("Type: message"), "" when none
+        self.timeouts_at_start = 0  # `timeouts` at the last `start_count()`
 
     @property
     def errors(self) -> int:
         """Items scored 0 because they raised (here, or inside the reward: a plugin's pool counts its own)."""
         return self._errors + int(getattr(self.fn, "errors", 0))
+
+    @property
+    def timeouts(self) -> int:
+        """Items scored 0 because the reward's worker ran past its time limit (a reward scoring in the grading pool: a
+        plugin, reasoning-gym); counted in `errors` too."""
+        return int(getattr(self.fn, "timeouts", 0))
 
     @property
     def solved(self) -> Optional[Callable[[float], bool]]:
@@ -105,8 +112,10 @@ class SafeReward:
         return str(getattr(self.fn, "last_error", "") or self._last_error)
 
     def start_count(self) -> tuple[int, int]:
-        """Forget `first_error` and return (calls, errors) so far: what a step's failure rate is counted from."""
+        """Forget `first_error` and return (calls, errors) so far: what a step's failure rate is counted from (and note
+        the timeouts so far, `timeouts_at_start`)."""
         self.first_error = ""
+        self.timeouts_at_start = self.timeouts
         return self.calls, self.errors
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:

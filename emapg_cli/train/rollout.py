@@ -108,13 +108,16 @@ def reward_failures(reward_fn, counted: Optional[tuple[int, int]], cfg, step: in
     calls that raised, timed out, returned a non-number or a value not finite in float32 (each scored 0). Above
     reward.max_failure_rate of its calls the run stops with one line naming the plugin and the first failure; any
     fewer are warned about on stderr. The counts are summed over the ranks of `acc` (an Accelerator; None: this
-    process only), so every rank stops together. Returns {reward/failure_rate} for a plugin reward, {} otherwise."""
+    process only), so every rank stops together. Returns {reward/failure_rate} for a plugin reward, and
+    {reward/timeouts} (this process's calls cut at their time limit in the step) for any reward scoring in workers."""
     import sys
 
     from emapg_cli.rewards.plugin import is_plugin_ref
 
+    timeouts = {} if counted is None or not hasattr(reward_fn, "timeouts_at_start") or not hasattr(reward_fn.fn, "timeouts") \
+        else {"reward/timeouts": float(reward_fn.timeouts - reward_fn.timeouts_at_start)}
     if counted is None or not is_plugin_ref(cfg.rollout.reward):
-        return {}
+        return timeouts
     calls, failures = reward_fn.calls - counted[0], reward_fn.errors - counted[1]
     if acc is not None and acc.num_processes > 1:  # every rank takes the same decision
         total = acc.reduce(torch.tensor([float(calls), float(failures)], device=acc.device), reduction="sum")
@@ -129,7 +132,7 @@ def reward_failures(reward_fn, counted: Optional[tuple[int, int]], cfg, step: in
     if failures:
         print(f"warning: step {step}: reward plugin {ref} failed on {failures} of {calls} calls ({rate:.0%}, scored 0; "
               f"first failure: {first})", file=sys.stderr, flush=True)
-    return {"reward/failure_rate": rate}
+    return {"reward/failure_rate": rate, **timeouts}
 
 
 @dataclass
