@@ -11,8 +11,8 @@ and the number of distinct answers (Yue et al. 2504.13837), and with forgetting 
   chat turns as the training prompts): accuracy against the initial model's (forgetting) and distinct answers.
 
 The per-task greedy held-out accuracy and answers are the run's own final evaluation (evals/step_<N>.jsonl; a run
-whose rows lack the answers, written by an older version, is evaluated again greedily into measure/heldout). Once per study,
-`measure_base` evaluates the initial model the same way (and greedy on data.eval, the step-0 evaluation each run
+whose rows lack the answers, written by an older version, is evaluated again greedily into measure/heldout). Once
+per study, `measure_base` evaluates the initial model the same way (and greedy on data.eval, the step-0 evaluation each run
 would otherwise repeat: the study sets eval.initial=false) and two baselines a gain must clear:
 
 - **best constant**: per task, the accuracy of answering the task's most common gold answer to every item;

@@ -14,9 +14,9 @@ Some scorers `eval` the answer (spiral_matrix, string_insertion, binary_matrix, 
 quadratic in the response: model output reaches them only in the grading pool's workers (`PooledReward`, as a
 reward plugin), each under reward.plugin_memory_mib, with the per-call time limit (`--grader-timeout`, 5 s), in an
 empty private working folder that is deleted when the reward closes; only the response's last MAX_RESPONSE_CHARS
-characters are sent. A call that raises, hangs or kills its worker scores 0 and is counted (reward/errors, and reward/timeouts for those cut at the limit;
-`emapg eval`'s grader_errors, grader_timeouts): a row without a reasoning-gym entry in its meta, or whose entry no
-longer rebuilds (another reasoning-gym version), too.
+characters are sent. A call that raises, hangs or kills its worker scores 0 and is counted (reward/errors, and
+reward/timeouts for those cut at the limit; `emapg eval`'s grader_errors, grader_timeouts): a row without a
+reasoning-gym entry in its meta, or whose entry no longer rebuilds (another reasoning-gym version), too.
 """
 
 from __future__ import annotations
