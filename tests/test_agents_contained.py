@@ -99,3 +99,19 @@ def test_an_agent_that_spins_exits_or_forks_cannot_take_the_trainer(tmp_path, ca
     # killed), and only in the trainer: never in a copy forked by an agent
     pids = Path(marker).read_text().split()
     assert set(pids) == {str(out["pid"])} and len(pids) >= 4, pids
+
+
+@pytest.mark.parametrize("top", ["import os\nos._exit(0)\n", "import sys\nsys.exit(7)\n", "raise RuntimeError('boom')\n"])
+def test_an_agent_file_whose_top_level_exits_is_one_line_and_emapg_goes_on(tmp_path, top):
+    """The agent file is imported once before any episode to fail early, in an agent process of its own: its top-level
+    `os._exit(0)` ended emapg's process with exit 0 when that import ran in it (bounded only by a thread). Now
+    AgentRunner raises one UserError naming rollout.agent, and the calling process lives on."""
+    (tmp_path / "a.py").write_text(top + "\n\ndef agent(client, example):\n    return 1.0\n")
+    code = ("from emapg_cli.agents.agent import AgentRunner, AgentSettings\n"
+            "from emapg_cli.errors import UserError\nfrom emapg_cli.models.tiny import build_byte_tokenizer\n"
+            "try:\n    AgentRunner(build_byte_tokenizer(), AgentSettings(ref='a.py:agent', timeout_s=5.0), 256)\n"
+            "except UserError as e:\n    print('ONE LINE:', e)\nprint('ALIVE')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ALIVE" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    line = next(x for x in r.stdout.splitlines() if x.startswith("ONE LINE:"))
+    assert "rollout.agent" in line and "\n" not in line

@@ -137,6 +137,22 @@ def run_episode(ref: str, url: str, key: str, timeout: float, example: dict) -> 
         return str(e), 0.0, {}
 
 
+def _check_in_a_process(ref: str) -> None:
+    """Import the agent once in an agent process of its own (never in emapg's: its top-level code may exit, spin or
+    fork), so that a broken agent is one line before any episode runs."""
+    from emapg_cli.grading.pool import TimeoutPool, WorkerStartError
+
+    pool = TimeoutPool(run_episode, workers=1, timeout=1.0, warmup=warm_agent, warmup_args=(ref,),
+                       memory_limit=AGENT_MEMORY_MIB << 20)
+    try:
+        pool.warm()
+    except WorkerStartError as e:
+        reason = e.reason.removeprefix("UserError: ")
+        raise UserError(reason if reason.startswith("rollout.agent") else f"rollout.agent {ref}: {reason}") from None
+    finally:
+        pool.close()
+
+
 class AgentRunner:
     """Runs `settings.ref`'s episodes over any `Engine` (see the module's docstring); `close()` stops its endpoint."""
 
@@ -150,7 +166,7 @@ class AgentRunner:
             raise UserError("rollout.agent gives each episode an openai.OpenAI client: pip install 'emapg[agent]' "
                             "(or openai)") from None
         self.tokenizer, self.settings, self.max_context_tokens = tokenizer, settings, max_context_tokens
-        load_agent(settings.ref)  # imported here once, so that a broken agent is one line before any episode runs
+        _check_in_a_process(settings.ref)
         self.backend = EpisodeBackend(tokenizer)
         # each call is bounded by the run's caps (Policy: rollout.max_new_tokens within rollout.max_context_tokens)
         limits = RequestLimits(max_new_tokens=max(MAX_NEW_TOKENS, max_context_tokens))
