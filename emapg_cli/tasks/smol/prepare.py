@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from emapg_cli.errors import UserError, write_failure
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.tasks.smol import TASK
 
-PRESET = "smol"
+PRESET = TASK.name
 
 #: The task mix: (task, config) pairs of reasoning-gym, configurations on which the base model's greedy
 #: accuracy is 10-40% (docs/smol.md, "Choosing the tasks").
@@ -79,7 +81,7 @@ def check_model_folder_is_ours(out: Path) -> None:
         written = SAVED_FILES
     foreign = sorted(p.name for p in (out / "model").iterdir() if p.name not in written) if (out / "model").is_dir() else []
     if foreign:
-        raise UserError(f"{out / 'model' / foreign[0]} was not written by `emapg prepare --preset smol`, which replaces "
+        raise UserError(f"{out / 'model' / foreign[0]} was not written by `emapg prepare --preset {PRESET}`, which replaces "
                         f"{out / 'model'} whole: move it out of the folder first")
 
 
@@ -126,3 +128,17 @@ def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -
                 "model_source": card["source"], "wall_s": round(time.perf_counter() - start, 1)}
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step (`emapg prepare --preset smol`, holding the folder): the closing table's title, the
+    manifest and the table's rows."""
+    if seed != 0:
+        raise UserError(f"--preset {PRESET} takes no --seed: its tasks' seeds are fixed (train 0, test 1; docs/smol.md)")
+    check_model_folder_is_ours(Path(home) / PRESET)  # before the claim writes its marker into a folder it would refuse
+    with claim_prepare(Path(home) / PRESET, f"--preset {PRESET}"):
+        m = prepare_smol(home, say=say)
+    return "prepared the smol task", m, [
+        ("model", f"SmolLM2-135M-Instruct, float32 ({PRESET}/model; from the {m['model_source']}, see {PRESET}/model_card.json)"),
+        ("tasks", ", ".join(t["task"] for t in m["train"]["tasks"])),
+        ("time", f"{m['wall_s']:.0f} s")]

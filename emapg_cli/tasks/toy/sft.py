@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-from emapg_cli.toy.task import problem_stream, response_text
+from emapg_cli.tasks.toy.task import problem_stream, response_text
 
 IGNORE = -100  # label value the cross-entropy skips (prompt and padding positions)
 

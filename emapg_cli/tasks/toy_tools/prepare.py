@@ -1,7 +1,7 @@
 """`emapg prepare --preset toy-tools`: the multiplication task, and a tiny model that rarely uses its calculator.
 
 Writes, under `<home>/toy-tools/`:
-  * `train.jsonl`, `test.jsonl` — canonical rows (`emapg_cli.toy.tools_task`);
+  * `train.jsonl`, `test.jsonl` — canonical rows (`emapg_cli.tasks.toy_tools.task`);
   * `model/` — the toy's tiny Llama and byte tokenizer after the warm start below;
   * `manifest.json` — seed, sizes, the warm-start settings and curve, the probability of calling at the first
     response token, greedy test accuracy and calls per episode in the `calc` environment, measured as
@@ -25,15 +25,16 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.prepare import SFT_THREADS, save_warm_start, warm_start_bar
-from emapg_cli.toy.sft import IGNORE, SFTConfig, collate, fit
-from emapg_cli.toy.tools_task import SOURCE, Problem, gold_turns, make_splits, problem_stream
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.tasks.toy_tools import TASK
+from emapg_cli.tasks.toy.prepare import SFT_THREADS, save_warm_start, warm_start_bar
+from emapg_cli.tasks.toy.sft import IGNORE, SFTConfig, collate, fit
+from emapg_cli.tasks.toy_tools.task import SOURCE, Problem, gold_turns, make_splits, problem_stream
 
-PRESET = "toy-tools"
-ENV = "calc"
+PRESET, ENV = TASK.name, TASK.env
 SIZES = {"test": 500, "dev": 200, "train": 4000}  # questions per split, drawn in this order, disjoint
 #: Batches of 32: copying is learnt in about as many steps as with 64 (~200-450), at half the cost per step.
 SFT = SFTConfig(max_steps=1500, check_every=10, target_accuracy=0.8, batch_size=32, lr=3e-3, warmup=50)
@@ -177,3 +178,15 @@ def prepare_toy_tools(home: Path, seed: int = 0, progress: bool = False, sft: SF
         "sft_test_calls": calls,
         "wall_s": round(time.perf_counter() - start, 1),
     })
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step (`emapg prepare --preset toy-tools`, holding the folder): the closing table's title,
+    the manifest and the table's rows."""
+    with claim_prepare(Path(home) / PRESET, f"--preset {PRESET}"):
+        m = prepare_toy_tools(home, seed, progress=True)
+    return "prepared the toy tools task", m, [
+        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
+        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test accuracy "
+                       f"{m['sft_test_accuracy']:.1%} with {m['sft_test_calls']:.2f} calculator calls per episode "
+                       f"(sampled: calls with probability {m['sft_call_probability']:.2f})")]

@@ -4,7 +4,7 @@ One supervised run of the toy's warm start (`toy.sft.fit`, the toy's task, token
 the student is the model at the point where the toy's own warm start stops (smoothed dev accuracy 30%), the teacher
 is the same run continued until the smoothed dev accuracy reaches `TEACHER_TARGET`. Same tokenizer, same
 architecture, same vocabulary. Writes, under `<home>/toy-distill/`:
-  * `train.jsonl`, `test.jsonl` — the toy's canonical rows (`toy.task.make_splits`, the same seed gives the same rows);
+  * `train.jsonl`, `test.jsonl` — the toy's canonical rows (`tasks.toy.task.make_splits`, the same seed gives the same rows);
   * `student/`, `teacher/` — the two models with their byte tokenizer, `save_pretrained` format;
   * `manifest.json` — steps, dev curves, wall time and the greedy test accuracy of both (graded by the preset's
     reward with its evaluation budget, as `emapg train --preset toy-distill` measures `teacher_accuracy`).
@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from emapg_cli.data.schema import write_jsonl
-from emapg_cli.toy.prepare import N_DEV, N_TEST, N_TRAIN, SFT_THREADS, greedy_accuracy, render_all
-from emapg_cli.toy.sft import PairEncoder, SFTConfig, fit, smoothed_accuracy
-from emapg_cli.toy.task import SOURCE, make_splits, problem_stream, response_text
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.tasks import toy
+from emapg_cli.tasks.toy_distill import TASK
+from emapg_cli.tasks.toy.prepare import N_DEV, N_TEST, N_TRAIN, SFT_THREADS, greedy_accuracy, render_all
+from emapg_cli.tasks.toy.sft import PairEncoder, SFTConfig, fit, smoothed_accuracy
+from emapg_cli.tasks.toy.task import SOURCE, make_splits, problem_stream, response_text
 
-PRESET = "toy-distill"
+PRESET = TASK.name
 TEACHER_TARGET = 0.85  # the teacher: the run continued until the smoothed dev accuracy reaches this
 TEACHER_CHECK_EVERY = 5  # dev checks between the student's snapshot and the teacher (the climb is steep: 1-3 points a step)
 
@@ -70,7 +73,7 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
     from emapg_cli.paths import write_text_atomic
     from emapg_cli.rewards import get_reward
 
-    preset, start, out = load_config("toy"), time.perf_counter(), Path(home) / PRESET
+    preset, start, out = load_config(toy.TASK.name), time.perf_counter(), Path(home) / PRESET
     train, test = make_splits(seed, N_TRAIN, N_TEST)
     write_jsonl(out / "train.jsonl", (e.model_dump() for e in train))
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in test))
@@ -101,7 +104,7 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
         if "model" not in snap:
             from emapg_cli.errors import UserError
 
-            raise UserError(f"toy-distill: the supervised run never reached {sft.target_accuracy:.0%} dev accuracy in "
+            raise UserError(f"{PRESET}: the supervised run never reached {sft.target_accuracy:.0%} dev accuracy in "
                             f"{len(losses)} steps (seed {seed}); try another --seed")
         test_prompts = render_all(tokenizer, test)
         acc = {name: greedy_accuracy(m, tokenizer, test, test_prompts, reward, budget)
@@ -122,3 +125,14 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
     }
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step (`emapg prepare --preset toy-distill`, holding the folder): the closing table's title,
+    the manifest and the table's rows."""
+    with claim_prepare(Path(home) / PRESET, f"--preset {PRESET}"):
+        m = prepare_toy_distill(home, seed, say=say)
+    return "prepared the toy distillation task", m, [
+        ("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({PRESET}/student, {PRESET}/teacher)"),
+        ("greedy test accuracy", f"student {m['student_test_accuracy']:.1%} (step {m['student_steps']}), "
+                                 f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")]

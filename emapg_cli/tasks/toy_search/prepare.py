@@ -1,7 +1,7 @@
 """`emapg prepare --preset toy-search`: the toy search task, its corpus and BM25 index, a warm-started model.
 
 Writes, under `<home>/toy-search/`:
-  * `train.jsonl`, `test.jsonl` — canonical rows (`emapg_cli.toy.search_task`);
+  * `train.jsonl`, `test.jsonl` — canonical rows (`emapg_cli.tasks.toy_search.task`);
   * `corpus.jsonl` and `index/` — one passage per fact, indexed with the `bm25` retriever;
   * `prompt.txt` — the one-line user-message template (`search.prompt_template` of the preset);
   * `model/` — a tiny Llama and its byte tokenizer after the supervised warm start below;
@@ -20,14 +20,16 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.search_task import SOURCE, TEMPLATE, make_questions, make_world, sample_question
-from emapg_cli.toy.prepare import SFT_THREADS, save_warm_start
-from emapg_cli.toy.sft import IGNORE, SFTConfig, fit
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.tasks.toy_search import TASK
+from emapg_cli.tasks.toy_search.task import SOURCE, TEMPLATE, make_questions, make_world, sample_question
+from emapg_cli.tasks.toy.prepare import SFT_THREADS, save_warm_start
+from emapg_cli.tasks.toy.sft import IGNORE, SFTConfig, fit
 
-PRESET = "toy-search"
+PRESET = TASK.name
 SIZES = {"train": 600, "dev": 100, "test": 150}  # entities per split
 N_TRAIN, N_DEV, N_TEST = 2000, 100, 300  # questions per split
 SFT = SFTConfig(hidden=64, layers=3, heads=4, kv_heads=2, max_steps=3000, check_every=10,
@@ -218,3 +220,14 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
         "sft_test_accuracy_no_search": no_search,
         "wall_s": round(time.perf_counter() - start, 1),
     })
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step (`emapg prepare --preset toy-search`, holding the folder): the closing table's title,
+    the manifest and the table's rows."""
+    with claim_prepare(Path(home) / PRESET, f"--preset {PRESET}"):
+        m = prepare_toy_search(home, seed, progress=True)
+    return "prepared the toy search task", m, [
+        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
+        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
+                       f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")]

@@ -1,9 +1,9 @@
 """`emapg prepare --preset toy`: the toy task's data, its warm-started tiny model, and a manifest.
 
 Writes, under `<home>/toy/`:
-  * `train.jsonl`, `test.jsonl` — canonical rows (see `emapg_cli.toy.task`);
+  * `train.jsonl`, `test.jsonl` — canonical rows (see `emapg_cli.tasks.toy.task`);
   * `model/` — a tiny Llama and its byte tokenizer (with chat template), `save_pretrained` format,
-    after the supervised warm start of `emapg_cli.toy.sft`;
+    after the supervised warm start of `emapg_cli.tasks.toy.sft`;
   * `manifest.json` — seed, sizes, the SFT settings, its loss, wall time and greedy test accuracy
     (graded by the same `math` reward that `emapg train --preset toy` uses).
 """
@@ -14,12 +14,15 @@ import json
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.sft import SFTConfig, smoothed_accuracy, warm_start
-from emapg_cli.toy.task import SOURCE, make_splits
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.tasks.toy import TASK
+from emapg_cli.tasks.toy.sft import SFTConfig, smoothed_accuracy, warm_start
+from emapg_cli.tasks.toy.task import SOURCE, make_splits
 
+PRESET = TASK.name
 N_TRAIN = 4000
 N_TEST = 500
 N_DEV = 200  # the first N_DEV training problems: never seen by the warm start, they decide when it stops
@@ -74,10 +77,10 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
     from emapg_cli.rewards import get_reward
 
-    preset = load_config("toy")
+    preset = load_config(PRESET)
 
     start = time.perf_counter()
-    out = Path(home) / "toy"
+    out = Path(home) / PRESET
     train, test = make_splits(seed, N_TRAIN, N_TEST)
     write_jsonl(out / "train.jsonl", (e.model_dump() for e in train))
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in test))
@@ -119,7 +122,7 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
         reward.close()
 
     return save_warm_start(out, model, tokenizer, {
-        "name": "toy",
+        "name": PRESET,
         "source": SOURCE,
         "seed": seed,
         "rows": {"train": len(train), "test": len(test)},
@@ -129,6 +132,16 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
         "sft_test_accuracy": accuracy,
         "wall_s": round(time.perf_counter() - start, 1),
     })
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step (`emapg prepare --preset toy`, holding the folder): the closing table's title,
+    the manifest and the table's rows."""
+    with claim_prepare(Path(home) / PRESET, f"--preset {PRESET}"):
+        m = prepare_toy(home, seed, progress=True)  # shows its own progress bar
+    return "prepared the toy task", m, [
+        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
+        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test accuracy {m['sft_test_accuracy']:.1%}")]
 
 
 def save_warm_start(out: Path, model, tokenizer, head: dict[str, Any], sft: SFTConfig, losses: list[float],
