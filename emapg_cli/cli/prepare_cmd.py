@@ -1,9 +1,10 @@
-"""`emapg prepare`: build a canonical dataset (hub or local file), the toy task, or a decontamination report."""
+"""`emapg prepare`: build a canonical dataset (hub or local file), a built-in task, or a decontamination report."""
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from pkgutil import resolve_name  # a task's declared prepare step, `module:function`
 from typing import Annotated, Optional
 
 import typer
@@ -13,7 +14,7 @@ from rich.table import Table
 from emapg_cli.cli.common import console, err_console
 from emapg_cli.errors import UserError
 from emapg_cli.outputs import claim_folder, claim_prepare
-from emapg_cli.tasks import REASONING_GYM, Task, get_task
+from emapg_cli.tasks import REASONING_GYM, get_task
 
 
 def _progress_bar(label: str):
@@ -55,14 +56,6 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
     console.print(f"next: emapg retriever index {path} --out DIR", markup=False, highlight=False)
 
 
-def _step(task: Task):
-    """The task's declared prepare step (`module:function`), imported now."""
-    from importlib import import_module
-
-    module, _, function = task.prepare.partition(":")
-    return getattr(import_module(module), function)
-
-
 def _prepare_reasoning_gym(name: str, size: Optional[int], seed: int, task_config: Optional[str], out: Optional[Path]) -> None:
     from emapg_cli.datasets.prepare import dataset_dir
     from emapg_cli.datasets.reasoning_gym_data import DEFAULT_SIZE, parse_reference
@@ -70,7 +63,7 @@ def _prepare_reasoning_gym(name: str, size: Optional[int], seed: int, task_confi
     parse_reference(name)  # an unknown task: one line before any folder is made
     out_dir = dataset_dir(name, out)
     with claim_prepare(out_dir, name):
-        manifest = _step(REASONING_GYM)(name, size or DEFAULT_SIZE, seed, task_config, out_dir)
+        manifest = resolve_name(REASONING_GYM.prepare)(name, size or DEFAULT_SIZE, seed, task_config, out_dir)
     _show_manifest(out_dir, manifest)
     console.print(f"train on it with rollout.reward={REASONING_GYM.reward} (data.train: {escape(str(out_dir))})", highlight=False)
 
@@ -97,11 +90,10 @@ def _show_manifest(out_dir: Path, manifest: dict) -> None:
 
 
 def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
-    from emapg_cli.datasets.prepare import decontaminate
+    from emapg_cli.datasets.prepare import dataset_dir, decontaminate
 
     if len(names) < 2:
         raise UserError("--decontaminate needs a training set and at least one evaluation set: TRAIN EVAL...")
-    from emapg_cli.datasets.prepare import dataset_dir
 
     # --remove rewrites the prepared training set: hold its folder (a prepared dataset) while doing so;
     # anything else (a file path, a name never prepared) is refused by decontaminate itself
@@ -158,8 +150,13 @@ def prepare(
         from emapg_cli.paths import emapg_home
 
         quiet_transformers()  # every task saves and loads models: transformers' own bars stay out of the output
-        title, m, rows = _step(task)(emapg_home(), seed, lambda line: console.print(line, markup=False, highlight=False))
-        _print_prepared(title, emapg_home() / task.name, task.name, m, rows)
+        title, m, rows = resolve_name(task.prepare)(emapg_home(), seed, lambda line: console.print(line, markup=False, highlight=False))
+        table = Table(title=title, show_header=False)  # the folder, row counts, then the task's own rows
+        for label, value in [("folder", escape(str(emapg_home() / task.name))),
+                             ("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items())), *rows]:
+            table.add_row(label, value)
+        console.print(table)
+        console.print(f"next: emapg train --preset {task.name}")
         return
     if decontaminate:
         _decontaminate(names, ngram, remove)
@@ -184,14 +181,3 @@ def prepare(
     with claim_prepare(dataset_dir(names[0], out), names[0]), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)
-
-
-def _print_prepared(title: str, folder, preset: str, m: dict, rows: list[tuple[str, str]]) -> None:
-    """The closing table of a toy's prepare: its folder, row counts, then `rows`; and the next command."""
-    table = Table(title=title, show_header=False)
-    table.add_row("folder", escape(str(folder)))
-    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
-    for label, value in rows:
-        table.add_row(label, value)
-    console.print(table)
-    console.print(f"next: emapg train --preset {preset}")
