@@ -198,6 +198,12 @@ def claim_folder(path: Path, kind: str, config_hash: Optional[str] = None, *, fr
             os.close(fd)
 
 
+def claim_prepare(folder: Path, what: str):
+    """Hold `folder` as the output of `emapg prepare WHAT` (a dataset name, `--preset NAME`): a folder another
+    `prepare` made for something else is refused before a byte is written (the marker's hash)."""
+    return claim_folder(folder, "prepare", config_sha256(what), same_config=True)
+
+
 def writable_file(path: Path, what: str) -> Path:
     """Check an output file path before the work that produces it: not a folder, parent creatable."""
     path = Path(path)

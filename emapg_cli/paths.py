@@ -31,8 +31,10 @@ def expand(path: str) -> Path:
 
 
 def prepare_hint(path: Path) -> str:
-    """'; run: emapg prepare --preset toy' when `path` lies in a toy task's folder (toy, toy-search, toy-tools), else ''."""
-    for name in ("toy", "toy-search", "toy-tools"):
+    """'; run: emapg prepare --preset NAME' when `path` lies in a built-in task's folder ($EMAPG_HOME/NAME), else ''."""
+    from emapg_cli.tasks import TASKS
+
+    for name in TASKS:
         try:
             Path(path).resolve().relative_to((emapg_home() / name).resolve())
         except ValueError:

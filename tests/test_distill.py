@@ -120,8 +120,9 @@ def test_prepare_toy_distill_snapshots_the_student_and_trains_on_to_the_teacher(
     greedy test accuracies (student 0.25, teacher 0.8)."""
     from transformers import AutoTokenizer
 
-    from emapg_cli.toy import distill_prepare, prepare as toy_prepare
-    from emapg_cli.toy.sft import SFTConfig
+    from emapg_cli.tasks.toy import prepare as toy_prepare
+    from emapg_cli.tasks.toy_distill import prepare as distill_prepare
+    from emapg_cli.tasks.toy.sft import SFTConfig
     from train_helpers import load_weights
 
     for name, value in (("N_TRAIN", 300), ("N_TEST", 40), ("N_DEV", 20)):

@@ -94,7 +94,7 @@ def test_default_eval_folder_is_derived_from_the_run_and_the_bench():
 def test_eval_bench_toy_after_prepare(emapg_home, tiny_llama, tmp_path):
     """`--bench toy` reads $EMAPG_HOME/toy/test.jsonl; the default folder comes from the run's name;
     the figures are written next to the summary."""
-    from emapg_cli.toy.task import make_splits
+    from emapg_cli.tasks.toy.task import make_splits
 
     (emapg_home / "toy").mkdir()
     _, test = make_splits(0, 10, 4)

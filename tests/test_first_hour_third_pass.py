@@ -100,9 +100,10 @@ def test_every_toy_prepare_quiets_transformers_before_it_starts(monkeypatch, pre
 
     calls = []
     monkeypatch.setattr(hf_quiet, "quiet_transformers", lambda: calls.append("quiet"))
-    name = {"toy": "_prepare_toy", "toy-search": "_prepare_toy_search", "toy-tools": "_prepare_toy_tools",
-            "toy-distill": "_prepare_toy_distill"}[preset]
-    monkeypatch.setattr(prepare_cmd, name, lambda seed: calls.append(f"prepare {seed}"))
+    from emapg_cli.tasks import get_task
+
+    step = get_task(preset).prepare.replace(":", ".")  # the task's declared prepare step
+    monkeypatch.setattr(step, lambda home, seed, say: calls.append(f"prepare {seed}") or ("", {"rows": {}}, []))
     prepare_cmd.prepare(names=None, from_file=None, out=None, preset=preset, seed=3, decontaminate=False, remove=False,
                         ngram=13, list_=False)
     assert calls == ["quiet", "prepare 3"]

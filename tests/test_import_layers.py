@@ -21,11 +21,14 @@ import emapg_cli
 
 PACKAGE = Path(emapg_cli.__file__).resolve().parent
 
+TASK_CODE = "tasks.*.*"  # the modules inside a task's package: one floor above its declaration
+
 # Floor of each top-level name under emapg_cli (a package or a single module); imports go to the same floor or lower.
 FLOORS: dict[str, int] = {
-    # 0: helpers every floor may use
+    # 0: helpers every floor may use; the built-in tasks' registry and declarations (tasks/__init__.py, tasks/spec.py,
+    # tasks/NAME/__init__.py: plain data)
     "emapg_cli": 0, "errors": 0, "paths": 0, "fileio": 0, "estimator_names": 0, "stats": 0, "outputs": 0,
-    "hf_quiet": 0, "progress": 0, "http_client": 0, "bounds": 0,
+    "hf_quiet": 0, "progress": 0, "http_client": 0, "bounds": 0, "tasks": 0,
     # 1: pure maths (tensors in, tensors out) and answer grading
     "kl": 1, "grpo": 1, "grading": 1,
     # 2: the canonical example schema
@@ -37,8 +40,9 @@ FLOORS: dict[str, int] = {
     "agents": 4, "rewards": 4, "retrieval": 4, "engines": 4, "serve": 4,
     # 5: the run's config (pydantic models, presets); it checks plugin references through rewards.plugin
     "config": 5,
-    # 6: the cores of the commands, which read the config and pass settings down
-    "train": 6, "evaluation": 6, "ablate": 6, "toy": 6, "klcheck": 6, "bench": 6, "plots": 6,
+    # 6: the cores of the commands, which read the config and pass settings down; a built-in task's code
+    # (tasks/NAME/*.py but its __init__.py: the problems and its prepare step; `TASK_CODE`)
+    "train": 6, "evaluation": 6, "ablate": 6, TASK_CODE: 6, "klcheck": 6, "bench": 6, "plots": 6,
     # 7: the command line
     "cli": 7, "__main__": 7,
 }
@@ -88,6 +92,8 @@ def imports(name: str, path: Path, known: set[str]) -> list[tuple[str, bool, int
 
 def top_name(module: str) -> str:
     parts = module.split(".")
+    if parts[1:2] == ["tasks"] and len(parts) > 3:
+        return TASK_CODE  # emapg_cli.tasks.toy.prepare; emapg_cli.tasks.toy (its __init__.py) is "tasks"
     return parts[1] if len(parts) > 1 else "emapg_cli"
 
 

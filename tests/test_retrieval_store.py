@@ -156,8 +156,8 @@ def test_streamed_index_hand_computed_scores(tmp_path):
 
 def test_streamed_index_equals_bm25s_on_the_toy_search_corpus(tmp_path):
     from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
-    from emapg_cli.toy.search_prepare import SIZES
-    from emapg_cli.toy.search_task import make_world
+    from emapg_cli.tasks.toy_search.prepare import SIZES
+    from emapg_cli.tasks.toy_search.task import make_world
 
     rows = list(make_world(0, SIZES).corpus())
     build_index(_write(tmp_path / "c.jsonl", rows), tmp_path / "idx", chunk=97, buckets=5)

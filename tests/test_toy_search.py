@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from emapg_cli.toy.search_task import LINK_ATTR, POOL, VALUE_ATTRS, make_questions, make_world
+from emapg_cli.tasks.toy_search.task import LINK_ATTR, POOL, VALUE_ATTRS, make_questions, make_world
 
 SIZES = {"train": 30, "dev": 10, "test": 10}
 
@@ -50,8 +50,8 @@ def test_bm25_ranks_the_gold_passage_first_and_episodes_mask_observations(tmp_pa
     from emapg_cli.data.schema import write_jsonl
     from emapg_cli.models.tiny import build_byte_tokenizer
     from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
-    from emapg_cli.toy.search_prepare import EpisodeEncoder, tokenizer_texts
-    from emapg_cli.toy.sft import IGNORE
+    from emapg_cli.tasks.toy_search.prepare import EpisodeEncoder, tokenizer_texts
+    from emapg_cli.tasks.toy.sft import IGNORE
 
     w = make_world(0, SIZES)
     write_jsonl(tmp_path / "corpus.jsonl", w.corpus())
@@ -82,8 +82,8 @@ def test_prepare_runs_its_dev_checks_and_writes_a_warm_start(tmp_path):
     """`prepare_toy_search` end to end at a tiny scale: the dev checks run the real agent loop and the
     `em` reward on its completions (a merge once broke exactly this call), and the manifest records them."""
     pytest.importorskip("bm25s")
-    from emapg_cli.toy import search_prepare as sp
-    from emapg_cli.toy.sft import SFTConfig
+    from emapg_cli.tasks.toy_search import prepare as sp
+    from emapg_cli.tasks.toy.sft import SFTConfig
 
     tiny = SFTConfig(hidden=16, layers=1, heads=2, kv_heads=1, max_steps=2, check_every=1, batch_size=2, warmup=1)
     sizes, counts = dict(sp.SIZES), (sp.N_TRAIN, sp.N_DEV, sp.N_TEST)

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from emapg_cli.agents.calculator import CalcError, CalculatorEnv, evaluate
-from emapg_cli.toy.sft import IGNORE
-from emapg_cli.toy.tools_task import Problem, gold_turns, make_splits, problem_stream
+from emapg_cli.tasks.toy.sft import IGNORE
+from emapg_cli.tasks.toy_tools.task import Problem, gold_turns, make_splits, problem_stream
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matmuls: one thread is faster and immune to load
@@ -191,7 +191,7 @@ def test_splits_are_seeded_disjoint_and_canonical():
 
 # ---------------------------------------------------------------- the warm start
 def test_episode_encoding_trains_the_policy_turns_only(tok):
-    from emapg_cli.toy.tools_prepare import encode_episode
+    from emapg_cli.tasks.toy_tools.prepare import encode_episode
 
     prompt = [7, 8, 9]
     call, obs, answer = ids(tok, "<calc>1 * 2</calc>"), ids(tok, "<result>2</result>"), ids(tok, "\\boxed{2}")
@@ -223,7 +223,7 @@ class OneHot:
 def test_protocol_check_by_hand(tok):
     import math
 
-    from emapg_cli.toy.tools_prepare import encode_episode, protocol_check
+    from emapg_cli.tasks.toy_tools.prepare import encode_episode, protocol_check
 
     prompt = ids(tok, "Q:")  # 2 tokens
     episodes = [encode_episode(tok, prompt, gold_turns(Problem(a, 2), call=True)) for a in (1, 3)]
@@ -271,8 +271,8 @@ def test_prepare_toy_tools_writes_the_task_the_model_and_a_manifest(tmp_path, mo
     from transformers import AutoModelForCausalLM
 
     from emapg_cli.datasets.loading import load_examples
-    from emapg_cli.toy import tools_prepare
-    from emapg_cli.toy.sft import SFTConfig
+    from emapg_cli.tasks.toy_tools import prepare as tools_prepare
+    from emapg_cli.tasks.toy.sft import SFTConfig
 
     monkeypatch.setattr(tools_prepare, "SIZES", {"test": 12, "dev": 8, "train": 40})
     sft = SFTConfig(hidden=32, layers=1, heads=2, kv_heads=1, batch_size=8, warmup=1, lr=1e-2, max_steps=4,
@@ -301,7 +301,7 @@ def test_prepare_cli_names_the_toy_presets(cli, emapg_home):
 def test_toy_tools_policy_learns_to_call_the_calculator(emapg_home, cli, tmp_path):
     """prepare + `emapg train --preset toy-tools` (seed 0): the warm start answers in its head (greedy: no calls,
     almost nothing right); after RL the greedy policy calls and is mostly right. ~3-5 minutes on 2 CPU cores."""
-    from emapg_cli.toy.tools_prepare import prepare_toy_tools
+    from emapg_cli.tasks.toy_tools.prepare import prepare_toy_tools
 
     manifest = prepare_toy_tools(emapg_home, seed=0)
     assert manifest["sft_test_calls"] <= 0.2 and manifest["sft_test_accuracy"] <= 0.2

@@ -11,7 +11,7 @@
                   `agents.runner.EnvRunner`
 
 `make_environment` builds any of them for training (train/trainer.py), `emapg eval` (evaluation/runner.py) and
-the toys (toy/search_prepare.py); each gives an `Environment`: the user-message rule, `bind(engine)` (what
+the toys (tasks/toy_search/prepare.py); each gives an `Environment`: the user-message rule, `bind(engine)` (what
 rollouts sample from), its `env/*` metrics and its turn limit. A named built-in's module is imported only when
 it is chosen, so a missing optional module fails only then.
 """

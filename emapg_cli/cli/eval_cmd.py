@@ -201,7 +201,7 @@ def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code:
     """The reward's check, then the trust rule (config/trust.py): a plugin from --preset/--config runs only with
     --trust-code; it is imported now, before anything is written."""
     from emapg_cli.config.trust import code_refs_of, load_code, named_refs, require_trust
-    from emapg_cli.rewards.registry import check_reward
+    from emapg_cli.rewards.registry import canonical_reward, check_reward
 
     searching = o["retriever"] is not None
     try:  # the check training's rollout.reward gets; a plugin file path is made absolute
@@ -222,7 +222,7 @@ def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code:
             if msg.startswith(key):
                 raise UserError(f"{flag}: {msg.removeprefix(key).lstrip(': ')}") from None
         raise
-    if searching and o["reward"] in ("math", "toy"):
+    if searching and canonical_reward(o["reward"]) == "math":
         raise UserError("--retriever answers inside <answer> tags: use --reward em or f1")
 
 
@@ -370,13 +370,14 @@ def eval_(
     if compare is not None or json_out is not None:
         return _compare(ctx, compare, json_out)
     from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
+    from emapg_cli.tasks import TASKS
     from emapg_cli.evaluation.runner import EvalSettings
     from emapg_cli.hf_quiet import quiet_transformers
 
     quiet_transformers()
     check_seconds_option("--grader-timeout", grader_timeout)
     o, cfg, origin = dict(ctx.params), None, {}
-    if bench in BUILTIN_BENCHES and bench != "toy" and not (preset or config or env or retriever):
+    if bench in BUILTIN_BENCHES and TASKS[bench].env and not (preset or config or env or retriever):
         preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
     label = bench  # names the default output folder
     if preset or config or set_:

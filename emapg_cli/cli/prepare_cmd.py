@@ -1,9 +1,10 @@
-"""`emapg prepare`: build a canonical dataset (hub or local file), the toy task, or a decontamination report."""
+"""`emapg prepare`: build a canonical dataset (hub or local file), a built-in task, or a decontamination report."""
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from pkgutil import resolve_name  # a task's declared prepare step, `module:function`
 from typing import Annotated, Optional
 
 import typer
@@ -12,13 +13,8 @@ from rich.table import Table
 
 from emapg_cli.cli.common import console, err_console
 from emapg_cli.errors import UserError
-from emapg_cli.outputs import claim_folder, config_sha256
-
-
-def _claim(folder: Path, what: str):
-    """Hold `folder` as the output of `emapg prepare WHAT` (a dataset name, `--preset NAME`): a folder another
-    `prepare` made for something else is refused before a byte is written (outputs.py, the marker's hash)."""
-    return claim_folder(folder, "prepare", config_sha256(what), same_config=True)
+from emapg_cli.outputs import claim_folder, claim_prepare
+from emapg_cli.tasks import REASONING_GYM, get_task
 
 
 def _progress_bar(label: str):
@@ -37,83 +33,6 @@ def _progress_bar(label: str):
     return bar, start
 
 
-def _prepare_toy(seed: int) -> None:
-    from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.prepare import prepare_toy
-
-    home = emapg_home()
-    with _claim(home / "toy", "--preset toy"):
-        manifest = prepare_toy(home, seed, progress=True)  # shows its own progress bar
-    table = Table(title="prepared the toy task", show_header=False)
-    table.add_row("folder", escape(str(home / "toy")))
-    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in manifest["rows"].items()))
-    table.add_row("model", f"{manifest['model']['arch']}, {manifest['model']['parameters']:,} parameters (toy/model)")
-    table.add_row("warm start", f"{manifest['sft_steps']} steps in {manifest['sft_wall_s']:.0f} s, "
-                  f"greedy test accuracy {manifest['sft_test_accuracy']:.1%}")
-    console.print(table)
-    console.print("next: emapg train --preset toy")
-
-
-def _prepare_toy_search(seed: int) -> None:
-    from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.search_prepare import PRESET, prepare_toy_search
-
-    home = emapg_home()
-    with _claim(home / PRESET, f"--preset {PRESET}"):
-        m = prepare_toy_search(home, seed, progress=True)
-    _print_prepared("prepared the toy search task", home / PRESET, PRESET, m, [
-        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
-        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
-                       f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")])
-
-
-def _prepare_toy_tools(seed: int) -> None:
-    from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.tools_prepare import PRESET, prepare_toy_tools
-
-    home = emapg_home()
-    with _claim(home / PRESET, f"--preset {PRESET}"):
-        m = prepare_toy_tools(home, seed, progress=True)
-    _print_prepared("prepared the toy tools task", home / PRESET, PRESET, m, [
-        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({PRESET}/model)"),
-        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test accuracy "
-                       f"{m['sft_test_accuracy']:.1%} with {m['sft_test_calls']:.2f} calculator calls per episode "
-                       f"(sampled: calls with probability {m['sft_call_probability']:.2f})")])
-
-
-def _prepare_toy_distill(seed: int) -> None:
-    from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.distill_prepare import PRESET, prepare_toy_distill
-
-    home = emapg_home()
-    with _claim(home / PRESET, f"--preset {PRESET}"):
-        m = prepare_toy_distill(home, seed, say=lambda line: console.print(line, markup=False, highlight=False))
-    _print_prepared("prepared the toy distillation task", home / PRESET, PRESET, m, [
-        ("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({PRESET}/student, {PRESET}/teacher)"),
-        ("greedy test accuracy", f"student {m['student_test_accuracy']:.1%} (step {m['student_steps']}), "
-                                 f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")])
-
-
-def _prepare_smol(seed: int) -> None:
-    from emapg_cli.paths import emapg_home
-    from emapg_cli.toy.smol_prepare import PRESET, check_model_folder_is_ours, prepare_smol
-
-    from emapg_cli.hf_quiet import quiet_transformers
-
-    if seed != 0:
-        raise UserError("--preset smol takes no --seed: its tasks' seeds are fixed (train 0, test 1; docs/smol.md)")
-    quiet_transformers()
-    home = emapg_home()
-    check_model_folder_is_ours(home / PRESET)  # before the claim writes its marker into a folder it would refuse
-    with _claim(home / PRESET, f"--preset {PRESET}"):
-        m = prepare_smol(home, say=lambda line: console.print(line, markup=False, highlight=False))
-    card = m["model_source"]
-    _print_prepared("prepared the smol task", home / PRESET, PRESET, m, [
-        ("model", f"SmolLM2-135M-Instruct, float32 ({PRESET}/model; from the {card}, see {PRESET}/model_card.json)"),
-        ("tasks", ", ".join(t["task"] for t in m["train"]["tasks"])),
-        ("time", f"{m['wall_s']:.0f} s")])
-
-
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
     """HotpotQA-style context paragraphs -> a retrieval corpus (corpus.jsonl + manifest.json)."""
     import json
@@ -128,7 +47,7 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
     out_dir = out or emapg_home() / "data" / "hotpotqa-corpus"
     docs, dups = hotpotqa_corpus(from_file)
     path = out_dir / "corpus.jsonl"
-    with _claim(out_dir, "hotpotqa-corpus"):
+    with claim_prepare(out_dir, "hotpotqa-corpus"):
         write_jsonl(path, docs)
         manifest = {"name": "hotpotqa-corpus", "source": str(from_file), "source_sha256": sha256_file(from_file),
                     "rows": len(docs), "duplicates_dropped": dups, "sha256": sha256_file(path)}
@@ -139,14 +58,14 @@ def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> 
 
 def _prepare_reasoning_gym(name: str, size: Optional[int], seed: int, task_config: Optional[str], out: Optional[Path]) -> None:
     from emapg_cli.datasets.prepare import dataset_dir
-    from emapg_cli.datasets.reasoning_gym_data import DEFAULT_SIZE, parse_reference, prepare_reasoning_gym
+    from emapg_cli.datasets.reasoning_gym_data import DEFAULT_SIZE, parse_reference
 
     parse_reference(name)  # an unknown task: one line before any folder is made
     out_dir = dataset_dir(name, out)
-    with _claim(out_dir, name):
-        manifest = prepare_reasoning_gym(name, size or DEFAULT_SIZE, seed, task_config, out_dir)
+    with claim_prepare(out_dir, name):
+        manifest = resolve_name(REASONING_GYM.prepare)(name, size or DEFAULT_SIZE, seed, task_config, out_dir)
     _show_manifest(out_dir, manifest)
-    console.print(f"train on it with rollout.reward=reasoning-gym (data.train: {escape(str(out_dir))})", highlight=False)
+    console.print(f"train on it with rollout.reward={REASONING_GYM.reward} (data.train: {escape(str(out_dir))})", highlight=False)
 
 
 def _show_manifest(out_dir: Path, manifest: dict) -> None:
@@ -171,11 +90,10 @@ def _show_manifest(out_dir: Path, manifest: dict) -> None:
 
 
 def _decontaminate(names: list[str], ngram: int, remove: bool) -> None:
-    from emapg_cli.datasets.prepare import decontaminate
+    from emapg_cli.datasets.prepare import dataset_dir, decontaminate
 
     if len(names) < 2:
         raise UserError("--decontaminate needs a training set and at least one evaluation set: TRAIN EVAL...")
-    from emapg_cli.datasets.prepare import dataset_dir
 
     # --remove rewrites the prepared training set: hold its folder (a prepared dataset) while doing so;
     # anything else (a file path, a name never prepared) is refused by decontaminate itself
@@ -225,16 +143,20 @@ def prepare(
         console.print(table)
         return
     if preset is not None:
-        toys = {"toy": _prepare_toy, "toy-search": _prepare_toy_search, "toy-tools": _prepare_toy_tools,
-                "toy-distill": _prepare_toy_distill, "smol": _prepare_smol}
-        if preset not in toys:
-            raise UserError(f"--preset supports 'toy', 'toy-search', 'toy-tools', 'toy-distill' and 'smol' (got '{preset}')")
+        task = get_task(preset)
         if names or from_file:
             raise UserError(f"--preset {preset} takes no NAME or --from")
         from emapg_cli.hf_quiet import quiet_transformers
+        from emapg_cli.paths import emapg_home
 
-        quiet_transformers()  # every toy saves and loads models: transformers' own bars stay out of the output
-        toys[preset](seed)
+        quiet_transformers()  # every task saves and loads models: transformers' own bars stay out of the output
+        title, m, rows = resolve_name(task.prepare)(emapg_home(), seed, lambda line: console.print(line, markup=False, highlight=False))
+        table = Table(title=title, show_header=False)  # the folder, row counts, then the task's own rows
+        for label, value in [("folder", escape(str(emapg_home() / task.name))),
+                             ("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items())), *rows]:
+            table.add_row(label, value)
+        console.print(table)
+        console.print(f"next: emapg train --preset {task.name}")
         return
     if decontaminate:
         _decontaminate(names, ngram, remove)
@@ -243,9 +165,7 @@ def prepare(
         raise UserError("--remove only applies with --decontaminate")
     if len(names) != 1:
         raise UserError("give exactly one dataset NAME (see `emapg prepare --list`)")
-    from emapg_cli.datasets.reasoning_gym_data import is_reference
-
-    if is_reference(names[0]):
+    if names[0].startswith(REASONING_GYM.name):
         if from_file is not None:
             raise UserError("reasoning-gym tasks are generated: --from does not apply")
         _prepare_reasoning_gym(names[0], size, seed, task_config, out)
@@ -258,17 +178,6 @@ def prepare(
     from emapg_cli.datasets.prepare import dataset_dir, prepare_dataset
 
     bar, start = _progress_bar(escape(f"converting {names[0]}"))
-    with _claim(dataset_dir(names[0], out), names[0]), bar:
+    with claim_prepare(dataset_dir(names[0], out), names[0]), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)
-
-
-def _print_prepared(title: str, folder, preset: str, m: dict, rows: list[tuple[str, str]]) -> None:
-    """The closing table of a toy's prepare: its folder, row counts, then `rows`; and the next command."""
-    table = Table(title=title, show_header=False)
-    table.add_row("folder", escape(str(folder)))
-    table.add_row("rows", ", ".join(f"{split} {n}" for split, n in m["rows"].items()))
-    for label, value in rows:
-        table.add_row(label, value)
-    console.print(table)
-    console.print(f"next: emapg train --preset {preset}")

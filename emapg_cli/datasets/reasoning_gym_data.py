@@ -30,8 +30,9 @@ from typing import Any, Optional, Sequence
 
 from emapg_cli.data.schema import Example
 from emapg_cli.errors import UserError, first_line
+from emapg_cli.tasks import REASONING_GYM
 
-PREFIX = "reasoning-gym:"
+PREFIX = REASONING_GYM.name  # "reasoning-gym:"
 
 #: The user message of every row: reasoning-gym's question, then its answer format (the reward reads the
 #: last <answer>...</answer>, reasoning-gym's `extract_answer`). Short, so that a small model answers at once.
@@ -59,11 +60,6 @@ def library():
     except ImportError:
         raise UserError("reasoning-gym tasks need the reasoning-gym package: pip install 'emapg[tasks]'") from None
     return reasoning_gym
-
-
-def is_reference(name: str) -> bool:
-    """`name` is a `reasoning-gym:TASK[,TASK...]` reference."""
-    return name.startswith(PREFIX)
 
 
 def parse_reference(name: str) -> list[str]:

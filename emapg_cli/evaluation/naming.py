@@ -6,9 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 from emapg_cli.paths import emapg_home
+from emapg_cli.tasks import TASKS
 
-#: Built-in benches written by `emapg prepare --preset NAME`: name -> file under $EMAPG_HOME.
-BUILTIN_BENCHES = {"toy": "toy/test.jsonl", "toy-search": "toy-search/test.jsonl", "toy-tools": "toy-tools/test.jsonl"}
+#: Built-in benches written by `emapg prepare --preset NAME` (the tasks' declared `bench`): name -> file under $EMAPG_HOME.
+BUILTIN_BENCHES = {t.name: f"{t.name}/{t.bench}" for t in TASKS.values() if t.bench}
 
 
 def bench_ref(bench: str) -> str:

@@ -324,6 +324,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
         timeouts, refused, stats = grader.timeouts, grader.refused, grader.pool_stats
         version, votes, vote_key = grader.version, grader.votes, grader.vote_key
     from emapg_cli.agents.environments import grades_itself
+    from emapg_cli.rewards.registry import canonical_reward
 
     reward = s.reward
     if s.model is not None and s.agent is not None:  # the agent's own reward graded every response
@@ -335,7 +336,7 @@ def run_eval(s: EvalSettings, progress: Optional[Progress] = None) -> dict[str, 
     scores = [_item_scores(ex, done[ex.id], vote_key) for ex in examples]
     grading.seconds += time.perf_counter() - t_scores  # normalising the votes is grading work too
     mean_score = None
-    if s.reward not in ("math", "toy") or s.env_name not in ("single", "search") or s.agent is not None:  # the reward itself (f1 is partial credit; avg@n counts full scores only; an environment's own)
+    if canonical_reward(s.reward) != "math" or s.env_name not in ("single", "search") or s.agent is not None:  # the reward itself (f1 is partial credit; avg@n counts full scores only; an environment's own)
         per_item = [sum(done[ex.id]["scores"]) / len(done[ex.id]["scores"]) for ex in examples if "scores" in done[ex.id]]
         mean_score = sum(per_item) / len(per_item) if per_item else None
     summary = {

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from emapg_cli.data.schema import Example
 from emapg_cli.errors import UserError
+from emapg_cli.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,16 @@ REWARDS: dict[str, Callable[..., RewardFn]] = {
     "exact_match": _exact_match,
     "em": _em,  # search agent: Search-R1 exact match of the last <answer>
     "f1": _f1,  # search agent: SQuAD token F1 of the last <answer>
-    "toy": _math,  # the toy task's answers are integers in \boxed{}: maths grading
     "reasoning-gym": _reasoning_gym,  # rows of `emapg prepare reasoning-gym:TASK`: the task's own score_answer (partial credit)
 }
+#: A built-in task's name that is also a reward name (`toy`: its answers are integers in \boxed{}, maths grading).
+ALIASES = {t.name: t.reward for t in TASKS.values() if t.reward_alias}
+REWARDS.update({alias: REWARDS[name] for alias, name in ALIASES.items()})
+
+
+def canonical_reward(name: str) -> str:
+    """The registered reward `name` stands for: a task's alias (`toy`) -> its reward (`math`), else `name`."""
+    return ALIASES.get(name, name)
 
 
 def register_reward(name: str, factory: Callable[..., RewardFn]) -> None:

@@ -33,8 +33,8 @@ from train_tiny_encoder import build, train  # noqa: E402
 
 def toy_search():
     """(corpus rows, training pairs, eval queries, gold id sets per query) of the toy-search world (seed 0)."""
-    from emapg_cli.toy.search_prepare import N_TEST, N_TRAIN, SIZES
-    from emapg_cli.toy.search_task import make_questions, make_world
+    from emapg_cli.tasks.toy_search.prepare import N_TEST, N_TRAIN, SIZES
+    from emapg_cli.tasks.toy_search.task import make_questions, make_world
 
     world = make_world(0, SIZES)
     corpus = world.corpus()

@@ -73,15 +73,15 @@ def tools_calls(home: Path, run_dir: Path) -> dict:
 def run_seed(seed: int, out: Path, preset: str, prepare_only: bool = False) -> dict:
     home = out / f"home-{seed}"
     if preset == "toy":
-        from emapg_cli.toy.prepare import prepare_toy
+        from emapg_cli.tasks.toy.prepare import prepare_toy
 
         manifest = prepare_toy(home, seed, progress=True)
     elif preset == "toy-tools":
-        from emapg_cli.toy.tools_prepare import prepare_toy_tools
+        from emapg_cli.tasks.toy_tools.prepare import prepare_toy_tools
 
         manifest = prepare_toy_tools(home, seed, progress=True)
     else:
-        from emapg_cli.toy.search_prepare import prepare_toy_search
+        from emapg_cli.tasks.toy_search.prepare import prepare_toy_search
 
         manifest = prepare_toy_search(home, seed, progress=True)
     if prepare_only:

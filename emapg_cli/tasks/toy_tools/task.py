@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from emapg_cli.data.schema import Example
-from emapg_cli.toy import task
+from emapg_cli.tasks.toy import task
 
 SOURCE = "toy-tools"
 

@@ -5,7 +5,7 @@ Problems are `Example` rows in the canonical schema so the trainer reads them li
 prepared dataset and grades them with the same `math` reward as the real presets.
 
 The warm start trains on the true sums and stops part-way through learning them (at a measured
-dev accuracy, see `toy/prepare.py`), so RL with the verifier has room to finish the job.
+dev accuracy, see `prepare.py`), so RL with the verifier has room to finish the job.
 """
 
 from __future__ import annotations

