@@ -386,6 +386,16 @@ def aggregate(out: Path) -> tuple[Sweep, list[RunRecord], list[ConfigSummary]]:
     return sweep, records, summaries
 
 
+def runs_section(runs: list[dict[str, Any]]) -> list[str]:
+    """The `## Runs` lines of an analysis's markdown (stability, anchors): the diverged runs, then those left out
+    (failed, unfinished); none when every run counted."""
+    diverged = [r for r in runs if r["status"] == "diverged"]
+    left = [r for r in runs if r["status"] not in ("done", "diverged")]
+    return ["", "## Runs", "", *(f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged),
+            *(f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in left)
+            ] if diverged or left else []
+
+
 def write_report_files(out: Path, md_name: str, json_name: str, markdown: str, report) -> list[Path]:
     """An analysis's two files in the sweep folder: the markdown text and the report dataclass as JSON (`asdict`),
     each written under a temporary name and renamed; returns their paths."""

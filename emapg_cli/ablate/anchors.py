@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, runs_section, write_report_files
 from emapg_cli.ablate.distill import last_fraction_mean
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.plots import mean_band
@@ -301,13 +301,7 @@ def markdown(report: Report) -> str:
             lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     if report.base:
         lines += _measured_markdown(report)
-    left = [r for r in report.runs if r["status"] not in ("done", "diverged")]
-    diverged = [r for r in report.runs if r["status"] == "diverged"]
-    if left or diverged:
-        lines += ["", "## Runs", ""]
-        lines += [f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged]
-        lines += [f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in left]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + runs_section(report.runs)) + "\n"
 
 
 def _measured_markdown(report: Report) -> list[str]:

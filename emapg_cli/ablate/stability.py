@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, write_report_files
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, runs_section, write_report_files
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.study import StudyAnalysis, Sweep
 from emapg_cli.stats import (bootstrap_within_best, finite, fixed, interval, mean_ci, median, paired_compare,
@@ -342,15 +342,8 @@ def markdown(report: Report) -> str:
               "one-step t-correction:", "",
               "    n = ceil(((z_0.975 + z_0.80) / d_z)^2 + z_0.975^2 / 2) = ceil(7.849 / d_z^2 + 1.921)", "",
               "So an interval that includes 0 with a small |d_z| says how many seeds a real difference of that size would take; "
-              "d_z from few seeds is itself uncertain (read n as an order of magnitude).", ""]
-    other = [r for r in report.runs if r["status"] not in ("done", "diverged")]
-    diverged = [r for r in report.runs if r["status"] == "diverged"]
-    if diverged or other:
-        lines += ["## Runs", ""]
-        lines += [f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged]
-        lines += [f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in other]
-        lines.append("")
-    return "\n".join(lines)
+              "d_z from few seeds is itself uncertain (read n as an order of magnitude)."]
+    return "\n".join(lines + runs_section(report.runs)) + "\n"
 
 
 def write(out: Path, report: Report) -> list[Path]:
