@@ -149,16 +149,6 @@ def best_constant(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # --- running --------------------------------------------------------------------------------------
 
 
-def _eval_args(sweep, model: str, bench: Path, out: Path, n: int, temperature: float, sets: list[str]) -> list[str]:
-    args = ["eval", "--preset", str(sweep.preset)] if sweep.preset else ["eval"]
-    if sweep.config:
-        args += ["--config", str(sweep.config)]
-    for item in [*sweep.set, *sets]:
-        args += ["--set", item]
-    return args + ["--model", model, "--bench", str(bench), "--n", str(n), "--temperature", str(temperature),
-                   "--out", str(out)]
-
-
 def _emapg(args: list[str], log: Path, env: Optional[dict[str, str]] = None, module: str = "emapg_cli") -> None:
     """Run `emapg ARGS` (this interpreter's emapg; with `module`, `python -m emapg_cli.ablate.measures ARGS`: heldout_kl
     in a process of its own), appending its output to `log`; UserError naming the log on failure."""
@@ -178,7 +168,8 @@ def _evaluate(sweep, model: str, bench: Path, out: Path, n: int, temperature: fl
         return
     if out.exists():
         shutil.rmtree(out)  # an interrupted evaluation of ours: start it again
-    _emapg(_eval_args(sweep, model, bench, out, n, temperature, list(sets)), log, env)
+    _emapg(sweep.command("eval", [*sweep.set, *sets]) + ["--model", model, "--bench", str(bench), "--n", str(n),
+                                                        "--temperature", str(temperature), "--out", str(out)], log, env)
     shutil.rmtree(out / "plots", ignore_errors=True)
 
 

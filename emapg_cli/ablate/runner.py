@@ -90,14 +90,7 @@ def read_record(path: Path) -> Optional[dict]:
 
 def train_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
     """The `train` arguments of one run (everything after the program name)."""
-    args = ["train"]
-    if sweep.preset:
-        args += ["--preset", sweep.preset]
-    if sweep.config:
-        args += ["--config", sweep.config]
-    for item in spec.overrides:
-        args += ["--set", item]
-    return args + ["--out", str(run_dir(out, spec))]
+    return sweep.command("train", spec.overrides) + ["--out", str(run_dir(out, spec))]
 
 
 def has_checkpoint(out: Path, spec: RunSpec) -> bool:

@@ -20,7 +20,7 @@ seed and by item.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
@@ -134,6 +134,11 @@ class Sweep(BaseModel):
     def columns(self) -> list[str]:
         """The columns that tell configurations apart: `variant` (if any), then every grid key."""
         return (["variant"] if self.variants else []) + list(self.grid)
+
+    def command(self, verb: str, sets: Sequence[str]) -> list[str]:
+        """`VERB [--preset P] [--config C] [--set ITEM ...]`: a command on this sweep's base config (train, eval)."""
+        base = [*(["--preset", str(self.preset)] if self.preset else []), *(["--config", str(self.config)] if self.config else [])]
+        return [verb, *base, *(w for item in sets for w in ("--set", item))]
 
     def runs(self) -> list[RunSpec]:
         """Every run, validated (UserError before anything starts)."""
