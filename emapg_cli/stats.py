@@ -29,18 +29,12 @@ def student_t_two_sided_p(t: float, df: int) -> float:
         return 0.0
     theta = math.atan(abs(t) / math.sqrt(df))
     s, c = math.sin(theta), math.cos(theta)
-    if df % 2 == 1:
-        series, term = 0.0, c  # first term cos(theta) (only when df >= 3)
-        for n in range(3, df + 1, 2):  # term for cos^(n-2)
-            series += term
-            term *= c * c * (n - 1) / n
-        a = (2.0 / math.pi) * (theta + s * series)
-    else:
-        series, term = 0.0, 1.0
-        for n in range(2, df + 1, 2):  # term for cos^(n-2)
-            series += term
-            term *= c * c * (n - 1) / n
-        a = s * series
+    odd = df % 2 == 1
+    series, term = 0.0, c if odd else 1.0  # odd: the first term cos(theta) (only when df >= 3)
+    for n in range(3 if odd else 2, df + 1, 2):  # term for cos^(n-2)
+        series += term
+        term *= c * c * (n - 1) / n
+    a = (2.0 / math.pi) * (theta + s * series) if odd else s * series
     return min(1.0, max(0.0, 1.0 - a))
 
 

@@ -155,63 +155,55 @@ def plot_stability(out: Path, report) -> list[Path]:
     plt = _pyplot()
     methods, cols = report.methods, report.columns
     heads = [column_header(report, c) for c in cols]
-    nan = float("nan")
 
     def grid_of(rows, value):
-        return np.array([[value(m, c["label"]) for c in cols] for m in rows], dtype=float)
+        return np.array([[float("nan") if (x := value(m, c["label"])) is None else x for c in cols] for m in rows], dtype=float)
 
-    def val(x):
-        return nan if x is None else x
+    def heatmap(ax, rows, data, note, label: str = "", **scale) -> None:
+        """rows x grid values of `data` in colour; note(x, row, column) -> (text, colour, bold) annotates each cell, a
+        bold one framed."""
+        im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", **scale)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=label)
+        for i, m in enumerate(rows):
+            for j, c in enumerate(cols):
+                text, color, bold = note(data[i, j], m, c["label"])
+                ax.text(j, i, text, ha="center", va="center", fontsize=9, fontweight="bold" if bold else "normal", color=color)
+                if bold:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=3))
+        ax.set_xticks(range(len(cols)), heads, fontsize=8)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel(report.axis)
 
-    acc = grid_of(methods, lambda m, c: val(report.cell(m, c)["final"]["mean"]))
-    rate = grid_of(methods, lambda m, c: val(report.cell(m, c)["collapse_rate"]))
+    def collapsed(x, m, c):
+        cell = report.cell(m, c)
+        return f"{cell['collapsed']}/{cell['runs']}" if cell["runs"] else "–", "black" if not np.isfinite(x) or x < 0.6 else "white", False
+
     size = (max(6.0, 1.3 * len(cols) + 2.5), max(2.5, 0.6 * len(methods) + 1.5))
     fig, axes = plt.subplots(1, 2, figsize=(2 * size[0], size[1]))
-    panels = [(acc, "mean final accuracy", "viridis", 0.0, 1.0),
-              (rate, "collapse rate (collapsed / runs)", "Reds", 0.0, 1.0)]
-    for ax, (data, title, cmap, vmin, vmax) in zip(axes, panels):
-        im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-        for i, m in enumerate(methods):
-            for j, c in enumerate(cols):
-                cell = report.cell(m, c["label"])
-                if data is acc:
-                    text = "–" if not np.isfinite(data[i, j]) else f"{data[i, j]:.3f}"
-                else:
-                    text = f"{cell['collapsed']}/{cell['runs']}" if cell["runs"] else "–"
-                dark = np.isfinite(data[i, j]) and (data[i, j] - vmin) / (vmax - vmin or 1) < 0.5
-                ax.text(j, i, text, ha="center", va="center", fontsize=9,
-                        color=("white" if dark else "black") if data is acc else ("black" if not np.isfinite(data[i, j]) or data[i, j] < 0.6 else "white"))
-        ax.set_xticks(range(len(cols)), heads, fontsize=8)
-        ax.set_yticks(range(len(methods)), methods)
-        ax.set_xlabel(report.axis)
-        ax.set_title(title)
+    heatmap(axes[0], methods, grid_of(methods, lambda m, c: report.cell(m, c)["final"]["mean"]),
+            lambda x, m, c: ("–" if not np.isfinite(x) else f"{x:.3f}", "white" if np.isfinite(x) and x < 0.5 else "black", False),
+            cmap="viridis", vmin=0.0, vmax=1.0)
+    heatmap(axes[1], methods, grid_of(methods, lambda m, c: report.cell(m, c)["collapse_rate"]), collapsed, cmap="Reds", vmin=0.0, vmax=1.0)
+    axes[0].set_title("mean final accuracy")
+    axes[1].set_title("collapse rate (collapsed / runs)")
     fig.suptitle(f"{report.study}: per method and {report.axis}")
     fig.tight_layout()
     paths = [_save(fig, out / STABILITY_HEATMAP_PNG)]
 
     others = [m for m in methods if m != report.baseline]
     if others:
-        diff = grid_of(others, lambda m, c: val((report.difference(m, c) or {}).get("mean")))
-        lim = float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 0.0
-        lim = max(lim, 0.01)
+        diff = grid_of(others, lambda m, c: (report.difference(m, c) or {}).get("mean"))
+        lim = max(float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 0.0, 0.01)
+
+        def difference(x, m, c):
+            d = report.difference(m, c) or {}
+            if d.get("mean") is None:
+                return "–", "black", False
+            star = bool(d.get("excludes_zero"))
+            return f"{d['mean']:+.3f}" + ("*" if star else ""), "white" if abs(d["mean"]) > 0.6 * lim else "black", star
+
         fig, ax = plt.subplots(figsize=size)
-        im = ax.imshow(np.ma.masked_invalid(diff), cmap="RdBu", norm=TwoSlopeNorm(0.0, -lim, lim), aspect="auto")
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=f"final accuracy: method − {report.baseline}")
-        for i, m in enumerate(others):
-            for j, c in enumerate(cols):
-                d = report.difference(m, c["label"]) or {}
-                if d.get("mean") is None:
-                    ax.text(j, i, "–", ha="center", va="center", fontsize=9)
-                    continue
-                star = d.get("excludes_zero")
-                ax.text(j, i, f"{d['mean']:+.3f}" + ("*" if star else ""), ha="center", va="center", fontsize=9,
-                        fontweight="bold" if star else "normal", color="white" if abs(d["mean"]) > 0.6 * lim else "black")
-                if star:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=3))
-        ax.set_xticks(range(len(cols)), heads, fontsize=8)
-        ax.set_yticks(range(len(others)), others)
-        ax.set_xlabel(report.axis)
+        heatmap(ax, others, diff, difference, f"final accuracy: method − {report.baseline}", cmap="RdBu", norm=TwoSlopeNorm(0.0, -lim, lim))
         ax.set_title(f"{report.study}: method − {report.baseline}, paired over seeds (*, border: 95% CI excludes 0)", fontsize=10)
         fig.tight_layout()
         paths.append(_save(fig, out / STABILITY_DIFFERENCE_PNG))
