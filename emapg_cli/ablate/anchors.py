@@ -24,13 +24,12 @@ Written as anchors.md and anchors.json; the figures are `plots.plot_anchors`.
 
 from __future__ import annotations
 
-import math
 from itertools import product
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, runs_section, write_report_files
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, runs_section, write_report_files
 from emapg_cli.ablate.distill import last_fraction_mean
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.plots import mean_band
@@ -38,7 +37,7 @@ from emapg_cli.ablate.runner import run_dir
 from emapg_cli.ablate.stability import outcome
 from emapg_cli.ablate.study import Sweep
 from emapg_cli.errors import UserError
-from emapg_cli.stats import PairedComparison, fixed, holm, interval, p_text, paired_compare, with_ci
+from emapg_cli.stats import PairedComparison, finite, fixed, holm, interval, p_text, paired_compare, with_ci
 
 ANCHORS_MD = "anchors.md"
 ANCHORS_JSON = "anchors.json"
@@ -127,15 +126,13 @@ def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path,
             run.measured = summarize_run(read_run(run_dir(out, rec.spec)), base)
     for key, metric in TAIL_METRICS:
         setattr(run, key, last_fraction_mean(rec.curves.get(metric, []), sweep.analysis.tail_fraction))
-    kl = [v for _, v in rec.curves.get("kl/value", [])]
-    run.kl_mean = sum(kl) / len(kl) if kl else None
+    run.kl_mean = anchor_numbers(rec.curves)["kl_mean"]
     items = final_items(run_dir(out, rec.spec)) if o.status == "done" else {}
     run.items = len(items)
     return run, items
 
 
 def _comparison(result: PairedComparison, unit: str) -> dict[str, Any]:
-    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
     return {"unit": unit, "n": result.n, "diff": finite(result.diff), "lo": finite(result.lo), "hi": finite(result.hi),
             "test": result.test, "method": result.method, "p": result.p, "a_better": result.a_better,
             "b_better": result.b_better, "ties": result.ties, "pairs_for_power": result.pairs_for_power,

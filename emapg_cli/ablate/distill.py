@@ -196,6 +196,13 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Optional[Path] = None) 
 # --- writing ---------------------------------------------------------------------------------------
 
 
+def _cells(r: dict[str, Any]) -> list[str]:
+    """A variant's cells from the teacher's accuracy to the grad norm (distill.md's (a) and the console table)."""
+    judged = r["reached"] + r["not_reached"]
+    return [mean_range(r["teacher"]), mean_range(r["gap_closed"], 2), f"{r['reached']}/{judged}" if judged else "–",
+            *(mean_range(r[k], fmt=sig3) for k in ("steps_to_target", "wall_to_target_s", "entropy", "tail_mass", "kl", "grad_norm"))]
+
+
 def console_table(report: Report) -> tuple[str, list[str], list[list[str]]]:
     """The short table `emapg ablate` prints (title, headers, rows): per variant over seeds, Δ = variant − baseline."""
     pct = f"{report.analysis['teacher_fraction']:.0%}"
@@ -205,10 +212,7 @@ def console_table(report: Report) -> tuple[str, list[str], list[list[str]]]:
         final = with_ci(r["final"])
         if d is not None and d["final"]["mean"] is not None:
             final += f" Δ{d['final']['mean']:+.3f}" + ("*" if d["final"]["excludes_zero"] else "")
-        judged = r["reached"] + r["not_reached"]
-        rows.append([v, str(r["runs"]), final, mean_range(r["teacher"]), mean_range(r["gap_closed"], 2),
-                     f"{r['reached']}/{judged}" if judged else "–",
-                     *(mean_range(r[k], fmt=sig3) for k in ("steps_to_target", "wall_to_target_s", "entropy", "tail_mass"))])
+        rows.append([v, str(r["runs"]), final, *_cells(r)[:7]])
     return (f"distill: per variant over seeds; Δ = variant − {report.baseline} (* 95% CI excludes 0)",
             ["variant", "seeds", "final accuracy", "teacher", "gap closed", f"reached {pct}", f"steps to {pct}",
              f"wall s to {pct}", "entropy", "tail mass"], rows)
@@ -236,11 +240,7 @@ def markdown(report: Report) -> str:
     for v in report.variants:
         r = report.row(v)
         extra = "".join(f" (+{r[k]} {k})" for k in ("failed", "unfinished") if r[k])
-        reached = f"{r['reached']}/{r['reached'] + r['not_reached']}" if r["reached"] + r["not_reached"] else "–"
-        lines.append(f"| {v} | {r['runs']}{extra} | {with_ci(r['final'])} | {mean_range(r['teacher'])} | {mean_range(r['gap_closed'], 2)} | "
-                     f"{reached} | {mean_range(r['steps_to_target'], fmt=sig3)} | {mean_range(r['wall_to_target_s'], fmt=sig3)} | "
-                     f"{mean_range(r['entropy'], fmt=sig3)} | {mean_range(r['tail_mass'], fmt=sig3)} | {mean_range(r['kl'], fmt=sig3)} | "
-                     f"{mean_range(r['grad_norm'], fmt=sig3)} | {fixed(r['wall_time_s']['mean'], 0)} |")
+        lines.append(f"| {v} | {r['runs']}{extra} | {with_ci(r['final'])} | " + " | ".join(_cells(r)) + f" | {fixed(r['wall_time_s']['mean'], 0)} |")
     lines += ["", f"## (b) Paired differences: variant − {report.baseline}", "",
               f"Seed by seed (the same seeds in every variant): final accuracy on the seeds both finished; steps and wall "
               f"time to {pct} on the seeds where both reached it. Mean [{report.confidence:.0%} Student-t interval] (pairs); "
