@@ -43,11 +43,8 @@ ANALYSIS_FIELDS = {
 
 
 class StudyAnalysis(BaseModel):
-    """The analysis of a study's aggregated runs. `kind: stability` (docs/ablate.md "The stability study"): rows =
-    variants (methods), columns = the values of its one grid axis; collapse, steps to target, paired differences
-    against `baseline`, tuning sensitivity. `kind: distill` (docs/ablate.md "The distillation study"): rows = variants
-    (estimators), no grid; accuracy against the teacher, steps and wall time to a fraction of the teacher's accuracy,
-    the student's entropy and tail mass, paired differences against `baseline`."""
+    """The analysis of a study's aggregated runs, one of the kinds registered in ablate/__init__.py (`kind` says what
+    each computes; docs/ablate.md "The stability study", "The distillation study", "The anchor study")."""
 
     model_config = ConfigDict(extra="forbid")
 
