@@ -9,10 +9,12 @@ import math
 from pathlib import Path
 
 from emapg_cli.ablate.aggregate import ConfigSummary, RunRecord
+from emapg_cli.plots.common import colors as colormap, pyplot, save
 
 ACCURACY_PNG = "accuracy.png"
 FINAL_PNG = "final_accuracy.png"
 KL_EMA_PNG = "kl_ema.png"
+DPI = 120
 
 
 def mean_band(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[float], list[float]]:
@@ -30,27 +32,6 @@ def mean_band(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[fl
         means.append(m)
         stds.append(math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0)
     return steps, means, stds
-
-
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend (files, no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    """savefig to a temporary name beside `path`, then rename (a reader never sees half a PNG); close the figure."""
-    import os
-
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-    _pyplot().close(fig)
-    return path
 
 
 def _band(ax, steps, mean, std, color, label: str, markers_below: int, lw: float = 1.5, alpha: float = 0.12) -> None:
@@ -73,19 +54,13 @@ def _curve_panel(ax, summaries: list[ConfigSummary], records: list[RunRecord], m
     ax.grid(alpha=0.3)
 
 
-def _colors(n: int):
-    import matplotlib
-
-    return matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
-
-
 def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord], title: str) -> list[Path]:
     """Write accuracy.png, final_accuracy.png and kl_ema.png into `out`; return their paths."""
-    plt = _pyplot()
+    plt = pyplot()
     summaries = sorted((c for c in summaries if c.runs > 0), key=lambda c: c.order)  # k = 1, 8, 259: the grid's order
     if not summaries:
         return []
-    colors = _colors(len(summaries))
+    colors = colormap(len(summaries))
     band = "mean ± std over seeds"
     paths = []
 
@@ -99,7 +74,7 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
         axes[0].legend(fontsize=8)
         fig.suptitle(title)
         fig.tight_layout()
-        paths.append(_save(fig, out / name))
+        paths.append(save(fig, out / name, DPI))
 
     curves(("eval/accuracy", "eval accuracy"), ("reward/mean", "train reward"), ACCURACY_PNG, "eval accuracy (%)")
     paths.append(_final_bars(plt, out, summaries, records, title, colors))
@@ -132,7 +107,7 @@ def _final_bars(plt, out: Path, summaries: list[ConfigSummary], records: list[Ru
     ax.set_title(f"{title}: final accuracy ({what})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    return _save(fig, out / FINAL_PNG)
+    return save(fig, out / FINAL_PNG, DPI)
 
 
 # --- the stability study (ablate/stability.py) ---------------------------------------------------
@@ -152,7 +127,7 @@ def plot_stability(out: Path, report) -> list[Path]:
 
     from emapg_cli.ablate.stability import column_header
 
-    plt = _pyplot()
+    plt = pyplot()
     methods, cols = report.methods, report.columns
     heads = [column_header(report, c) for c in cols]
 
@@ -188,7 +163,7 @@ def plot_stability(out: Path, report) -> list[Path]:
     axes[1].set_title("collapse rate (collapsed / runs)")
     fig.suptitle(f"{report.study}: per method and {report.axis}")
     fig.tight_layout()
-    paths = [_save(fig, out / STABILITY_HEATMAP_PNG)]
+    paths = [save(fig, out / STABILITY_HEATMAP_PNG, DPI)]
 
     others = [m for m in methods if m != report.baseline]
     if others:
@@ -206,7 +181,7 @@ def plot_stability(out: Path, report) -> list[Path]:
         heatmap(ax, others, diff, difference, f"final accuracy: method − {report.baseline}", cmap="RdBu", norm=TwoSlopeNorm(0.0, -lim, lim))
         ax.set_title(f"{report.study}: method − {report.baseline}, paired over seeds (*, border: 95% CI excludes 0)", fontsize=10)
         fig.tight_layout()
-        paths.append(_save(fig, out / STABILITY_DIFFERENCE_PNG))
+        paths.append(save(fig, out / STABILITY_DIFFERENCE_PNG, DPI))
     return paths
 
 
@@ -222,11 +197,11 @@ def plot_distill(out: Path, report) -> list[Path]:
     accuracy and teacher_fraction of it as horizontal lines), distill_entropy.png (the student's distill/entropy vs
     step) and distill_tail_mass.png (distill/tail_mass vs step; only when some run logged it). `report`: a
     distill.Report. Returns the paths written."""
-    plt = _pyplot()
+    plt = pyplot()
     variants = [v for v in report.variants if report.curves.get(v)]
     if not variants:
         return []
-    colors = _colors(len(variants))
+    colors = colormap(len(variants))
     teachers = [r["teacher"] for r in report.runs if r["status"] == "done" and r["teacher"] is not None]
     frac = report.analysis["teacher_fraction"]
     paths = []
@@ -250,7 +225,7 @@ def plot_distill(out: Path, report) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
         fig.tight_layout()
-        paths.append(_save(fig, out / name))
+        paths.append(save(fig, out / name, DPI))
     return paths
 
 
@@ -269,7 +244,7 @@ def _cell_grid(n: int):
 
 def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Path, **legend) -> Path:
     """One figure with a panel per cell of an anchors.Report: `draw(ax, cell)` fills each; saved to `path`."""
-    plt = _pyplot()
+    plt = pyplot()
     cells = [c["label"] for c in report.cells]
     rows, cols = _cell_grid(len(cells))
     fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 7.5), 3.8 * rows + 0.4), squeeze=False, sharey=True)
@@ -284,7 +259,7 @@ def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Pat
     axes.flat[0].legend(fontsize=7, ncol=2, **legend)
     fig.suptitle(f"{report.study}: {heading}", fontsize=11)
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path, DPI)
 
 
 def plot_anchors(out: Path, report) -> list[Path]:
@@ -294,7 +269,7 @@ def plot_anchors(out: Path, report) -> list[Path]:
     kl/to_initial are left out there). `report`: an anchors.Report. Returns the paths written."""
     if not report.cells:
         return []
-    colors = _colors(len(report.rules))
+    colors = colormap(len(report.rules))
     color = {r: colors(i % colors.N) for i, r in enumerate(report.rules)}
 
     def curves(ax, cell):
