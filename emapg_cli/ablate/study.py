@@ -204,19 +204,9 @@ def build_sweep(
         if file.analysis.kind == "stability" and len(grid) != 1:
             raise UserError(f"study {name}: its analysis compares the variants along one grid axis, but the sweep has {len(grid)} "
                             f"({', '.join(grid) or 'none'}); change the values of the study's axis with --grid {next(iter(file.grid), 'KEY')}=...")
-    return Sweep(
-        name=name or Path(base).stem,
-        description=file.description,
-        preset=base,
-        config=config or file.config,
-        seeds=seeds or file.seeds,
-        set=[f"{k}={format_value(v)}" for k, v in file.set.items()] + list(sets),
-        variants=file.variants,
-        grid=grid,
-        analysis=file.analysis,
-        measure=file.measure,
-        cost=file.cost,
-    )
+    return Sweep(name=name or Path(base).stem, preset=base, config=config or file.config, seeds=seeds or file.seeds,
+                 set=[f"{k}={format_value(v)}" for k, v in file.set.items()] + list(sets), grid=grid,
+                 **{k: getattr(file, k) for k in ("description", "variants", "analysis", "measure", "cost")})
 
 
 def save_sweep(sweep: Sweep, out: Path) -> None:
