@@ -29,18 +29,12 @@ def student_t_two_sided_p(t: float, df: int) -> float:
         return 0.0
     theta = math.atan(abs(t) / math.sqrt(df))
     s, c = math.sin(theta), math.cos(theta)
-    if df % 2 == 1:
-        series, term = 0.0, c  # first term cos(theta) (only when df >= 3)
-        for n in range(3, df + 1, 2):  # term for cos^(n-2)
-            series += term
-            term *= c * c * (n - 1) / n
-        a = (2.0 / math.pi) * (theta + s * series)
-    else:
-        series, term = 0.0, 1.0
-        for n in range(2, df + 1, 2):  # term for cos^(n-2)
-            series += term
-            term *= c * c * (n - 1) / n
-        a = s * series
+    odd = df % 2 == 1
+    series, term = 0.0, c if odd else 1.0  # odd: the first term cos(theta) (only when df >= 3)
+    for n in range(3 if odd else 2, df + 1, 2):  # term for cos^(n-2)
+        series += term
+        term *= c * c * (n - 1) / n
+    a = (2.0 / math.pi) * (theta + s * series) if odd else s * series
     return min(1.0, max(0.0, 1.0 - a))
 
 
@@ -331,7 +325,8 @@ class PairedComparison:
         return head + f"no difference at the {alpha:g} level{need}"
 
 
-# The numbers of the reports (eval --compare, the ablate studies' markdown): one formatting for all; "–" for none.
+# The numbers of the reports (eval --compare, ablate's summary.md and the studies' markdown and console tables): the
+# one formatting module for numbers, percents, intervals and p-values; "–" for none.
 
 def finite(x: Optional[float]) -> Optional[float]:
     """x, or None for None and non-finite values (JSON has no NaN)."""
@@ -353,6 +348,46 @@ def sig3(x: Optional[float]) -> str:
 def p_text(p: Optional[float]) -> str:
     """A p-value: 3 decimals, 2 significant digits below 0.001; '–' for None."""
     return "–" if p is None else (f"{p:.2g}" if p < 0.001 else f"{p:.3f}")
+
+
+def format_mean_std(iv: Interval, digits: int = 3, percent: bool = False) -> str:
+    """'mean ± std' over seeds ('–' with none, the mean alone with one); `percent`: a fraction shown in %, one
+    decimal (0.841 ± 0.026 -> 84.1 ± 2.6)."""
+    scale, digits = (100.0, 1) if percent else (1.0, digits)
+    if iv.n == 0:
+        return "–"
+    return f"{scale * iv.mean:.{digits}f}" + (f" ± {scale * iv.std:.{digits}f}" if iv.n > 1 else "")
+
+
+def format_ci(iv: Interval, digits: int = 3, percent: bool = False) -> str:
+    """'[lo, hi]' of the t interval ('–' with fewer than two seeds); `percent` as in `format_mean_std`."""
+    scale, digits = (100.0, 1) if percent else (1.0, digits)
+    return f"[{scale * iv.lo:.{digits}f}, {scale * iv.hi:.{digits}f}]" if iv.n >= 2 else "–"
+
+
+def interval(values: Sequence[Optional[float]], confidence: float = 0.95, extremes: bool = True) -> dict[str, Any]:
+    """The JSON form of `mean_ci` over the values that are not None: n, mean, std, lo, hi (None where undefined) and,
+    with `extremes`, min and max."""
+    xs = [v for v in values if v is not None]
+    iv = mean_ci(xs, confidence)
+    out = {"n": iv.n, "mean": finite(iv.mean), "std": finite(iv.std), "lo": finite(iv.lo), "hi": finite(iv.hi)}
+    return {**out, "min": min(xs) if xs else None, "max": max(xs) if xs else None} if extremes else out
+
+
+def with_ci(iv: Mapping[str, Any], digits: int = 3, signed: bool = False, scale: float = 1.0) -> str:
+    """An `interval` as 'mean [lo, hi]' (the bracket with ≥ 2 values), each times `scale` (100: fractions in points)."""
+    if iv["n"] == 0:
+        return "–"
+    f = lambda x: fixed(scale * x, digits, signed)  # noqa: E731
+    return f(iv["mean"]) + (f" [{f(iv['lo'])}, {f(iv['hi'])}]" if iv["n"] >= 2 else "")
+
+
+def mean_range(iv: Mapping[str, Any], digits: int = 3, fmt=None) -> str:
+    """An `interval` as 'mean (min–max)' over seeds; the mean alone for one value; '–' for none."""
+    f = fmt or (lambda x: fixed(x, digits))
+    if iv["n"] == 0:
+        return "–"
+    return f(iv["mean"]) if iv["n"] == 1 else f"{f(iv['mean'])} ({f(iv['min'])}–{f(iv['max'])})"
 
 
 def paired_compare(a: Mapping[Any, float], b: Mapping[Any, float], confidence: float = 0.95,

@@ -343,3 +343,14 @@ def test_the_shipped_stability_study_reduced(tmp_path, tiny_qwen2):
     assert beta[1] == 0.01 and beta[2] != 0.01 and eta[1] != 0.9
     for name in ("stability.md", "stability_heatmap.png", "stability_difference.png", "summary.md", "results.csv"):
         assert (out / name).is_file() and (out / name).stat().st_size > 1000, name
+
+
+def test_every_analysis_kind_is_registered():
+    """ablate/__init__.py's registry has an analysis for each `analysis.kind` a study file may name, and only those."""
+    from typing import get_args
+
+    from emapg_cli.ablate import analyses
+    from emapg_cli.ablate.study import StudyAnalysis
+
+    assert set(analyses()) == set(get_args(StudyAnalysis.model_fields["kind"].annotation))
+    assert all(hasattr(module, f) for module, _ in analyses().values() for f in ("analyze", "write", "console_table"))

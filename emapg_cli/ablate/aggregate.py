@@ -26,7 +26,7 @@ from emapg_cli.ablate.grid import RunSpec, format_value
 from emapg_cli.ablate.runner import SUMMARY, read_record, read_status, run_dir
 from emapg_cli.ablate.study import Sweep, read_sweep
 from emapg_cli.errors import UserError
-from emapg_cli.stats import Interval, mean_ci
+from emapg_cli.stats import Interval, finite, format_ci, format_mean_std, mean_ci, sig3
 from emapg_cli.train.loggers import METRICS_FILE
 from emapg_cli.train.status import STATUS_FILE
 
@@ -328,30 +328,9 @@ def write_results_csv(path: Path, records: list[RunRecord], columns: list[str]) 
             w.writerow([r.spec.run_id, r.spec.config_id, *(r.spec.values.get(c) for c in columns), r.spec.seed, r.status, *nums, err])
 
 
-def format_mean_std(iv: Interval, digits: int = 3, percent: bool = False) -> str:
-    """'mean ± std' over seeds ('–' with none, the mean alone with one); `percent`: a fraction shown in %, one
-    decimal (0.841 ± 0.026 -> 84.1 ± 2.6)."""
-    scale, digits = (100.0, 1) if percent else (1.0, digits)
-    if iv.n == 0:
-        return "–"
-    if iv.n == 1:
-        return f"{scale * iv.mean:.{digits}f}"
-    return f"{scale * iv.mean:.{digits}f} ± {scale * iv.std:.{digits}f}"
-
-
-def format_ci(iv: Interval, digits: int = 3, percent: bool = False) -> str:
-    """'[lo, hi]' of the t interval ('–' with fewer than two seeds); `percent` as in `format_mean_std`."""
-    scale, digits = (100.0, 1) if percent else (1.0, digits)
-    return f"[{scale * iv.lo:.{digits}f}, {scale * iv.hi:.{digits}f}]" if iv.n >= 2 else "–"
-
-
 def _md_cell(text: str) -> str:
     """`text` inside a markdown table cell (a `|`, as in `kl.k=|V|`, would end the cell)."""
     return text.replace("|", "\\|")
-
-
-def _sci(iv: Interval) -> str:
-    return "–" if iv.n == 0 else f"{iv.mean:.3g}"
 
 
 def summary_markdown(sweep: Sweep, summaries: list[ConfigSummary], records: list[RunRecord]) -> str:
@@ -384,8 +363,8 @@ def summary_markdown(sweep: Sweep, summaries: list[ConfigSummary], records: list
         wall = "–" if s["wall_time_s"].n == 0 else f"{s['wall_time_s'].mean:.0f}"
         lines.append(
             f"| {i} | {_md_cell(c.label)} | {seeds} | {pct(s['eval_accuracy_final'])} | {format_ci(s['eval_accuracy_final'], percent=True)} | "
-            f"{pct(s['eval_accuracy_initial'])} | {pct(s['eval_accuracy_best'])} | {_sci(s['kl_mean'])} | "
-            f"{_sci(s['ema_distance_final'])} | {wall} |"
+            f"{pct(s['eval_accuracy_initial'])} | {pct(s['eval_accuracy_best'])} | {sig3(finite(s['kl_mean'].mean))} | "
+            f"{sig3(finite(s['ema_distance_final'].mean))} | {wall} |"
         )
     unfinished = [r for r in records if r.status != "done"]
     if unfinished:
@@ -405,6 +384,16 @@ def aggregate(out: Path) -> tuple[Sweep, list[RunRecord], list[ConfigSummary]]:
     write_results_csv(out / RESULTS_FILE, records, columns)
     (out / SUMMARY_FILE).write_text(summary_markdown(sweep, summaries, records))
     return sweep, records, summaries
+
+
+def runs_section(runs: list[dict[str, Any]]) -> list[str]:
+    """The `## Runs` lines of an analysis's markdown (stability, anchors): the diverged runs, then those left out
+    (failed, unfinished); none when every run counted."""
+    diverged = [r for r in runs if r["status"] == "diverged"]
+    left = [r for r in runs if r["status"] not in ("done", "diverged")]
+    return ["", "## Runs", "", *(f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged),
+            *(f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in left)
+            ] if diverged or left else []
 
 
 def write_report_files(out: Path, md_name: str, json_name: str, markdown: str, report) -> list[Path]:

@@ -24,21 +24,20 @@ Written as anchors.md and anchors.json; the figures are `plots.plot_anchors`.
 
 from __future__ import annotations
 
-import math
 from itertools import product
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
-from emapg_cli.ablate.distill import interval, last_fraction_mean
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, runs_section, write_report_files
+from emapg_cli.ablate.distill import last_fraction_mean
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.plots import mean_band
 from emapg_cli.ablate.runner import run_dir
 from emapg_cli.ablate.stability import outcome
 from emapg_cli.ablate.study import Sweep
 from emapg_cli.errors import UserError
-from emapg_cli.stats import PairedComparison, fixed, holm, p_text, paired_compare
+from emapg_cli.stats import PairedComparison, finite, fixed, holm, interval, p_text, paired_compare, with_ci
 
 ANCHORS_MD = "anchors.md"
 ANCHORS_JSON = "anchors.json"
@@ -127,15 +126,13 @@ def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path,
             run.measured = summarize_run(read_run(run_dir(out, rec.spec)), base)
     for key, metric in TAIL_METRICS:
         setattr(run, key, last_fraction_mean(rec.curves.get(metric, []), sweep.analysis.tail_fraction))
-    kl = [v for _, v in rec.curves.get("kl/value", [])]
-    run.kl_mean = sum(kl) / len(kl) if kl else None
+    run.kl_mean = anchor_numbers(rec.curves)["kl_mean"]
     items = final_items(run_dir(out, rec.spec)) if o.status == "done" else {}
     run.items = len(items)
     return run, items
 
 
 def _comparison(result: PairedComparison, unit: str) -> dict[str, Any]:
-    finite = lambda x: x if math.isfinite(x) else None  # noqa: E731
     return {"unit": unit, "n": result.n, "diff": finite(result.diff), "lo": finite(result.lo), "hi": finite(result.hi),
             "test": result.test, "method": result.method, "p": result.p, "a_better": result.a_better,
             "b_better": result.b_better, "ties": result.ties, "pairs_for_power": result.pairs_for_power,
@@ -186,8 +183,7 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
                 "rule": rule, "cell": label, "runs": len(done), "failed": sum(r.status == "failed" for r in mine),
                 "unfinished": sum(r.status not in ("done", "diverged", "failed") for r in mine),
                 "diverged": sum(r.status == "diverged" for r in mine),
-                "final": interval([r.final for r in done]), "best": interval([r.best for r in done]),
-                "initial": interval([r.initial for r in done]),
+                **{k: interval([getattr(r, k) for r in done]) for k in ("final", "best", "initial")},
                 "collapsed": sum(bool(r.collapsed) for r in judged), "judged": len(judged),
                 **{k: interval([getattr(r, k) for r in done]) for k in ("kl_to_initial", "entropy", "response_len", "kl_mean")},
                 **({"measured": _measured_row([r.measured for r in done if r.measured])} if base is not None else {}),
@@ -239,18 +235,30 @@ def _compare_rules(report: Report, runs: list[AnchorRun], items: dict[tuple[str,
 # --- writing ---------------------------------------------------------------------------------------
 
 
-def _ci(iv: dict[str, Any]) -> str:
-    if iv["mean"] is None:
-        return "–"
-    return fixed(iv["mean"]) + (f" [{fixed(iv['lo'])}, {fixed(iv['hi'])}]" if iv["lo"] is not None else "")
-
-
 def _cmp_text(c: Optional[dict[str, Any]], power_unit: str) -> str:
     if c is None or c["n"] == 0:
         return "–"
     power = f"{c['pairs_for_power']} {power_unit}" if c["pairs_for_power"] else "–"
     return (f"{fixed(c['diff'], signed=True)} [{fixed(c['lo'], signed=True)}, {fixed(c['hi'], signed=True)}] · {c['a_better']}:{c['b_better']} · "
             f"p {p_text(c['p'])} (Holm {p_text(c.get('p_holm'))}) · {power}")
+
+
+def console_table(report: Report) -> tuple[str, list[str], list[list[str]]]:
+    """The short table `emapg ablate` prints (title, headers, rows): per rule and cell, mean final accuracy,
+    collapsed/runs, and rule − baseline with its seed and item p."""
+    rows = []
+    for rule in report.rules:
+        cells = []
+        for cell in report.cells:
+            r, c = report.row(rule, cell["label"]), report.comparison(rule, cell["label"])
+            text = "–" if r["final"]["mean"] is None else f"{r['final']['mean']:.3f} · {r['collapsed']}/{r['judged']}"
+            if c is not None and c["seeds"]["n"]:
+                item_p = f"{c['items']['p']:.2g}" if c["items"] else "–"
+                text += f" Δ{c['seeds']['diff']:+.3f} (p {c['seeds']['p']:.2g} | {item_p})"
+            cells.append(text)
+        rows.append([rule, *cells])
+    return (f"anchors: mean final accuracy · collapsed/runs; Δ = rule − {report.baseline} (p by seed | p by item, exact tests)",
+            ["rule", *(cell["label"] for cell in report.cells)], rows)
 
 
 def markdown(report: Report) -> str:
@@ -267,7 +275,7 @@ def markdown(report: Report) -> str:
              "| rule | cell | seeds | final accuracy [95% t CI] | best | collapsed | KL to initial | entropy | response length | KL to anchor |",
              "|---|---|---:|---|---|---|---|---|---|---|"]
     for r in report.rows:
-        lines.append(f"| {r['rule']} | {r['cell']} | {r['runs']} | {_ci(r['final'])} | {fixed(r['best']['mean'])} | "
+        lines.append(f"| {r['rule']} | {r['cell']} | {r['runs']} | {with_ci(r['final'])} | {fixed(r['best']['mean'])} | "
                      f"{r['collapsed']}/{r['judged']} | {fixed(r['kl_to_initial']['mean'], 4)} | {fixed(r['entropy']['mean'])} | "
                      f"{fixed(r['response_len']['mean'], 2)} | {fixed(r['kl_mean']['mean'], 4)} |")
     for unit, title, what, power in (
@@ -289,21 +297,7 @@ def markdown(report: Report) -> str:
             lines.append(f"| {rule} | " + " | ".join(cells) + " |")
     if report.base:
         lines += _measured_markdown(report)
-    left = [r for r in report.runs if r["status"] not in ("done", "diverged")]
-    diverged = [r for r in report.runs if r["status"] == "diverged"]
-    if left or diverged:
-        lines += ["", "## Runs", ""]
-        lines += [f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged]
-        lines += [f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in left]
-    return "\n".join(lines) + "\n"
-
-
-def _pts(iv: dict[str, Any], signed: bool = False) -> str:
-    """An interval of fractions in points: `+12.3 [+8.0, +16.6]`."""
-    if iv["mean"] is None:
-        return "–"
-    f = (lambda x: f"{100 * x:+.1f}") if signed else (lambda x: f"{100 * x:.1f}")
-    return f(iv["mean"]) + (f" [{f(iv['lo'])}, {f(iv['hi'])}]" if iv["lo"] is not None else "")
+    return "\n".join(lines + runs_section(report.runs)) + "\n"
 
 
 def _measured_markdown(report: Report) -> list[str]:
@@ -338,9 +332,9 @@ def _measured_markdown(report: Report) -> list[str]:
         m = r.get("measured")
         if not m:
             continue
-        lines.append(f"| {r['rule']} | {r['cell']} | {m['gain']['n']} | {_pts(m['gain'], True)} | {_pts(m['pass_n'])} | "
-                     f"{_ci(m['distinct'])} | {_ci(m['distinct_items'])} | {_pts(m['forgetting'], True)} | "
-                     f"{_ci(m['untrained_distinct_items'])} | {fixed(m['kl_heldout']['mean'], 4)} |")
+        lines.append(f"| {r['rule']} | {r['cell']} | {m['gain']['n']} | {with_ci(m['gain'], 1, True, 100)} | {with_ci(m['pass_n'], 1, scale=100)} | "
+                     f"{with_ci(m['distinct'])} | {with_ci(m['distinct_items'])} | {with_ci(m['forgetting'], 1, True, 100)} | "
+                     f"{with_ci(m['untrained_distinct_items'])} | {fixed(m['kl_heldout']['mean'], 4)} |")
     lines += ["", "## (f) Per trained task (mean over seeds)", "",
               "| rule | cell | task | final greedy % | pass@n % | distinct per item | distinct across items |",
               "|---|---|---|---:|---:|---:|---:|"]

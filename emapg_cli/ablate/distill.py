@@ -33,7 +33,7 @@ from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, write_report_files
 from emapg_cli.ablate.plots import mean_band
 from emapg_cli.ablate.stability import steps_to_target
 from emapg_cli.ablate.study import Sweep
-from emapg_cli.stats import finite, fixed, mean_ci, paired_differences, sig3
+from emapg_cli.stats import fixed, interval, mean_range, paired_differences, sig3, with_ci
 
 DISTILL_MD = "distill.md"
 DISTILL_JSON = "distill.json"
@@ -126,14 +126,6 @@ def run_numbers(rec: RunRecord, variant: str, teacher_fraction: float, tail_frac
     return run
 
 
-def interval(values: list[Optional[float]]) -> dict[str, Any]:
-    """n, mean, std, the 95% t interval (stats.mean_ci), min and max of the values that are not None."""
-    xs = [v for v in values if v is not None]
-    iv = mean_ci(xs, CONFIDENCE)
-    return {"n": iv.n, "mean": finite(iv.mean), "std": finite(iv.std), "lo": finite(iv.lo), "hi": finite(iv.hi),
-            "min": min(xs) if xs else None, "max": max(xs) if xs else None}
-
-
 @dataclass
 class Report:
     """Everything distill.md and distill.json say (JSON: `asdict`)."""
@@ -162,8 +154,9 @@ def _paired(a: dict[int, float], b: dict[int, float]) -> dict[str, Any]:
     return {**iv, "seeds": sorted(diffs), "excludes_zero": iv["n"] >= 2 and (iv["lo"] > 0 or iv["hi"] < 0)}
 
 
-def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
-    """The distillation report of the sweep's runs (sweep.analysis.kind == distill)."""
+def analyze(sweep: Sweep, records: list[RunRecord], out: Optional[Path] = None) -> Report:
+    """The distillation report of the sweep's runs (sweep.analysis.kind == distill; `out` is not read, as in
+    stability.analyze)."""
     analysis = sweep.analysis
     assert analysis is not None and analysis.kind == "distill"
     variants = list(sweep.variants)
@@ -203,20 +196,26 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
 # --- writing ---------------------------------------------------------------------------------------
 
 
-def mean_range(iv: dict[str, Any], digits: int = 3, fmt=None) -> str:
-    """'mean (min–max)' over seeds; the mean alone for one value; '–' for none."""
-    f = fmt or (lambda x: fixed(x, digits))
-    if iv["n"] == 0:
-        return "–"
-    return f(iv["mean"]) if iv["n"] == 1 else f"{f(iv['mean'])} ({f(iv['min'])}–{f(iv['max'])})"
+def _cells(r: dict[str, Any]) -> list[str]:
+    """A variant's cells from the teacher's accuracy to the grad norm (distill.md's (a) and the console table)."""
+    judged = r["reached"] + r["not_reached"]
+    return [mean_range(r["teacher"]), mean_range(r["gap_closed"], 2), f"{r['reached']}/{judged}" if judged else "–",
+            *(mean_range(r[k], fmt=sig3) for k in ("steps_to_target", "wall_to_target_s", "entropy", "tail_mass", "kl", "grad_norm"))]
 
 
-def with_ci(iv: dict[str, Any], digits: int = 3, signed: bool = False) -> str:
-    """'mean [lo, hi]' (the 95% t interval, with ≥ 2 values)."""
-    if iv["n"] == 0:
-        return "–"
-    text = fixed(iv["mean"], digits, signed)
-    return text + (f" [{fixed(iv['lo'], digits, signed)}, {fixed(iv['hi'], digits, signed)}]" if iv["n"] >= 2 else "")
+def console_table(report: Report) -> tuple[str, list[str], list[list[str]]]:
+    """The short table `emapg ablate` prints (title, headers, rows): per variant over seeds, Δ = variant − baseline."""
+    pct = f"{report.analysis['teacher_fraction']:.0%}"
+    rows = []
+    for v in report.variants:
+        r, d = report.row(v), report.difference(v)
+        final = with_ci(r["final"])
+        if d is not None and d["final"]["mean"] is not None:
+            final += f" Δ{d['final']['mean']:+.3f}" + ("*" if d["final"]["excludes_zero"] else "")
+        rows.append([v, str(r["runs"]), final, *_cells(r)[:7]])
+    return (f"distill: per variant over seeds; Δ = variant − {report.baseline} (* 95% CI excludes 0)",
+            ["variant", "seeds", "final accuracy", "teacher", "gap closed", f"reached {pct}", f"steps to {pct}",
+             f"wall s to {pct}", "entropy", "tail mass"], rows)
 
 
 def markdown(report: Report) -> str:
@@ -241,11 +240,7 @@ def markdown(report: Report) -> str:
     for v in report.variants:
         r = report.row(v)
         extra = "".join(f" (+{r[k]} {k})" for k in ("failed", "unfinished") if r[k])
-        reached = f"{r['reached']}/{r['reached'] + r['not_reached']}" if r["reached"] + r["not_reached"] else "–"
-        lines.append(f"| {v} | {r['runs']}{extra} | {with_ci(r['final'])} | {mean_range(r['teacher'])} | {mean_range(r['gap_closed'], 2)} | "
-                     f"{reached} | {mean_range(r['steps_to_target'], fmt=sig3)} | {mean_range(r['wall_to_target_s'], fmt=sig3)} | "
-                     f"{mean_range(r['entropy'], fmt=sig3)} | {mean_range(r['tail_mass'], fmt=sig3)} | {mean_range(r['kl'], fmt=sig3)} | "
-                     f"{mean_range(r['grad_norm'], fmt=sig3)} | {fixed(r['wall_time_s']['mean'], 0)} |")
+        lines.append(f"| {v} | {r['runs']}{extra} | {with_ci(r['final'])} | " + " | ".join(_cells(r)) + f" | {fixed(r['wall_time_s']['mean'], 0)} |")
     lines += ["", f"## (b) Paired differences: variant − {report.baseline}", "",
               f"Seed by seed (the same seeds in every variant): final accuracy on the seeds both finished; steps and wall "
               f"time to {pct} on the seeds where both reached it. Mean [{report.confidence:.0%} Student-t interval] (pairs); "

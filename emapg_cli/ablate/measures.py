@@ -149,36 +149,16 @@ def best_constant(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 # --- running --------------------------------------------------------------------------------------
 
 
-def _eval_args(sweep, model: str, bench: Path, out: Path, n: int, temperature: float, sets: list[str]) -> list[str]:
-    args = ["eval", "--preset", str(sweep.preset)] if sweep.preset else ["eval"]
-    if sweep.config:
-        args += ["--config", str(sweep.config)]
-    for item in [*sweep.set, *sets]:
-        args += ["--set", item]
-    return args + ["--model", model, "--bench", str(bench), "--n", str(n), "--temperature", str(temperature),
-                   "--out", str(out)]
-
-
-def _emapg(args: list[str], log: Path, env: Optional[dict[str, str]] = None) -> None:
-    """Run `emapg ARGS` (this interpreter's emapg), appending its output to `log`; UserError naming the log on failure."""
+def _emapg(args: list[str], log: Path, env: Optional[dict[str, str]] = None, module: str = "emapg_cli") -> None:
+    """Run `emapg ARGS` (this interpreter's emapg; with `module`, `python -m emapg_cli.ablate.measures ARGS`: heldout_kl
+    in a process of its own), appending its output to `log`; UserError naming the log on failure."""
+    own = module == "emapg_cli"
     with open(log, "a") as f:
-        f.write(f"$ emapg {' '.join(args)}\n")
+        f.write(f"$ emapg {' '.join(args)}\n" if own else f"$ python -m {module} {args[0]} ...\n")
         f.flush()
-        rc = subprocess.call([sys.executable, "-m", "emapg_cli", *args], stdout=f, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True)
+        rc = subprocess.call([sys.executable, "-m", module, *args], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     if rc != 0:
-        raise UserError(f"measuring failed: `emapg {args[0]}` exited {rc} (its output: {log})")
-
-
-def _emapg_module(args: list[str], log: Path, env: Optional[dict[str, str]] = None) -> None:
-    """`python -m emapg_cli.ablate.measures ARGS` (heldout_kl in a process of its own), output appended to `log`."""
-    with open(log, "a") as f:
-        f.write(f"$ python -m emapg_cli.ablate.measures {' '.join(args[:1])} ...\n")
-        f.flush()
-        rc = subprocess.call([sys.executable, "-m", "emapg_cli.ablate.measures", *args], stdout=f, stderr=subprocess.STDOUT,
-                             env=env, start_new_session=True)
-    if rc != 0:
-        raise UserError(f"measuring failed: the held-out KL exited {rc} (its output: {log})")
+        raise UserError(f"measuring failed: {f'`emapg {args[0]}`' if own else 'the held-out KL'} exited {rc} (its output: {log})")
 
 
 def _evaluate(sweep, model: str, bench: Path, out: Path, n: int, temperature: float, log: Path,
@@ -188,7 +168,8 @@ def _evaluate(sweep, model: str, bench: Path, out: Path, n: int, temperature: fl
         return
     if out.exists():
         shutil.rmtree(out)  # an interrupted evaluation of ours: start it again
-    _emapg(_eval_args(sweep, model, bench, out, n, temperature, list(sets)), log, env)
+    _emapg(sweep.command("eval", [*sweep.set, *sets]) + ["--model", model, "--bench", str(bench), "--n", str(n),
+                                                        "--temperature", str(temperature), "--out", str(out)], log, env)
     shutil.rmtree(out / "plots", ignore_errors=True)
 
 
@@ -261,8 +242,8 @@ def measure_run(sweep, m: Measures, out: Path, rdir: Path, log: Path, env: Optio
     _evaluate(sweep, str(policy), benches(out) / "sampled.jsonl", here / "sampled", m.n, m.temperature, log, env)
     _evaluate(sweep, str(policy), benches(out) / "untrained", here / "untrained", 1, 0.0, log, env)
     if not (here / KL_FILE).is_file():
-        _emapg_module(["kl", str(policy), str(expand(cfg.model.path)), str(here / "sampled"), str(benches(out) / "sampled.jsonl"),
-                       json.dumps(cfg.data.prefix_messages()), str(here / KL_FILE)], log, env)
+        _emapg(["kl", str(policy), str(expand(cfg.model.path)), str(here / "sampled"), str(benches(out) / "sampled.jsonl"),
+                json.dumps(cfg.data.prefix_messages()), str(here / KL_FILE)], log, env, "emapg_cli.ablate.measures")
     make_portable([*_records(here), rdir / "config.yaml", rdir.with_name(rdir.name + ".log"),
                    rdir.with_name(rdir.name + ".status.json")], out)
     write_text_atomic(here / DONE, "{}\n")
@@ -342,12 +323,7 @@ def read_base(out: Path) -> dict[str, Any]:
     """{"heldout", "sampled", "untrained", "format_only": per_task(...), "best_constant": {...}} of the study's base
     measurements, each {} when missing."""
     base = out / MEASURE_DIR / "base"
-    found: dict[str, Any] = {}
-    for name in ("heldout", "sampled", "untrained", "format_only"):
-        try:
-            found[name] = per_task(read_results(base / name))
-        except (UserError, OSError, ValueError):
-            found[name] = {}
+    found: dict[str, Any] = {name: _per_task_of(base / name) for name in ("heldout", "sampled", "untrained", "format_only")}
     try:
         found["best_constant"] = json.loads((out / MEASURE_DIR / BASELINES).read_text())["best_constant"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -364,13 +340,16 @@ def read_run(rdir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         found["kl"] = {}
     greedy = rdir / MEASURE_DIR / "heldout"  # the final evaluation again, where the run's rows lack the answers
-    for name, folder in (("heldout", greedy if greedy.is_dir() else rdir), ("sampled", rdir / MEASURE_DIR / "sampled"),
-                         ("untrained", rdir / MEASURE_DIR / "untrained")):
-        try:
-            found[name] = per_task(read_results(folder))
-        except (UserError, OSError, ValueError):
-            found[name] = {}
-    return found
+    found["heldout"] = _per_task_of(greedy if greedy.is_dir() else rdir)
+    return {**found, **{name: _per_task_of(rdir / MEASURE_DIR / name) for name in ("sampled", "untrained")}}
+
+
+def _per_task_of(folder: Path) -> dict[str, Any]:
+    """per_task of an evaluation folder's results; {} when it is missing or unreadable."""
+    try:
+        return per_task(read_results(folder))
+    except (UserError, OSError, ValueError):
+        return {}
 
 
 def _mean(values) -> Optional[float]:

@@ -9,10 +9,12 @@ import math
 from pathlib import Path
 
 from emapg_cli.ablate.aggregate import ConfigSummary, RunRecord
+from emapg_cli.plots.common import colors as colormap, pyplot, save
 
 ACCURACY_PNG = "accuracy.png"
 FINAL_PNG = "final_accuracy.png"
 KL_EMA_PNG = "kl_ema.png"
+DPI = 120
 
 
 def mean_band(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[float], list[float]]:
@@ -32,6 +34,12 @@ def mean_band(series: list[list[tuple[int, float]]]) -> tuple[list[int], list[fl
     return steps, means, stds
 
 
+def _band(ax, steps, mean, std, color, label: str, markers_below: int, lw: float = 1.5, alpha: float = 0.12) -> None:
+    """A mean curve (dots where it has fewer than `markers_below` points) with its ± std band."""
+    ax.plot(steps, mean, label=label, color=color, lw=lw, marker="o" if len(steps) < markers_below else None, ms=3)
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color=color, alpha=alpha, lw=0)
+
+
 def _curve_panel(ax, summaries: list[ConfigSummary], records: list[RunRecord], metric: str, title: str, colors) -> None:
     for i, c in enumerate(summaries):
         series = [r.curves.get(metric, []) for r in records if r.spec.config_id == c.config_id and r.status == "done"]
@@ -40,31 +48,19 @@ def _curve_panel(ax, summaries: list[ConfigSummary], records: list[RunRecord], m
             continue
         if metric == "eval/accuracy":  # in %, as every accuracy emapg prints
             mean, std = [100 * m for m in mean], [100 * s for s in std]
-        color = colors(i % colors.N)
-        ax.plot(steps, mean, label=c.label, color=color, lw=1.6, marker="o" if len(steps) < 15 else None, ms=3)
-        ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], color=color, alpha=0.18, lw=0)
+        _band(ax, steps, mean, std, colors(i % colors.N), c.label, 15, lw=1.6, alpha=0.18)
     ax.set_title(title)
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
 
 
-def _colors(n: int):
-    import matplotlib
-
-    return matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
-
-
 def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord], title: str) -> list[Path]:
     """Write accuracy.png, final_accuracy.png and kl_ema.png into `out`; return their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     summaries = sorted((c for c in summaries if c.runs > 0), key=lambda c: c.order)  # k = 1, 8, 259: the grid's order
     if not summaries:
         return []
-    colors = _colors(len(summaries))
+    colors = colormap(len(summaries))
     band = "mean ± std over seeds"
     paths = []
 
@@ -79,17 +75,16 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
         fig.suptitle(title)
         fig.tight_layout()
         paths.append(out / name)
-        fig.savefig(paths[-1], dpi=120)
+        fig.savefig(paths[-1], dpi=DPI)  # plot_all's figures are written in place (the analyses' through save)
         plt.close(fig)
 
     curves(("eval/accuracy", "eval accuracy"), ("reward/mean", "train reward"), ACCURACY_PNG, "eval accuracy (%)")
-    _final_bars(plt, out, summaries, records, title, colors)
-    paths.append(out / FINAL_PNG)
+    paths.append(_final_bars(plt, out, summaries, records, title, colors))
     curves(("kl/value", "KL to the anchor, kl/value"), ("ema/distance", "policy–anchor distance, ema/distance"), KL_EMA_PNG)
     return paths
 
 
-def _final_bars(plt, out: Path, summaries: list[ConfigSummary], records: list[RunRecord], title: str, colors) -> None:
+def _final_bars(plt, out: Path, summaries: list[ConfigSummary], records: list[RunRecord], title: str, colors) -> Path:
     """final_accuracy.png: per configuration (in the grid's order) the mean final accuracy in %, the 95% CI as a
     whisker where it has ≥ 2 seeds, each seed as a dot; the title says when no configuration has a CI to draw."""
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(summaries) + 2), 4.5))
@@ -114,8 +109,9 @@ def _final_bars(plt, out: Path, summaries: list[ConfigSummary], records: list[Ru
     ax.set_title(f"{title}: final accuracy ({what})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / FINAL_PNG, dpi=120)
+    fig.savefig(out / FINAL_PNG, dpi=DPI)
     plt.close(fig)
+    return out / FINAL_PNG
 
 
 # --- the stability study (ablate/stability.py) ---------------------------------------------------
@@ -124,96 +120,72 @@ STABILITY_HEATMAP_PNG = "stability_heatmap.png"
 STABILITY_DIFFERENCE_PNG = "stability_difference.png"
 
 
-def _save_atomic(fig, path: Path) -> None:
-    """savefig to a temporary name beside `path`, then rename (a reader never sees half a PNG)."""
-    import os
-
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-
-
 def plot_stability(out: Path, report) -> list[Path]:
     """stability_heatmap.png (rows: methods, columns: the grid values; left: mean final accuracy, right: collapse
     rate, each cell annotated) and stability_difference.png (method - baseline per value, diverging colours centred
     at 0, each cell annotated with the mean paired difference; a thick border and `*` where its 95% interval
     excludes 0). `report`: a stability.Report. Returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.patches import Rectangle
 
     from emapg_cli.ablate.stability import column_header
 
+    plt = pyplot()
     methods, cols = report.methods, report.columns
     heads = [column_header(report, c) for c in cols]
-    nan = float("nan")
 
     def grid_of(rows, value):
-        return np.array([[value(m, c["label"]) for c in cols] for m in rows], dtype=float)
+        return np.array([[float("nan") if (x := value(m, c["label"])) is None else x for c in cols] for m in rows], dtype=float)
 
-    def val(x):
-        return nan if x is None else x
+    def heatmap(ax, rows, data, note, label: str = "", **scale) -> None:
+        """rows x grid values of `data` in colour; note(x, row, column) -> (text, colour, bold) annotates each cell, a
+        bold one framed."""
+        im = ax.imshow(np.ma.masked_invalid(data), aspect="auto", **scale)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=label)
+        for i, m in enumerate(rows):
+            for j, c in enumerate(cols):
+                text, color, bold = note(data[i, j], m, c["label"])
+                ax.text(j, i, text, ha="center", va="center", fontsize=9, fontweight="bold" if bold else "normal", color=color)
+                if bold:
+                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=3))
+        ax.set_xticks(range(len(cols)), heads, fontsize=8)
+        ax.set_yticks(range(len(rows)), rows)
+        ax.set_xlabel(report.axis)
 
-    acc = grid_of(methods, lambda m, c: val(report.cell(m, c)["final"]["mean"]))
-    rate = grid_of(methods, lambda m, c: val(report.cell(m, c)["collapse_rate"]))
+    def collapsed(x, m, c):
+        cell = report.cell(m, c)
+        return f"{cell['collapsed']}/{cell['runs']}" if cell["runs"] else "–", "black" if not np.isfinite(x) or x < 0.6 else "white", False
+
     size = (max(6.0, 1.3 * len(cols) + 2.5), max(2.5, 0.6 * len(methods) + 1.5))
     fig, axes = plt.subplots(1, 2, figsize=(2 * size[0], size[1]))
-    panels = [(acc, "mean final accuracy", "viridis", 0.0, 1.0),
-              (rate, "collapse rate (collapsed / runs)", "Reds", 0.0, 1.0)]
-    for ax, (data, title, cmap, vmin, vmax) in zip(axes, panels):
-        im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
-        for i, m in enumerate(methods):
-            for j, c in enumerate(cols):
-                cell = report.cell(m, c["label"])
-                if data is acc:
-                    text = "–" if not np.isfinite(data[i, j]) else f"{data[i, j]:.3f}"
-                else:
-                    text = f"{cell['collapsed']}/{cell['runs']}" if cell["runs"] else "–"
-                dark = np.isfinite(data[i, j]) and (data[i, j] - vmin) / (vmax - vmin or 1) < 0.5
-                ax.text(j, i, text, ha="center", va="center", fontsize=9,
-                        color=("white" if dark else "black") if data is acc else ("black" if not np.isfinite(data[i, j]) or data[i, j] < 0.6 else "white"))
-        ax.set_xticks(range(len(cols)), heads, fontsize=8)
-        ax.set_yticks(range(len(methods)), methods)
-        ax.set_xlabel(report.axis)
-        ax.set_title(title)
+    heatmap(axes[0], methods, grid_of(methods, lambda m, c: report.cell(m, c)["final"]["mean"]),
+            lambda x, m, c: ("–" if not np.isfinite(x) else f"{x:.3f}", "white" if np.isfinite(x) and x < 0.5 else "black", False),
+            cmap="viridis", vmin=0.0, vmax=1.0)
+    heatmap(axes[1], methods, grid_of(methods, lambda m, c: report.cell(m, c)["collapse_rate"]), collapsed, cmap="Reds", vmin=0.0, vmax=1.0)
+    axes[0].set_title("mean final accuracy")
+    axes[1].set_title("collapse rate (collapsed / runs)")
     fig.suptitle(f"{report.study}: per method and {report.axis}")
     fig.tight_layout()
-    paths = [out / STABILITY_HEATMAP_PNG]
-    _save_atomic(fig, paths[-1])
-    plt.close(fig)
+    paths = [save(fig, out / STABILITY_HEATMAP_PNG, DPI)]
 
     others = [m for m in methods if m != report.baseline]
     if others:
-        diff = grid_of(others, lambda m, c: val((report.difference(m, c) or {}).get("mean")))
-        lim = float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 0.0
-        lim = max(lim, 0.01)
+        diff = grid_of(others, lambda m, c: (report.difference(m, c) or {}).get("mean"))
+        lim = max(float(np.nanmax(np.abs(diff))) if np.isfinite(diff).any() else 0.0, 0.01)
+
+        def difference(x, m, c):
+            d = report.difference(m, c) or {}
+            if d.get("mean") is None:
+                return "–", "black", False
+            star = bool(d.get("excludes_zero"))
+            return f"{d['mean']:+.3f}" + ("*" if star else ""), "white" if abs(d["mean"]) > 0.6 * lim else "black", star
+
         fig, ax = plt.subplots(figsize=size)
-        im = ax.imshow(np.ma.masked_invalid(diff), cmap="RdBu", norm=TwoSlopeNorm(0.0, -lim, lim), aspect="auto")
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=f"final accuracy: method − {report.baseline}")
-        for i, m in enumerate(others):
-            for j, c in enumerate(cols):
-                d = report.difference(m, c["label"]) or {}
-                if d.get("mean") is None:
-                    ax.text(j, i, "–", ha="center", va="center", fontsize=9)
-                    continue
-                star = d.get("excludes_zero")
-                ax.text(j, i, f"{d['mean']:+.3f}" + ("*" if star else ""), ha="center", va="center", fontsize=9,
-                        fontweight="bold" if star else "normal", color="white" if abs(d["mean"]) > 0.6 * lim else "black")
-                if star:
-                    ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", lw=3))
-        ax.set_xticks(range(len(cols)), heads, fontsize=8)
-        ax.set_yticks(range(len(others)), others)
-        ax.set_xlabel(report.axis)
+        heatmap(ax, others, diff, difference, f"final accuracy: method − {report.baseline}", cmap="RdBu", norm=TwoSlopeNorm(0.0, -lim, lim))
         ax.set_title(f"{report.study}: method − {report.baseline}, paired over seeds (*, border: 95% CI excludes 0)", fontsize=10)
         fig.tight_layout()
-        paths.append(out / STABILITY_DIFFERENCE_PNG)
-        _save_atomic(fig, paths[-1])
-        plt.close(fig)
+        paths.append(save(fig, out / STABILITY_DIFFERENCE_PNG, DPI))
     return paths
 
 
@@ -229,15 +201,11 @@ def plot_distill(out: Path, report) -> list[Path]:
     accuracy and teacher_fraction of it as horizontal lines), distill_entropy.png (the student's distill/entropy vs
     step) and distill_tail_mass.png (distill/tail_mass vs step; only when some run logged it). `report`: a
     distill.Report. Returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     variants = [v for v in report.variants if report.curves.get(v)]
     if not variants:
         return []
-    colors = _colors(len(variants))
+    colors = colormap(len(variants))
     teachers = [r["teacher"] for r in report.runs if r["status"] == "done" and r["teacher"] is not None]
     frac = report.analysis["teacher_fraction"]
     paths = []
@@ -250,10 +218,7 @@ def plot_distill(out: Path, report) -> list[Path]:
             c = report.curves[v].get(key)
             if not c:
                 continue
-            color = colors(i % colors.N)
-            ax.plot(c["steps"], c["mean"], label=v, color=color, lw=1.5, marker="o" if len(c["steps"]) < 25 else None, ms=3)
-            ax.fill_between(c["steps"], [m - s for m, s in zip(c["mean"], c["std"])], [m + s for m, s in zip(c["mean"], c["std"])],
-                            color=color, alpha=0.12, lw=0)
+            _band(ax, c["steps"], c["mean"], c["std"], colors(i % colors.N), v, 25)
         if key == "accuracy" and teachers:
             t = sum(teachers) / len(teachers)
             ax.axhline(t, color="black", ls="-", lw=1.2, label=f"teacher ({t:.3f})")
@@ -264,9 +229,7 @@ def plot_distill(out: Path, report) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, ncol=2)
         fig.tight_layout()
-        paths.append(out / name)
-        _save_atomic(fig, paths[-1])
-        plt.close(fig)
+        paths.append(save(fig, out / name, DPI))
     return paths
 
 
@@ -285,8 +248,7 @@ def _cell_grid(n: int):
 
 def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Path, **legend) -> Path:
     """One figure with a panel per cell of an anchors.Report: `draw(ax, cell)` fills each; saved to `path`."""
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     cells = [c["label"] for c in report.cells]
     rows, cols = _cell_grid(len(cells))
     fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 7.5), 3.8 * rows + 0.4), squeeze=False, sharey=True)
@@ -301,9 +263,7 @@ def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Pat
     axes.flat[0].legend(fontsize=7, ncol=2, **legend)
     fig.suptitle(f"{report.study}: {heading}", fontsize=11)
     fig.tight_layout()
-    _save_atomic(fig, path)
-    plt.close(fig)
-    return path
+    return save(fig, path, DPI)
 
 
 def plot_anchors(out: Path, report) -> list[Path]:
@@ -311,41 +271,30 @@ def plot_anchors(out: Path, report) -> list[Path]:
     anchors_kl_accuracy.png: one panel per cell, final accuracy against the KL to the initial model (over the last
     tail_fraction of its measurements), a dot per run and a larger marker at each rule's means (rules without
     kl/to_initial are left out there). `report`: an anchors.Report. Returns the paths written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     if not report.cells:
         return []
-    colors = _colors(len(report.rules))
+    colors = colormap(len(report.rules))
     color = {r: colors(i % colors.N) for i, r in enumerate(report.rules)}
 
     def curves(ax, cell):
         for c in (c for c in report.curves if c["cell"] == cell and c["steps"]):
-            ax.plot(c["steps"], c["mean"], color=color[c["rule"]], lw=1.5, label=f"{c['rule']} ({c['runs']})",
-                    marker="o" if len(c["steps"]) < 15 else None, ms=3)
-            ax.fill_between(c["steps"], [m - s for m, s in zip(c["mean"], c["std"])], [m + s for m, s in zip(c["mean"], c["std"])],
-                            color=color[c["rule"]], alpha=0.12, lw=0)
+            _band(ax, c["steps"], c["mean"], c["std"], color[c["rule"]], f"{c['rule']} ({c['runs']})", 15)
+
+    def points(ax, cell, xy):
+        """A dot per run of the cell at `xy(run)` (both numbers known), a diamond at each rule's means."""
+        for rule in report.rules:
+            pts = [p for p in (xy(r) for r in report.runs if r["rule"] == rule and r["cell"] == cell) if None not in p]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
+                ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
 
     def scatter(ax, cell):
-        for rule in report.rules:
-            pts = [(r["kl_to_initial"], r["final"]) for r in report.runs
-                   if r["rule"] == rule and r["cell"] == cell and r["kl_to_initial"] is not None and r["final"] is not None]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
-            ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
+        points(ax, cell, lambda r: (r["kl_to_initial"], r["final"]))
 
     def gain(ax, cell):
-        for rule in report.rules:
-            pts = [(100 * r["measured"]["forgetting"], 100 * r["measured"]["gain"]) for r in report.runs
-                   if r["rule"] == rule and r["cell"] == cell and r.get("measured")
-                   and r["measured"]["forgetting"] is not None and r["measured"]["gain"] is not None]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            ax.scatter(xs, ys, color=color[rule], s=14, alpha=0.6)
-            ax.scatter([sum(xs) / len(xs)], [sum(ys) / len(ys)], color=color[rule], s=90, marker="D", edgecolor="black", label=rule)
+        pct = lambda x: None if x is None else 100 * x  # noqa: E731
+        points(ax, cell, lambda r: (pct(r["measured"]["forgetting"]), pct(r["measured"]["gain"])) if r.get("measured") else (None, None))
         ax.axhline(0, color="grey", lw=0.6)
         ax.axvline(0, color="grey", lw=0.6)
 

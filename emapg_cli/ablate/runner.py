@@ -90,14 +90,7 @@ def read_record(path: Path) -> Optional[dict]:
 
 def train_args(sweep: Sweep, spec: RunSpec, out: Path) -> list[str]:
     """The `train` arguments of one run (everything after the program name)."""
-    args = ["train"]
-    if sweep.preset:
-        args += ["--preset", sweep.preset]
-    if sweep.config:
-        args += ["--config", sweep.config]
-    for item in spec.overrides:
-        args += ["--set", item]
-    return args + ["--out", str(run_dir(out, spec))]
+    return sweep.command("train", spec.overrides) + ["--out", str(run_dir(out, spec))]
 
 
 def has_checkpoint(out: Path, spec: RunSpec) -> bool:
@@ -161,6 +154,7 @@ def check_reuse(sweep: Sweep, runs: list[RunSpec], out: Path) -> None:
     """UserError (one line naming the run and the differing keys) when a run folder that this sweep would
     reuse (finished, or resumed from its checkpoint) was made with another config than the run's now."""
     from emapg_cli.config.loading import load_config, validate
+    from emapg_cli.datasets.rows import lookup
     from emapg_cli.fileio import read_yaml_mapping
 
     for spec in runs:
@@ -177,15 +171,9 @@ def check_reuse(sweep: Sweep, runs: list[RunSpec], out: Path) -> None:
         expected = load_config(sweep.preset, sweep.config, spec.overrides).model_dump(mode="json")
         diff = config_differences(expected, found)
         if diff:
-            shown = ", ".join(f"{k}: {_at(found, k)!r} there, {_at(expected, k)!r} now" for k in diff[:5])
+            shown = ", ".join(f"{k}: {lookup(found, k)!r} there, {lookup(expected, k)!r} now" for k in diff[:5])
             more = f" and {len(diff) - 5} more" if len(diff) > 5 else ""
             raise UserError(f"run {spec.run_id} in {out} was made with another config ({shown}{more}); {hint}")
-
-
-def _at(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
 
 
 def _write_status(path: Path, record: dict) -> None:

@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, write_report_files
+from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, runs_section, write_report_files
 from emapg_cli.ablate.grid import format_value
 from emapg_cli.ablate.study import StudyAnalysis, Sweep
-from emapg_cli.stats import (bootstrap_within_best, finite, fixed, mean_ci, median, paired_compare, paired_differences,
-                             seeds_for_power, sig3)
+from emapg_cli.stats import (bootstrap_within_best, finite, fixed, interval, mean_ci, median, paired_compare,
+                             paired_differences, seeds_for_power, sig3)
 
 STABILITY_MD = "stability.md"
 STABILITY_JSON = "stability.json"
@@ -137,11 +137,6 @@ def outcome(rec: RunRecord, method: str, column: str, analysis: StudyAnalysis) -
                    collapsed, stt, **anchor_numbers(rec.curves), reason=why or "")
 
 
-def _iv(values: list[Optional[float]]) -> dict[str, Any]:
-    iv = mean_ci([v for v in values if v is not None], CONFIDENCE)
-    return {"n": iv.n, "mean": finite(iv.mean), "std": finite(iv.std), "lo": finite(iv.lo), "hi": finite(iv.hi)}
-
-
 @dataclass
 class Report:
     """Everything stability.md and stability.json say (JSON: `asdict`)."""
@@ -168,8 +163,9 @@ class Report:
         return next((d for d in self.differences if d["method"] == method and d["column"] == column), None)
 
 
-def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
-    """The stability report of the sweep's runs (sweep.analysis must be set: a study with variants and one grid axis)."""
+def analyze(sweep: Sweep, records: list[RunRecord], out: Optional[Path] = None) -> Report:
+    """The stability report of the sweep's runs (sweep.analysis must be set: a study with variants and one grid axis;
+    `out`, the sweep folder, is not read: the signature of every analysis, ablate/__init__.py)."""
     analysis = sweep.analysis
     assert analysis is not None
     axis = next(iter(sweep.grid))
@@ -205,11 +201,11 @@ def analyze(sweep: Sweep, records: list[RunRecord]) -> Report:
                 "diverged": sum(o.status == "diverged" for o in runs),
                 "failed": sum(o.status == "failed" for o in runs),
                 "unfinished": sum(o.status not in ("done", "diverged", "failed") for o in runs),
-                "final": _iv([o.final for o in done]), "best": _iv([o.best for o in done]),
+                "final": interval([o.final for o in done], extremes=False), "best": interval([o.best for o in done], extremes=False),
                 "collapsed": k, "collapse_rate": k / len(judged) if judged else None,
                 "steps_to_target_median": median(reached) if reached else None, "reached_target": len(reached),
-                "kl_mean": _iv([o.kl_mean for o in done])["mean"],
-                "ema_distance_final": _iv([o.ema_distance_final for o in done])["mean"],
+                "kl_mean": interval([o.kl_mean for o in done])["mean"],
+                "ema_distance_final": interval([o.ema_distance_final for o in done])["mean"],
             })
     for m in methods:
         if m == analysis.baseline:
@@ -258,6 +254,28 @@ def boundary_text(report: Report, b: dict[str, Any]) -> str:
         col = next(c for c in report.columns if c["label"] == b["column"])
         return column_header(report, col)
     return f"none up to {report.columns[-1]['label']}" if report.columns and b.get("judged", True) else "–"
+
+
+def console_table(report: Report) -> tuple[str, list[str], list[list[str]]]:
+    """The short table `emapg ablate` prints (title, headers, rows): per method and value, mean final accuracy ·
+    collapsed/runs and Δ = method − baseline; the tuning sensitivity; the collapse boundary."""
+    title = (f"stability: mean final accuracy · collapsed/runs per {report.axis}; Δ = method − {report.baseline} "
+             "(* 95% CI excludes 0)")
+    heads = ["method", *(column_header(report, c) for c in report.columns),
+             f"within {report.analysis['within_points']:g} pts [95% CI]", "collapses from"]
+    rows = []
+    for m, sens, bound in zip(report.methods, report.sensitivity, report.boundary):
+        cells = []
+        for col in report.columns:
+            c, d = report.cell(m, col["label"]), report.difference(m, col["label"])
+            text = "–" if c["final"]["mean"] is None else f"{c['final']['mean']:.3f} · {c['collapsed']}/{c['runs']}"
+            if d is not None and d["mean"] is not None:
+                text += f" Δ{d['mean']:+.3f}" + ("*" if d["excludes_zero"] else "")
+            cells.append(text)
+        frac = "–" if sens["fraction"] is None else f"{sens['fraction']:.2f}" + (
+            f" [{sens['lo']:.2f}, {sens['hi']:.2f}]" if sens["lo"] is not None else "")
+        rows.append([m, *cells, frac, boundary_text(report, bound)])
+    return title, heads, rows
 
 
 def markdown(report: Report) -> str:
@@ -324,15 +342,8 @@ def markdown(report: Report) -> str:
               "one-step t-correction:", "",
               "    n = ceil(((z_0.975 + z_0.80) / d_z)^2 + z_0.975^2 / 2) = ceil(7.849 / d_z^2 + 1.921)", "",
               "So an interval that includes 0 with a small |d_z| says how many seeds a real difference of that size would take; "
-              "d_z from few seeds is itself uncertain (read n as an order of magnitude).", ""]
-    other = [r for r in report.runs if r["status"] not in ("done", "diverged")]
-    diverged = [r for r in report.runs if r["status"] == "diverged"]
-    if diverged or other:
-        lines += ["## Runs", ""]
-        lines += [f"- `{r['run_id']}`: diverged — {r['reason']}" for r in diverged]
-        lines += [f"- `{r['run_id']}`: {r['status']}" + (f" — {r['reason']}" if r["reason"] else "") + " (left out)" for r in other]
-        lines.append("")
-    return "\n".join(lines)
+              "d_z from few seeds is itself uncertain (read n as an order of magnitude)."]
+    return "\n".join(lines + runs_section(report.runs)) + "\n"
 
 
 def write(out: Path, report: Report) -> list[Path]:

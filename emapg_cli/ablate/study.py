@@ -20,7 +20,7 @@ seed and by item.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
@@ -43,11 +43,8 @@ ANALYSIS_FIELDS = {
 
 
 class StudyAnalysis(BaseModel):
-    """The analysis of a study's aggregated runs. `kind: stability` (docs/ablate.md "The stability study"): rows =
-    variants (methods), columns = the values of its one grid axis; collapse, steps to target, paired differences
-    against `baseline`, tuning sensitivity. `kind: distill` (docs/ablate.md "The distillation study"): rows = variants
-    (estimators), no grid; accuracy against the teacher, steps and wall time to a fraction of the teacher's accuracy,
-    the student's entropy and tail mass, paired differences against `baseline`."""
+    """The analysis of a study's aggregated runs, one of the kinds registered in ablate/__init__.py (`kind` says what
+    each computes; docs/ablate.md "The stability study", "The distillation study", "The anchor study")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -135,6 +132,11 @@ class Sweep(BaseModel):
         """The columns that tell configurations apart: `variant` (if any), then every grid key."""
         return (["variant"] if self.variants else []) + list(self.grid)
 
+    def command(self, verb: str, sets: Sequence[str]) -> list[str]:
+        """`VERB [--preset P] [--config C] [--set ITEM ...]`: a command on this sweep's base config (train, eval)."""
+        base = [*(["--preset", str(self.preset)] if self.preset else []), *(["--config", str(self.config)] if self.config else [])]
+        return [verb, *base, *(w for item in sets for w in ("--set", item))]
+
     def runs(self) -> list[RunSpec]:
         """Every run, validated (UserError before anything starts)."""
         return plan_runs(self.preset, self.config, self.set, self.variant_list, self.axes, list(range(self.seeds)))
@@ -202,19 +204,9 @@ def build_sweep(
         if file.analysis.kind == "stability" and len(grid) != 1:
             raise UserError(f"study {name}: its analysis compares the variants along one grid axis, but the sweep has {len(grid)} "
                             f"({', '.join(grid) or 'none'}); change the values of the study's axis with --grid {next(iter(file.grid), 'KEY')}=...")
-    return Sweep(
-        name=name or Path(base).stem,
-        description=file.description,
-        preset=base,
-        config=config or file.config,
-        seeds=seeds or file.seeds,
-        set=[f"{k}={format_value(v)}" for k, v in file.set.items()] + list(sets),
-        variants=file.variants,
-        grid=grid,
-        analysis=file.analysis,
-        measure=file.measure,
-        cost=file.cost,
-    )
+    return Sweep(name=name or Path(base).stem, preset=base, config=config or file.config, seeds=seeds or file.seeds,
+                 set=[f"{k}={format_value(v)}" for k, v in file.set.items()] + list(sets), grid=grid,
+                 **{k: getattr(file, k) for k in ("description", "variants", "analysis", "measure", "cost")})
 
 
 def save_sweep(sweep: Sweep, out: Path) -> None:

@@ -134,95 +134,6 @@ def _trust_flags(sweep, runs, sets: list[str], grids, trust_code: bool) -> list[
     return ["--trust-code"] if needed else []
 
 
-def _stability(out: Path, sweep, records) -> list[Path]:
-    """The stability analysis (study `analysis:`): write stability.md/.json and both heatmaps, print the short table."""
-    from rich.table import Table
-
-    from emapg_cli.ablate import stability
-    from emapg_cli.ablate.plots import plot_stability
-
-    report = stability.analyze(sweep, records)
-    paths = [*stability.write(out, report), *plot_stability(out, report)]
-    table = Table(title=f"stability: mean final accuracy · collapsed/runs per {escape(report.axis)}; "
-                        f"Δ = method − {escape(report.baseline)} (* 95% CI excludes 0)")
-    table.add_column("method")
-    for col in report.columns:
-        table.add_column(escape(stability.column_header(report, col)))
-    table.add_column(f"within {report.analysis['within_points']:g} pts [95% CI]")
-    table.add_column("collapses from")
-    for m, sens, bound in zip(report.methods, report.sensitivity, report.boundary):
-        cells = []
-        for col in report.columns:
-            c, d = report.cell(m, col["label"]), report.difference(m, col["label"])
-            text = "–" if c["final"]["mean"] is None else f"{c['final']['mean']:.3f} · {c['collapsed']}/{c['runs']}"
-            if d is not None and d["mean"] is not None:
-                text += f" Δ{d['mean']:+.3f}" + ("*" if d["excludes_zero"] else "")
-            cells.append(text)
-        frac = "–" if sens["fraction"] is None else f"{sens['fraction']:.2f}" + (
-            f" [{sens['lo']:.2f}, {sens['hi']:.2f}]" if sens["lo"] is not None else "")
-        table.add_row(escape(m), *cells, frac, escape(stability.boundary_text(report, bound)))
-    console.print(table)
-    return paths
-
-
-def _distill(out: Path, sweep, records) -> list[Path]:
-    """The distillation analysis (study `analysis: {kind: distill}`): write distill.md/.json and the plots, print the
-    short table."""
-    from rich.table import Table
-
-    from emapg_cli.ablate import distill
-    from emapg_cli.ablate.plots import plot_distill
-
-    report = distill.analyze(sweep, records)
-    paths = [*distill.write(out, report), *plot_distill(out, report)]
-    pct = f"{report.analysis['teacher_fraction']:.0%}"
-    table = Table(title=f"distill: per variant over seeds; Δ = variant − {escape(report.baseline)} (* 95% CI excludes 0)")
-    for col in ("variant", "seeds", "final accuracy", "teacher", "gap closed", f"reached {pct}", f"steps to {pct}",
-                f"wall s to {pct}", "entropy", "tail mass"):
-        table.add_column(col)
-    for v in report.variants:
-        r, d = report.row(v), report.difference(v)
-        final = distill.with_ci(r["final"])
-        if d is not None and d["final"]["mean"] is not None:
-            final += f" Δ{d['final']['mean']:+.3f}" + ("*" if d["final"]["excludes_zero"] else "")
-        judged = r["reached"] + r["not_reached"]
-        table.add_row(escape(v), str(r["runs"]), final, distill.mean_range(r["teacher"]), distill.mean_range(r["gap_closed"], 2),
-                      f"{r['reached']}/{judged}" if judged else "–", distill.mean_range(r["steps_to_target"], fmt=distill.sig3),
-                      distill.mean_range(r["wall_to_target_s"], fmt=distill.sig3), distill.mean_range(r["entropy"], fmt=distill.sig3),
-                      distill.mean_range(r["tail_mass"], fmt=distill.sig3))
-    console.print(table)
-    return paths
-
-
-def _anchors(out: Path, sweep, records) -> list[Path]:
-    """The anchor study's analysis (study `analysis: {kind: anchors}`): write anchors.md/.json and the plots, print the
-    short table (per rule and cell: mean final accuracy, collapsed/runs, and rule − baseline with its seed and item p)."""
-    from rich.table import Table
-
-    from emapg_cli.ablate import anchors
-    from emapg_cli.ablate.plots import plot_anchors
-
-    report = anchors.analyze(sweep, records, out)
-    paths = [*anchors.write(out, report), *plot_anchors(out, report)]
-    table = Table(title=f"anchors: mean final accuracy · collapsed/runs; Δ = rule − {escape(report.baseline)} "
-                        "(p by seed | p by item, exact tests)")
-    table.add_column("rule")
-    for cell in report.cells:
-        table.add_column(escape(cell["label"]))
-    for rule in report.rules:
-        cells = []
-        for cell in report.cells:
-            r, c = report.row(rule, cell["label"]), report.comparison(rule, cell["label"])
-            text = "–" if r["final"]["mean"] is None else f"{r['final']['mean']:.3f} · {r['collapsed']}/{r['judged']}"
-            if c is not None and c["seeds"]["n"]:
-                item_p = f"{c['items']['p']:.2g}" if c["items"] else "–"
-                text += f" Δ{c['seeds']['diff']:+.3f} (p {c['seeds']['p']:.2g} | {item_p})"
-            cells.append(text)
-        table.add_row(escape(rule), *cells)
-    console.print(table)
-    return paths
-
-
 def _with_study_analysis(sweep, study: Optional[str], preset: Optional[str] = None, generic: bool = False):
     """The recorded sweep with the named study's `analysis:` (--aggregate-only --study), checked against the record's
     variants and grid; unchanged without --study or when the study has none. The folder's study.yaml is not rewritten."""
@@ -243,29 +154,37 @@ def _with_study_analysis(sweep, study: Optional[str], preset: Optional[str] = No
 
 def _report(out: Path, study: Optional[str] = None, preset: Optional[str] = None, generic: bool = False) -> None:
     """Aggregate the sweep in `out`, draw the plots and print the ranked table (`study`: see _with_study_analysis)."""
-    from emapg_cli.ablate.aggregate import (RESULTS_FILE, SUMMARY_FILE, aggregate, format_ci, format_mean_std,
-                                            one_seed_caveat)
+    from emapg_cli.ablate import run_analysis
+    from emapg_cli.ablate.aggregate import RESULTS_FILE, SUMMARY_FILE, aggregate, one_seed_caveat
     from emapg_cli.ablate.plots import plot_all
+    from emapg_cli.stats import format_ci, format_mean_std
 
     sweep, records, summaries = aggregate(out)
     sweep = _with_study_analysis(sweep, study, preset, generic)
     plots = plot_all(out, summaries, records, sweep.name)
-    from rich.table import Table
-
-    table = Table(title=f"{escape(sweep.name)}: final eval accuracy in % (mean ± std over seeds, 95% CI)")
-    for col in ("rank", "configuration", "seeds", "final accuracy (%)", "95% CI"):
-        table.add_column(col)
-    for i, c in enumerate(summaries, 1):
-        iv = c.stats["eval_accuracy_final"]
-        table.add_row(str(i), escape(c.label), f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
-                      format_mean_std(iv, percent=True), format_ci(iv, percent=True))
-    console.print(table)
+    _print_table(f"{sweep.name}: final eval accuracy in % (mean ± std over seeds, 95% CI)",
+                 ["rank", "configuration", "seeds", "final accuracy (%)", "95% CI"],
+                 [[str(i), c.label, f"{c.runs}" + (f" (+{c.failed} failed)" if c.failed else ""),
+                   format_mean_std(c.stats["eval_accuracy_final"], percent=True), format_ci(c.stats["eval_accuracy_final"], percent=True)]
+                  for i, c in enumerate(summaries, 1)])
     caveat = one_seed_caveat(summaries)
     if caveat:
         console.print(f"[yellow]caveat:[/] {escape(caveat)}", highlight=False)
     written = [out / RESULTS_FILE, out / SUMMARY_FILE, *plots]
-    if sweep.analysis is not None and sweep.analysis.kind == "anchors":
-        written += _anchors(out, sweep, records)
-    elif sweep.analysis is not None:
-        written += (_distill if sweep.analysis.kind == "distill" else _stability)(out, sweep, records)
+    if sweep.analysis is not None:  # the study's analysis, by its kind (ablate/__init__.py)
+        paths, table = run_analysis(out, sweep, records)
+        _print_table(*table)
+        written += paths
     console.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+
+
+def _print_table(title: str, heads: list[str], rows: list[list[str]]) -> None:
+    """A rich table of plain text (every title, header and cell is escaped: a name may hold `[`)."""
+    from rich.table import Table
+
+    table = Table(title=escape(title))
+    for head in heads:
+        table.add_column(escape(head))
+    for row in rows:
+        table.add_row(*map(escape, row))
+    console.print(table)

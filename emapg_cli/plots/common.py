@@ -25,11 +25,11 @@ def colors(n: int):
     return matplotlib.colormaps["tab10" if n <= 10 else "tab20"]
 
 
-def save(fig, path: Path) -> Path:
+def save(fig, path: Path, dpi: int = 110) -> Path:
     """Save `fig` as a PNG at `path` through a temporary name and a rename; close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    fig.savefig(tmp, dpi=dpi)
     os.replace(tmp, path)
     fig.clf()
     pyplot().close(fig)
