@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: The named rules, in the order the docs list them.
-RULES = ("ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema")
 #: What each rule is, in one line (the --dry-run plan, `emapg config keys`).
 SUMMARY = {
     "ema": "the EMA of the policy: eta = ema.decay (or ema.decay_schedule; adaptive with ema.target_distance) every ema.update_period steps (EMA-PG)",
