@@ -255,14 +255,13 @@ def config_cases() -> list[Case]:
         case("config", "set-kl-horizon-float", "config", "show", "--set", "kl.horizon=2.5"),
         case("config", "set-kl-horizon-short", "config", "show", "--set", "kl.target=0.1", "--set", "kl.horizon=10"),
     ]
-    # issue 22 (distillation as a run): train.objective, which needs kl.coef > 0 (and no filter_groups for distill)
+    # issue 22 (distillation as a run): train.objective, which needs kl.coef > 0
     cases += [
         case("config", "set-objective-unknown", "config", "show", "--set", "train.objective=sft"),
         case("config", "set-objective-list", "config", "show", "--set", "train.objective=[distill]"),
         case("config", "set-objective-distill-no-coef", "config", "show", "--set", "train.objective=distill", "--set", "kl.coef=0"),
         case("config", "set-objective-both-no-coef", "config", "show", "--set", "train.objective=rl+distill", "--set", "kl.coef=0"),
-        case("config", "set-objective-distill-filter", "config", "show", "--set", "train.objective=distill",
-             "--set", "train.filter_groups=true"),
+        case("config", "set-filter-groups-removed", "config", "show", "--set", "train.filter_groups=true"),
     ]
     # issue 21 (adaptive eta): ema.target_distance, ema.decay_min/max, ema.decay_schedule
     cases += [

@@ -22,7 +22,14 @@ Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
 MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
                                    "a user environment's is its class's max_turns attribute (docs/environments.md)",
               "rollout.hf_attention": "rollout.hf_attention is gone: the hf decode loop's attention is transformers' sdpa "
-                                      "(cascade attention was removed: it did not measurably speed up generation)"}
+                                      "(cascade attention was removed: it did not measurably speed up generation)",
+              "train.filter_groups": "train.filter_groups (DAPO's dynamic sampling) is gone: no preset used it and no "
+                                     "measurement showed a win; raise rollout.prompts_per_step instead (CHANGELOG)"}
+#: Keys removed with their feature, and the value that meant "off": a config holding one at that value (a run's
+#: config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the feature read).
+#: Any other value is the MOVED_KEYS error.
+REMOVED_KEYS = {"train.filter_groups": False, "train.filter_max_rounds": None}
+MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -220,8 +227,6 @@ class TrainConfig(Section):
     dual_clip: Optional[float] = Field(3.0, gt=1, le=1000, description="Dual-clip constant c for negative advantages (null: off).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
-    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO, Yu et al. 2025): drop groups whose rewards are all equal (zero advantage) and sample more prompts until the step has rollout.prompts_per_step informative groups, or train.filter_max_rounds extra rounds were spent (then uninformative groups fill the rest; counted in rollout/filter_*).")
-    filter_max_rounds: int = Field(4, ge=0, le=1000, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
     mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`; search runs: the last policy turn hit the per-turn cap, not an episode that ended unanswered at the turn or context limit) are dropped from the update once the advantages are computed (rllm's mask_truncated_samples; DAPO's overlong filtering): no policy gradient, no KL, and not counted among their mini-batch's sequences or tokens; their rewards still enter their group's GRPO statistics.")
     adv_eps: float = Field(1e-6, gt=0, le=1, description="Epsilon added to the std in the advantage denominator.")
     pack_sequences: Literal["auto", "always", "never"] = Field("auto", description="Remove padding from the decoder passes (update and log-prob passes): a micro-batch's sequences packed end to end into fewer rows as wide as its longest one, positions restarting at each sequence, attention kept within each (transformers' packed-sequence masks; the result equals the padded pass). auto: pack a micro-batch whose longest sequence has at least 128 tokens (on short sequences the packed mask costs more than the padding it saves: the toy ran 10-15% slower packed, toy-search 1.2x faster); always; never.")
@@ -466,7 +471,8 @@ class Config(Section):
     def _old_max_turns(cls, data):
         """Configs written before rollout.env (a run's config.yaml, for --resume) hold rollout.max_turns; its value
         1 without search was the single-turn default and is dropped; any other value is the error naming
-        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped."""
+        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped,
+        and the REMOVED_KEYS at their "off" value."""
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "max_turns" in data["rollout"]:
             search = data.get("search") or {}
             enabled = search.get("enabled") if isinstance(search, dict) else getattr(search, "enabled", False)
@@ -474,6 +480,12 @@ class Config(Section):
                 data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "max_turns"}}
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and data["rollout"].get("hf_attention") == "sdpa":
             data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "hf_attention"}}
+        for dotted, off in REMOVED_KEYS.items():
+            group, key = dotted.split(".")
+            if isinstance(data, dict) and isinstance(data.get(group), dict) and key in data[group]:
+                if off is not None and data[group][key] != off:
+                    raise ValueError(MOVED_KEYS[dotted])
+                data = {**data, group: {k: v for k, v in data[group].items() if k != key}}
         return data
 
     @model_validator(mode="after")
@@ -515,9 +527,6 @@ class Config(Section):
         if t.objective != "rl" and self.kl.coef <= 0:
             raise ValueError(f"train.objective={t.objective} needs kl.coef > 0: the distillation term is kl.coef times the KL "
                              "to the anchor (the teacher), and kl.coef=0 loads no anchor")
-        if t.objective == "distill" and t.filter_groups:
-            raise ValueError("train.filter_groups keeps groups whose rewards differ, and train.objective=distill grades "
-                             "nothing (every reward 0): set train.filter_groups=false")
         if t.share_prompts == "always" and self.model.gradient_checkpointing:
             raise ValueError("train.share_prompts=always needs the decoder's key/value cache in the training pass, which "
                              "model.gradient_checkpointing turns off; use auto or never")
