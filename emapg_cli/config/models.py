@@ -28,8 +28,10 @@ MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent'
 #: Keys removed with their feature, and the value that meant "off": a config holding one at that value (a run's
 #: config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the feature read).
 #: Any other value is the MOVED_KEYS error.
-REMOVED_KEYS = {"train.filter_groups": False, "train.filter_max_rounds": None}
+REMOVED_KEYS = {"train.filter_groups": False, "train.filter_max_rounds": None, "ema.decay_schedule": []}
 MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
+MOVED_KEYS["ema.decay_schedule"] = ("ema.decay_schedule (a fixed plan for eta) is gone: no preset used it and no measurement "
+                                    "showed a win; use ema.decay, or ema.target_distance for an eta that adapts (CHANGELOG)")
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -319,11 +321,11 @@ class BemaConfig(Section):
 class AnchorConfig(Section):
     """What the KL term pulls towards: the EMA of the policy (EMA-PG) or a fixed teacher model (on-policy distillation)."""
 
-    rule: Literal["ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema"] = Field("ema", description="How the EMA anchor moves (docs/anchors.md): ema (default): eta = ema.decay every ema.update_period steps (or ema.decay_schedule; adaptive with ema.target_distance); fixed: eta = 1, the initial policy (GRPO); reset: eta = 0, the anchor set to the policy every ema.update_period steps (ProRL); mixup: eta = 1 - anchor.mixup_alpha every ema.update_period steps (TR-DPO); previous: eta = 0 every step, the KL to the policy that sampled the step; adaptive: eta adapted to track ema.target_distance; bema: the bias-corrected EMA of anchor.bema every ema.update_period steps. fixed, reset, mixup and previous set ema.decay (previous also ema.update_period = 1) whatever it was; a key only another rule reads, set away from its default, is an error.")
+    rule: Literal["ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema"] = Field("ema", description="How the EMA anchor moves (docs/anchors.md): ema (default): eta = ema.decay every ema.update_period steps (adaptive with ema.target_distance); fixed: eta = 1, the initial policy (GRPO); reset: eta = 0, the anchor set to the policy every ema.update_period steps (ProRL); mixup: eta = 1 - anchor.mixup_alpha every ema.update_period steps (TR-DPO); previous: eta = 0 every step, the KL to the policy that sampled the step; adaptive: eta adapted to track ema.target_distance; bema: the bias-corrected EMA of anchor.bema every ema.update_period steps. fixed, reset, mixup and previous set ema.decay (previous also ema.update_period = 1) whatever it was; a key only another rule reads, set away from its default, is an error.")
     mixup_alpha: float = Field(0.6, gt=0, le=1, description="anchor.rule=mixup: alpha in theta_anchor <- alpha theta + (1 - alpha) theta_anchor every ema.update_period steps (TR-DPO's alpha, TRL's ref_model_mixup_alpha; eta = 1 - alpha).")
     bema: BemaConfig = Field(default_factory=BemaConfig, description="anchor.rule=bema: BEMA's schedule.")
 
-    source: Literal["ema", "teacher"] = Field("ema", description="The anchor: `ema` (default), the EMA of the policy's own weights (the `ema` section); `teacher`, a fixed model loaded from anchor.path that is never updated, with the same tokenizer and vocabulary as the policy (checked before any weights load), not saved in checkpoints (they record its path and content hash, checked on resume). Needs kl.coef > 0; not with LoRA, ema.target_distance or ema.decay_schedule.")
+    source: Literal["ema", "teacher"] = Field("ema", description="The anchor: `ema` (default), the EMA of the policy's own weights (the `ema` section); `teacher`, a fixed model loaded from anchor.path that is never updated, with the same tokenizer and vocabulary as the policy (checked before any weights load), not saved in checkpoints (they record its path and content hash, checked on resume). Needs kl.coef > 0; not with LoRA or ema.target_distance.")
     path: Optional[str] = Field(None, description="anchor.source=teacher: the teacher's local checkpoint folder in save_pretrained format, with its tokenizer (~ and $EMAPG_HOME expanded, as model.path). Not used with anchor.source=ema.")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="anchor.source=teacher: the dtype the teacher's weights are held and run in (it may be lower than the policy's); null: model.dtype. With anchor.source=ema the anchor's dtype is ema.dtype.")
 
@@ -338,28 +340,20 @@ class AnchorConfig(Section):
         return self
 
 
-class DecayStage(Section):
-    steps: int = Field(ge=1, le=COUNT, description="RL steps in this stage of ema.decay_schedule.")
-    decay: float = Field(ge=0, le=1, description="eta of the anchor updates in this stage (1.0: the anchor stays where it is).")
-
-
 class EMAConfig(Section):
-    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). Set by anchor.rule fixed (1), reset and previous (0) and mixup (1 - anchor.mixup_alpha). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max]; with ema.decay_schedule: unused.")
+    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). Set by anchor.rule fixed (1), reset and previous (0) and mixup (1 - anchor.mixup_alpha). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max].")
     update_period: int = Field(10, ge=1, le=COUNT, description="Update the EMA anchor every this many RL steps.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the EMA anchor's weights are held and averaged in. float32 (default) keeps every EMA step; bfloat16 reproduces the official search run (its reference model is bf16 and updated with mul_().add_() in place, so small EMA steps round away).")
     anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
-    target_distance: Optional[float] = Field(None, gt=0, le=10, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay (or ema.decay_schedule). Logged as ema/decay; checkpointed.")
+    target_distance: Optional[float] = Field(None, gt=0, le=10, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay. Logged as ema/decay; checkpointed.")
     decay_min: float = Field(0.5, ge=0, le=1, description="With ema.target_distance: the smallest eta the adaptive rule may choose.")
     decay_max: float = Field(0.999, ge=0, le=1, description="With ema.target_distance: the largest eta the adaptive rule may choose (below 1: a frozen anchor never moves, so its lag could not be read).")
-    decay_schedule: list[DecayStage] = Field(default_factory=list, description="A fixed plan for eta, e.g. [{steps: 100, decay: 0.9}, {steps: 200, decay: 0.99}]: stage i covers the next `steps` RL steps (an anchor update at step s uses the decay of the stage holding s); steps past the last stage keep its decay; [] (default): ema.decay throughout. A pure function of the step, so a run resumes across stage boundaries. Exclusive with ema.target_distance.")
 
     @model_validator(mode="after")
     def _one_decay_rule(self) -> "EMAConfig":
         if self.decay_min > self.decay_max:
             raise ValueError(f"ema.decay_min ({self.decay_min:g}) must not exceed ema.decay_max ({self.decay_max:g})")
         if self.target_distance is not None:
-            if self.decay_schedule:
-                raise ValueError("ema.target_distance (adaptive eta) and ema.decay_schedule (a fixed plan) are exclusive: set one of them")
             if self.decay_max >= 1:
                 raise ValueError("with ema.target_distance, ema.decay_max must be below 1 (a frozen anchor's lag grows without "
                                  "bound, so the adaptive rule could never leave eta = 1)")
@@ -367,16 +361,6 @@ class EMAConfig(Section):
                 raise ValueError(f"with ema.target_distance, ema.decay ({self.decay:g}) is the starting eta and must lie in "
                                  f"[ema.decay_min, ema.decay_max] = [{self.decay_min:g}, {self.decay_max:g}]")
         return self
-
-    def decay_at(self, step: int) -> float:
-        """The scheduled eta of RL step `step` (1-based): the decay of the ema.decay_schedule stage holding it (past the
-        last stage, the last one's), or ema.decay without a schedule. Not the adaptive eta (train/eta_control.py)."""
-        end = 0
-        for st in self.decay_schedule:
-            end += st.steps
-            if step <= end:
-                return st.decay
-        return self.decay_schedule[-1].decay if self.decay_schedule else self.decay
 
 
 class EvalConfig(Section):
@@ -573,9 +557,9 @@ class Config(Section):
         # train.objective=distill / rl+distill (when present) uses the teacher without kl.coef: extend this test then
         if self.kl.coef <= 0:
             raise ValueError("anchor.source=teacher needs kl.coef > 0 (the KL term is what pulls the policy to the teacher)")
-        for key, given in (("ema.target_distance", self.ema.target_distance is not None), ("ema.decay_schedule", bool(self.ema.decay_schedule))):
-            if given:
-                raise ValueError(f"{key} sets the EMA anchor's eta, but anchor.source=teacher never updates the anchor: drop {key}")
+        if self.ema.target_distance is not None:
+            raise ValueError("ema.target_distance sets the EMA anchor's eta, but anchor.source=teacher never updates the anchor: "
+                             "drop ema.target_distance")
         if self.rollout.engine == "vllm" and self.eval.anchor_every > 0:
             raise ValueError("eval.anchor_every with anchor.source=teacher and rollout.engine=vllm would push the teacher's "
                              "weights into the engine, which holds the policy's architecture: set eval.anchor_every=0 or use hf")
