@@ -27,11 +27,10 @@ from typing import Callable, Optional
 
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import sha256_file
-from emapg_cli.retrieval.base import Hit, hit_from_doc
+from emapg_cli.retrieval.base import MANIFEST, Hit, file_table, hit_from_doc, read_index_manifest
 from emapg_cli.retrieval.corpus import count_rows, iter_corpus
 from emapg_cli.retrieval.docstore import DOCS_BIN, OFFSETS
 
-MANIFEST = "manifest.json"
 FORMAT = "emapg-bm25/3"
 #: Rows tokenised per chunk by `build_index` (`emapg retriever index --chunk-rows`).
 DEFAULT_CHUNK_ROWS = 10_000
@@ -87,12 +86,6 @@ KIND = "retriever index"  # the output-folder kind (outputs.claim_folder)
 MANIFEST_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str, "corpus": str, "corpus_sha256": str, "rows": int, "bm25s_version": str, "tokenizer": str,
     "index_s": (int, float), "files": dict}
-
-
-def _file_table(folder: Path) -> dict[str, dict]:
-    """{relative path: {"bytes", "sha256"}} of every file under `folder` but the manifest (sorted)."""
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
 def build_index(corpus: Path, out: Path, progress: Optional[Callable[[Optional[int]], Callable[[int], None]]] = None,
@@ -156,7 +149,7 @@ def build_index(corpus: Path, out: Path, progress: Optional[Callable[[Optional[i
                 "bm25s_version": bm25s.__version__,
                 "tokenizer": "bm25s regex, lower-case, English stop words, no stemming",
                 "index_s": time.perf_counter() - t0,
-                "files": _file_table(tmp),
+                "files": file_table(tmp),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
             for name in ("bm25", DOCS_BIN, OFFSETS, MANIFEST):  # the manifest last: a folder without one is no index
@@ -197,35 +190,9 @@ def _bad(folder: Path, what: str) -> UserError:
 
 def read_manifest(folder: Path) -> dict:
     """The manifest of index `folder`, its keys and types checked (UserError naming the folder otherwise)."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise UserError(f"{folder}: not a bm25 index (no {MANIFEST}; build one with `emapg retriever index CORPUS --out DIR`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise _bad(folder, f"{MANIFEST} is not readable JSON ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(manifest, dict):
-        raise _bad(folder, f"{MANIFEST} is not a JSON object")
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{folder}: unknown index format {str(manifest.get('format'))[:80]!r} (expected {FORMAT})")
-    expected = MANIFEST_KEYS
-    missing = sorted(set(expected) - set(manifest))
-    extra = sorted(set(manifest) - set(expected))
-    if missing or extra:
-        raise _bad(folder, f"{MANIFEST} " + "; ".join(
-            ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unknown keys {', '.join(extra)[:120]}"] if extra else [])))
-    for key, kind in expected.items():
-        value = manifest[key]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise _bad(folder, f"{MANIFEST}: {key} is {type(value).__name__}, not {getattr(kind, '__name__', 'a number')}")
+    manifest = read_index_manifest(folder, FORMAT, MANIFEST_KEYS, lambda what: _bad(folder, what))
     if manifest["rows"] < 1:
         raise _bad(folder, f"{MANIFEST}: rows is {manifest['rows']}")
-    for name, entry in manifest["files"].items():
-        if (not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not isinstance(entry["bytes"], int)
-                or isinstance(entry["bytes"], bool) or not isinstance(entry["sha256"], str)):
-            raise _bad(folder, f"{MANIFEST}: files[{name[:80]!r}] is not {{\"bytes\": int, \"sha256\": str}}")
-        if name.startswith("/") or ".." in Path(name).parts:
-            raise _bad(folder, f"{MANIFEST}: files names {name[:80]!r}, outside the index")
     if not {DOCS_BIN, OFFSETS, "bm25/params.index.json"} <= set(manifest["files"]):
         raise _bad(folder, f"{MANIFEST}: files does not list {DOCS_BIN} and {OFFSETS} and the bm25 model")
     return manifest
