@@ -45,11 +45,6 @@ def check_engine_url(url: Any) -> str:
     return url.rstrip("/")
 
 
-def _one_line(text: Any, limit: int = 200) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def named_tensors(model: Any) -> list[tuple[str, Any]]:
     """(name, parameter) of `model` in transformers' naming (unwrapped from DDP / torch.compile; tied weights once)."""
     module = getattr(model, "module", model)
@@ -77,7 +72,7 @@ class RemoteEngine(EngineBase):
         if not isinstance(health, dict) or "protocol" not in health or not isinstance(health.get("model"), dict):
             raise UserError(f"rollout server {self.url}: /health answers, but not as an emapg rollout server")
         if health["protocol"] != PROTOCOL:
-            raise UserError(f"rollout server {self.url} speaks protocol {_one_line(health['protocol'], 20)}, this emapg "
+            raise UserError(f"rollout server {self.url} speaks protocol {http_client.one_line(health['protocol'], 20)}, this emapg "
                             f"speaks {PROTOCOL}: run the same emapg version on both sides")
         self.health = health
         self.records_topk = bool(health.get("records_topk"))
@@ -112,10 +107,10 @@ class RemoteEngine(EngineBase):
         except http_client.ReplyTooLarge:
             raise UserError(f"rollout server {self.url}{path}: reply over {MAX_REPLY_BYTES} bytes") from None
         except (OSError, HTTPException, ValueError) as e:
-            raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(e, 120) or type(e).__name__}); is "
+            raise UserError(f"rollout server {self.url}: cannot reach it ({http_client.one_line(e, 120) or type(e).__name__}); is "
                             "`emapg rollout serve` running there?") from None
         if reply.status != 200:
-            said = self._server_says(reply.body)
+            said = http_client.server_error(reply.body)
             if reply.status == 404 and path == "/health":
                 raise UserError(f"rollout server {self.url}: no /health route there (not an emapg rollout server?)")
             if reply.status == 401 and not self._secret:
@@ -125,14 +120,6 @@ class RemoteEngine(EngineBase):
             return json.loads(reply.body)
         except (ValueError, RecursionError):
             raise UserError(f"rollout server {self.url}{path}: the reply is not JSON (not an emapg rollout server?)") from None
-
-    @staticmethod
-    def _server_says(body: bytes) -> str:
-        try:
-            said = json.loads(body[:4096].decode("utf-8"))["error"]
-            return _one_line(said) if isinstance(said, str) else ""
-        except Exception:  # any other body: the status alone says enough
-            return ""
 
     # ------------------------------------------------------------------ checks
     def check_compatible(self, model: Any, tokenizer: Any) -> None:
@@ -201,7 +188,7 @@ class RemoteEngine(EngineBase):
                 except Exception as e:  # NCCL errors are long and multi-line: one line, the channel dropped
                     self._backend = self._channel = None
                     raise UserError(f"rollout server {self.url}: the weight push of version {version} failed "
-                                    f"({_one_line(e, 160)})") from None
+                                    f"({http_client.one_line(e, 160)})") from None
             self.weights_version, self._pushed = int(version), True
 
     def _connect(self) -> str:
@@ -223,7 +210,7 @@ class RemoteEngine(EngineBase):
                 self._channel.handshake()
             except Exception as e:
                 raise UserError(f"rollout server {self.url}: the weight channel ({backend}) did not open "
-                                f"({_one_line(e, 160)})") from None
+                                f"({http_client.one_line(e, 160)})") from None
         self._backend = backend
         return backend
 
