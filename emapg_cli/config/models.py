@@ -18,20 +18,23 @@ from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
 
 Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
-#: Keys that moved: setting one is a one-line error naming where it went.
+#: Keys that moved or went: setting one is a one-line error naming where it went.
 MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
                                    "a user environment's is its class's max_turns attribute (docs/environments.md)",
               "rollout.hf_attention": "rollout.hf_attention is gone: the hf decode loop's attention is transformers' sdpa "
                                       "(cascade attention was removed: it did not measurably speed up generation)",
               "train.filter_groups": "train.filter_groups (DAPO's dynamic sampling) is gone: no preset used it and no "
-                                     "measurement showed a win; raise rollout.prompts_per_step instead (CHANGELOG)"}
-#: Keys removed with their feature, and the value that meant "off": a config holding one at that value (a run's
-#: config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the feature read).
-#: Any other value is the MOVED_KEYS error.
-REMOVED_KEYS = {"train.filter_groups": False, "train.filter_max_rounds": None, "ema.decay_schedule": []}
+                                     "measurement showed a win; raise rollout.prompts_per_step instead (CHANGELOG)",
+              "ema.decay_schedule": "ema.decay_schedule (a fixed plan for eta) is gone: no preset used it and no measurement "
+                                    "showed a win; use ema.decay, or ema.target_distance for an eta that adapts (CHANGELOG)",
+              "rollout.engine_weights_backend": "rollout.engine_weights_backend is gone: the weights travel in the body of "
+                                                "the push request (http); the untested NCCL channel was removed (CHANGELOG)"}
 MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
-MOVED_KEYS["ema.decay_schedule"] = ("ema.decay_schedule (a fixed plan for eta) is gone: no preset used it and no measurement "
-                                    "showed a win; use ema.decay, or ema.target_distance for an eta that adapts (CHANGELOG)")
+#: Keys removed with their feature, and the values that meant what emapg does now: a config holding one at such a
+#: value (a run's config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the
+#: removed feature read). Any other value is the MOVED_KEYS error.
+REMOVED_KEYS = {"train.filter_groups": (False,), "train.filter_max_rounds": None, "ema.decay_schedule": ([],),
+                "rollout.engine_weights_backend": ("auto", "http")}
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -105,7 +108,6 @@ class RolloutConfig(Section):
     hf_batch_size: int = Field(256, ge=1, le=1 << 20, description="hf engine only: sequences generated together in one `generate` call.")
     hf_fast_decode: bool = Field(True, description="hf engine only: sample through emapg's own decode loop (a preallocated key/value cache; rows that end leave the batch; engines/hf_decode.py, docs/performance.md), which draws the same tokens as transformers' `generate`, faster; a model the loop does not support uses `generate`, with a warning naming why. false: always `generate`.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
-    engine_weights_backend: Literal["auto", "http", "nccl"] = Field("auto", description="rollout.engine_url only: how the weights travel to the rollout server: nccl (GPU to GPU over a torch.distributed NCCL group; both sides on CUDA, on different GPUs), http (the tensors' bytes in the push request's own body, through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else http).")
     engine_timeout_s: float = Field(1800.0, gt=0, le=86400, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take, all of it, before the run stops with a one-line error (at most a day).")
     max_staleness: int = Field(0, ge=0, le=1000, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; refused where no correction is valid: vLLM at rollout.temperature != 1 with rollout.top_p < 1; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
@@ -467,7 +469,7 @@ class Config(Section):
         for dotted, off in REMOVED_KEYS.items():
             group, key = dotted.split(".")
             if isinstance(data, dict) and isinstance(data.get(group), dict) and key in data[group]:
-                if off is not None and data[group][key] != off:
+                if off is not None and data[group][key] not in off:
                     raise ValueError(MOVED_KEYS[dotted])
                 data = {**data, group: {k: v for k, v in data[group].items() if k != key}}
         return data
@@ -534,7 +536,7 @@ class Config(Section):
         """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
         r = self.rollout
         # values other than the defaults, not keys given: a run's config.yaml (read by --resume) holds every key
-        changed = [k for k in ("engine_timeout_s", "engine_weights_backend", "gpu_memory_utilization", "hf_batch_size",
+        changed = [k for k in ("engine_timeout_s", "gpu_memory_utilization", "hf_batch_size",
                                "hf_fast_decode")
                    if getattr(r, k) != RolloutConfig.model_fields[k].default]
         server_keys = [k for k in changed if k.startswith("engine_")]
