@@ -13,13 +13,14 @@ order (the raw tensors of a weight push, without copying them into one); while i
 from __future__ import annotations
 
 import http.client
+import json
 import select
 import socket
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 #: Bytes handed to the socket per send while watching for an early reply.
 _SEND_CHUNK = 1 << 20
@@ -123,3 +124,18 @@ def request(url: str, method: str = "GET", body: Optional[Body] = None, *, timeo
     finally:
         timer.cancel()
         conn.close()
+
+
+def one_line(text: Any, limit: int = 200) -> str:
+    """`text` on one line (runs of whitespace joined), at most `limit` characters (then "...")."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def server_error(body: bytes) -> str:
+    """The `{"error": "..."}` string of a reply's JSON body on one line (at most 4 KiB read), else ""."""
+    try:
+        said = json.loads(body[:4096].decode("utf-8"))["error"]
+        return one_line(said) if isinstance(said, str) else ""
+    except Exception:  # any other body: the status alone says enough
+        return ""

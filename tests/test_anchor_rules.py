@@ -45,7 +45,6 @@ def test_ema_adaptive_and_bema_keep_the_ema_section():
     (("anchor.rule=reset", "anchor.bema.ema_power=0.3"), "anchor.bema.ema_power applies to anchor.rule=bema, not reset"),
     (("anchor.rule=mixup", "ema.target_distance=0.1"), "ema.target_distance is the adaptive rule's target"),
     (("anchor.rule=adaptive",), "anchor.rule=adaptive needs ema.target_distance"),
-    (("anchor.rule=bema", "ema.decay_schedule=[{steps: 5, decay: 0.5}]"), "ema.decay_schedule is a plan for the ema rule's eta"),
     (("anchor.rule=previous", "lora.r=4"), None),  # LoRA takes the family's points
     (("anchor.rule=bema", "lora.r=4"), "lora.r > 0 does not support anchor.rule=bema yet"),
 ])

@@ -254,5 +254,3 @@ def test_an_unknown_key_in_a_list_item_names_the_items_keys():
 
     with pytest.raises(UserError, match=r"unknown config key 'stages\.0\.x' \(allowed in stages\.0: steps, max_new_tokens, mask_truncated\)"):
         load_config("toy", overrides=["stages=[{steps: 3, max_new_tokens: 4, x: 1}]"])
-    with pytest.raises(UserError, match=r"allowed in ema\.decay_schedule\.0: steps, decay\)"):
-        load_config("toy", overrides=["ema.decay_schedule=[{steps: 1, decay: 0.5, y: 2}]"])

@@ -80,8 +80,6 @@ def test_objective_config_rules():
     assert both.estimator == "k4" and both.distill
     with pytest.raises(ValidationError, match="train.objective=distill needs kl.coef > 0"):
         Config.model_validate({"train": {"objective": "distill"}, "kl": {"coef": 0}})
-    with pytest.raises(ValidationError, match="train.filter_groups"):
-        Config.model_validate({"train": {"objective": "distill", "filter_groups": True}, "kl": {"coef": 1.0}})
     with pytest.raises(ValidationError):
         Config.model_validate({"train": {"objective": "sft"}})
 

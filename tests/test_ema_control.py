@@ -82,38 +82,40 @@ def test_the_unit_lag_stops_windup():
     assert max(textbook) == 0.999 and min(textbook[50:]) < 0.97  # wound up, then swinging back
 
 
-def test_schedule_lookup():
-    e = EMAConfig(decay_schedule=[{"steps": 100, "decay": 0.9}, {"steps": 200, "decay": 0.99}])
-    # stage 1 covers steps 1-100, stage 2 steps 101-300, later steps keep 0.99
-    assert [e.decay_at(s) for s in (1, 100, 101, 300, 301, 10**6)] == [0.9, 0.9, 0.99, 0.99, 0.99, 0.99]
-    assert EMAConfig(decay=0.97).decay_at(7) == 0.97  # no schedule: ema.decay
-    assert describe(e) == "η schedule 0.9 (steps 1-100), 0.99 (from step 101)"
-    assert describe(EMAConfig(decay_schedule=[{"steps": 1, "decay": 0.3}, {"steps": 1, "decay": 0.6}])) == \
-        "η schedule 0.3 (step 1), 0.6 (from step 2)"
-    assert decay_for_update(e, {}, 150, lambda: pytest.fail("a schedule measures nothing")) == 0.99
-    assert decay_in_force(e, {}, 100) == 0.9
+def test_fixed_eta_is_ema_decay():
+    e = EMAConfig(decay=0.97)
+    assert decay_for_update(e, {}, lambda: pytest.fail("a fixed eta measures nothing")) == 0.97
+    assert decay_in_force(e, {}) == 0.97
+    assert describe(e) == "η 0.97"
+
+
+def test_removed_decay_schedule():
+    """ema.decay_schedule is gone: a run's config.yaml holding it empty still loads (--resume); a plan is refused."""
+    from emapg_cli.config.loading import validate
+    from emapg_cli.errors import UserError
+
+    assert validate({"ema": {"decay_schedule": []}}).ema == EMAConfig()
+    with pytest.raises(UserError, match="ema.decay_schedule .* is gone"):
+        validate({"ema": {"decay_schedule": [{"steps": 100, "decay": 0.9}]}})
 
 
 def test_adaptive_state_in_the_trainer_dict():
     e = EMAConfig(target_distance=0.1, decay=0.5)
     state: dict = {}
-    assert decay_in_force(e, state, 1) == 0.5  # before the first anchor update: ema.decay
+    assert decay_in_force(e, state) == 0.5  # before the first anchor update: ema.decay
     # update 1: as in test_rule_by_hand, eta 0.5 -> 0.583333, S_2 = 1.583333
-    assert decay_for_update(e, state, 1, lambda: 0.01) == pytest.approx(1 - 1 / 2.4, abs=1e-15)
+    assert decay_for_update(e, state, lambda: 0.01) == pytest.approx(1 - 1 / 2.4, abs=1e-15)
     assert state == {"ema_decay": pytest.approx(1 - 1 / 2.4, abs=1e-15), "ema_unit_lag": pytest.approx(2 - 1 / 2.4, abs=1e-15)}
-    assert decay_in_force(e, state, 1) == state["ema_decay"]
+    assert decay_in_force(e, state) == state["ema_decay"]
     assert json.loads(json.dumps(state)) == state  # checkpointed in state.json: floats round-trip exactly
     assert describe(e) == "adaptive η (target distance 0.1, [0.5, 0.999], from 0.5)"
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"target_distance": 0.1, "decay_schedule": [{"steps": 1, "decay": 0.9}]}, "are exclusive"),
     ({"decay_min": 0.9, "decay_max": 0.8}, "must not exceed ema.decay_max"),
     ({"target_distance": 0.1, "decay": 1.0}, "is the starting eta and must lie in"),
     ({"target_distance": 0.1, "decay_max": 1.0}, "ema.decay_max must be below 1"),
     ({"target_distance": 0.0}, "greater than 0"),
-    ({"decay_schedule": [{"steps": 0, "decay": 0.9}]}, "greater than or equal to 1"),
-    ({"decay_schedule": [{"steps": 5, "decay": 1.5}]}, "less than or equal to 1"),
 ])
 def test_config_refuses(values, message):
     with pytest.raises(ValueError, match=message):

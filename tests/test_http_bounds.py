@@ -1,6 +1,6 @@
 """The HTTP pieces both servers and both clients share (issue 32): a client request whose deadline covers all of it
-(emapg_cli/http_client.py), a refusal that reaches a client still sending its body, and the rollout server's bound
-on the NCCL joins a connect may start. Real sockets on 127.0.0.1 only; every wait bounded (seconds)."""
+(emapg_cli/http_client.py), and a refusal that reaches a client still sending its body. Real sockets on 127.0.0.1
+only; every wait bounded (seconds)."""
 
 from __future__ import annotations
 
@@ -87,43 +87,6 @@ def test_a_refusal_reaches_a_client_still_sending_its_body():
     finally:
         server.shutdown()
         server.server_close()
-
-
-def test_nccl_joins_are_bounded_in_count_and_time(monkeypatch):
-    """A connect with backend nccl makes the server host a store, on the address the connect came to only, for the
-    trainer to join (the server dials nothing): at most MAX_JOINS (2) joins wait at once (the next connect is a 429 at
-    once), each for at most JOIN_TIMEOUT_S (here 1 s) for a trainer that never joins. They used to be unbounded: the
-    server dialled the host:port a client named, and 100 connects naming a black hole held 100 threads for 10
-    minutes each. The group is built with gloo here (no GPU), as GROUP_BACKEND lets the test choose."""
-    from emapg_cli.serve import rollout_service
-    from emapg_cli.serve.request_limits import Refused
-    from emapg_cli.serve.rollout_service import RolloutService, ServedModel
-
-    monkeypatch.setattr(rollout_service, "JOIN_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(rollout_service, "GROUP_BACKEND", "gloo")
-    served = ServedModel(engine=None, name="hf", fingerprint={}, tokenizer_sha256="", params={}, device="cuda:0")
-    service = RolloutService(served)
-    _, port = service.connect("nccl", "127.0.0.1")
-    assert _listening(port) == {"127.0.0.1"}, "the store listens beyond the connect's address"
-    service.connect("nccl", "127.0.0.1")
-    with pytest.raises(Refused, match="busy") as e:
-        service.connect("nccl", "127.0.0.1")
-    assert e.value.code == 429
-    end = time.monotonic() + 15
-    while service._joins.running and time.monotonic() < end:
-        time.sleep(0.1)
-    assert service._joins.running == 0, "the joins did not end within their timeout"
-    assert service.session.error, "a trainer that never joined is the session's error"
-    service.connect("nccl", "127.0.0.1")  # a slot again
-    end = time.monotonic() + 15
-    while service._joins.running and time.monotonic() < end:  # its thread ends before the test does
-        time.sleep(0.1)
-
-
-def _listening(port: int) -> set[str]:
-    from probes.rollout import _listening as listening
-
-    return listening(port)
 
 
 def test_a_server_with_a_secret_answers_only_requests_that_carry_it(monkeypatch):

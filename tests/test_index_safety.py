@@ -87,7 +87,8 @@ def test_build_keeps_a_users_tmp_folder_and_hashes_every_file(tmp_path):
 
 def test_docs_shorter_than_the_model_is_refused(tmp_path):
     """The doc store one row short, with the manifest's rows and hashes made to agree: the model's 4 documents != 3."""
-    from emapg_cli.retrieval.bm25 import BM25Retriever, _file_table, build_index
+    from emapg_cli.retrieval.base import file_table
+    from emapg_cli.retrieval.bm25 import BM25Retriever, build_index
     from emapg_cli.retrieval.docstore import write_docstore
 
     out = tmp_path / "X"
@@ -95,7 +96,7 @@ def test_docs_shorter_than_the_model_is_refused(tmp_path):
     lines = (out / "docs.bin").read_text().splitlines()
     write_docstore([json.loads(line) for line in lines[:3]], out)
     m = json.loads((out / "manifest.json").read_text())
-    m.update(rows=3, files=_file_table(out))
+    m.update(rows=3, files=file_table(out))
     m["files"] = {k: v for k, v in m["files"].items() if not k.startswith(".emapg")}
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(UserError, match=r"the bm25 model has 4 documents, docs.bin has 3"):

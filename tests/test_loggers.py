@@ -12,7 +12,12 @@ import pytest
 
 from emapg_cli.config.models import LoggingConfig
 from emapg_cli.errors import UserError
-from emapg_cli.train.loggers import METRICS_FILE, NullLogger, make_logger, read_metrics, truncate_metrics
+from emapg_cli.train.loggers import METRICS_FILE, NullLogger, make_logger, truncate_metrics
+
+
+def read_metrics(path):
+    """The rows of a metrics.jsonl file, in order (blank lines skipped)."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def test_jsonl_rows_are_written_and_flushed_every_step(tmp_path):

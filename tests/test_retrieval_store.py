@@ -166,20 +166,6 @@ def test_streamed_index_equals_bm25s_on_the_toy_search_corpus(tmp_path):
     _same_hits(_bm25s_in_memory([r["contents"] for r in rows]), retriever, queries, k=5)
 
 
-def test_format_2_folder_still_loads(tmp_path):
-    """A folder as the /2 build wrote it: bm25s's own save, docs.jsonl, the manifest with every file's hash."""
-    from emapg_cli.retrieval.bm25 import BM25Retriever, _file_table
-
-    rows = [{"id": "a", "contents": "T\nriver stone"}, {"id": "b", "contents": "U\nhill"}]
-    _bm25s_in_memory([r["contents"] for r in rows]).save(str(tmp_path / "bm25"), show_progress=False)
-    _write(tmp_path / "docs.jsonl", rows)
-    (tmp_path / "manifest.json").write_text(json.dumps({
-        "format": "emapg-bm25/2", "corpus": "c.jsonl", "corpus_sha256": "0" * 64, "rows": 2, "bm25s_version": "0.3.16",
-        "tokenizer": "bm25s", "index_s": 0.1, "files": _file_table(tmp_path)}))
-    retriever = BM25Retriever.load(tmp_path)
-    assert [h.id for h in retriever.search(["hill"], 1)[0]] == ["b"] and isinstance(retriever.docs, list)
-
-
 def test_vocab_file_and_final_ids(tmp_path):
     from emapg_cli.retrieval.bm25_build import _write_vocab, final_ids
 

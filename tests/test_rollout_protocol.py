@@ -128,7 +128,7 @@ def test_engine_url_config_and_refusals():
         ({"rollout": {"engine_url": "http://h:1", "hf_attention": "cascade"}}, "rollout.hf_attention is gone"),
         ({"rollout": {"engine_url": "http://h:1"}, "lora": {"r": 4}}, "lora.r > 0 with rollout.engine_url"),
         ({"rollout": {"engine_timeout_s": 5}}, "set rollout.engine_url too"),
-        ({"rollout": {"engine_weights_backend": "http"}}, "rollout.engine_weights_backend applies to a rollout server"),
+        ({"rollout": {"engine_weights_backend": "nccl"}}, "rollout.engine_weights_backend is gone"),
     ]
     for data, message in refusals:
         with pytest.raises(ValidationError, match=message):

@@ -39,7 +39,6 @@ def teacher_opts(model: Path, teacher: Path, data: Path, steps: int, **extra) ->
     (["anchor.dtype=bfloat16"], "the EMA anchor's is ema.dtype"),
     (["anchor.source=teacher", "anchor.path=/x", "kl.coef=0"], "anchor.source=teacher needs kl.coef > 0"),
     (["anchor.source=teacher", "anchor.path=/x", "ema.target_distance=0.01"], "ema.target_distance sets the EMA"),
-    (["anchor.source=teacher", "anchor.path=/x", "ema.decay_schedule=[{steps: 2, decay: 0.9}]"], "ema.decay_schedule sets"),
     (["anchor.source=teacher", "anchor.path=/x", "lora.r=2"], "lora.r > 0 does not support anchor.source=teacher"),
     (["anchor.source=teacher", "anchor.path=/x", "rollout.engine=vllm", "eval.anchor_every=2"], "eval.anchor_every with"),
     (["kl.topk_from=policy"], "kl.topk_from"),

@@ -352,22 +352,7 @@ def test_cuda_passes_kv_cache_bytes_only_when_given(fake_vllm):
     assert make_engine(kv_cache_memory_bytes=5 * 2**30).llm.kwargs["kv_cache_memory_bytes"] == 5 * 2**30
 
 
-def test_weight_loader_fallback_and_clear_error(fake_vllm):
-    import torch
-
-    applied = []
-
-    class MultiprocLLM:  # engine core in another process: only LLM.apply_model reaches the model
-        def apply_model(self, func):
-            model = FakeModel()
-            func(model)
-            applied.append(model.loaded)
-            return [None]
-
-    with pytest.warns(RuntimeWarning, match="another process"):
-        load = weight_loader(MultiprocLLM())
-    load(iter([("w", torch.ones(2))]))
-    assert list(applied[0]) == ["w"]
+def test_weight_loader_clear_error(fake_vllm):
     with pytest.raises(UserError, match=r"cannot push weights into vLLM 0\.0\.fake"):
         weight_loader(object())
 

@@ -21,7 +21,7 @@ The teacher (anchor.source=teacher) is not a rule: it is another model, which ne
 gave from one typed on purpose: a rule that sets eta replaces ema.decay whatever it was (the --dry-run plan and the
 run's settings line say so), and to choose eta yourself use anchor.rule=ema. A key that only another rule reads is an
 error when it is not at its default (a run's config.yaml holds every key, so "given" is "not the default"):
-ema.decay_schedule outside `ema`, ema.target_distance outside `ema`/`adaptive`, anchor.mixup_alpha outside `mixup`,
+ema.target_distance outside `ema`/`adaptive`, anchor.mixup_alpha outside `mixup`,
 anchor.bema.* outside `bema`; any rule but `ema` with anchor.source=teacher; and `previous` with rollout.max_staleness > 0
 (the samples then come from older weights than the previous policy).
 """
@@ -30,11 +30,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-#: The named rules, in the order the docs list them.
-RULES = ("ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema")
 #: What each rule is, in one line (the --dry-run plan, `emapg config keys`).
 SUMMARY = {
-    "ema": "the EMA of the policy: eta = ema.decay (or ema.decay_schedule; adaptive with ema.target_distance) every ema.update_period steps (EMA-PG)",
+    "ema": "the EMA of the policy: eta = ema.decay (adaptive with ema.target_distance) every ema.update_period steps (EMA-PG)",
     "fixed": "a fixed reference, the initial policy: eta = 1 (GRPO, verl)",
     "reset": "a hard reset of the anchor to the policy every ema.update_period steps: eta = 0 (ProRL, slime's --ref-update-interval)",
     "mixup": "theta_anchor <- alpha theta + (1 - alpha) theta_anchor every ema.update_period steps: eta = 1 - anchor.mixup_alpha (TR-DPO, TRL's sync_ref_model)",
@@ -64,8 +62,6 @@ def apply_rule(cfg) -> None:
     rule = a.rule
     if a.source == "teacher" and rule != "ema":
         raise ValueError(f"anchor.rule={rule} moves the EMA anchor, but anchor.source=teacher never moves: drop anchor.rule")
-    if e.decay_schedule and rule != "ema":
-        raise ValueError(f"ema.decay_schedule is a plan for the ema rule's eta; anchor.rule={rule} sets its own: drop one")
     if e.target_distance is not None and rule not in ("ema", "adaptive"):
         raise ValueError(f"ema.target_distance is the adaptive rule's target; anchor.rule={rule} sets eta itself: drop one")
     if rule == "adaptive" and e.target_distance is None:
@@ -86,19 +82,9 @@ def apply_rule(cfg) -> None:
 
 
 def describe_decay(ema) -> str:
-    """How the ema rule's eta is chosen: `adaptive η (target distance 0.01, [0.5, 0.999], from 0.9)`, `η schedule 0.9
-    (steps 1-100), 0.99 (from step 101)`, or `η 0.95`."""
+    """How the ema rule's eta is chosen: `adaptive η (target distance 0.01, [0.5, 0.999], from 0.9)` or `η 0.95`."""
     if ema.target_distance is not None:
         return f"adaptive η (target distance {ema.target_distance:g}, [{ema.decay_min:g}, {ema.decay_max:g}], from {ema.decay:g})"
-    if ema.decay_schedule:
-        parts, first = [], 1
-        for i, st in enumerate(ema.decay_schedule):
-            last = first + st.steps - 1
-            span = (f"from step {first}" if i == len(ema.decay_schedule) - 1 else
-                    f"step {first}" if first == last else f"steps {first}-{last}")
-            parts.append(f"{st.decay:g} ({span})")
-            first = last + 1
-        return "η schedule " + ", ".join(parts)
     return f"η {ema.decay:g}"
 
 

@@ -18,11 +18,23 @@ from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
 
 Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
-#: Keys that moved: setting one is a one-line error naming where it went.
+#: Keys that moved or went: setting one is a one-line error naming where it went.
 MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
                                    "a user environment's is its class's max_turns attribute (docs/environments.md)",
               "rollout.hf_attention": "rollout.hf_attention is gone: the hf decode loop's attention is transformers' sdpa "
-                                      "(cascade attention was removed: it did not measurably speed up generation)"}
+                                      "(cascade attention was removed: it did not measurably speed up generation)",
+              "train.filter_groups": "train.filter_groups (DAPO's dynamic sampling) is gone: no preset used it and no "
+                                     "measurement showed a win; raise rollout.prompts_per_step instead (CHANGELOG)",
+              "ema.decay_schedule": "ema.decay_schedule (a fixed plan for eta) is gone: no preset used it and no measurement "
+                                    "showed a win; use ema.decay, or ema.target_distance for an eta that adapts (CHANGELOG)",
+              "rollout.engine_weights_backend": "rollout.engine_weights_backend is gone: the weights travel in the body of "
+                                                "the push request (http); the untested NCCL channel was removed (CHANGELOG)"}
+MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
+#: Keys removed with their feature, and the values that meant what emapg does now: a config holding one at such a
+#: value (a run's config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the
+#: removed feature read). Any other value is the MOVED_KEYS error.
+REMOVED_KEYS = {"train.filter_groups": (False,), "train.filter_max_rounds": None, "ema.decay_schedule": ([],),
+                "rollout.engine_weights_backend": ("auto", "http")}
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -96,7 +108,6 @@ class RolloutConfig(Section):
     hf_batch_size: int = Field(256, ge=1, le=1 << 20, description="hf engine only: sequences generated together in one `generate` call.")
     hf_fast_decode: bool = Field(True, description="hf engine only: sample through emapg's own decode loop (a preallocated key/value cache; rows that end leave the batch; engines/hf_decode.py, docs/performance.md), which draws the same tokens as transformers' `generate`, faster; a model the loop does not support uses `generate`, with a warning naming why. false: always `generate`.")
     engine_url: Optional[str] = Field(None, description="http://HOST:PORT of a rollout server (`emapg rollout serve`, docs/rollout_server.md) that generates the rollouts in its own process (on its own GPUs): the trainer checks its protocol, model and tokenizer at setup, pushes its weights there after every update, and samples through it. rollout.engine must name the server's engine (it decides train.old_logprobs=auto and the rollout correction's default). null: the engine runs in the trainer's process.")
-    engine_weights_backend: Literal["auto", "http", "nccl"] = Field("auto", description="rollout.engine_url only: how the weights travel to the rollout server: nccl (GPU to GPU over a torch.distributed NCCL group; both sides on CUDA, on different GPUs), http (the tensors' bytes in the push request's own body, through CPU memory; works everywhere, also for a trainer and a server sharing one GPU), auto (nccl when both sides are on CUDA, else http).")
     engine_timeout_s: float = Field(1800.0, gt=0, le=86400, description="rollout.engine_url only: seconds a request to the rollout server (a whole step's generation, a weight push) may take, all of it, before the run stops with a one-line error (at most a day).")
     max_staleness: int = Field(0, ge=0, le=1000, description="Asynchronous rollouts (docs/async_rollouts.md): 0 samples each step from the current weights (the synchronous loop); k >= 1 generates step s+1's samples while step s trains, from weights at most k updates old, corrected by train.rollout_correction (token_truncate when unset; refused where no correction is valid: vLLM at rollout.temperature != 1 with rollout.top_p < 1; train.old_logprobs auto becomes pass). Needs rollout.engine_url (a versioned engine) and one training process.")
 
@@ -220,8 +231,6 @@ class TrainConfig(Section):
     dual_clip: Optional[float] = Field(3.0, gt=1, le=1000, description="Dual-clip constant c for negative advantages (null: off).")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field("seq-mean-token-mean", description="How per-token losses are aggregated into the batch loss.")
     adv_norm: Literal["group", "batch", "none"] = Field("group", description="Advantage scaling: divide by the group's std, the batch's std, or not at all.")
-    filter_groups: bool = Field(False, description="Dynamic sampling (DAPO, Yu et al. 2025): drop groups whose rewards are all equal (zero advantage) and sample more prompts until the step has rollout.prompts_per_step informative groups, or train.filter_max_rounds extra rounds were spent (then uninformative groups fill the rest; counted in rollout/filter_*).")
-    filter_max_rounds: int = Field(4, ge=0, le=1000, description="With filter_groups: at most this many extra generation rounds per step (each samples prompts_per_step fresh prompts).")
     mask_truncated: bool = Field(False, description="Truncated responses (finish_reason `length`; search runs: the last policy turn hit the per-turn cap, not an episode that ended unanswered at the turn or context limit) are dropped from the update once the advantages are computed (rllm's mask_truncated_samples; DAPO's overlong filtering): no policy gradient, no KL, and not counted among their mini-batch's sequences or tokens; their rewards still enter their group's GRPO statistics.")
     adv_eps: float = Field(1e-6, gt=0, le=1, description="Epsilon added to the std in the advantage denominator.")
     pack_sequences: Literal["auto", "always", "never"] = Field("auto", description="Remove padding from the decoder passes (update and log-prob passes): a micro-batch's sequences packed end to end into fewer rows as wide as its longest one, positions restarting at each sequence, attention kept within each (transformers' packed-sequence masks; the result equals the padded pass). auto: pack a micro-batch whose longest sequence has at least 128 tokens (on short sequences the packed mask costs more than the padding it saves: the toy ran 10-15% slower packed, toy-search 1.2x faster); always; never.")
@@ -314,11 +323,11 @@ class BemaConfig(Section):
 class AnchorConfig(Section):
     """What the KL term pulls towards: the EMA of the policy (EMA-PG) or a fixed teacher model (on-policy distillation)."""
 
-    rule: Literal["ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema"] = Field("ema", description="How the EMA anchor moves (docs/anchors.md): ema (default): eta = ema.decay every ema.update_period steps (or ema.decay_schedule; adaptive with ema.target_distance); fixed: eta = 1, the initial policy (GRPO); reset: eta = 0, the anchor set to the policy every ema.update_period steps (ProRL); mixup: eta = 1 - anchor.mixup_alpha every ema.update_period steps (TR-DPO); previous: eta = 0 every step, the KL to the policy that sampled the step; adaptive: eta adapted to track ema.target_distance; bema: the bias-corrected EMA of anchor.bema every ema.update_period steps. fixed, reset, mixup and previous set ema.decay (previous also ema.update_period = 1) whatever it was; a key only another rule reads, set away from its default, is an error.")
+    rule: Literal["ema", "fixed", "reset", "mixup", "previous", "adaptive", "bema"] = Field("ema", description="How the EMA anchor moves (docs/anchors.md): ema (default): eta = ema.decay every ema.update_period steps (adaptive with ema.target_distance); fixed: eta = 1, the initial policy (GRPO); reset: eta = 0, the anchor set to the policy every ema.update_period steps (ProRL); mixup: eta = 1 - anchor.mixup_alpha every ema.update_period steps (TR-DPO); previous: eta = 0 every step, the KL to the policy that sampled the step; adaptive: eta adapted to track ema.target_distance; bema: the bias-corrected EMA of anchor.bema every ema.update_period steps. fixed, reset, mixup and previous set ema.decay (previous also ema.update_period = 1) whatever it was; a key only another rule reads, set away from its default, is an error.")
     mixup_alpha: float = Field(0.6, gt=0, le=1, description="anchor.rule=mixup: alpha in theta_anchor <- alpha theta + (1 - alpha) theta_anchor every ema.update_period steps (TR-DPO's alpha, TRL's ref_model_mixup_alpha; eta = 1 - alpha).")
     bema: BemaConfig = Field(default_factory=BemaConfig, description="anchor.rule=bema: BEMA's schedule.")
 
-    source: Literal["ema", "teacher"] = Field("ema", description="The anchor: `ema` (default), the EMA of the policy's own weights (the `ema` section); `teacher`, a fixed model loaded from anchor.path that is never updated, with the same tokenizer and vocabulary as the policy (checked before any weights load), not saved in checkpoints (they record its path and content hash, checked on resume). Needs kl.coef > 0; not with LoRA, ema.target_distance or ema.decay_schedule.")
+    source: Literal["ema", "teacher"] = Field("ema", description="The anchor: `ema` (default), the EMA of the policy's own weights (the `ema` section); `teacher`, a fixed model loaded from anchor.path that is never updated, with the same tokenizer and vocabulary as the policy (checked before any weights load), not saved in checkpoints (they record its path and content hash, checked on resume). Needs kl.coef > 0; not with LoRA or ema.target_distance.")
     path: Optional[str] = Field(None, description="anchor.source=teacher: the teacher's local checkpoint folder in save_pretrained format, with its tokenizer (~ and $EMAPG_HOME expanded, as model.path). Not used with anchor.source=ema.")
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = Field(None, description="anchor.source=teacher: the dtype the teacher's weights are held and run in (it may be lower than the policy's); null: model.dtype. With anchor.source=ema the anchor's dtype is ema.dtype.")
 
@@ -333,28 +342,20 @@ class AnchorConfig(Section):
         return self
 
 
-class DecayStage(Section):
-    steps: int = Field(ge=1, le=COUNT, description="RL steps in this stage of ema.decay_schedule.")
-    decay: float = Field(ge=0, le=1, description="eta of the anchor updates in this stage (1.0: the anchor stays where it is).")
-
-
 class EMAConfig(Section):
-    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). Set by anchor.rule fixed (1), reset and previous (0) and mixup (1 - anchor.mixup_alpha). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max]; with ema.decay_schedule: unused.")
+    decay: float = Field(0.95, ge=0, le=1, description="eta in theta_ema <- eta*theta_ema + (1-eta)*theta; 1.0 keeps the anchor fixed (GRPO baseline). Set by anchor.rule fixed (1), reset and previous (0) and mixup (1 - anchor.mixup_alpha). With ema.target_distance: the starting eta, within [ema.decay_min, ema.decay_max].")
     update_period: int = Field(10, ge=1, le=COUNT, description="Update the EMA anchor every this many RL steps.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype the EMA anchor's weights are held and averaged in. float32 (default) keeps every EMA step; bfloat16 reproduces the official search run (its reference model is bf16 and updated with mul_().add_() in place, so small EMA steps round away).")
     anchor_autocast: bool = Field(True, description="On a CUDA device, run the anchor's forward pass under bf16 autocast (its weights stay float32), as the paper's code does; CPU runs are never autocast.")
-    target_distance: Optional[float] = Field(None, gt=0, le=10, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay (or ema.decay_schedule). Logged as ema/decay; checkpointed.")
+    target_distance: Optional[float] = Field(None, gt=0, le=10, description="Adaptive eta (docs/stability.md, \"Adaptive eta\"): at each anchor update, eta is set so that the policy-anchor distance ||theta - theta_ema|| / ||theta|| measured just before the update tracks this target (the EMA lag of a policy moving at a steady pace is pace / (1 - eta), so eta = 1 - target / pace, the pace estimated from the measured distance; eta moves by at most a factor 1.2 of 1 / (1 - eta) per update), within [ema.decay_min, ema.decay_max]. null (default): eta is ema.decay. Logged as ema/decay; checkpointed.")
     decay_min: float = Field(0.5, ge=0, le=1, description="With ema.target_distance: the smallest eta the adaptive rule may choose.")
     decay_max: float = Field(0.999, ge=0, le=1, description="With ema.target_distance: the largest eta the adaptive rule may choose (below 1: a frozen anchor never moves, so its lag could not be read).")
-    decay_schedule: list[DecayStage] = Field(default_factory=list, description="A fixed plan for eta, e.g. [{steps: 100, decay: 0.9}, {steps: 200, decay: 0.99}]: stage i covers the next `steps` RL steps (an anchor update at step s uses the decay of the stage holding s); steps past the last stage keep its decay; [] (default): ema.decay throughout. A pure function of the step, so a run resumes across stage boundaries. Exclusive with ema.target_distance.")
 
     @model_validator(mode="after")
     def _one_decay_rule(self) -> "EMAConfig":
         if self.decay_min > self.decay_max:
             raise ValueError(f"ema.decay_min ({self.decay_min:g}) must not exceed ema.decay_max ({self.decay_max:g})")
         if self.target_distance is not None:
-            if self.decay_schedule:
-                raise ValueError("ema.target_distance (adaptive eta) and ema.decay_schedule (a fixed plan) are exclusive: set one of them")
             if self.decay_max >= 1:
                 raise ValueError("with ema.target_distance, ema.decay_max must be below 1 (a frozen anchor's lag grows without "
                                  "bound, so the adaptive rule could never leave eta = 1)")
@@ -362,16 +363,6 @@ class EMAConfig(Section):
                 raise ValueError(f"with ema.target_distance, ema.decay ({self.decay:g}) is the starting eta and must lie in "
                                  f"[ema.decay_min, ema.decay_max] = [{self.decay_min:g}, {self.decay_max:g}]")
         return self
-
-    def decay_at(self, step: int) -> float:
-        """The scheduled eta of RL step `step` (1-based): the decay of the ema.decay_schedule stage holding it (past the
-        last stage, the last one's), or ema.decay without a schedule. Not the adaptive eta (train/eta_control.py)."""
-        end = 0
-        for st in self.decay_schedule:
-            end += st.steps
-            if step <= end:
-                return st.decay
-        return self.decay_schedule[-1].decay if self.decay_schedule else self.decay
 
 
 class EvalConfig(Section):
@@ -466,7 +457,8 @@ class Config(Section):
     def _old_max_turns(cls, data):
         """Configs written before rollout.env (a run's config.yaml, for --resume) hold rollout.max_turns; its value
         1 without search was the single-turn default and is dropped; any other value is the error naming
-        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped."""
+        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped,
+        and the REMOVED_KEYS at their "off" value."""
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "max_turns" in data["rollout"]:
             search = data.get("search") or {}
             enabled = search.get("enabled") if isinstance(search, dict) else getattr(search, "enabled", False)
@@ -474,6 +466,12 @@ class Config(Section):
                 data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "max_turns"}}
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and data["rollout"].get("hf_attention") == "sdpa":
             data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "hf_attention"}}
+        for dotted, off in REMOVED_KEYS.items():
+            group, key = dotted.split(".")
+            if isinstance(data, dict) and isinstance(data.get(group), dict) and key in data[group]:
+                if off is not None and data[group][key] not in off:
+                    raise ValueError(MOVED_KEYS[dotted])
+                data = {**data, group: {k: v for k, v in data[group].items() if k != key}}
         return data
 
     @model_validator(mode="after")
@@ -515,9 +513,6 @@ class Config(Section):
         if t.objective != "rl" and self.kl.coef <= 0:
             raise ValueError(f"train.objective={t.objective} needs kl.coef > 0: the distillation term is kl.coef times the KL "
                              "to the anchor (the teacher), and kl.coef=0 loads no anchor")
-        if t.objective == "distill" and t.filter_groups:
-            raise ValueError("train.filter_groups keeps groups whose rewards differ, and train.objective=distill grades "
-                             "nothing (every reward 0): set train.filter_groups=false")
         if t.share_prompts == "always" and self.model.gradient_checkpointing:
             raise ValueError("train.share_prompts=always needs the decoder's key/value cache in the training pass, which "
                              "model.gradient_checkpointing turns off; use auto or never")
@@ -541,7 +536,7 @@ class Config(Section):
         """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
         r = self.rollout
         # values other than the defaults, not keys given: a run's config.yaml (read by --resume) holds every key
-        changed = [k for k in ("engine_timeout_s", "engine_weights_backend", "gpu_memory_utilization", "hf_batch_size",
+        changed = [k for k in ("engine_timeout_s", "gpu_memory_utilization", "hf_batch_size",
                                "hf_fast_decode")
                    if getattr(r, k) != RolloutConfig.model_fields[k].default]
         server_keys = [k for k in changed if k.startswith("engine_")]
@@ -564,9 +559,9 @@ class Config(Section):
         # train.objective=distill / rl+distill (when present) uses the teacher without kl.coef: extend this test then
         if self.kl.coef <= 0:
             raise ValueError("anchor.source=teacher needs kl.coef > 0 (the KL term is what pulls the policy to the teacher)")
-        for key, given in (("ema.target_distance", self.ema.target_distance is not None), ("ema.decay_schedule", bool(self.ema.decay_schedule))):
-            if given:
-                raise ValueError(f"{key} sets the EMA anchor's eta, but anchor.source=teacher never updates the anchor: drop {key}")
+        if self.ema.target_distance is not None:
+            raise ValueError("ema.target_distance sets the EMA anchor's eta, but anchor.source=teacher never updates the anchor: "
+                             "drop ema.target_distance")
         if self.rollout.engine == "vllm" and self.eval.anchor_every > 0:
             raise ValueError("eval.anchor_every with anchor.source=teacher and rollout.engine=vllm would push the teacher's "
                              "weights into the engine, which holds the policy's architecture: set eval.anchor_every=0 or use hf")

@@ -2,8 +2,7 @@
 
 Control is JSON over HTTP (engines/rollout_protocol.py), each request within `timeout_s` from its start to its last
 byte (emapg_cli/http_client.py: a server that drips its reply is abandoned at the deadline). Weights go as raw tensor
-bytes in the body of `/weights/push` (backend http), or over a two-process NCCL group (engines/weight_channel.py,
-both sides on CUDA). It is a versioned engine (engines/base.py): `push_weights(model, version)` connects at the first
+bytes in the body of `/weights/push`. It is a versioned engine (engines/base.py): `push_weights(model, version)` connects at the first
 push (the server's token then goes with every request), sends every parameter (cast to the server's dtype, one
 tensor at a time) and returns once the server received and checked it; the server applies it between generations.
 A `generate` without `SamplingParams.min_version` asks for exactly the version pushed last, so the synchronous loop
@@ -45,11 +44,6 @@ def check_engine_url(url: Any) -> str:
     return url.rstrip("/")
 
 
-def _one_line(text: Any, limit: int = 200) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def named_tensors(model: Any) -> list[tuple[str, Any]]:
     """(name, parameter) of `model` in transformers' naming (unwrapped from DDP / torch.compile; tied weights once)."""
     module = getattr(model, "module", model)
@@ -63,21 +57,20 @@ class RemoteEngine(EngineBase):
     versioned = True
     shares_weights = False
 
-    def __init__(self, url: str, timeout_s: float = 1800.0, weights_backend: str = "auto"):
+    def __init__(self, url: str, timeout_s: float = 1800.0):
         """Reads the server's /health (one-line UserError when it is down or not a rollout server of this
-        protocol); `check_compatible` then compares the model and the tokenizer. `weights_backend`: how the weights
-        travel, http, nccl, or auto (nccl when both sides are on CUDA, else http)."""
+        protocol); `check_compatible` then compares the model and the tokenizer."""
         try:
             self.url = check_engine_url(url)
         except ValueError as e:
             raise UserError(f"rollout.engine_url {e}, got {url!r:.100}") from None
-        self.timeout_s, self.weights_backend = timeout_s, weights_backend
+        self.timeout_s = timeout_s
         self._secret = os.environ.get(SECRET_ENV) or None
         health = self._request("GET", "/health")
         if not isinstance(health, dict) or "protocol" not in health or not isinstance(health.get("model"), dict):
             raise UserError(f"rollout server {self.url}: /health answers, but not as an emapg rollout server")
         if health["protocol"] != PROTOCOL:
-            raise UserError(f"rollout server {self.url} speaks protocol {_one_line(health['protocol'], 20)}, this emapg "
+            raise UserError(f"rollout server {self.url} speaks protocol {http_client.one_line(health['protocol'], 20)}, this emapg "
                             f"speaks {PROTOCOL}: run the same emapg version on both sides")
         self.health = health
         self.records_topk = bool(health.get("records_topk"))
@@ -87,9 +80,7 @@ class RemoteEngine(EngineBase):
         self._vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
         self.wait_s = 0.0
         self._pushed = False
-        self._channel: Any = None  # nccl: this end of the group
         self._token: Optional[str] = None  # what the server's /weights/connect returned
-        self._backend: Optional[str] = None
         self._lock = threading.Lock()  # one push at a time
         self._wait_lock = threading.Lock()  # wait_s updates
         self._full_vocab: dict[tuple, bool] = {}
@@ -112,10 +103,10 @@ class RemoteEngine(EngineBase):
         except http_client.ReplyTooLarge:
             raise UserError(f"rollout server {self.url}{path}: reply over {MAX_REPLY_BYTES} bytes") from None
         except (OSError, HTTPException, ValueError) as e:
-            raise UserError(f"rollout server {self.url}: cannot reach it ({_one_line(e, 120) or type(e).__name__}); is "
+            raise UserError(f"rollout server {self.url}: cannot reach it ({http_client.one_line(e, 120) or type(e).__name__}); is "
                             "`emapg rollout serve` running there?") from None
         if reply.status != 200:
-            said = self._server_says(reply.body)
+            said = http_client.server_error(reply.body)
             if reply.status == 404 and path == "/health":
                 raise UserError(f"rollout server {self.url}: no /health route there (not an emapg rollout server?)")
             if reply.status == 401 and not self._secret:
@@ -125,14 +116,6 @@ class RemoteEngine(EngineBase):
             return json.loads(reply.body)
         except (ValueError, RecursionError):
             raise UserError(f"rollout server {self.url}{path}: the reply is not JSON (not an emapg rollout server?)") from None
-
-    @staticmethod
-    def _server_says(body: bytes) -> str:
-        try:
-            said = json.loads(body[:4096].decode("utf-8"))["error"]
-            return _one_line(said) if isinstance(said, str) else ""
-        except Exception:  # any other body: the status alone says enough
-            return ""
 
     # ------------------------------------------------------------------ checks
     def check_compatible(self, model: Any, tokenizer: Any) -> None:
@@ -181,51 +164,24 @@ class RemoteEngine(EngineBase):
         self.push_weights(model, self.weights_version + 1)
 
     def push_weights(self, model, version: int) -> None:
-        """Send `model`'s parameters as `version` (connecting at the first push); returns once the server received
-        and checked them (backend http) or once sent (nccl)."""
+        """Send `model`'s parameters as `version` (asking the server for a session, its token, at the first push);
+        returns once the server received and checked them."""
         from emapg_cli.engines.rollout_protocol import manifest
 
         dtype = self.health.get("dtype")
         with self._lock:
-            backend = self._backend or self._connect()
+            if self._token is None:
+                self._connect()
             named = named_tensors(model)
             head = push_header(int(version), self._token, manifest([(n, _Shape(t, dtype)) for n, t in named]))
-            if backend == "http":  # the tensors in the body, cast one at a time as they are sent
-                size = sum(_Shape(t, dtype).nbytes for _, t in named)
-                self._request("POST", "/weights/push", raw=_body(head, named, dtype), raw_length=len(head) + size)
-            else:
-                self._request("POST", "/weights/push", raw=iter([memoryview(head)]), raw_length=len(head))
-                try:
-                    for _, t in named:
-                        self._channel.send(_cast(t, dtype, "nccl"))
-                except Exception as e:  # NCCL errors are long and multi-line: one line, the channel dropped
-                    self._backend = self._channel = None
-                    raise UserError(f"rollout server {self.url}: the weight push of version {version} failed "
-                                    f"({_one_line(e, 160)})") from None
+            size = sum(_Shape(t, dtype).nbytes for _, t in named)  # the tensors in the body, cast one at a time as sent
+            self._request("POST", "/weights/push", raw=_body(head, named, dtype), raw_length=len(head) + size)
             self.weights_version, self._pushed = int(version), True
 
-    def _connect(self) -> str:
-        """Ask the server for a session (its token); nccl: join the store the server hosts for it and build this end
-        of the group (rank 0). The backend chosen."""
-        import torch
-
-        backend = self.weights_backend
-        if backend == "auto":  # two processes on one GPU cannot form an NCCL group: set http there
-            backend = "nccl" if torch.cuda.is_available() and str(self.health.get("device", "")).startswith("cuda") else "http"
-        reply = self._request("POST", "/weights/connect", {"backend": backend})
+    def _connect(self) -> None:
+        """Ask the server for a session: its token, which every request carries from then on."""
+        reply = self._request("POST", "/weights/connect", {"backend": "http"})
         self._token = reply.get("token") if isinstance(reply, dict) else None
-        if backend == "nccl":
-            from emapg_cli.engines.weight_channel import TRAINER, WeightChannel, join_store
-
-            try:
-                store = join_store(urllib.parse.urlsplit(self.url).hostname, int(reply["port"]), self.timeout_s)
-                self._channel = WeightChannel(store, TRAINER, backend, self.timeout_s)
-                self._channel.handshake()
-            except Exception as e:
-                raise UserError(f"rollout server {self.url}: the weight channel ({backend}) did not open "
-                                f"({_one_line(e, 160)})") from None
-        self._backend = backend
-        return backend
 
 
 def _body(head: bytes, named: list[tuple[str, Any]], dtype: Optional[str]) -> Iterator[Any]:
@@ -234,7 +190,8 @@ def _body(head: bytes, named: list[tuple[str, Any]], dtype: Optional[str]) -> It
 
     yield memoryview(head)
     for _, t in named:
-        yield memoryview(_cast(t, dtype, "http").reshape(-1).view(torch.uint8).numpy())
+        t = t.to(getattr(torch, dtype)) if dtype else t
+        yield memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 class _Shape:
@@ -247,10 +204,3 @@ class _Shape:
         self.dtype = getattr(torch, dtype) if dtype else t.dtype
         self.nbytes = t.numel() * torch.empty((), dtype=self.dtype).element_size()
 
-
-def _cast(t: Any, dtype: Optional[str], backend: str) -> Any:
-    """`t` in the server's dtype, contiguous, on the device the backend sends from (nccl: CUDA; http: CPU)."""
-    import torch
-
-    t = t.to(getattr(torch, dtype)) if dtype else t
-    return (t.to("cuda") if backend == "nccl" else t.cpu()).contiguous()

@@ -15,10 +15,9 @@ Every request carries `Authorization: Bearer <secret>` when the server was start
   POST /generate          {"prompts": [[int]], "params": {SamplingParams}, "version": int | null, "timeout_s", "token"}
                           -> {"completions": [[{completion}]], "weights_version", "wait_s"}
   POST /full_vocab_logprobs {"params": {SamplingParams}} -> {"value": bool}
-  POST /weights/connect   {"backend": "http" | "nccl"} -> {"ok": true, "token": str, "port": int (nccl: the store to
-                          join, on the address the request came to) | null}
+  POST /weights/connect   {"backend": "http"} -> {"ok": true, "token": str}
   POST /weights/push      (application/octet-stream) 8-byte little-endian length L, then L bytes of JSON
-                          {"version": int, "token": str, "tensors": [[name, dtype, [shape]], ...]}, then (backend http)
+                          {"version": int, "token": str, "tensors": [[name, dtype, [shape]], ...]}, then
                           each tensor's bytes in that order -> {"ok": true} once received and checked
 """
 

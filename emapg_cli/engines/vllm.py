@@ -353,16 +353,6 @@ def refresh_tied_heads(model: Any) -> int:
     return refreshed
 
 
-class _LoadWeights:
-    """A picklable `apply_model` function: load the given (name, CPU tensor) pairs into the worker's model."""
-
-    def __init__(self, weights: list[tuple[str, Any]]):
-        self.weights = weights
-
-    def __call__(self, model) -> None:
-        model.load_weights(iter(self.weights))
-
-
 def weight_loader(llm: Any, device: Optional[str] = None) -> Callable[[Iterable[tuple[str, Any]]], None]:
     """How to push (name, tensor) pairs into `llm`, for the running vLLM version.
 
@@ -372,11 +362,9 @@ def weight_loader(llm: Any, device: Optional[str] = None) -> Callable[[Iterable[
     2. In-process engine of an older vLLM: the model's `load_weights` directly (CUDA only:
        on `device == "cpu"` this is refused, since the CPU backend's repacked layers have no
        weights left to load into).
-    3. Engine core in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1): `LLM.apply_model`
-       ships CPU copies of the weights to the worker (slow: the whole model is serialised on
-       every update; recent vLLM also needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send a
-       function; on CPU it hits the same repacking problem as 2).
-    Anything else is a UserError naming the vLLM version.
+    Anything else, an engine core in another process included (VLLM_ENABLE_V1_MULTIPROCESSING=1: its
+    `LLM.apply_model` fallback, which serialised the whole model on every update, was removed), is a
+    UserError naming the vLLM version.
     """
     reload = find_inprocess_reloader(llm)
     if reload is not None:
@@ -402,21 +390,9 @@ def weight_loader(llm: Any, device: Optional[str] = None) -> Callable[[Iterable[
     model = find_inprocess_model(llm)
     if model is not None:
         return lambda weights: model.load_weights(weights)
-    if callable(getattr(llm, "apply_model", None)):
-        warnings.warn(
-            "vLLM runs its engine in another process: every weight update is serialised through "
-            "LLM.apply_model (slow). Set VLLM_ENABLE_V1_MULTIPROCESSING=0 to load weights in place.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-        def via_apply_model(weights: Iterable[tuple[str, Any]]) -> None:
-            llm.apply_model(_LoadWeights([(name, t.to("cpu")) for name, t in weights]))
-
-        return via_apply_model
     raise UserError(
-        f"cannot push weights into vLLM {version}: no in-process model and no LLM.apply_model; "
-        "use a vLLM version >= 0.11 with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        f"cannot push weights into vLLM {version}: its engine does not run in this process; "
+        "use a vLLM version >= 0.11 with VLLM_ENABLE_V1_MULTIPROCESSING=0 (emapg's default)"
     )
 
 

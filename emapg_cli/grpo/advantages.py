@@ -34,9 +34,3 @@ def grpo_advantages(rewards: Tensor, norm: AdvNorm = "group", eps: float = 1e-6)
     else:
         raise ValueError(f"unknown advantage normalisation '{norm}' (group, batch, none)")
     return centred / (std + eps)
-
-
-def informative_groups(rewards: Tensor) -> Tensor:
-    """[G] bool: the groups whose rewards are not all equal, i.e. the ones with a non-zero GRPO advantage
-    (DAPO's dynamic-sampling filter, Yu et al. 2025, Eq. 11: 0 < |{correct}| < n). rewards: [G, n]."""
-    return (rewards.max(dim=1).values > rewards.min(dim=1).values)  # [G]

@@ -2,12 +2,21 @@
 
 Documents follow the FlashRAG / Search-R1 corpus layout: `{"id", "contents"}` where the first line
 of `contents` is the title (wiki-18 quotes it: `"Evan Morris"\nEvan Morris Evan L. ...`).
+Also what the bm25 and the dense index folders share: their manifest.json, its keys and JSON types checked, and
+the table of the files it lists.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from emapg_cli.errors import UserError
+from emapg_cli.fileio import sha256_file
+
+MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -46,3 +55,44 @@ class Retriever(Protocol):
     def close(self) -> None:
         """Release resources (connections, memory maps)."""
         ...
+
+
+def file_table(folder: Path) -> dict[str, dict]:
+    """{relative path: {"bytes", "sha256"}} of every file under `folder` but the manifest (sorted)."""
+    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+
+
+def is_json(value: Any, kind: Any) -> bool:
+    """isinstance for a JSON value: true and false are no numbers (they are only where `kind` is bool)."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def read_index_manifest(folder: Path, fmt: str, keys: dict[str, Any], bad: Callable[[str], UserError]) -> dict:
+    """The manifest of index `folder`, of format `fmt`: exactly the keys `keys` with their JSON types, and `files`
+    mapping names inside the folder to {"bytes": int, "sha256": str}. Anything else is a UserError naming the
+    folder (`bad(what)` for a broken index)."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{folder}: not an index (no {MANIFEST}; build one with `emapg retriever index CORPUS --out DIR`)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise bad(f"{MANIFEST} is not readable JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(manifest, dict):
+        raise bad(f"{MANIFEST} is not a JSON object")
+    if manifest.get("format") != fmt:
+        raise UserError(f"{folder}: unknown index format {str(manifest.get('format'))[:80]!r} (expected {fmt})")
+    missing, extra = sorted(set(keys) - set(manifest)), sorted(set(manifest) - set(keys))
+    if missing or extra:
+        raise bad(f"{MANIFEST} " + "; ".join(
+            ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unknown keys {', '.join(extra)[:120]}"] if extra else [])))
+    for key, kind in keys.items():
+        if not is_json(manifest[key], kind):
+            raise bad(f"{MANIFEST}: {key} is {type(manifest[key]).__name__}, not {getattr(kind, '__name__', 'a number')}")
+    for name, entry in manifest["files"].items():
+        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not is_json(entry["bytes"], int) \
+                or not isinstance(entry["sha256"], str):
+            raise bad(f"{MANIFEST}: files[{name[:80]!r}] is not {{\"bytes\": int, \"sha256\": str}}")
+        if name.startswith("/") or ".." in Path(name).parts:
+            raise bad(f"{MANIFEST}: files names {name[:80]!r}, outside the index")
+    return manifest

@@ -12,8 +12,7 @@ every other file of the folder). It is built by streaming the corpus in chunks (
 bounded memory, the same matrix as bm25s's in-memory `BM25.index`). It is an output folder like a run's
 (`outputs.claim_folder`, kind `retriever index`): claimed and locked while it is built, written through a
 temporary folder of a unique name beside it, the manifest last. `BM25Retriever.load` validates all of it
-(docs/search.md "Index validation"): any problem is one UserError naming the folder and the file. Folders of
-formats /2 and /1 (`docs.jsonl` instead of the doc store, read into memory) still load.
+(docs/search.md "Index validation"): any problem is one UserError naming the folder and the file.
 
 This module is the only one that imports bm25s; bm25_build.py gets its tokenizer and scoring functions from here.
 """
@@ -28,14 +27,11 @@ from typing import Callable, Optional
 
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import sha256_file
-from emapg_cli.retrieval.base import Hit, hit_from_doc
+from emapg_cli.retrieval.base import MANIFEST, Hit, file_table, hit_from_doc, read_index_manifest
 from emapg_cli.retrieval.corpus import count_rows, iter_corpus
 from emapg_cli.retrieval.docstore import DOCS_BIN, OFFSETS
 
-MANIFEST = "manifest.json"
-DOCS = "docs.jsonl"  # formats /1 and /2: the rows as JSONL, read into memory
 FORMAT = "emapg-bm25/3"
-FORMAT_2 = "emapg-bm25/2"
 #: Rows tokenised per chunk by `build_index` (`emapg retriever index --chunk-rows`).
 DEFAULT_CHUNK_ROWS = 10_000
 #: An index whose files total at most this many bytes has every file's sha256 checked at load; a larger one
@@ -86,17 +82,10 @@ def _scoring():
 
 
 KIND = "retriever index"  # the output-folder kind (outputs.claim_folder)
-#: The manifest's keys and their JSON types (formats emapg-bm25/3 and /2; /1, written before file hashes, lacks "files").
+#: The manifest's keys and their JSON types.
 MANIFEST_KEYS: dict[str, type | tuple[type, ...]] = {
     "format": str, "corpus": str, "corpus_sha256": str, "rows": int, "bm25s_version": str, "tokenizer": str,
     "index_s": (int, float), "files": dict}
-LEGACY_FORMAT = "emapg-bm25/1"
-
-
-def _file_table(folder: Path) -> dict[str, dict]:
-    """{relative path: {"bytes", "sha256"}} of every file under `folder` but the manifest (sorted)."""
-    return {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
 def build_index(corpus: Path, out: Path, progress: Optional[Callable[[Optional[int]], Callable[[int], None]]] = None,
@@ -160,7 +149,7 @@ def build_index(corpus: Path, out: Path, progress: Optional[Callable[[Optional[i
                 "bm25s_version": bm25s.__version__,
                 "tokenizer": "bm25s regex, lower-case, English stop words, no stemming",
                 "index_s": time.perf_counter() - t0,
-                "files": _file_table(tmp),
+                "files": file_table(tmp),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
             for name in ("bm25", DOCS_BIN, OFFSETS, MANIFEST):  # the manifest last: a folder without one is no index
@@ -189,8 +178,7 @@ def remove_index(folder: Path) -> None:
             fmt = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format")
         except (OSError, ValueError, AttributeError):
             fmt = None
-        ours = fmt in (FORMAT, FORMAT_2, LEGACY_FORMAT) and {p.name for p in folder.iterdir()} <= {
-            "bm25", DOCS, DOCS_BIN, OFFSETS, MANIFEST, MARKER, LOCK}
+        ours = fmt == FORMAT and {p.name for p in folder.iterdir()} <= {"bm25", DOCS_BIN, OFFSETS, MANIFEST, MARKER, LOCK}
     if not ours:
         raise UserError(f"{folder} exists and is not an index emapg wrote; move it away to rebuild the index there")
     shutil.rmtree(folder)
@@ -202,50 +190,21 @@ def _bad(folder: Path, what: str) -> UserError:
 
 def read_manifest(folder: Path) -> dict:
     """The manifest of index `folder`, its keys and types checked (UserError naming the folder otherwise)."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise UserError(f"{folder}: not a bm25 index (no {MANIFEST}; build one with `emapg retriever index CORPUS --out DIR`)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise _bad(folder, f"{MANIFEST} is not readable JSON ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(manifest, dict):
-        raise _bad(folder, f"{MANIFEST} is not a JSON object")
-    if manifest.get("format") not in (FORMAT, FORMAT_2, LEGACY_FORMAT):
-        raise UserError(f"{folder}: unknown index format {str(manifest.get('format'))[:80]!r} (expected {FORMAT})")
-    expected = {k: v for k, v in MANIFEST_KEYS.items() if manifest["format"] != LEGACY_FORMAT or k != "files"}
-    missing = sorted(set(expected) - set(manifest))
-    extra = sorted(set(manifest) - set(expected))
-    if missing or extra:
-        raise _bad(folder, f"{MANIFEST} " + "; ".join(
-            ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unknown keys {', '.join(extra)[:120]}"] if extra else [])))
-    for key, kind in expected.items():
-        value = manifest[key]
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise _bad(folder, f"{MANIFEST}: {key} is {type(value).__name__}, not {getattr(kind, '__name__', 'a number')}")
+    manifest = read_index_manifest(folder, FORMAT, MANIFEST_KEYS, lambda what: _bad(folder, what))
     if manifest["rows"] < 1:
         raise _bad(folder, f"{MANIFEST}: rows is {manifest['rows']}")
-    for name, entry in manifest.get("files", {}).items():
-        if (not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not isinstance(entry["bytes"], int)
-                or isinstance(entry["bytes"], bool) or not isinstance(entry["sha256"], str)):
-            raise _bad(folder, f"{MANIFEST}: files[{name[:80]!r}] is not {{\"bytes\": int, \"sha256\": str}}")
-        if name.startswith("/") or ".." in Path(name).parts:
-            raise _bad(folder, f"{MANIFEST}: files names {name[:80]!r}, outside the index")
-    docs = [DOCS_BIN, OFFSETS] if manifest["format"] == FORMAT else [DOCS]
-    if manifest["format"] != LEGACY_FORMAT and not {*docs, "bm25/params.index.json"} <= set(manifest["files"]):
-        raise _bad(folder, f"{MANIFEST}: files does not list {' and '.join(docs)} and the bm25 model")
+    if not {DOCS_BIN, OFFSETS, "bm25/params.index.json"} <= set(manifest["files"]):
+        raise _bad(folder, f"{MANIFEST}: files does not list {DOCS_BIN} and {OFFSETS} and the bm25 model")
     return manifest
 
 
 def check_files(folder: Path, manifest: dict) -> None:
-    """Every file the manifest lists is there with its size and sha256, and no other file is (formats /2, /3).
+    """Every file the manifest lists is there with its size and sha256, and no other file is.
 
     Cost: one sha256 pass over the index's files (about 1-2 s per GB). Above VERIFY_MAX_BYTES in all (a
     paper-scale index, loaded memory-mapped in seconds) only the files under HASH_ALWAYS_BYTES are hashed; the
     others have their sizes checked."""
-    files = manifest.get("files")
-    if files is None:  # emapg-bm25/1: built before file hashes; only the counts are checked
-        return
+    files = manifest["files"]
     hash_all = sum(int(e["bytes"]) for e in files.values()) <= VERIFY_MAX_BYTES
     present = {k for k in _names(folder)}
     for name in sorted(set(files) | present):
@@ -267,25 +226,6 @@ def _names(folder: Path) -> set[str]:
 
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*")
             if p.is_file() and p.name not in (MANIFEST, MARKER, LOCK)}
-
-
-def read_docs(folder: Path, rows: int) -> list[dict[str, str]]:
-    """docs.jsonl: `rows` JSON objects with string "id" and "contents"."""
-    docs = []
-    try:
-        with open(folder / DOCS, encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                d = json.loads(line)
-                if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("contents"), str):
-                    raise _bad(folder, f"{DOCS} row {i} is not {{\"id\": str, \"contents\": str}}")
-                docs.append(d)
-    except FileNotFoundError:
-        raise _bad(folder, f"{DOCS} is missing") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise _bad(folder, f"{DOCS} row {len(docs) + 1}: {str(e).splitlines()[0][:120]}") from None
-    if len(docs) != rows:
-        raise _bad(folder, f"{DOCS} has {len(docs)} rows, the manifest says {rows}")
-    return docs
 
 
 def open_docs(folder: Path, rows: int):
@@ -310,7 +250,7 @@ def _index_range(indices, n_docs: int) -> bool:
     return True
 
 
-def load_model(folder: Path, rows: int, mmap: bool = True, docs_name: str = DOCS):
+def load_model(folder: Path, rows: int, mmap: bool = True):
     """bm25s's model from `folder/bm25` (its score arrays memory-mapped with `mmap`), its document count checked
     against `rows` (a model of more documents than the doc file has rows would index past its end on every
     query). The document indices are range-checked when the index is small enough to be hashed at load."""
@@ -330,7 +270,7 @@ def load_model(folder: Path, rows: int, mmap: bool = True, docs_name: str = DOCS
     if not ok:
         raise _bad(folder, "the bm25 model's arrays are inconsistent")
     if n_docs != rows:
-        raise _bad(folder, f"the bm25 model has {n_docs} documents, {docs_name} has {rows}")
+        raise _bad(folder, f"the bm25 model has {n_docs} documents, {DOCS_BIN} has {rows}")
     return model
 
 
@@ -338,14 +278,13 @@ class BM25Retriever:
     """`Retriever` over an index folder written by `build_index` (thread-safe: one search at a time)."""
 
     def __init__(self, model, docs, manifest: dict):
-        self.model, self.docs, self.manifest = model, docs, manifest  # docs: a DocStore (/3) or a list (/2, /1)
+        self.model, self.docs, self.manifest = model, docs, manifest  # docs: a DocStore
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, folder: str | Path, mmap: bool = True) -> "BM25Retriever":
         """The index in `folder`, validated (manifest, file sizes and hashes, row counts; docs/search.md); with
-        `mmap` the score matrix and the doc store stay on disk, memory-mapped (a /2 or /1 folder's docs.jsonl is
-        read into memory)."""
+        `mmap` the score matrix and the doc store stay on disk, memory-mapped."""
         from emapg_cli.paths import expand
 
         folder = expand(str(folder))  # ~ and $EMAPG_HOME (presets write search.index under it)
@@ -353,15 +292,11 @@ class BM25Retriever:
             raise UserError(f"{folder}: no such index folder (build one with `emapg retriever index CORPUS --out DIR`)")
         manifest = read_manifest(folder)
         check_files(folder, manifest)
-        if manifest["format"] == FORMAT:
-            docs, name = open_docs(folder, manifest["rows"]), DOCS_BIN
-        else:
-            docs, name = read_docs(folder, manifest["rows"]), DOCS
+        docs = open_docs(folder, manifest["rows"])
         try:
-            model = load_model(folder, len(docs), mmap=mmap, docs_name=name)
+            model = load_model(folder, len(docs), mmap=mmap)
         except UserError:
-            if hasattr(docs, "close"):
-                docs.close()
+            docs.close()
             raise
         return cls(model, docs, manifest)
 
@@ -375,6 +310,5 @@ class BM25Retriever:
         return [[hit_from_doc(self.docs[int(i)], float(s)) for i, s in zip(row_i, row_s)] for row_i, row_s in zip(idx, scores)]
 
     def close(self) -> None:
-        """Release the doc store's memory map (a /2 or /1 index holds nothing to release)."""
-        if hasattr(self.docs, "close"):
-            self.docs.close()
+        """Release the doc store's memory map."""
+        self.docs.close()

@@ -33,10 +33,9 @@ from typing import Any, Callable, Optional
 
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import sha256_file
-from emapg_cli.retrieval.base import Hit, hit_from_doc
+from emapg_cli.retrieval.base import MANIFEST, Hit, file_table, hit_from_doc, is_json, read_index_manifest
 
 FORMAT = "emapg-dense/1"
-MANIFEST = "manifest.json"
 FAISS_FILE = "faiss.index"
 KIND = "retriever index"  # the output-folder kind, shared with the bm25 index (outputs.claim_folder)
 FAISS_KINDS = ("flat", "ivf", "ivfpq", "hnsw")
@@ -178,12 +177,6 @@ def train_size(rows: int, nlist: int) -> int:
     return min(rows, max(39 * nlist, min(256 * nlist, 1 << 20)))
 
 
-def _file_table(folder: Path) -> dict[str, dict]:
-    """{name: {"bytes", "sha256"}} of the folder's files (flat: a dense index has no subfolder), the manifest aside."""
-    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-
-
 def _fill(index, store, encoder, prefix: str, batch_size: int, params: dict, tmp: Path, advance) -> None:
     """Encode every row of `store` in chunks of 16 batches and add them to `index` (IVF, IVF-PQ: first into a
     float32 memmap on disk, then trained on a sample drawn from it, `train_size`, then added)."""
@@ -256,7 +249,7 @@ def build_dense_index(corpus: Path, out: Path, model: str, *, kind: str = "flat"
                 "query_prefix": query_prefix, "passage_prefix": passage_prefix, "pooling": pooling_of(encoder),
                 "normalize": True, "max_length": max_length, "dim": dim, "faiss": params,
                 "corpus": str(corpus), "corpus_sha256": sha256_file(corpus), "rows": rows,
-                "index_s": time.perf_counter() - t0, "files": _file_table(tmp),
+                "index_s": time.perf_counter() - t0, "files": file_table(tmp),
             }
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
             for name in (*manifest["files"], MANIFEST):  # the manifest last: a folder without one is no index
@@ -279,29 +272,9 @@ def _bad(folder: Path, what: str) -> UserError:
     return UserError(f"{folder}: broken dense index: {what} (rebuild it with `emapg retriever index CORPUS --out DIR --dense MODEL`)")
 
 
-def _is(value, kind) -> bool:
-    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-
-
 def read_manifest(folder: Path) -> dict:
     """The manifest of dense index `folder`, its keys, types and faiss parameters checked (one-line UserError)."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{folder}: not an index (no {MANIFEST})") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise _bad(folder, f"{MANIFEST} is not readable JSON ({str(e).splitlines()[0][:120]})") from None
-    if not isinstance(manifest, dict):
-        raise _bad(folder, f"{MANIFEST} is not a JSON object")
-    if manifest.get("format") != FORMAT:
-        raise UserError(f"{folder}: unknown index format {str(manifest.get('format'))[:80]!r} (expected {FORMAT})")
-    missing, extra = sorted(set(MANIFEST_KEYS) - set(manifest)), sorted(set(manifest) - set(MANIFEST_KEYS))
-    if missing or extra:
-        raise _bad(folder, f"{MANIFEST} " + "; ".join(
-            ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unknown keys {', '.join(extra)[:120]}"] if extra else [])))
-    for key, kind in MANIFEST_KEYS.items():
-        if not _is(manifest[key], kind):
-            raise _bad(folder, f"{MANIFEST}: {key} is {type(manifest[key]).__name__}, not {getattr(kind, '__name__', 'a number')}")
+    manifest = read_index_manifest(folder, FORMAT, MANIFEST_KEYS, lambda what: _bad(folder, what))
     for key in ("rows", "dim", "max_length"):
         if manifest[key] < 1:
             raise _bad(folder, f"{MANIFEST}: {key} is {manifest[key]}")
@@ -311,12 +284,9 @@ def read_manifest(folder: Path) -> dict:
     if params.get("kind") not in FAISS_KINDS:
         raise _bad(folder, f"{MANIFEST}: faiss.kind is {str(params.get('kind'))[:40]!r}, not one of {', '.join(FAISS_KINDS)}")
     wanted = {"kind", *FAISS_PARAMS[params["kind"]]}
-    if set(params) != wanted or not all(_is(params[k], int) and params[k] >= 1 for k in wanted - {"kind"}):
+    if set(params) != wanted or not all(is_json(params[k], int) and params[k] >= 1 for k in wanted - {"kind"}):
         raise _bad(folder, f"{MANIFEST}: faiss of kind {params['kind']} needs exactly {', '.join(sorted(wanted - {'kind'})) or 'no parameters'} (integers >= 1)")
     files = manifest["files"]
-    for name, entry in files.items():
-        if not isinstance(entry, dict) or set(entry) != {"bytes", "sha256"} or not _is(entry["bytes"], int) or not isinstance(entry["sha256"], str):
-            raise _bad(folder, f"{MANIFEST}: files[{name[:80]!r}] is not {{\"bytes\": int, \"sha256\": str}}")
     if set(files) != {FAISS_FILE, "docs.bin", "docs.offsets.npy"}:
         raise _bad(folder, f"{MANIFEST}: files lists {', '.join(sorted(files))[:120]}, not {FAISS_FILE}, docs.bin, docs.offsets.npy")
     return manifest

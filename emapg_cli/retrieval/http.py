@@ -60,11 +60,6 @@ def check_url(url: str) -> str:
     return url
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 class _BadReply(Exception):
     """The server answered, but not with what was asked for (retrying cannot help)."""
 
@@ -79,7 +74,7 @@ def _decode(data: bytes):
     except RecursionError:
         raise _BadReply("the reply's JSON is nested too deeply") from None
     except ValueError as e:
-        raise _BadReply(f"the reply is not JSON ({_one_line(e, 80)})") from None
+        raise _BadReply(f"the reply is not JSON ({http_client.one_line(e, 80)})") from None
 
 
 def _hits(reply, n_queries: int, topk: int) -> list[list[Hit]]:
@@ -163,9 +158,10 @@ class HTTPRetriever:
         except http_client.ReplyTooLarge as e:
             raise UserError(f"retriever {url}: {e}; expected {_EXPECTED}") from None
         except (OSError, HTTPException, ValueError) as e:  # refused, reset, a status line that is not HTTP
-            raise _Failed(_one_line(e) or type(e).__name__) from None
+            raise _Failed(http_client.one_line(e) or type(e).__name__) from None
         if reply.status != 200:
-            said = f"HTTP {reply.status} {_one_line(reply.reason, 60)}{self._server_says(reply.body)}"
+            said = http_client.server_error(reply.body)
+            said = f"HTTP {reply.status} {http_client.one_line(reply.reason, 60)}" + (f": {said}" if said else "")
             if reply.status < 500 and reply.status != 429:  # the server understood and refused: retrying cannot help
                 raise UserError(f"retriever {url} failed: {said}")
             raise _Failed(said)
@@ -173,15 +169,6 @@ class HTTPRetriever:
             return _decode(reply.body)
         except _BadReply as e:
             raise UserError(f"retriever {url}: {e}; expected {_EXPECTED}") from None
-
-    @staticmethod
-    def _server_says(body: bytes) -> str:
-        """`: <the {"error"} of the reply>` when it has one (at most 4 KiB read), else nothing."""
-        try:
-            said = json.loads(body[:4096].decode("utf-8"))["error"]
-            return f": {_one_line(said)}" if isinstance(said, str) else ""
-        except Exception:  # any other body: the status alone says enough
-            return ""
 
     def _ask(self, batch: list[str], topk: int, first: int) -> tuple[Optional[list[list[Hit]]], str, str]:
         """(hits, "", "") from the first URL that answers, trying each once from urls[first]; else (None, url, why)."""

@@ -294,16 +294,6 @@ class Searcher:
         self.batcher.stop()
 
 
-def retrieve_reply(retriever: Retriever, request: Any, default_topk: int = 3,
-                   limits: Limits = Limits()) -> dict[str, Any]:
-    """The `/retrieve` reply to a parsed request body; ValueError on a malformed request or one over `limits`."""
-    try:
-        queries, topk, return_scores = _check_request(request, default_topk, limits)
-        return json.loads(_encode_reply(retriever.search(queries, topk), return_scores, limits.max_reply_bytes))
-    except Refused as e:
-        raise ValueError(str(e)) from None
-
-
 class RetrieverServer(BoundedServer):
     """A `BoundedServer` (emapg_cli/serve/http_server.py: connections, deadlines, bodies) over one `Searcher`."""
 

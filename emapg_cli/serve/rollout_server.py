@@ -192,13 +192,11 @@ class _Handler(BoundedHandler):
 
     def _connect(self, request: dict, arrival: float) -> dict:
         _keys(request, ("backend",))
-        # nccl: the store the trainer joins listens on the address this request came to, and nowhere else
-        token, port = self.server.service.connect(str(request.get("backend")), self.connection.getsockname()[0])
-        return {"ok": True, "token": token, "port": port}
+        return {"ok": True, "token": self.server.service.connect(str(request.get("backend")))}
 
     def _push(self, length: int) -> dict:
-        """`POST /weights/push` of `length` bytes: the manifest (JSON header), then (backend http) the tensors' bytes,
-        read exactly as the manifest declares."""
+        """`POST /weights/push` of `length` bytes: the manifest (JSON header), then the tensors' bytes, read exactly as
+        the manifest declares."""
         timeout = self.server.timeout_s
         prefix = self.read_exactly(HEADER_BYTES) if length >= HEADER_BYTES else None
         if prefix is None:

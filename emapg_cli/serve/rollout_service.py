@@ -18,7 +18,6 @@ that never connected cannot push.
 from __future__ import annotations
 
 import hmac
-import queue
 import secrets
 import threading
 import time
@@ -27,13 +26,11 @@ from typing import Any, Callable, Optional
 
 from emapg_cli.engines.base import Cancelled, Completion, SamplingParams
 from emapg_cli.engines.rollout_protocol import PROTOCOL, ProtocolError, check_manifest, tensor_bytes
-from emapg_cli.serve.rollout_weights import JOIN_TIMEOUT_S, Joins, Staging
+from emapg_cli.serve.rollout_weights import Staging
 from emapg_cli.serve.http_server import Refused
 
 #: The label of weights loaded from the model folder, before any push.
 LOADED = -1
-#: The torch.distributed backend of a `nccl` session's group (the tests of its bounds build it with gloo on CPU).
-GROUP_BACKEND = "nccl"
 
 
 class _Staged:
@@ -55,19 +52,17 @@ class ServedModel:
     fingerprint: dict[str, Any]
     tokenizer_sha256: str
     params: dict[str, tuple[str, list[int]]]  # parameter name -> (dtype, shape), what a push must hold
-    device: str  # the engine's device (cuda: the nccl backend is possible; staging for http is in CPU memory)
+    device: str  # the engine's device (reported by /health; the staging copy is in CPU memory)
     module: Any = None  # hf: the live module whose parameters a version is copied into; vllm: None
 
 
 @dataclass
 class _Session:
-    """The trainer connected last: its token, its backend, its number (bumped by each connect)."""
+    """The trainer connected last: its token, its number (bumped by each connect)."""
 
     token: str
-    backend: str
     epoch: int
-    jobs: "queue.Queue[tuple[int, list]]"  # nccl: the manifests of pushes whose tensors follow on the group
-    error: str = ""  # why its channel failed or its last version was refused (reported to its next request)
+    error: str = ""  # why its last version could not be applied (reported to its next request)
 
 
 class RolloutService:
@@ -79,7 +74,6 @@ class RolloutService:
         self.cond = threading.Condition()  # held by each generation and each apply
         self.session: Optional[_Session] = None
         self.staging = Staging(served.params, self._apply)
-        self._joins = Joins()
         self._epochs = 0
 
     def health(self) -> dict[str, Any]:
@@ -103,37 +97,18 @@ class RolloutService:
             raise Refused(409, "another trainer connected to this rollout server since this one did: one trainer per server")
         return session
 
-    def connect(self, backend: str, address: str) -> tuple[str, Optional[int]]:
-        """A new session: (its token, nccl: the port of the store the trainer joins). The version goes back to
-        `LOADED` (a trainer that starts or resumes never takes an earlier one's weights for its own version) and the
-        previous trainer's requests are refused from now on. nccl: the server hosts a store on `address` (where the
-        connect came to) and a thread builds its end of the group (within JOIN_TIMEOUT_S), then receives pushes."""
-        if backend not in ("http", "nccl"):
-            raise ProtocolError(f"backend must be http or nccl, got {backend!r:.20}")
-        store = None
-        if backend == "nccl":
-            from emapg_cli.engines.weight_channel import host_store
-
-            if not self.served.device.startswith("cuda"):
-                raise ProtocolError("backend nccl needs the server's engine on CUDA; this server runs on CPU (use http)")
-            if not self._joins.start():
-                raise Refused(429, "busy: weight channels are being opened; retry in a minute")
-            try:
-                store = host_store(address, JOIN_TIMEOUT_S)
-            except BaseException:
-                self._joins.done()
-                raise
+    def connect(self, backend: str) -> str:
+        """A new session: its token. The version goes back to `LOADED` (a trainer that starts or resumes never takes
+        an earlier one's weights for its own version) and the previous trainer's requests are refused from now on.
+        `backend` must be http (the weights in the push's own body; the nccl channel was removed)."""
+        if backend != "http":
+            raise ProtocolError(f"backend must be http, got {backend!r:.20}")
         with self.cond:  # the weights held now are not this trainer's versions: its requests wait for its first push
             self.version = LOADED
             self._epochs += 1
-            old, self.session = self.session, _Session(secrets.token_urlsafe(24), backend, self._epochs, queue.Queue())
+            self.session = _Session(secrets.token_urlsafe(24), self._epochs)
             self.cond.notify_all()
-        if old is not None:
-            old.jobs.put(None)  # its receiver thread (nccl) ends
-        if store is not None:
-            threading.Thread(target=self._receive_nccl, args=(self.session, store),
-                             name="emapg-rollout-weights", daemon=True).start()
-        return self.session.token, None if store is None else store.port
+        return self.session.token
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], params: SamplingParams, version: Optional[int], timeout_s: float,
@@ -161,7 +136,7 @@ class RolloutService:
                 want = f"version {version}" if version is not None else f"a version >= {params.min_version}"
                 raise Refused(504, f"waited {timeout_s:g} s for {want}; the server holds {self.version}")
             if self._refused(session):
-                raise Refused(409, f"the weight channel failed ({session.error}): connect again")
+                raise Refused(409, f"the weights failed ({session.error}): connect again")
             waited = time.monotonic() - arrival
             late = lambda: time.monotonic() > deadline or (cancelled is not None and cancelled())  # noqa: E731
             try:
@@ -179,27 +154,22 @@ class RolloutService:
     # ------------------------------------------------------------------ weights
     def push(self, token: Any, version: int, tensors: Any, read_into: Optional[Callable[[Any], None]] = None,
              size: int = 0, still_wanted: Callable[[], bool] = lambda: True) -> None:
-        """Take `version`: its manifest `tensors` checked against the server's parameters; http: the `size` bytes that
-        follow must be exactly its tensors', read by `read_into` into the staging copy (after the previous version
-        was applied, waiting while `still_wanted()`), checked finite, and handed to the applier; nccl (`size` 0):
-        queued for the session's receiver thread."""
+        """Take `version`: its manifest `tensors` checked against the server's parameters; the `size` bytes that follow
+        must be exactly its tensors', read by `read_into` into the staging copy (after the previous version was
+        applied, waiting while `still_wanted()`), checked finite, and handed to the applier."""
         session = self.check_token(token, "a push")
         if session.error:
-            raise Refused(409, f"the weight channel failed ({session.error}): connect again")
+            raise Refused(409, f"the weights failed ({session.error}): connect again")
         rows = check_manifest(tensors, self.served.params)
-        expected = tensor_bytes(rows) if session.backend == "http" else 0
+        expected = tensor_bytes(rows)
         if size != expected:
-            raise ProtocolError(f"the push's body holds {size} bytes of tensors, its manifest {expected} (backend "
-                                f"{session.backend})")
-        if session.backend == "nccl":
-            session.jobs.put((version, rows))
-            return
+            raise ProtocolError(f"the push's body holds {size} bytes of tensors, its manifest {expected}")
         if read_into is None:
-            raise ProtocolError("backend http: the tensors follow the manifest in the push's body")
+            raise ProtocolError("the tensors follow the manifest in the push's body")
         if not self.staging.acquire(still_wanted):
             raise Refused(499, "the pusher left while the previous version was being applied")
         try:
-            self.staging.receive(rows, read_into, "cpu")
+            self.staging.receive(rows, read_into)
             bad = self.staging.not_finite()
             if bad:
                 raise Refused(422, f"version {version} refused: {bad:.80} holds NaN or Inf values; nothing was applied")
@@ -209,39 +179,6 @@ class RolloutService:
             self.staging.release()
             raise
         self.staging.hand_over(version, session.epoch)
-
-    def _receive_nccl(self, session: _Session, store: Any) -> None:
-        """The session's NCCL receiver: builds the server's end of the group on `store` and exchanges the handshake
-        (within JOIN_TIMEOUT_S: a trainer that never joins frees the slot then), then receives each queued push into
-        the staging copy on the engine's GPU; a failure or a refused version is the session's error."""
-        from emapg_cli.engines.weight_channel import SERVER, WeightChannel
-
-        try:
-            try:
-                channel = WeightChannel(store, SERVER, GROUP_BACKEND, JOIN_TIMEOUT_S)
-                channel.handshake()
-            finally:
-                self._joins.done()
-            while self.session is session:
-                job = session.jobs.get()
-                if job is None:  # another trainer connected
-                    return
-                version, rows = job
-                if not self.staging.acquire(lambda: self.session is session):
-                    return
-                try:
-                    self.staging.receive(rows, channel.recv_into, self.served.device)
-                    bad = self.staging.not_finite()
-                    if bad:
-                        raise ValueError(f"version {version} refused: {bad:.80} holds NaN or Inf values")
-                except BaseException:
-                    self.staging.release()
-                    raise
-                self.staging.hand_over(version, session.epoch)
-        except Exception as e:  # the trainer never joined, went away, or sent a version that is not finite
-            session.error = " ".join(str(e).split())[:200] or type(e).__name__
-            with self.cond:
-                self.cond.notify_all()
 
     def _apply(self, version: int, staging: dict[str, Any], epoch: int) -> None:
         """Copy the staged version into the engine, between generations (not when another trainer connected since);

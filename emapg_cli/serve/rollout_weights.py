@@ -5,17 +5,11 @@ A pushed version is received into the staging copy of the parameters (allocated 
 applier thread, which copies it into the engine between two generations (the service's lock). A push that follows
 another before it was applied waits for it: there is one staging copy.
 
-Two ways in (`/weights/connect`'s backend):
-
-- http (the default, and the one tested on CPU): the bytes come in the push request's own body, right after its
-  manifest, and are read exactly as the manifest (already checked against the server's parameters) declares, into
-  the staging copy in CPU memory: a sender cannot make the server read more or other than that, and the request
-  is answered once the version is received and checked (422 when it is not finite, 400 when the body is short).
-- nccl (both sides on CUDA, untested here: no GPU pair): the bytes come on a two-process NCCL group
-  (engines/weight_channel.py) that a thread of the connect joins: the server dials the trainer's store on the
-  address the connect came from, never another host; at most `MAX_JOINS` joins run at once, each bounded by
-  `JOIN_TIMEOUT_S`. A refused version is reported by the next push and to a request waiting for it. NCCL checks no
-  sizes: this path trusts the trainer that holds the connect's token.
+The bytes come in the push request's own body, right after its manifest, and are read exactly as the manifest
+(already checked against the server's parameters) declares, into the staging copy in CPU memory: a sender cannot make
+the server read more or other than that, and the request is answered once the version is received and checked (422
+when it is not finite, 400 when the body is short). (An NCCL channel between GPUs, untested and unmeasured, was
+removed: scripts/benchmarks/weight_channel.py keeps its code for the push benchmark.)
 """
 
 from __future__ import annotations
@@ -25,11 +19,6 @@ import threading
 from typing import Any, Callable, Optional
 
 from emapg_cli.engines.rollout_protocol import ProtocolError
-
-#: Most NCCL joins in progress at once (a connect past it is refused with 429).
-MAX_JOINS = 2
-#: Seconds a join of the trainer's store and NCCL group may take.
-JOIN_TIMEOUT_S = 60.0
 
 
 class Staging:
@@ -56,14 +45,14 @@ class Staging:
     def release(self) -> None:
         self._free.release()
 
-    def receive(self, rows: list[tuple[str, str, list[int]]], read_into: Callable[[Any], None], device: str) -> None:
-        """Each tensor of `rows` (a checked manifest) read into its staging tensor on `device` by `read_into`."""
+    def receive(self, rows: list[tuple[str, str, list[int]]], read_into: Callable[[Any], None]) -> None:
+        """Each tensor of `rows` (a checked manifest) read into its staging tensor (CPU memory) by `read_into`."""
         import torch
 
         for name, dtype, shape in rows:
             buf = self.tensors.get(name)
-            if buf is None or str(buf.device) != str(torch.device(device)):
-                buf = self.tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            if buf is None:
+                buf = self.tensors[name] = torch.empty(shape, dtype=getattr(torch, dtype))
             read_into(buf)
 
     def not_finite(self) -> Optional[str]:
@@ -107,20 +96,3 @@ def read_exactly_into(read_into: Callable[[memoryview], int]) -> Callable[[Any],
 
     return fill
 
-
-class Joins:
-    """Counts the NCCL joins in progress (at most `MAX_JOINS`)."""
-
-    def __init__(self) -> None:
-        self._lock, self.running = threading.Lock(), 0
-
-    def start(self) -> bool:
-        with self._lock:
-            if self.running >= MAX_JOINS:
-                return False
-            self.running += 1
-            return True
-
-    def done(self) -> None:
-        with self._lock:
-            self.running -= 1

@@ -86,7 +86,7 @@ def move_anchor(cfg, state: dict[str, Any], step: int, strategy, policy, anchor,
         beta, alpha = bema_coefficients_at(cfg, step)
         bema_update_(strategy.ema_tensors(anchor), bema.ema, bema.theta0, strategy.ema_tensors(policy), beta, alpha)
         return
-    decay = decay_for_update(cfg.ema, state, step, lambda: strategy.ema_distance(policy, anchor))
+    decay = decay_for_update(cfg.ema, state, lambda: strategy.ema_distance(policy, anchor))
     ema_update_(strategy.ema_tensors(anchor), strategy.ema_tensors(policy), decay)
 
 
@@ -94,7 +94,7 @@ def anchor_metrics(cfg, state: dict[str, Any], step: int) -> dict[str, float]:
     """`ema/decay`: the eta in force after step `step`; for bema 1 - beta_t of its latest update (of its first before
     it, at tau + N), with `ema/bema_alpha` = alpha_t, the correction's weight."""
     if cfg.anchor.rule != "bema":
-        return {"ema/decay": decay_in_force(cfg.ema, state, step)}
+        return {"ema/decay": decay_in_force(cfg.ema, state)}
     n, tau = cfg.ema.update_period, cfg.anchor.bema.update_after
     beta, alpha = bema_coefficients_at(cfg, tau + max(n, (step - tau) // n * n))
     return {"ema/decay": 1.0 - beta, "ema/bema_alpha": alpha}

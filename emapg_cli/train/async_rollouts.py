@@ -17,9 +17,8 @@ engine is asked for the current version, s - 1, so it never samples from weights
 Only the engine call runs in the thread (`Rollouts.generate`: the prompts are a pure function of the step, the
 seeds are per request); grading, the batch and every metric are made on the main thread when the step starts, so
 nothing the thread reads is written meanwhile (the engine applies pushed weights between generations). The engine
-gets one request at a time: the thread's starts after the step's own (train.filter_groups' extra rounds included),
-and an evaluation of the policy waits for it (`RolloutPipeline.drain`). An error
-in the thread is raised by the step that waits for it, unchanged (the same one-line UserError as a synchronous
+gets one request at a time: the thread's starts after the step's own, and an evaluation of the policy waits for
+it (`RolloutPipeline.drain`). An error in the thread is raised by the step that waits for it, unchanged (the same one-line UserError as a synchronous
 run). On close, an error or Ctrl-C the in-flight generation is cancelled if it has not started, else abandoned:
 it runs in a daemon thread, so nothing waits for it. docs/async_rollouts.md.
 """
@@ -117,7 +116,7 @@ class RolloutPipeline:
         """Round 0 of `step`'s generation (this rank's scheduled prompts) and the seconds the engine waited for weights."""
         before = self._engine_wait()
         r = self.rollouts if timed else self.untimed
-        out = r.generate(r.scheduled(step), step, r.cfg.stage_at(step), 0)
+        out = r.generate(r.scheduled(step), step, r.cfg.stage_at(step))
         return out, self._engine_wait() - before
 
     def __call__(self, step: int):
@@ -135,8 +134,8 @@ class RolloutPipeline:
             first, engine_wait = self._generate(step, timed=True)
         self.pending = None
         waited = time.perf_counter() - t0
-        # grading starts, the batch is built (train.filter_groups: its extra rounds are generated) before the next
-        # step's generation starts: one engine call at a time (`drain` keeps it so for the evaluations)
+        # grading starts and the batch is built before the next step's generation starts: one engine call at a
+        # time (`drain` keeps it so for the evaluations)
         batch, pending, roll = self.rollouts(step, first=first)
         if self.k and step < self.steps:
             self.pending = (step + 1, in_background(lambda: self._generate(step + 1, timed=False), "emapg-rollouts"))

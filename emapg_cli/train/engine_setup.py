@@ -50,7 +50,7 @@ def connect_server(cfg: Config, policy, tokenizer):
     Every refusal is one line."""
     from emapg_cli.engines.remote import RemoteEngine
 
-    engine = RemoteEngine(cfg.rollout.engine_url, timeout_s=cfg.rollout.engine_timeout_s, weights_backend=cfg.rollout.engine_weights_backend)
+    engine = RemoteEngine(cfg.rollout.engine_url, timeout_s=cfg.rollout.engine_timeout_s)
     engine.check_compatible(policy, tokenizer)
     if engine.engine_name != cfg.rollout.engine:
         raise UserError(f"rollout server {engine.url} runs the {engine.engine_name} engine but rollout.engine={cfg.rollout.engine}: "

@@ -1,10 +1,8 @@
-"""The EMA decay eta of each anchor update: ema.decay, the ema.decay_schedule stage of the step, or the adaptive rule
-of ema.target_distance (the rule itself, pure math, is emapg_cli/grpo/ema_control.py; docs/stability.md, "Adaptive eta").
+"""The EMA decay eta of each anchor update: ema.decay, or the adaptive rule of ema.target_distance (the rule itself, pure math, is emapg_cli/grpo/ema_control.py; docs/stability.md, "Adaptive eta").
 
 The adaptive rule's state lives in the trainer's `state` dict, so every checkpoint's state.json holds it and a resumed
 run continues with the same eta (JSON floats round-trip exactly): `ema_decay` (the eta of the last anchor update; before
-the first, ema.decay) and `ema_unit_lag` (S_k of the next update). Fixed and scheduled runs store nothing: their eta is
-a pure function of the step.
+the first, ema.decay) and `ema_unit_lag` (S_k of the next update). Fixed runs store nothing: their eta is ema.decay.
 """
 
 from __future__ import annotations
@@ -14,20 +12,20 @@ from typing import Any, Callable
 DECAY_KEY, LAG_KEY = "ema_decay", "ema_unit_lag"
 
 
-def decay_in_force(ema, state: dict[str, Any], step: int) -> float:
-    """The eta of RL step `step` (logged as ema/decay): the adaptive eta after the step's anchor update (if any), the
-    scheduled one, or ema.decay."""
+def decay_in_force(ema, state: dict[str, Any]) -> float:
+    """The eta of the step (logged as ema/decay): the adaptive eta after the step's anchor update (if any), or
+    ema.decay."""
     if ema.target_distance is not None:
         return float(state.get(DECAY_KEY, ema.decay))
-    return ema.decay_at(step)
+    return ema.decay
 
 
-def decay_for_update(ema, state: dict[str, Any], step: int, distance_now: Callable[[], float]) -> float:
-    """The eta of the anchor update at RL step `step`. Adaptive: `distance_now()` is ||theta - theta_ema|| / ||theta||
+def decay_for_update(ema, state: dict[str, Any], distance_now: Callable[[], float]) -> float:
+    """The eta of an anchor update. Adaptive: `distance_now()` is ||theta - theta_ema|| / ||theta||
     measured before the update (the EMA lag D_k); eta_k from eta_{k-1} and S_k (`adapt_decay`), then S_{k+1} and eta_k
-    are written into `state`. Otherwise the scheduled eta of the step (no measurement)."""
+    are written into `state`. Otherwise ema.decay (no measurement)."""
     if ema.target_distance is None:
-        return ema.decay_at(step)
+        return ema.decay
     from emapg_cli.grpo.ema_control import adapt_decay, next_unit_lag
 
     eta, lag = float(state.get(DECAY_KEY, ema.decay)), float(state.get(LAG_KEY, 1.0))

@@ -155,30 +155,6 @@ def truncate_metrics(path: Path, last_step: int) -> int:
     return dropped
 
 
-def read_metrics(path: Path, *, partial: bool = False) -> list[dict[str, float]]:
-    """The rows of a metrics.jsonl file, in order.
-
-    With `partial` (reading a run that may still be going, or never started): a missing file gives
-    no rows and unparsable lines (a torn last line) are skipped instead of raising.
-    """
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError:
-        if partial:
-            return []
-        raise
-    rows = []
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if not partial:
-                raise
-    return rows
-
-
 def make_logger(cfg: LoggingConfig, run_dir: Path, run_config: dict[str, Any], *, resume_step: Optional[int] = None) -> Logger:
     """The run's logger: metrics.jsonl in `run_dir`, plus TensorBoard / W&B when `cfg` turns them on.
 

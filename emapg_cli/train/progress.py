@@ -121,7 +121,7 @@ def config_line(cfg) -> str:
 
     kl = f"{kl_coef_text(cfg)} {k.estimator} {k.direction}" + (f" k {k.k}" if k.estimator.startswith(("topk", "truncated", "teacher_support")) else "")
     anchor = "fixed anchor" if e.decay >= 1.0 else f"EMA anchor η {e.decay:g} every {e.update_period}"
-    if e.target_distance is not None or e.decay_schedule:
+    if e.target_distance is not None:
         from emapg_cli.train.eta_control import describe
 
         anchor = f"EMA anchor {describe(e)} every {e.update_period}"

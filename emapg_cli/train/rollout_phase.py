@@ -1,11 +1,10 @@
-"""The rollout phase of a step: this rank's prompts, generation (dynamic sampling when train.filter_groups), grading
-in the background, and the padded batch. Advantages are filled later (`Trainer._advantages`), once the grades are in."""
+"""The rollout phase of a step: this rank's prompts, generation, grading in the
+background, and the padded batch. Advantages are filled later (`Trainer._advantages`), once the grades are in."""
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,10 +12,9 @@ import torch
 from emapg_cli.agents.environments import generate
 from emapg_cli.engines.base import SamplingParams, derive_seed
 from emapg_cli.grpo import grpo_advantages
-from emapg_cli.train.dynamic_sampling import filtered_groups, grade_groups
 from emapg_cli.train.rollout import padded_batch, schedule, score
 
-#: The seed stream of rollouts (the trainer's others: 2 update, 3 eval, 4 dynamic sampling's draws).
+#: The seed stream of rollouts (the trainer's others: 2 update, 3 eval).
 ROLLOUT_STREAM = 1
 
 
@@ -37,12 +35,11 @@ class Rollouts:
     # versioned engines: step -> the oldest weights version its samples may come from (train/async_rollouts.py)
     min_version: Optional[Callable[[int], int]] = None
 
-    def generate(self, items: list[int], step: int, stage, round_: int) -> tuple[list, list, list]:
-        """Generate this rank's groups for dataset indices `items` (may be empty: every rank calls
-        generate, which a sharded engine needs). Returns (prompt ids, completions, their examples)."""
+    def generate(self, items: list[int], step: int, stage) -> tuple[list, list, list]:
+        """Generate this rank's groups for dataset indices `items`. Returns (prompt ids, completions, their examples)."""
         cfg, acc, r = self.cfg, self.acc, self.cfg.rollout
         prompts = [self.train_prompts[i] for i in items]
-        seed = derive_seed(cfg.train.seed, ROLLOUT_STREAM, step, acc.process_index, *((round_,) if round_ else ()))
+        seed = derive_seed(cfg.train.seed, ROLLOUT_STREAM, step, acc.process_index)
         params = SamplingParams(n=r.n, max_new_tokens=stage.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                 stop=tuple(r.stop), seed=seed, topk=self.topk,
                                 min_version=self.min_version(step) if self.min_version is not None else None)
@@ -68,29 +65,19 @@ class Rollouts:
     def __call__(self, step: int, first: Optional[tuple] = None):
         """Generate this rank's groups, start grading them in the background and build the padded batch
         (advantages still zero). Returns (batch, pending grades, metrics inputs).
-        With train.filter_groups the groups are graded before the batch is built (train/dynamic_sampling.py).
-        `first`: the first round's `generate` of `scheduled(step)`, already run (asynchronous rollouts)."""
+        `first`: the `generate` of `scheduled(step)`, already run (asynchronous rollouts)."""
         cfg, acc = self.cfg, self.acc
         r, t = cfg.rollout, cfg.train
         mine = self.scheduled(step)
         stage = cfg.stage_at(step)  # staged response lengths (cfg.stages), else rollout.max_new_tokens
         roll: dict[str, Any] = {}
-        if t.filter_groups:
-            graded = partial(grade_groups, lambda items, round_: first if first is not None and round_ == 0 else
-                             self.generate(items, step, stage, round_), self.reward_fn,
-                             self.shaping(stage), r.n)
-            prompts, completions, examples, rewards, errors, roll["filtering"] = filtered_groups(
-                acc, mine, graded, len(self.train_ex), t.filter_max_rounds, cfg.train.seed, step)
+        prompts, completions, examples = first if first is not None else self.generate(mine, step, stage)
+        # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
+        if t.objective == "distill":  # no verifier: every reward 0, so every GRPO advantage is 0 (docs/distill.md)
             grading: Future = Future()
-            grading.set_result((rewards.reshape(-1).tolist(), errors))
+            grading.set_result(([0.0] * len(completions), 0))
         else:
-            prompts, completions, examples = first if first is not None else self.generate(mine, step, stage, 0)
-            # only the advantages need the rewards: grade while the batch is built and the log-prob passes run
-            if t.objective == "distill":  # no verifier: every reward 0, so every GRPO advantage is 0 (docs/distill.md)
-                grading = Future()
-                grading.set_result(([0.0] * len(completions), 0))
-            else:
-                grading = self.grader.submit(score, self.reward_fn, completions, examples, self.shaping(stage))
+            grading = self.grader.submit(score, self.reward_fn, completions, examples, self.shaping(stage))
         with self.timed("batch"):  # overlong filtering (stage.mask_truncated): truncated rows leave the update
             batch, truncated = padded_batch(prompts, completions, r.n, stage.mask_truncated, self.pad_id, acc.device)
         roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=truncated, max_new_tokens=stage.max_new_tokens)

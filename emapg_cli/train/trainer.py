@@ -1,6 +1,6 @@
 """The RL loop, read top to bottom in `run`: setup, then each `step` (rollout -> GRPO advantages -> old/anchor passes
--> update -> EMA anchor) followed by evaluate / log / checkpoint, then finish. The pieces sit beside it: rollout_phase.py
-(with dynamic_sampling.py), passes.py, update.py, setup.py, bookkeeping.py, checkpoint.py, loggers.py.
+-> update -> EMA anchor) followed by evaluate / log / checkpoint, then finish. The pieces sit beside it: rollout_phase.py,
+passes.py, update.py, setup.py, bookkeeping.py, checkpoint.py, loggers.py.
 Built on `accelerate.Accelerator`; how the ranks hold the policy and the anchor (DDP or FSDP2) is the `train.parallel`
 strategy of train/parallel.py, which the loop calls without branching. Every source of randomness is seeded per step
 from (train.seed, step), and a checkpoint holds the full optimizer/scheduler/anchor state, so a resumed run reproduces
@@ -42,7 +42,7 @@ from emapg_cli.train.rollout_phase import Rollouts, group_advantages
 from emapg_cli.train.setup import build_models, make_scheduler, run_prompts, seed_everything  # noqa: F401 - make_scheduler: re-exported
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
-#: Offsets that keep the seed streams of updates and evaluation apart (1: rollouts, 4: dynamic sampling's draws).
+#: Offsets that keep the seed streams of updates and evaluation apart (1: rollouts).
 _UPDATE, _EVAL = 2, 3
 
 
@@ -241,7 +241,6 @@ class Trainer:
             batch, roll["rewards"], roll["reward_errors"], extra = self._advantages(batch, pending)
             extra.update(initial_kl(self.initial, self.cfg, step, batch, self.settings, self.acc.unwrap_model(self.scorer)))
             extra.update(reward_failures(self.reward_fn, counted, self.cfg, step, self.acc))  # before the update: a failing plugin stops the run here
-            extra.update(roll.pop("filtering", {}))
             extra.update(roll.pop("pipeline"))  # rollout/staleness, waits (versioned engines)
             upd = self._update(step, batch)
             self.state["skipped"] += upd.skipped

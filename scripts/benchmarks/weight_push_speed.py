@@ -18,6 +18,9 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # weight_channel.py, beside this script
 
 LAYOUTS = {"64 x 1 MiB": [[1 << 18]] * 64, "4 x 64 MiB": [[1 << 24]] * 4, "2 x 256 MiB": [[1 << 26]] * 2}
 
@@ -38,7 +41,8 @@ server.serve_forever()
 GLOO = r'''
 import json, os, sys
 import torch
-from emapg_cli.engines.weight_channel import SERVER, WeightChannel, join_store
+sys.path.insert(0, sys.argv[4])
+from weight_channel import SERVER, WeightChannel, join_store
 torch.set_num_threads(1)
 shapes, port, pushes = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 channel = WeightChannel(join_store("127.0.0.1", port, 60), SERVER, "gloo", 60)
@@ -65,7 +69,7 @@ def http_seconds(shapes: list, pushes: int) -> list[float]:
 
     proc = subprocess.Popen([sys.executable, "-c", SERVER, json.dumps(shapes)], stdout=subprocess.PIPE, text=True)
     try:
-        engine = RemoteEngine(f"http://127.0.0.1:{int(proc.stdout.readline())}", timeout_s=600, weights_backend="http")
+        engine = RemoteEngine(f"http://127.0.0.1:{int(proc.stdout.readline())}", timeout_s=600)
         model = _Model([(f"p{i}", torch.randn(shape)) for i, shape in enumerate(shapes)])
         engine.push_weights(model, 0)  # the server allocates its staging copy
         out = []
@@ -82,10 +86,11 @@ def http_seconds(shapes: list, pushes: int) -> list[float]:
 def gloo_seconds(shapes: list, pushes: int) -> list[float]:
     import torch
 
-    from emapg_cli.engines.weight_channel import TRAINER, WeightChannel, host_store
+    from weight_channel import TRAINER, WeightChannel, host_store
 
     store = host_store("127.0.0.1", 60)
-    proc = subprocess.Popen([sys.executable, "-c", GLOO, json.dumps(shapes), str(store.port), str(pushes + 1)])
+    proc = subprocess.Popen([sys.executable, "-c", GLOO, json.dumps(shapes), str(store.port), str(pushes + 1),
+                             str(Path(__file__).resolve().parent)])
     try:
         channel = WeightChannel(store, TRAINER, "gloo", 60)
         tensors = [torch.randn(shape) for shape in shapes]

@@ -113,7 +113,8 @@ def _drop_last_doc(folder: Path) -> None:
 
 
 def _legacy_short_docs(folder: Path) -> None:
-    """The folder made a format /1 one (docs.jsonl, no file hashes) whose docs.jsonl is one row shorter than the model."""
+    """The folder made a format /1 one (docs.jsonl, no file hashes, a format no longer read) whose docs.jsonl is one
+    row shorter than the model."""
     lines = (folder / "docs.bin").read_text().splitlines(keepends=True)
     (folder / "docs.jsonl").write_text("".join(lines[:-1]))
     (folder / "docs.bin").unlink()

@@ -237,7 +237,7 @@ def nan_weights_refused(ws: Path) -> None:
 @probe("connect_flood_bounded")
 def connect_flood_bounded(ws: Path) -> None:
     """100 `POST /weights/connect` naming a store on a loopback black hole (a socket that never answers), in the old
-    protocol's shape (any host) and in the new one (nccl on a CPU server): each is answered within seconds and the
+    protocol's shapes (gloo to any host; nccl, since removed): each is answered within seconds and the
     server holds no thread for them (each used to hold a thread for its timeout, 10 minutes; the server dialled any
     host:port a client named); /health answers."""
     with _shared() as server:
@@ -257,33 +257,6 @@ def connect_flood_bounded(ws: Path) -> None:
             _health(server)
         finally:
             hole.close()
-
-
-@probe("trainer_store_on_one_address")
-def trainer_store_on_one_address(ws: Path) -> None:
-    """The trainer's TCPStore (the nccl weight channel's rendezvous) for a server on 127.0.0.1 listens on 127.0.0.1
-    only, not on every interface (it used to bind 0.0.0.0)."""
-    from emapg_cli.engines.weight_channel import host_store
-
-    store = host_store("127.0.0.1", 5)
-    local = _listening(store.port)
-    assert local == {"127.0.0.1"}, f"the store on port {store.port} listens on {sorted(local)}"
-
-
-def _listening(port: int) -> set[str]:
-    """The local addresses of the sockets listening on `port` (/proc/net/tcp and tcp6)."""
-    import ipaddress
-
-    found = set()
-    for table, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            addr, p = local.split(":")
-            if state == "0A" and int(p, 16) == port:  # 0A: LISTEN
-                raw = bytes.fromhex(addr)
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # /proc's host-order words
-                found.add(str(ipaddress.ip_address(raw)) if size == 4 else str(ipaddress.IPv6Address(raw)))
-    return found
 
 
 @probe("secret_required_off_loopback", slow=True)

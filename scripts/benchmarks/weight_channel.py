@@ -1,6 +1,7 @@
-"""Raw tensors from a trainer to a rollout server over an NCCL group of two (the `nccl` weight backend, both sides on
-CUDA): rank 0 sends, rank 1 receives. The `http` backend needs none of this: its bytes come in the push's own body
-(serve/rollout_weights.py).
+"""Raw tensors from a trainer to a rollout server over a torch.distributed group of two: rank 0 sends, rank 1
+receives. This was emapg's `nccl` weight backend (rollout.engine_weights_backend), removed as untested and unmeasured
+(no GPU pair); it stays here, beside weight_push_speed.py, which times the same group on gloo against the `http` push
+(its bytes in the push's own body, emapg_cli/serve/rollout_weights.py) for docs/rollout_server.md.
 
 The group is built directly on a `TCPStore` and a `ProcessGroupNCCL` object, never through `init_process_group`: the
 trainer's own default group (accelerate's) is not touched, and the server needs none. The server hosts the store,
@@ -9,8 +10,7 @@ interface, and the trainer joins it: the server never dials anything. `handshake
 group, so that its setup (NCCL's communicator) happens within the timeout of the side that waits for it. Each tensor
 goes as its bytes (`uint8` view) in one broadcast from rank 0, so any dtype travels bit for bit and nothing is
 serialised: the receiver writes straight into a preallocated staging tensor of the agreed dtype and shape (the
-push's manifest, engines/rollout_protocol.py). Untested here (no pair of GPUs); `backend="gloo"` builds the same
-group on CPU, which the tests of the server's bounds use.
+push's manifest, engines/rollout_protocol.py). `backend="gloo"` builds the same group on CPU.
 """
 
 from __future__ import annotations
