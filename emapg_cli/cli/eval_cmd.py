@@ -251,9 +251,10 @@ def _cost(s, items: int, capped: bool) -> str:
     return line
 
 
-def _run(settings, label: str, intro: Optional[list] = None) -> None:
-    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots. `intro`:
-    (the settings line, whether --max-tokens was typed), printed with `_cost` first, once the items are counted."""
+def _run(settings, label: str, cfg, origin: dict, what: str, typed: set[str]) -> None:
+    """Say which settings the evaluation uses (`_preflight`'s results), claim the output folder, sample and grade with a
+    progress bar, print the summary and draw the plots. Without a config, the settings line is printed with `_cost`,
+    once the items are counted."""
     import json
 
     from rich.markup import escape
@@ -267,6 +268,17 @@ def _run(settings, label: str, intro: Optional[list] = None) -> None:
     from emapg_cli.plots.eval import no_curve, plot_evals
     from emapg_cli.progress import Progress
 
+    threads_note = ""
+    if settings.model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)
+        from emapg_cli.train.threads import set_torch_threads
+
+        threads_note = set_torch_threads(cfg.train.torch_threads if cfg is not None else None)
+    if cfg is not None:  # what the config gave: one line, before the work
+        console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
+    intro = None  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: the first line says so
+    if cfg is None and settings.model is not None:  # (once the bench is read and the model found: `progress`)
+        origin = {k: "typed" if k in typed else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
+        intro = [_settings_line(settings, "the command line", origin, threads_note), "max_tokens" in typed]
     bar = Progress(
         TextColumn(escape(f"eval {label}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text
         BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
@@ -372,25 +384,12 @@ def eval_(
     from emapg_cli.hf_quiet import quiet_transformers
 
     quiet_transformers()
-    settings, cfg, origin, what, label = _preflight(ctx)
-    threads_note = ""
-    if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)
-        from emapg_cli.train.threads import set_torch_threads
-
-        threads_note = set_torch_threads(cfg.train.torch_threads if cfg is not None else None)
-    if cfg is not None:  # what the config gave: one line, before the work
-        console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
-    intro = None
-    if cfg is None and model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: the first
-        given = _given(ctx)  # line says so once the bench is read and the model found (`_run`)
-        origin = {k: "typed" if k in given else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
-        intro = [_settings_line(settings, "the command line", origin, threads_note), "max_tokens" in given]
-    _run(settings, label, intro)
+    _run(*_preflight(ctx), typed=_given(ctx))
 
 
 def _preflight(ctx: typer.Context):
     """Every check `eval` can fail before any work, in order, one line each (exit 2): options, config, environment,
-    reward, trust. Returns (EvalSettings, the config or None, each option's origin, the config's source, the bench)."""
+    reward, trust. Returns `_run`'s (EvalSettings, the bench, the config or None, each option's origin, its source)."""
     from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
     from emapg_cli.evaluation.runner import EvalSettings
 
@@ -430,4 +429,4 @@ def _preflight(ctx: typer.Context):
         **{k: o[k] for k in keys}, **(_run_limits(cfg) if cfg is not None else {}),
     )
     what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
-    return settings, cfg, origin, what, o["bench"]
+    return settings, o["bench"], cfg, origin, what

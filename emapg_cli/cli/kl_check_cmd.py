@@ -90,10 +90,15 @@ def kl_check(
     settings = _preflight(o)
     if stability:
         return _stability(o)
+    _measure(o, settings)
+
+
+def _measure(o: SimpleNamespace, settings) -> None:
+    """Measure the estimators of `settings` on the source's logits and print (and write) the results."""
     from emapg_cli.klcheck.measure import check_memory, plan, run_check
 
     logits = _load_source(o)
-    check_memory(logits.positions, logits.vocab, samples, logits.source)
+    check_memory(logits.positions, logits.vocab, o.samples, logits.source)
     specs, _ = plan(settings, logits.vocab)
 
     from emapg_cli.klcheck.report import LEGEND, header, render_markdown, render_tables
@@ -108,15 +113,15 @@ def kl_check(
     for table in render_tables(result):
         console.print(table)
     console.print(f"[dim]{escape(LEGEND)}[/]", highlight=False)
-    if markdown:
+    if o.markdown:
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
-    if json_out is not None:
-        _write_json(json_out, result.to_dict())
-        console.print(f"wrote {json_out}", markup=False, highlight=False)
-    if plot is not None:
+    if o.json_out is not None:
+        _write_json(o.json_out, result.to_dict())
+        console.print(f"wrote {o.json_out}", markup=False, highlight=False)
+    if o.plot is not None:
         from emapg_cli.klcheck.plot import plot_check
 
-        console.print(f"wrote {plot_check(result, plot)}", markup=False, highlight=False)
+        console.print(f"wrote {plot_check(result, o.plot)}", markup=False, highlight=False)
 
 
 def _preflight(o: SimpleNamespace):

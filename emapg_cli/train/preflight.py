@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Union
 
 from emapg_cli.config import load_config
 from emapg_cli.config.models import Config
+from emapg_cli.config.trust import code_refs, load_code, named_refs, untrusted
 from emapg_cli.data.schema import Example
 from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
@@ -301,8 +302,7 @@ def preflight(cfg: Config) -> Inputs:
     return Inputs(train=train, eval=evals, reward_fn=reward_fn)
 
 
-#: What `check_train` let through: the config, the run folder, a finished run's steps (nothing to do) and, for a
-#: --dry-run, the trust problem the run would refuse.
+#: `check_train`'s result: the config, run folder, a finished run's steps, a --dry-run's trust problem.
 Launch = namedtuple("Launch", "cfg run_dir finished trust_problem", defaults=(None, None))
 
 
@@ -334,8 +334,6 @@ def check_train(preset: Optional[str], config: Optional[str], overrides: list[st
         raise UserError("--allow-method-change applies to --resume (a new run has no method to change)")
     if processes is not None and not dry_run:
         raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
-    from emapg_cli.config.trust import code_refs, load_code, named_refs, untrusted
-
     config_checks(cfg)  # optional packages and the reward name: before a plan or any work
     if is_main_process():  # e.g. a sampled-tail KL estimator under nucleus sampling: its measured bias
         for note in config_warnings(cfg) + _eval_set_warning(cfg, overrides):
