@@ -201,7 +201,7 @@ def test_config_refusals_and_defaults():
     """rollout.max_staleness >= 1: train.old_logprobs auto -> pass and train.rollout_correction unset ->
     token_truncate; refused (one line, a UserError: exit 2) without a versioned engine, with the engine's log-probs
     as the old policy, with search.retokenize and on several processes. 0 changes nothing."""
-    from emapg_cli.train.checks import config_checks, launch_problems
+    from emapg_cli.train.preflight import config_checks, launch_problems
 
     default = load_config(overrides=[])
     assert (default.rollout.max_staleness, default.train.old_logprobs, default.train.rollout_correction) == (0, "auto", "none")

@@ -72,7 +72,7 @@ def test_auto_runs_as_the_number_it_resolves_to(tiny_llama, tmp_path, monkeypatc
     import hashlib
 
     from emapg_cli.models.loading import load_tokenizer
-    from emapg_cli.train.checks import preflight
+    from emapg_cli.train.preflight import preflight
     from emapg_cli.train.rollout import prepare_prompts
 
     run_auto = _train(tmp_path, "auto", tiny_llama, **{"train.micro_batch_size": "auto"})

@@ -9,7 +9,7 @@ import torch
 from emapg_cli.config.loading import load_config
 from emapg_cli.engines.base import SamplingParams
 from emapg_cli.errors import UserError
-from emapg_cli.train.checks import config_checks
+from emapg_cli.train.preflight import config_checks
 
 
 def vllm_cfg(*overrides: str):

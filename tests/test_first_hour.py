@@ -64,7 +64,7 @@ def test_missing_optional_package_fails_before_any_file_is_written(emapg_home, t
 def test_config_checks_look_up_each_optional_package(monkeypatch):
     from emapg_cli.config import load_config
     from emapg_cli.errors import UserError
-    from emapg_cli.train import checks
+    from emapg_cli.train import preflight as checks
 
     asked = []
     monkeypatch.setattr("importlib.util.find_spec", lambda name: asked.append(name) or None)

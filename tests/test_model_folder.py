@@ -1,5 +1,5 @@
 """Broken or tampered model folders are one line wherever a model is read (issue 32, item 11; models/folder.py):
-the policy (train/checks.py model_config, models/loading.py), a teacher (train/teacher.py), `kl-check --model`
+the policy (train/preflight.py model_config, models/loading.py), a teacher (train/teacher.py), `kl-check --model`
 (klcheck/model_source.py), `eval --model` and `rollout serve --model` (models/hub.py check_model_source).
 The real CLI over every case and command is the slow probe one_line:model_folders_one_line."""
 
@@ -78,7 +78,7 @@ def test_every_reader_of_a_model_folder_checks_it(broken, name):
     anchor.path), eval/rollout serve (check_model_source), kl-check (its folder check)."""
     from emapg_cli.klcheck.model_source import logits_from_model
     from emapg_cli.models.hub import check_model_source
-    from emapg_cli.train.checks import model_config
+    from emapg_cli.train.preflight import model_config
     from emapg_cli.train.teacher import teacher_folder
 
     folder, words = broken[name]

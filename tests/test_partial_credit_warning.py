@@ -5,7 +5,7 @@ The smol preset trains on reward.credit=solved (no warning); with partial, `trai
 from __future__ import annotations
 
 from emapg_cli.config.loading import load_config
-from emapg_cli.train.checks import config_warnings
+from emapg_cli.train.preflight import config_warnings
 
 
 def _gameable(warnings: list[str]) -> list[str]:

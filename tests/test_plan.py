@@ -209,8 +209,8 @@ def test_token_budget_bounds_the_micro_batch_activations():
 
 
 def test_launch_problems_are_one_list_for_the_trainer_and_the_plan():
-    """train/checks.py launch_problems: what the trainer refuses is what the dry-run notes (one function)."""
-    from emapg_cli.train.checks import check_launch, launch_problems
+    """train/preflight.py launch_problems: what the trainer refuses is what the dry-run notes (one function)."""
+    from emapg_cli.train.preflight import check_launch, launch_problems
 
     cfg = load_config("toy", overrides=["rollout.prompts_per_step=6", "train.mini_batch_prompts=6", "train.parallel=fsdp",
                                         "train.share_prompts=always"])

@@ -382,7 +382,7 @@ def test_no_engine_log_probs_is_a_user_error(sampled):
 
 # ---------------------------------------------------------------- config
 def test_defaults_per_engine_and_launch_checks():
-    from emapg_cli.train.checks import config_checks
+    from emapg_cli.train.preflight import config_checks
 
     assert load_config(overrides=["rollout.engine=hf"]).train.rollout_correction == "none"
     vllm = load_config(overrides=["rollout.engine=vllm"])

@@ -138,7 +138,7 @@ def test_engine_url_config_and_refusals():
 
 def test_engine_url_refuses_several_processes():
     from emapg_cli.config.models import Config
-    from emapg_cli.train.checks import launch_problems
+    from emapg_cli.train.preflight import launch_problems
 
     cfg = Config.model_validate({"rollout": {"engine_url": "http://h:1", "prompts_per_step": 4}, "train": {"mini_batch_prompts": 2}})
     assert launch_problems(cfg, 1) == []

@@ -134,7 +134,7 @@ def test_evaluate_scores_overall_and_per_source():
 
 
 def test_eval_list_keeps_sources_and_limits_each(tmp_path):
-    from emapg_cli.train.checks import config_checks, eval_refs, load_eval_examples
+    from emapg_cli.train.preflight import config_checks, eval_refs, load_eval_examples
 
     plain = tmp_path / "mine.jsonl"  # canonical rows without a source: named after the file
     plain.write_text("".join(json.dumps({"id": f"p{i}", "question": "q", "answer": "a"}) + "\n" for i in range(3)))

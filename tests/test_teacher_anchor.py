@@ -220,7 +220,7 @@ def test_teacher_run_sigkill_and_resume_is_bit_identical(teacher_runs):
 
 
 def test_fsdp_on_several_processes_is_refused_at_launch():
-    from emapg_cli.train.checks import launch_problems
+    from emapg_cli.train.preflight import launch_problems
 
     cfg = load_config(overrides=["anchor.source=teacher", "anchor.path=/x", "train.parallel=fsdp"])
     assert [p for p in launch_problems(cfg, 2) if "anchor.source=teacher" in p]

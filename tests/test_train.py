@@ -229,7 +229,7 @@ def _cfg(tiny, data, *extra):
 
 
 def test_bad_inputs_are_one_line_user_errors(tiny_qwen2, tmp_path):
-    from emapg_cli.train.checks import preflight
+    from emapg_cli.train.preflight import preflight
 
     data = write_dataset(tmp_path / "d.jsonl")
     with pytest.raises(UserError, match="no such model folder"):

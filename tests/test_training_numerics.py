@@ -9,7 +9,7 @@ import torch
 
 from emapg_cli.config import load_config
 from emapg_cli.errors import UserError
-from emapg_cli.train.checks import FLOAT16_TINY, config_checks
+from emapg_cli.train.preflight import FLOAT16_TINY, config_checks
 
 
 def test_float16_is_refused_by_train_and_dry_run(cli_many, tmp_path):

@@ -92,7 +92,7 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
     from emapg_cli.engines.base import SamplingParams
     from emapg_cli.models.loading import load_causal_lm, load_tokenizer
     from emapg_cli.paths import expand
-    from emapg_cli.train.checks import missing_inputs
+    from emapg_cli.train.preflight import missing_inputs
 
     cfg = load_config(preset, overrides=[*overrides, *([f"model.path={model}"] if model else [])])
     r = cfg.rollout

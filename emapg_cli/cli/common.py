@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-
-if TYPE_CHECKING:  # pydantic and the config models load only when a command runs, not for --help
-    from emapg_cli.config import Config
 
 # Rich squeezes tables to 80 columns when stdout is not a terminal (pipes, CI logs); give them room.
 _wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
@@ -42,9 +39,3 @@ def check_seconds_option(option: str, value: float) -> None:
     except ValueError as e:
         raise UserError(f"{option} {value:g}: {e}") from None
 
-
-def resolve_config(preset: Optional[str], config: Optional[str], overrides: Optional[list[str]]) -> Config:
-    """Build the Config from the three sources (raises UserError on any problem)."""
-    from emapg_cli.config import load_config
-
-    return load_config(preset, config, overrides or [])

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console, resolve_config
+from emapg_cli.cli.common import ConfigOpt, PresetOpt, SetOpt, console
 
 if TYPE_CHECKING:  # pydantic loads only when a command runs, not for --help
     from pydantic import BaseModel
@@ -17,10 +17,9 @@ app = typer.Typer(help="Inspect configurations: resolve presets, files and overr
 @app.command("show")
 def show(preset: PresetOpt = None, config: ConfigOpt = None, set_: SetOpt = None) -> None:
     """Print the resolved config as YAML (preset < --config file < --set overrides)."""
-    from emapg_cli.config.loading import to_yaml
+    from emapg_cli.config.loading import load_config, to_yaml
 
-    cfg = resolve_config(preset, config, set_)
-    typer.echo(to_yaml(cfg), nl=False)
+    typer.echo(to_yaml(load_config(preset, config, set_ or [])), nl=False)
 
 
 def iter_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, Any]]:

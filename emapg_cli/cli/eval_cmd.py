@@ -118,10 +118,10 @@ def _from_config(ctx: typer.Context, preset: Optional[str], config: Optional[str
     evaluation of the run is), search.*, reward.truncated, grading.think, data.eval_limit, model.dtype. With --set
     alone, an option takes the config's value only when a --set item touched its key; the others keep eval's own
     defaults (Config's defaults, e.g. eval.n = 1, are not eval's)."""
-    from emapg_cli.cli.common import resolve_config
+    from emapg_cli.config import load_config
 
     params, given = dict(ctx.params), _given(ctx)
-    cfg = resolve_config(preset, config, [*(overrides or []), *_flag_overrides(params, given)])
+    cfg = load_config(preset, config, [*(overrides or []), *_flag_overrides(params, given)])
     # (a reward or environment plugin the files name runs only with --trust-code: eval_ checks it, as train does)
     if not isinstance(cfg.data.eval, str) and "bench" not in given and (preset or config):
         raise UserError("give --bench: the config's data.eval " + ("is not set" if cfg.data.eval is None else "lists several sets"))
@@ -197,7 +197,7 @@ def _run_limits(cfg) -> dict:
             "agent_workers": r.agent_workers, "agent_max_failure_rate": cfg.reward.max_failure_rate}
 
 
-def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code: bool) -> None:
+def _check_code(o: dict, typed: set[str], cfg, preset) -> None:
     """The reward's check, then the trust rule (config/trust.py): a plugin from --preset/--config runs only with
     --trust-code; it is imported now, before anything is written."""
     from emapg_cli.config.trust import code_refs_of, load_code, named_refs, require_trust
@@ -209,11 +209,11 @@ def _check_code(o: dict, typed: set[str], cfg, preset, config, set_, trust_code:
     except UserError as e:
         raise UserError(f"--reward: {e}") from None
     refs = code_refs_of(reward=o["reward"], env=o["env"], agent=o["agent"])  # the code this evaluation will import
-    named = named_refs(set_ or [], reward=o["reward"] if cfg is None or "reward" in typed else None,
+    named = named_refs(o["set_"] or [], reward=o["reward"] if cfg is None or "reward" in typed else None,
                        env=o["env"] if cfg is None or "env" in typed else None,
                        agent=o["agent"] if cfg is None or "agent" in typed else None)
-    source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])])
-    require_trust(refs, named, trust_code, *([source] if source else []))  # named on this command line: trusted
+    source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {o['config']}"] if o["config"] else [])])
+    require_trust(refs, named, o["trust_code"], *([source] if source else []))  # named on this command line: trusted
     try:
         load_code(refs)
     except UserError as e:
@@ -251,9 +251,10 @@ def _cost(s, items: int, capped: bool) -> str:
     return line
 
 
-def _run(settings, label: str, intro: Optional[list] = None) -> None:
-    """Claim the output folder, sample and grade with a progress bar, print the summary and draw the plots. `intro`:
-    (the settings line, whether --max-tokens was typed), printed with `_cost` first, once the items are counted."""
+def _run(settings, label: str, cfg, origin: dict, what: str, typed: set[str]) -> None:
+    """Say which settings the evaluation uses (`_preflight`'s results), claim the output folder, sample and grade with a
+    progress bar, print the summary and draw the plots. Without a config, the settings line is printed with `_cost`,
+    once the items are counted."""
     import json
 
     from rich.markup import escape
@@ -267,6 +268,17 @@ def _run(settings, label: str, intro: Optional[list] = None) -> None:
     from emapg_cli.plots.eval import no_curve, plot_evals
     from emapg_cli.progress import Progress
 
+    threads_note = ""
+    if settings.model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)
+        from emapg_cli.train.threads import set_torch_threads
+
+        threads_note = set_torch_threads(cfg.train.torch_threads if cfg is not None else None)
+    if cfg is not None:  # what the config gave: one line, before the work
+        console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
+    intro = None  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: the first line says so
+    if cfg is None and settings.model is not None:  # (once the bench is read and the model found: `progress`)
+        origin = {k: "typed" if k in typed else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
+        intro = [_settings_line(settings, "the command line", origin, threads_note), "max_tokens" in typed]
     bar = Progress(
         TextColumn(escape(f"eval {label}").replace("{", "{{").replace("}", "}}")),  # TextColumn str.formats its text
         BarColumn(), MofNCompleteColumn(), TextColumn("acc {task.fields[acc]}"),
@@ -369,13 +381,22 @@ def eval_(
     """
     if compare is not None or json_out is not None:
         return _compare(ctx, compare, json_out)
-    from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
-    from emapg_cli.tasks import TASKS
-    from emapg_cli.evaluation.runner import EvalSettings
     from emapg_cli.hf_quiet import quiet_transformers
 
     quiet_transformers()
-    check_seconds_option("--grader-timeout", grader_timeout)
+    _run(*_preflight(ctx), typed=_given(ctx))
+
+
+def _preflight(ctx: typer.Context):
+    """Every check `eval` can fail before any work, in order, one line each (exit 2): options, config, environment,
+    reward, trust. Returns `_run`'s (EvalSettings, the bench, the config or None, each option's origin, its source)."""
+    from emapg_cli.evaluation.naming import BUILTIN_BENCHES, bench_ref, default_out
+    from emapg_cli.evaluation.runner import EvalSettings
+    from emapg_cli.tasks import TASKS
+
+    bench, preset, config, set_, env, retriever, model, responses, out = (ctx.params[k] for k in (
+        "bench", "preset", "config", "set_", "env", "retriever", "model", "responses", "out"))
+    check_seconds_option("--grader-timeout", ctx.params["grader_timeout"])
     o, cfg, origin = dict(ctx.params), None, {}
     if bench in BUILTIN_BENCHES and TASKS[bench].env and not (preset or config or env or retriever):
         preset = bench  # a toy with an environment (search agent, calculator): evaluated as its preset trains it
@@ -395,7 +416,7 @@ def eval_(
     if responses is not None and not responses.is_file():
         raise UserError(f"{responses}: no such file")
     _check_env_options(o)
-    _check_code(o, _given(ctx), cfg, preset, config, set_, trust_code)
+    _check_code(o, _given(ctx), cfg, preset)
     if o["retriever"] is not None or o["env"] not in (None, "single", "search") or o["agent"] is not None:
         from emapg_cli.evaluation.search import check_turn_budget
 
@@ -408,17 +429,5 @@ def eval_(
         responses_file=responses, prompt_template=str(o["prompt_template"]) if o["prompt_template"] else None,
         **{k: o[k] for k in keys}, **(_run_limits(cfg) if cfg is not None else {}),
     )
-    threads_note = ""
-    if model is not None:  # on CPU, torch's threads chosen as `train` chooses them (EMAPG_TORCH_THREADS, train.torch_threads, auto)
-        from emapg_cli.train.threads import set_torch_threads
-
-        threads_note = set_torch_threads(cfg.train.torch_threads if cfg is not None else None)
-    if cfg is not None:  # what the config gave: one line, before the work
-        what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
-        console.print(_settings_line(settings, what, origin, threads_note), markup=False, highlight=False, soft_wrap=True)
-    intro = None
-    if cfg is None and model is not None:  # eval's own defaults (28,000 tokens, 32 samples) can cost hours: the first
-        given = _given(ctx)  # line says so once the bench is read and the model found (`_run`)
-        origin = {k: "typed" if k in given else "eval's default" for k in ("n", "temperature", "top_p", "max_tokens")}
-        intro = [_settings_line(settings, "the command line", origin, threads_note), "max_tokens" in given]
-    _run(settings, o["bench"], intro)
+    what = f"--preset {preset}" if preset else f"--config {config}" if config else "--set"
+    return settings, o["bench"], cfg, origin, what

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Annotated, Any, Optional
 
 import typer
@@ -31,13 +32,11 @@ def parse_list(text: str, kind: type, option: str) -> list:
 
 def _finite(obj: Any) -> Any:
     """JSON-safe copy: non-finite floats become null."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
         return {k: _finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
-    return obj
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -87,43 +86,19 @@ def kl_check(
 ) -> None:
     """Measure each KL estimator's value bias, gradient bias (w.r.t. the policy logits) and variance
     by Monte Carlo against the exact KL, next to its closed-form expectation (docs/estimators.md)."""
-    for option, path in (("--json", json_out), ("--plot", plot)):  # before any work, not after it
-        if path is not None:
-            writable_file(path, option)
-    if target_distance is not None and not stability:
-        raise UserError("--target-distance runs the adaptive eta rule of the stability simulation: add --stability")
-    if (decay_min is not None or decay_max is not None) and target_distance is None:
-        raise UserError("--decay-min/--decay-max bound the adaptive eta rule: add --target-distance D (and --stability)")
-    decay_min, decay_max = 0.5 if decay_min is None else decay_min, 0.999 if decay_max is None else decay_max
+    o = SimpleNamespace(**locals())
+    settings = _preflight(o)
     if stability:
-        adaptive = None
-        if target_distance is not None:
-            from emapg_cli.klcheck.stability import AdaptiveEta
+        return _stability(o)
+    _measure(o, settings)
 
-            adaptive = AdaptiveEta(target=target_distance, decay_min=decay_min, decay_max=decay_max,
-                                   start=min(max(0.95, decay_min), decay_max))
-        _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot, adaptive)
-        return
-    from emapg_cli.klcheck.measure import CheckSettings, check_memory, check_settings, plan, run_check
 
-    settings = CheckSettings(
-        ks=tuple(parse_list(k, int, "--k")), samples=samples, batches=batches,
-        estimators=tuple(parse_list(estimators, str, "--estimators")),
-        directions=tuple(parse_list(directions, str, "--directions")), confidence=confidence, seed=seed,
-        topk_from=topk_from, top_p=top_p,
-    )
-    try:
-        check_settings(settings)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if from_logits is None and model is None:  # synthetic: the sizes are known before anything is built
-        check_memory(positions, vocab, samples, "synthetic logits")
-    elif model is None:  # --from-logits: the sizes from the .npy headers in the zip, before decompressing anything
-        from emapg_cli.klcheck.distributions import npz_shape
+def _measure(o: SimpleNamespace, settings) -> None:
+    """Measure the estimators of `settings` on the source's logits and print (and write) the results."""
+    from emapg_cli.klcheck.measure import check_memory, plan, run_check
 
-        check_memory(*npz_shape(from_logits), samples, from_logits.name)
-    logits = _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed)
-    check_memory(logits.positions, logits.vocab, samples, logits.source)
+    logits = _load_source(o)
+    check_memory(logits.positions, logits.vocab, o.samples, logits.source)
     specs, _ = plan(settings, logits.vocab)
 
     from emapg_cli.klcheck.report import LEGEND, header, render_markdown, render_tables
@@ -138,64 +113,99 @@ def kl_check(
     for table in render_tables(result):
         console.print(table)
     console.print(f"[dim]{escape(LEGEND)}[/]", highlight=False)
-    if markdown:
+    if o.markdown:
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
-    if json_out is not None:
-        _write_json(json_out, result.to_dict())
-        console.print(f"wrote {json_out}", markup=False, highlight=False)
-    if plot is not None:
+    if o.json_out is not None:
+        _write_json(o.json_out, result.to_dict())
+        console.print(f"wrote {o.json_out}", markup=False, highlight=False)
+    if o.plot is not None:
         from emapg_cli.klcheck.plot import plot_check
 
-        console.print(f"wrote {plot_check(result, plot)}", markup=False, highlight=False)
+        console.print(f"wrote {plot_check(result, o.plot)}", markup=False, highlight=False)
 
 
-def _load_source(from_logits, model, anchor_model, text, perturb, positions, vocab, sharpness, tail_mass, kl_size, sampling_kl, seed):
-    """The LogitSet from exactly one source: --from-logits, --model, or the synthetic default."""
-    if from_logits is not None and model is not None:
+def _preflight(o: SimpleNamespace):
+    """Every check kl-check can fail before any work, in order, one line each (exit 2). --stability: puts the adaptive
+    rule and the parsed grids on `o`; else returns the estimators' CheckSettings, the source and its memory checked."""
+    for option, path in (("--json", o.json_out), ("--plot", o.plot)):  # before any work, not after it
+        if path is not None:
+            writable_file(path, option)
+    if o.target_distance is not None and not o.stability:
+        raise UserError("--target-distance runs the adaptive eta rule of the stability simulation: add --stability")
+    if (o.decay_min is not None or o.decay_max is not None) and o.target_distance is None:
+        raise UserError("--decay-min/--decay-max bound the adaptive eta rule: add --target-distance D (and --stability)")
+    if o.stability:
+        from emapg_cli.klcheck import stability as st
+
+        lo, hi = 0.5 if o.decay_min is None else o.decay_min, 0.999 if o.decay_max is None else o.decay_max
+        o.adaptive = (None if o.target_distance is None else
+                      st.AdaptiveEta(target=o.target_distance, decay_min=lo, decay_max=hi, start=min(max(0.95, lo), hi)))
+        o.periods = parse_list(o.period, int, "--period") if o.period else list(st.DEFAULT_PERIODS)
+        o.alpha_grid = parse_list(o.alphas, float, "--alphas") if o.alphas else list(st.DEFAULT_ALPHAS)  # parsed once,
+        o.eta_grid = parse_list(o.etas, float, "--etas") if o.etas else list(st.DEFAULT_ETAS)  # before any simulation
+        return None
+    from emapg_cli.klcheck.measure import CheckSettings, check_memory, check_settings
+
+    settings = CheckSettings(
+        ks=tuple(parse_list(o.k, int, "--k")), samples=o.samples, batches=o.batches,
+        estimators=tuple(parse_list(o.estimators, str, "--estimators")),
+        directions=tuple(parse_list(o.directions, str, "--directions")), confidence=o.confidence, seed=o.seed,
+        topk_from=o.topk_from, top_p=o.top_p,
+    )
+    try:
+        check_settings(settings)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if o.from_logits is None and o.model is None:  # synthetic: the sizes are known before anything is built
+        check_memory(o.positions, o.vocab, o.samples, "synthetic logits")
+    elif o.model is None:  # --from-logits: the sizes from the .npy headers in the zip, before decompressing anything
+        from emapg_cli.klcheck.distributions import npz_shape
+
+        check_memory(*npz_shape(o.from_logits), o.samples, o.from_logits.name)
+    if o.from_logits is not None and o.model is not None:
         raise UserError("use either --from-logits or --model, not both")
-    if anchor_model is not None and model is None:
+    if o.anchor_model is not None and o.model is None:
         raise UserError("--anchor-model needs --model")
-    if from_logits is not None:
+    if o.model is not None and (o.perturb < 0 or o.positions < 1):
+        raise UserError("--perturb must be >= 0 and --positions >= 1")
+    return settings
+
+
+def _load_source(o: SimpleNamespace):
+    """The LogitSet from exactly one source (checked by `_preflight`): --from-logits, --model, or the synthetic default."""
+    if o.from_logits is not None:
         from emapg_cli.klcheck.distributions import load_logits_npz
 
-        return load_logits_npz(from_logits)
-    if model is not None:
-        if perturb < 0 or positions < 1:
-            raise UserError("--perturb must be >= 0 and --positions >= 1")
-        text_value = None
-        if text is not None:
-            from emapg_cli.fileio import read_text_file
-
-            text_value = read_text_file(text, "--text")
+        return load_logits_npz(o.from_logits)
+    if o.model is not None:
+        from emapg_cli.fileio import read_text_file
         from emapg_cli.klcheck.model_source import logits_from_model
 
-        return logits_from_model(model, anchor_model, text_value, positions, perturb, seed)
+        text = read_text_file(o.text, "--text") if o.text is not None else None
+        return logits_from_model(o.model, o.anchor_model, text, o.positions, o.perturb, o.seed)
     from emapg_cli.klcheck.distributions import synthetic
 
-    return synthetic(positions, vocab, sharpness=sharpness, tail_mass=tail_mass, kl_size=kl_size, sampling_kl=sampling_kl, seed=seed)
+    return synthetic(o.positions, o.vocab, sharpness=o.sharpness, tail_mass=o.tail_mass, kl_size=o.kl_size,
+                     sampling_kl=o.sampling_kl, seed=o.seed)
 
 
-def _stability(alphas, etas, period, beta, tau, actions, steps, seed, json_out, plot, adaptive=None) -> None:
+def _stability(o: SimpleNamespace) -> None:
     """`kl-check --stability`: the bandit simulation of emapg_cli.klcheck.stability (docs/stability.md)."""
     from emapg_cli.klcheck import stability as st
     from emapg_cli.klcheck.stability_plot import plot_stability
     from emapg_cli.klcheck.stability_table import render_table
 
-    periods = parse_list(period, int, "--period") if period else list(st.DEFAULT_PERIODS)
-    alpha_grid = parse_list(alphas, float, "--alphas") if alphas else list(st.DEFAULT_ALPHAS)  # parsed once,
-    eta_grid = parse_list(etas, float, "--etas") if etas else list(st.DEFAULT_ETAS)  # before any simulation
     results = []
-    for p in periods:
+    for p in o.periods:
         result = st.run_stability(
-            alpha_grid, eta_grid,
-            period=p, beta=st.DEFAULT_BETA if beta is None else beta, tau=st.DEFAULT_TAU if tau is None else tau,
-            actions=st.DEFAULT_ACTIONS if actions is None else actions, steps=st.DEFAULT_STEPS if steps is None else steps,
-            seed=seed, adaptive=adaptive,
+            o.alpha_grid, o.eta_grid, period=p, beta=st.DEFAULT_BETA if o.beta is None else o.beta,
+            tau=st.DEFAULT_TAU if o.tau is None else o.tau, actions=st.DEFAULT_ACTIONS if o.actions is None else o.actions,
+            steps=st.DEFAULT_STEPS if o.steps is None else o.steps, seed=o.seed, adaptive=o.adaptive,
         )
         console.print(render_table(result))
         results.append(result)
-    if plot is not None:
-        console.print(f"wrote {plot_stability(results, plot)}", markup=False, highlight=False)
-    if json_out is not None:
-        _write_json(json_out, {"stability": [r.to_dict() for r in results]})
-        console.print(f"wrote {json_out}", markup=False, highlight=False)
+    if o.plot is not None:
+        console.print(f"wrote {plot_stability(results, o.plot)}", markup=False, highlight=False)
+    if o.json_out is not None:
+        _write_json(o.json_out, {"stability": [r.to_dict() for r in results]})
+        console.print(f"wrote {o.json_out}", markup=False, highlight=False)

@@ -99,7 +99,7 @@ def logprobs_mode_for(temperature: float, top_p: float) -> str:
     * T != 1, top_p == 1: `processed_logprobs` is log softmax(z / T), exact (emapg sets no top-k);
     * T != 1 and top_p < 1: neither is; `processed_logprobs` is kept (the distribution actually
       sampled from) and `records_full_vocab` says False, which the trainer refuses for
-      `train.old_logprobs=engine` and rollout correction (train/checks.py).
+      `train.old_logprobs=engine` and rollout correction (train/preflight.py).
     """
     return "raw_logprobs" if temperature == 1 else "processed_logprobs"
 

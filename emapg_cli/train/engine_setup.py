@@ -38,7 +38,7 @@ def in_process_engine(cfg: Config, model, tokenizer, weights_context=None, backe
         dtype=cfg.model.dtype, max_model_len=max_len, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         trust_remote_code=cfg.model.trust_remote_code, batch_size=cfg.rollout.hf_batch_size,
         weights_context=weights_context, share_prompts=cfg.train.share_prompts != "never", fast_decode=cfg.rollout.hf_fast_decode,
-        # vLLM: the log-prob mode exact for the rollouts' sampling (train/checks.py refuses the rest)
+        # vLLM: the log-prob mode exact for the rollouts' sampling (train/preflight.py refuses the rest)
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
         end_token_ids=end_token_ids(tokenizer, ends), lora_rank=cfg.lora.r, lora_sync=cfg.lora.sync,
     )

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from emapg_cli.config.models import Config
 from emapg_cli.errors import UserError
 from emapg_cli.train.beta_control import kl_coef_text
-from emapg_cli.train.checks import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
+from emapg_cli.train.preflight import eval_refs, launch_problems, load_model_config  # noqa: F401 - load_model_config: re-exported
 from emapg_cli.config.anchor_rules import describe_rule
 
 GIB = 2**30

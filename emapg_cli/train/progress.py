@@ -141,7 +141,7 @@ def config_line(cfg) -> str:
 def eval_sets(cfg) -> str:
     """Which set the run evaluates on (data.eval, its paths expanded): `evaluated on /home/u/.cache/emapg/smol/test.jsonl`."""
     from emapg_cli.paths import expand
-    from emapg_cli.train.checks import eval_refs
+    from emapg_cli.train.preflight import eval_refs
 
     refs = [str(expand(ref)) for ref in eval_refs(cfg.data.eval)]
     return f"evaluated on {', '.join(refs)}" if refs else "no evaluation set (data.eval is null)"

@@ -37,7 +37,7 @@ def make_scheduler(optimizer, cfg):
 
 
 def run_prompts(tokenizer, inputs, max_prompt_tokens: int, message, with_eval: bool, prefix=()):
-    """The tokenised prompts of the training and evaluation examples (`inputs`, from `checks.preflight`), those
+    """The tokenised prompts of the training and evaluation examples (`inputs`, from `preflight.preflight`), those
     longer than `max_prompt_tokens` left out: (train examples, train prompts, eval examples, eval prompts, skipped).
     `message`: question -> user message (None: the question alone); `prefix`: the chat turns before it
     (data.chat_prefix). No training prompt left is a UserError."""
@@ -45,7 +45,7 @@ def run_prompts(tokenizer, inputs, max_prompt_tokens: int, message, with_eval: b
     if not train_ex:
         raise UserError(f"every training prompt is longer than data.max_prompt_tokens ({max_prompt_tokens})")
     eval_ex, eval_prompts, skipped_eval = [], [], 0
-    if with_eval:  # data.eval_limit already applied, per source (train/checks.py)
+    if with_eval:  # data.eval_limit already applied, per source (train/preflight.py)
         eval_ex, eval_prompts, skipped_eval = prepare_prompts(tokenizer, inputs.eval, max_prompt_tokens, message, prefix)
     return train_ex, train_prompts, eval_ex, eval_prompts, skipped + skipped_eval
 

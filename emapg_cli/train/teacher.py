@@ -66,7 +66,7 @@ def check_teacher(anchor_cfg, model_cfg, policy_vocab: Optional[int], vocab: Opt
     """The teacher shares the policy's vocabulary and tokenizer: config.json's vocab_size (the output layer's size)
     and the tokenizers' token -> id maps and special tokens. Reads config.json and the tokenizer files only (no
     weights), so a mismatch is one line at once (exit 2). `policy_vocab`, `vocab`: the policy's and the teacher's
-    config.json vocab_size (`checks.vocab_size`; None: not compared)."""
+    config.json vocab_size (`preflight.vocab_size`; None: not compared)."""
     folder = teacher_folder(anchor_cfg.path)
     if policy_vocab is not None and vocab is not None and vocab != policy_vocab:
         raise UserError(f"anchor.path {folder}: the teacher's vocabulary has {vocab} ids and the policy's (model.path) "

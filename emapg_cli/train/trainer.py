@@ -26,7 +26,7 @@ from emapg_cli.paths import write_text_atomic
 from emapg_cli.train import beta_control, checkpoint as ckpt
 from emapg_cli.train.async_rollouts import RolloutPipeline, eval_sampler
 from emapg_cli.train.bookkeeping import check_skips, run_summary
-from emapg_cli.train.checks import check_launch, load_model_config, preflight
+from emapg_cli.train.preflight import check_launch, load_model_config, preflight
 from emapg_cli.train.distill import initial_evaluations
 from emapg_cli.train.engine_setup import in_process_engine, make_rollout_engine
 from emapg_cli.train.anchor_rule import anchor_due, anchor_metrics, make_bema, move_anchor

@@ -1,22 +1,31 @@
-"""Checks of a training config against its inputs, run before any weights are loaded.
+"""Everything a training run can fail before it starts, in one module, run before any weights are loaded.
 
-Every problem is a one-line UserError (exit code 2): a missing optional package (tensorboard,
-wandb), an unknown reward, missing model or data files, a top-k larger than the model's vocabulary,
-a multi-turn rollout (not implemented yet), engine log-probs in the loss that are not the trainer's distribution
-(vLLM at T != 1 with top_p < 1). `config_checks` needs no files and also runs in `--dry-run`.
+Every problem is a one-line UserError (exit code 2). `check_train` is `emapg train`'s, called once before the run
+folder is claimed: the options (--resume, --out, --processes, --allow-method-change), the config (`config_checks`:
+optional packages, the reward, what cannot train, engine log-probs in the loss that are not the trainer's
+distribution), the warnings (`config_warnings`), the trust rule and the model's source. `preflight` is the trainer's:
+the model, teacher and data files, a top-k larger than the vocabulary, the reward function; `check_launch` the launch.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from collections import namedtuple
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
+from emapg_cli.config import load_config
 from emapg_cli.config.models import Config
+from emapg_cli.config.trust import code_refs, load_code, named_refs, untrusted
 from emapg_cli.data.schema import Example
 from emapg_cli.datasets.loading import load_examples
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import INFO  # torch-free: a refused config never imports torch
+from emapg_cli.outputs import marker_kind
 from emapg_cli.paths import expand, prepare_hint
 
 #: Optional packages a config can ask for: (config switch, import name, pip extra).
@@ -58,8 +67,6 @@ def model_config(path: Optional[str], trust_remote_code: bool = False) -> dict[s
         return local
     if _looks_local(path):
         raise UserError(f"model.path {expand(path)}: no such model folder{prepare_hint(expand(path))}")
-    import os
-
     from transformers import AutoConfig
 
     from emapg_cli.models.hub import check_model_source
@@ -89,7 +96,7 @@ def config_checks(cfg: Config) -> None:
     from emapg_cli.rewards.registry import check_reward
 
     for key, module, extra in OPTIONAL_PACKAGES:
-        if _lookup(cfg, key) and find_spec(module) is None:
+        if attrgetter(key)(cfg) and find_spec(module) is None:
             raise UserError(f"{key} needs the {module} package: pip install \"emapg[{extra}]\" (or pip install {module})")
     try:  # the rewards registry's own check (a plugin was imported when the config validated: cached)
         check_reward(cfg.rollout.reward)
@@ -249,11 +256,6 @@ def check_launch(cfg: Config, processes: int, accelerate_fsdp: bool = False) -> 
         raise UserError(problems[0])
 
 
-def _lookup(cfg: Config, key: str) -> Any:
-    section, field = key.split(".")
-    return getattr(getattr(cfg, section), field)
-
-
 def missing_inputs(cfg: Config) -> list[str]:
     """One line per input the run would need and this machine lacks (model folder, data files); `--dry-run`
     prints them as warnings (a plan for a GPU node may be made where the data is not prepared)."""
@@ -298,3 +300,124 @@ def preflight(cfg: Config) -> Inputs:
 
         vllm_device()
     return Inputs(train=train, eval=evals, reward_fn=reward_fn)
+
+
+#: `check_train`'s result: the config, run folder, a finished run's steps, a --dry-run's trust problem.
+Launch = namedtuple("Launch", "cfg run_dir finished trust_problem", defaults=(None, None))
+
+
+def is_main_process() -> bool:
+    """Rank 0 of a launch (or a plain single-process run): the process that owns the run folder."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def check_train(preset: Optional[str], config: Optional[str], overrides: list[str], out: Optional[Path],
+                resume: Optional[Path], dry_run: bool, processes: Optional[int], trust_code: bool,
+                allow_method_change: bool, warn: Callable[[str], None]) -> Launch:
+    """`emapg train`'s checks, in order, before any folder is claimed; `warn` prints each warning (main process)."""
+    if resume is not None:
+        if out is not None and out.resolve() != resume.resolve():
+            raise UserError("--resume DIR already names the run directory; drop --out")
+        cfg, run_dir = _resume_config(resume, preset, config, overrides, allow_method_change), resume
+        done = _finished_steps(run_dir)
+        if done is not None and done >= cfg.train.steps and not dry_run:
+            return Launch(cfg, run_dir, finished=done)
+    else:
+        cfg = load_config(preset, config, overrides)
+        if out is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError("pass --out DIR when launching several processes (they must share one run directory)")
+        run_dir = out or Path("runs") / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        # (the marker only on the main process: it writes it, and the other ranks start a moment later)
+        if (run_dir / "checkpoints").exists() or (is_main_process() and marker_kind(run_dir) == "train"):
+            raise UserError(f"{run_dir} already holds a run; use --resume {run_dir} or another --out")
+    if allow_method_change and resume is None:
+        raise UserError("--allow-method-change applies to --resume (a new run has no method to change)")
+    if processes is not None and not dry_run:
+        raise UserError("--processes only sizes a --dry-run plan; the launcher (accelerate launch / torchrun) sets the processes of a run")
+    config_checks(cfg)  # optional packages and the reward name: before a plan or any work
+    if is_main_process():  # e.g. a sampled-tail KL estimator under nucleus sampling: its measured bias
+        for note in config_warnings(cfg) + _eval_set_warning(cfg, overrides):
+            warn(note)
+    # the run's plugins run if this command line named them, or with --trust-code; a dry-run says what the run will need
+    refs = code_refs(cfg)
+    source = (f"the run's saved {resume / 'config.yaml'}" if resume is not None
+              else " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {config}"] if config else [])]))
+    trust_problem = untrusted(refs, named_refs(overrides), trust_code, source)
+    if not dry_run:
+        if trust_problem is not None:
+            raise UserError(trust_problem)
+        load_code(refs)  # imported now, before the run folder is claimed: a broken plugin is one line, nothing written
+        if cfg.model.path:  # a hub id offline and not cached: one line naming it, before torch loads
+            from emapg_cli.models.hub import check_model_source
+
+            check_model_source(cfg.model.path, "model.path")
+    return Launch(cfg, run_dir, trust_problem=trust_problem)
+
+
+def _resume_config(run_dir: Path, preset: Optional[str], config: Optional[str], overrides: list[str],
+                   allow_method_change: bool) -> Config:
+    if preset or config:
+        raise UserError("--resume takes the run's own config.yaml; use --set for changes, not --preset/--config")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"--resume {run_dir}: no config.yaml there (not a run directory)")
+    cfg = load_config(None, str(run_dir / "config.yaml"), overrides)
+    if overrides:  # a change that adds or drops the anchor cannot continue the saved checkpoints
+        saved = load_config(None, str(run_dir / "config.yaml"), [])
+        if saved.derived.loads_anchor != cfg.derived.loads_anchor:
+            had = "with" if saved.derived.loads_anchor else "without"
+            raise UserError(f"--resume {run_dir}: the run was trained {had} a KL anchor (kl.coef={saved.kl.coef}); "
+                            f"kl.coef={cfg.kl.coef} cannot change that on resume; start a new run")
+        _check_rule_change(run_dir, saved, cfg, allow_method_change)
+    return cfg
+
+
+#: Keys whose change on resume changes what the checkpoint's anchor state means (--allow-method-change).
+METHOD_KEYS = ("anchor.rule", "anchor.bema.update_after")
+
+
+def _check_rule_change(run_dir: Path, saved, cfg, allow: bool) -> None:
+    """A resume that changes a METHOD_KEYS key continues from the anchor (and BEMA's θ_0 and EMA) the newest
+    checkpoint holds, not from the initial policy the new setting starts from: refused unless `allow`
+    (--allow-method-change), then noted on the config for the plan and the settings line
+    (config/anchor_rules.describe_rule). Into bema from another rule it is refused always: the checkpoint holds no θ_0."""
+    changed = [(k, attrgetter(k)(saved), attrgetter(k)(cfg)) for k in METHOD_KEYS if attrgetter(k)(saved) != attrgetter(k)(cfg)]
+    if not changed or not cfg.derived.loads_anchor or cfg.anchor.source != "ema":
+        return
+    from emapg_cli.train.checkpoint import checkpoint_dirs
+
+    found = checkpoint_dirs(run_dir)
+    if not found:  # nothing trained yet: the run starts from the initial policy under the new settings
+        return
+    (key, old, new), step = changed[0], found[-1][0]
+    if cfg.anchor.rule == "bema" and saved.anchor.rule != "bema":
+        raise UserError(f"--resume {run_dir}: anchor.rule=bema needs the initial policy θ_0, which a run trained with "
+                        f"anchor.rule={saved.anchor.rule} did not keep; start a new run")
+    if not allow:
+        raise UserError(f"--resume {run_dir}: the run was trained with {key}={old}; {key}={new} would continue from the "
+                        f"anchor checkpointed at step {step} ({key}={old}'s), not from the initial policy: pass "
+                        "--allow-method-change to do so on purpose, or start a new run")
+    cfg._anchor_from = f"the anchor checkpointed at step {step} ({key}={old}'s)"
+
+
+def _finished_steps(run_dir: Path) -> Optional[int]:
+    """The step count of a finished run (its summary.json, written last), None when it has none."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        steps = json.loads(path.read_text())["steps"]
+        if not isinstance(steps, int):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        raise UserError(f"{path} is unreadable: delete it to let --resume finish the run again") from None
+    return steps
+
+
+def _eval_set_warning(cfg, items: list[str]) -> list[str]:
+    """One line when --set moves data.train and leaves data.eval to the preset or config file: the evaluation (and the
+    gain the run reports) stays on their set, not on the new training task."""
+    keys = {item.split("=", 1)[0].strip() for item in items}
+    if "data.train" not in keys or "data.eval" in keys or not cfg.data.eval:
+        return []
+    return [f"--set data.train={cfg.data.train} leaves data.eval at {cfg.data.eval}: the run evaluates (and reports its "
+            "gain) on that set, not on the new training task; add --set data.eval=... to evaluate on it"]
