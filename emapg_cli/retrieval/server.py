@@ -139,11 +139,6 @@ def _join_reply(parts: Iterable[str], max_bytes: int) -> bytes:
     return ('{"result": [' + ", ".join(kept) + "]}").encode()
 
 
-def _encode_reply(hits: list, return_scores: bool, max_bytes: int) -> bytes:
-    """The `/retrieve` reply as JSON bytes, built row by row; `Refused` (413) as soon as it passes `max_bytes`."""
-    return _join_reply((_encode_row(row, return_scores) for row in hits), max_bytes)
-
-
 class _ReplyCache:
     """LRU of encoded rows by (query, topk, return_scores), at most `max_bytes` of text (keys counted too)."""
 
