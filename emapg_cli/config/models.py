@@ -37,8 +37,8 @@ MOVED_KEYS["reward.overlong_penalty"] = MOVED_KEYS["reward.overlong_buffer"]
 #: value (a run's config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the
 #: removed feature read). Any other value is the MOVED_KEYS error.
 REMOVED_KEYS = {"train.filter_groups": (False,), "train.filter_max_rounds": None, "ema.decay_schedule": ([],),
-                "rollout.engine_weights_backend": ("auto", "http"), "reward.overlong_buffer": (0,),
-                "reward.overlong_penalty": None}
+                "rollout.engine_weights_backend": ("auto", "http"), "rollout.hf_attention": ("sdpa",),
+                "reward.overlong_buffer": (0,), "reward.overlong_penalty": None}
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -118,9 +118,8 @@ class RolloutConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data):
-        for key in ("max_turns", "hf_attention"):
-            if isinstance(data, dict) and key in data:
-                raise ValueError(MOVED_KEYS[f"rollout.{key}"])
+        if isinstance(data, dict) and "max_turns" in data:
+            raise ValueError(MOVED_KEYS["rollout.max_turns"])
         return data
 
     @field_validator("engine_url")
@@ -459,15 +458,13 @@ class Config(Section):
     def _old_max_turns(cls, data):
         """Configs written before rollout.env (a run's config.yaml, for --resume) hold rollout.max_turns; its value
         1 without search was the single-turn default and is dropped; any other value is the error naming
-        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped,
-        and the REMOVED_KEYS at their "off" value."""
+        search.max_turns (RolloutConfig). Likewise the REMOVED_KEYS at their "off" value (rollout.hf_attention: sdpa,
+        the one attention left)."""
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "max_turns" in data["rollout"]:
             search = data.get("search") or {}
             enabled = search.get("enabled") if isinstance(search, dict) else getattr(search, "enabled", False)
             if str(data["rollout"]["max_turns"]) == "1" and str(enabled).lower() not in ("true", "1"):
                 data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "max_turns"}}
-        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and data["rollout"].get("hf_attention") == "sdpa":
-            data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "hf_attention"}}
         for dotted, off in REMOVED_KEYS.items():
             group, key = dotted.split(".")
             if isinstance(data, dict) and isinstance(data.get(group), dict) and key in data[group]:
