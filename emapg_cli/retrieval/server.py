@@ -13,17 +13,10 @@ of recent (query, topk) pairs is kept in an LRU cache of `cache_mb` MiB (`_Reply
        (with return_scores false: a plain list of documents per query, as Search-R1's server)
   GET  /health    -> {"status": "ok", "rows": N}
 
-Every resource a client can claim is bounded (`Limits`; docs/reliability.md "The retriever server's
-limits"): the body is read only up to its declared `Content-Length`, itself at most `max_body_bytes`;
-queries per request, the characters of each query and of all of them (which bound the search's work:
-it cannot be interrupted), `topk`, their product (the hits) and the reply's size are capped; bodies are
-parsed one at a time (at most one parsed body in memory; the queued queries are bounded by `max_pending`
-and `max_request_chars`); each connection has `timeout_s` to
-send each request (a watchdog shuts down sockets past it, so half-sent requests and idle keep-alive
-connections are dropped); at most `max_connections` are served at once and the next ones get a 503
-at once; the listen backlog is `http_server.BACKLOG`; running out of file descriptors pauses accepting instead
-of spinning. Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`; a retriever that raises is a
-500 with the exception's class, and the server keeps serving.
+Every resource a client can claim is bounded (`Limits`: body, queries and their characters, topk, hits, reply size,
+pending queries, connections and their time; docs/reliability.md "The retriever server's limits" has each bound and
+its refusal). Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`; a retriever that raises is a 500 with
+the exception's class, and the server keeps serving.
 """
 
 from __future__ import annotations
