@@ -138,7 +138,7 @@ class _ReplyCache:
     _OVERHEAD = 200  # bytes per entry beside the strings (tuple, dict slot)
 
     def __init__(self, max_bytes: int):
-        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self.max_bytes, self.bytes, self.hits = max_bytes, 0, 0
         self._rows: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -146,7 +146,6 @@ class _ReplyCache:
         with self._lock:
             row = self._rows.get(key)
             if row is None:
-                self.misses += 1
                 return None
             self._rows.move_to_end(key)
             self.hits += 1
