@@ -1,10 +1,10 @@
-"""Where emapg keeps things: EMAPG_HOME (prepared data, the toy task) and EMAPG_DATA_DIR (real benchmark files)."""
+"""Where emapg keeps things: EMAPG_HOME (prepared data, the toy task)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 DEFAULT_HOME = "~/.cache/emapg"
 
@@ -12,15 +12,6 @@ DEFAULT_HOME = "~/.cache/emapg"
 def emapg_home() -> Path:
     """$EMAPG_HOME, default ~/.cache/emapg."""
     return Path(os.environ.get("EMAPG_HOME") or DEFAULT_HOME).expanduser()
-
-
-def data_dir() -> Optional[Path]:
-    """$EMAPG_DATA_DIR (a folder of real benchmark files) if set and present, else None."""
-    value = os.environ.get("EMAPG_DATA_DIR")
-    if not value:
-        return None
-    path = Path(value).expanduser()
-    return path if path.is_dir() else None
 
 
 def expand(path: str) -> Path:

@@ -57,7 +57,7 @@ def one_torch_thread():
 @pytest.fixture
 def shared_data() -> Path:
     """The real benchmark folder ($EMAPG_DATA_DIR); the test is skipped when it is absent."""
-    from emapg_cli.paths import data_dir
+    from eval_helpers import data_dir
 
     path = data_dir()
     if path is None:

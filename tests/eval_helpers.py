@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Optional
+
+
+def data_dir() -> Optional[Path]:
+    """$EMAPG_DATA_DIR (a folder of real benchmark files) if set and present, else None."""
+    value = os.environ.get("EMAPG_DATA_DIR")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    return path if path.is_dir() else None
 
 
 def rerun_after_torn_write(cli, args: list[str], out: Path, first: list[str], partial: str) -> dict:

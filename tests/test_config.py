@@ -76,8 +76,6 @@ def test_stages_cap_and_continue():
     assert [(c.stage_at(s).max_new_tokens, c.stage_at(s).mask_truncated) for s in (1, 2, 3, 4)] == [
         (10, True), (10, True), (100, False), (100, False)]
     assert load_config(overrides=["rollout.max_new_tokens=64"]).stage_at(7).max_new_tokens == 64  # no stages
-    with pytest.raises(UserError, match="overlong_buffer"):
-        load_config(overrides=["reward.overlong_buffer=10", "stages=[{steps: 1, max_new_tokens: 10}]"])
 
 
 def test_sources_merge_in_order(tmp_path):

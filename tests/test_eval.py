@@ -64,7 +64,7 @@ def bench(tmp_path, emapg_home) -> tuple[str, list[dict]]:
     """A prepared bench: the real OlympiadBench when EMAPG_DATA_DIR has it, else 4 synthetic items."""
     from emapg_cli.datasets.prepare import prepare_dataset
 
-    from emapg_cli.paths import data_dir
+    from eval_helpers import data_dir
 
     shared = data_dir()
     src = shared / "math" / "olympiadbench_test.jsonl" if shared else None

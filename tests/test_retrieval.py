@@ -178,7 +178,10 @@ def test_server_request_checks_refuse_not_rewrite():
 def test_server_reply_size_cap():
     """The reply is refused as soon as its JSON passes the cap; at the cap exactly it is sent."""
     from emapg_cli.retrieval.base import Hit
-    from emapg_cli.retrieval.server import Refused, _encode_reply
+    from emapg_cli.retrieval.server import Refused, _encode_row, _join_reply
+
+    def _encode_reply(hits, return_scores, max_bytes):  # the reply as Searcher.reply builds it from its rows
+        return _join_reply((_encode_row(row, return_scores) for row in hits), max_bytes)
 
     hits = [[Hit("1", "T", "T\nx", 1.0)]] * 2
     full = _encode_reply(hits, False, 10 ** 6)

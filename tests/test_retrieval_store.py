@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from emapg_cli.errors import UserError
-from emapg_cli.retrieval.corpus import iter_corpus, read_corpus
+from emapg_cli.retrieval.corpus import iter_corpus
 from emapg_cli.retrieval.docstore import DOCS_BIN, OFFSETS, DocStore, write_docstore
 
 
@@ -25,7 +25,7 @@ def test_iter_corpus_streams_rows_and_numbers_missing_ids(tmp_path):
     assert list(rows) == [{"id": "1", "contents": "B\nb"}]  # no id: its 0-based row number; other keys dropped
     gz = tmp_path / "c.jsonl.gz"
     gz.write_bytes(gzip.compress(path.read_bytes()))
-    assert list(iter_corpus(gz)) == read_corpus(path)
+    assert list(iter_corpus(gz)) == list(iter_corpus(path))
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -1,4 +1,4 @@
-"""Scoring the way the paper scores: truncated responses, the soft overlong penalty, the `</think>` rule,
+"""Scoring the way the paper scores: truncated responses, the `</think>` rule,
 maj@n by equivalence classes, and `emapg eval --bench` on raw benchmark layouts (through the real CLI)."""
 
 from __future__ import annotations
@@ -9,25 +9,13 @@ import pytest
 
 from emapg_cli.evaluation.metrics import ItemScores, candidate_pairs, candidates, equivalence_votes, summarize
 from emapg_cli.grading.extract import extract_answer
-from emapg_cli.rewards.shaping import overlong_penalty, shape_rewards
-
-
-def test_overlong_penalty_by_hand():
-    # DAPO Eq. 13 with L_max = 10, L_cache = 4: free up to 6 tokens, then linear to -1 at 10.
-    assert overlong_penalty(6, 10, 4, 1.0) == 0.0
-    assert overlong_penalty(7, 10, 4, 1.0) == pytest.approx(-0.25)  # (6 - 7) / 4
-    assert overlong_penalty(9, 10, 4, 0.5) == pytest.approx(-0.375)  # (6 - 9) / 4 * 0.5
-    assert overlong_penalty(10, 10, 4, 1.0) == pytest.approx(-1.0)
-    assert overlong_penalty(11, 10, 4, 1.0) == -1.0
-    assert overlong_penalty(10, 10, 0, 1.0) == 0.0  # buffer 0: off
+from emapg_cli.rewards.shaping import shape_rewards
 
 
 def test_truncated_responses_score_zero_unless_graded():
-    rewards, lens, reasons = [1.0, 1.0, 0.0], [3, 10, 10], ["stop", "length", "length"]
-    assert shape_rewards(rewards, lens, reasons, truncated="zero") == [1.0, 0.0, 0.0]
-    assert shape_rewards(rewards, lens, reasons, truncated="grade") == [1.0, 1.0, 0.0]
-    # with the penalty (L_max 10, L_cache 4): 1 + 0, 0 - 1, 0 - 1
-    assert shape_rewards(rewards, lens, reasons, truncated="zero", max_tokens=10, overlong_buffer=4) == [1.0, -1.0, -1.0]
+    rewards, reasons = [1.0, 1.0, 0.0], ["stop", "length", "length"]
+    assert shape_rewards(rewards, reasons, truncated="zero") == [1.0, 0.0, 0.0]
+    assert shape_rewards(rewards, reasons, truncated="grade") == [1.0, 1.0, 0.0]
 
 
 def test_reward_credit_solved_scores_one_or_zero_by_the_rewards_own_rule():
@@ -113,3 +101,16 @@ def test_eval_cli_reads_the_raw_olympiadbench_file(shared_data, tmp_path, cli):
     assert r.returncode == 0, r.stderr
     s = json.loads((tmp_path / "ob" / "summary.json").read_text())
     assert s["num_items"] == 3 and s["avg@n"] == pytest.approx(0.5)  # every gold right, every -12345 wrong
+
+
+def test_removed_overlong_keys():
+    """DAPO's soft overlong penalty is gone: a run's config.yaml holding it off (buffer 0, any penalty) still loads,
+    for --resume; turning it on, or setting either key with --set, is the one-line error naming the removal."""
+    from emapg_cli.config.loading import load_config, validate
+    from emapg_cli.errors import UserError
+
+    assert validate({"reward": {"overlong_buffer": 0, "overlong_penalty": 1.0}}).reward == load_config().reward
+    with pytest.raises(UserError, match="reward.overlong_buffer .* is gone"):
+        validate({"reward": {"overlong_buffer": 10}})
+    with pytest.raises(UserError, match="reward.overlong_buffer .* is gone"):
+        load_config(overrides=["reward.overlong_penalty=0.5"])

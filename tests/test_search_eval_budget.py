@@ -1,6 +1,6 @@
 """Search evaluation budgets and per-turn truncation (issue 18, fault 4 and search-qa's evaluation): eval.max_new_tokens
 is per turn and must fit the context, data.eval takes a list scored per source, and an unanswered episode is truncated
-only when its last policy turn hit the per-turn cap (the overlong penalty counts that turn's tokens)."""
+only when its last policy turn hit the per-turn cap."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from emapg_cli.engines.base import Completion, SamplingParams
 from emapg_cli.errors import UserError
 from emapg_cli.models.tiny import build_byte_tokenizer
 from emapg_cli.rewards.shaping import is_truncated, shape_rewards
-from emapg_cli.train.rollout import score, shaped_length
+from emapg_cli.train.rollout import score
 
 WIDE = {"COLUMNS": "250"}  # the plan table on one line per row
 
@@ -79,31 +79,15 @@ def test_unanswered_is_not_truncated_only_a_last_turn_at_the_cap_is():
     assert [is_truncated(e.finish_reason) for e in (ex, ey, ez)] == [True, False, False]
     # trajectories are longer than the cap (observations included), the last turns are not
     assert min(len(e.token_ids) for e in (ex, ey, ez)) > 20
-    assert [shaped_length(e) for e in (ex, ey, ez)] == [16, 18, 7]
-
-
-def test_overlong_penalty_counts_the_last_turn_against_the_per_turn_cap():
-    _, eps = _episodes()
-    ex_ = [Example(id=str(i), question="q", answers=["x"]) for i in range(3)]
-    shaping = dict(truncated="zero", max_tokens=20, overlong_buffer=10, overlong_penalty_max=1.0)
-    rewards, _ = score(ones, eps, ex_, shaping=shaping)
-    # DAPO Eq. 13 with L_max 20, L_cache 10 (penalty starts after 20 - 10 = 10 tokens):
-    # X: truncated -> 0, last turn 16 tokens: (10 - 16) / 10 = -0.6        -> -0.6
-    # Y: answered, last turn 18 tokens:        (10 - 18) / 10 = -0.8        -> 1 - 0.8 = 0.2
-    # Z: not truncated, last turn 7 <= 10: no penalty                      -> 1
-    # (whole trajectories, all > 20 tokens, would give -1 to every one of them: 0 - 1, 1 - 1, 1 - 1)
-    assert rewards == pytest.approx([-0.6, 0.2, 1.0], abs=1e-12)
 
 
 def test_single_turn_shaping_is_unchanged():
-    # a plain Completion has no turns: its length is its token count, as before (bit-identical rewards)
+    # a plain Completion has no turns: its own finish_reason decides (bit-identical rewards)
     cs = [Completion([1] * 18, "a", "stop"), Completion([1] * 20, "b", "length"), Completion([1] * 5, "c", "stop")]
     ex_ = [Example(id=str(i), question="q", answers=["x"]) for i in range(3)]
-    shaping = dict(truncated="zero", max_tokens=20, overlong_buffer=10, overlong_penalty_max=1.0)
-    rewards, _ = score(ones, cs, ex_, shaping=shaping)
-    assert [shaped_length(c) for c in cs] == [18, 20, 5]
-    assert rewards == shape_rewards([1.0] * 3, [18, 20, 5], ["stop", "length", "stop"], **shaping)  # exact equality
-    assert rewards == pytest.approx([1 - 0.8, 0 - 1.0, 1.0])
+    rewards, _ = score(ones, cs, ex_, shaping=dict(truncated="zero"))
+    assert rewards == shape_rewards([1.0] * 3, ["stop", "length", "stop"], truncated="zero")  # exact equality
+    assert rewards == [1.0, 0.0, 1.0]
 
 
 class _Acc:

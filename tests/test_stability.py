@@ -12,11 +12,22 @@ import torch
 from emapg_cli.errors import UserError
 from emapg_cli.klcheck.stability import (
     DEFAULT_ACTIONS, DEFAULT_ALPHAS, DEFAULT_BETA, DEFAULT_ETAS, DEFAULT_PERIODS, DEFAULT_SEED,
-    DEFAULT_STEPS, DEFAULT_TAU, critical_alpha, entropy_fixed_point, fisher, jury_stable, period_map,
+    DEFAULT_STEPS, DEFAULT_TAU, critical_alpha, entropy_fixed_point, fisher, period_map,
     run_stability, simulate, theory_radius,
 )
 
 F64 = torch.float64
+
+
+def jury_stable(big_a: torch.Tensor, eta: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """Closed-form Schur stability of M (Eq. S8, the Jury conditions for x^2 - tr x + det):
+        |eta A| < 1,   (1 - A)(1 - eta)(1 - rho) > 0,   (1 + A)(1 + eta) + (1 - eta) rho (1 - A) > 0.
+    True iff both eigenvalues of M lie strictly inside the unit circle. Broadcast; returns bool.
+    """
+    det_ok = (eta * big_a).abs() < 1.0
+    p_plus = (1.0 - big_a) * (1.0 - eta) * (1.0 - rho) > 0.0  # char. polynomial at x = +1
+    p_minus = (1.0 + big_a) * (1.0 + eta) + (1.0 - eta) * rho * (1.0 - big_a) > 0.0  # at x = -1
+    return det_ok & p_plus & p_minus
 
 
 def _m(big_a: np.ndarray, eta: np.ndarray, rho: np.ndarray) -> np.ndarray:

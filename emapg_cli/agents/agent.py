@@ -308,7 +308,7 @@ class AgentRunner:
                           env_reward=0.0 if error else reward, counters={} if error else extras,
                           outcome="error" if error else "done")
         last = calls[-1].choices[0] if calls and calls[-1].choices else None
-        if last is not None:  # what the truncation rule and the overlong penalty read: the episode's last call
+        if last is not None:  # what the truncation rule reads: the episode's last call
             ep.finish_reason, ep.last_turn_tokens, ep.text = last.finish_reason, len(last.token_ids), last.text
         for seg in segments:
             ep.token_ids += seg.episode.token_ids

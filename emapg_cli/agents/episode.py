@@ -25,8 +25,7 @@ class Episode(Completion):
     (a search, an invalid turn, EOS) before the turn or context limit ended the episode, or no turn at all.
     So `rewards.shaping.is_truncated`, `train.mask_truncated` and `reward.truncated` see an unanswered
     episode as truncated only when the policy was cut mid-turn; `outcome` says why the episode ended.
-    `last_turn_tokens` is that last turn's policy token count (what DAPO's overlong penalty measures against
-    the per-turn cap; observations and earlier turns excluded).
+    `last_turn_tokens` is that last turn's policy token count (observations and earlier turns excluded).
     """
 
     policy_mask: list[bool] = field(default_factory=list)  # per token of token_ids: True = sampled by the policy

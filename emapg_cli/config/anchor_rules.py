@@ -7,7 +7,7 @@ same code as the (eta, N) point, `emapg config show` and a run's config.yaml pri
 equivalence is bit for bit (tests/test_anchor_rules.py):
 
     rule      eta                      N                    what it is
-    ema       ema.decay (its schedule)  ema.update_period    the EMA of the policy (EMA-PG; the default)
+    ema       ema.decay                 ema.update_period    the EMA of the policy (EMA-PG; the default)
     fixed     1                         (never moves)        the initial policy (GRPO's reference; verl)
     reset     0                         ema.update_period    a hard reset to the policy every N steps (ProRL; slime)
     mixup     1 - anchor.mixup_alpha    ema.update_period    TR-DPO's soft update (TRL's sync_ref_model)

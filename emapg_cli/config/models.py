@@ -28,13 +28,17 @@ MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent'
               "ema.decay_schedule": "ema.decay_schedule (a fixed plan for eta) is gone: no preset used it and no measurement "
                                     "showed a win; use ema.decay, or ema.target_distance for an eta that adapts (CHANGELOG)",
               "rollout.engine_weights_backend": "rollout.engine_weights_backend is gone: the weights travel in the body of "
-                                                "the push request (http); the untested NCCL channel was removed (CHANGELOG)"}
+                                                "the push request (http); the untested NCCL channel was removed (CHANGELOG)",
+              "reward.overlong_buffer": "reward.overlong_buffer (DAPO's soft overlong penalty) is gone: no preset used it and "
+                                        "no measurement showed a win; use reward.truncated or train.mask_truncated (CHANGELOG)"}
 MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
+MOVED_KEYS["reward.overlong_penalty"] = MOVED_KEYS["reward.overlong_buffer"]
 #: Keys removed with their feature, and the values that meant what emapg does now: a config holding one at such a
 #: value (a run's config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the
 #: removed feature read). Any other value is the MOVED_KEYS error.
 REMOVED_KEYS = {"train.filter_groups": (False,), "train.filter_max_rounds": None, "ema.decay_schedule": ([],),
-                "rollout.engine_weights_backend": ("auto", "http")}
+                "rollout.engine_weights_backend": ("auto", "http"), "rollout.hf_attention": ("sdpa",),
+                "reward.overlong_buffer": (0,), "reward.overlong_penalty": None}
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -114,9 +118,8 @@ class RolloutConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data):
-        for key in ("max_turns", "hf_attention"):
-            if isinstance(data, dict) and key in data:
-                raise ValueError(MOVED_KEYS[f"rollout.{key}"])
+        if isinstance(data, dict) and "max_turns" in data:
+            raise ValueError(MOVED_KEYS["rollout.max_turns"])
         return data
 
     @field_validator("engine_url")
@@ -377,10 +380,8 @@ class EvalConfig(Section):
 
 
 class RewardConfig(Section):
-    credit: Literal["partial", "solved"] = Field("partial", description="The training reward: `partial`: the reward's score as it is (partial credit kept); `solved`: 1 when the reward counts the response solved (its own rule, e.g. reasoning-gym's full score; otherwise a score above 0.5), else 0, before the truncation rule and the overlong penalty. Partial credit can be gamed: reasoning-gym scores an answer holding the gold inside it len(gold)/len(answer), so `<answer>12</answer>` earns 0.5 against both 1 and 2 (docs/smol.md). Evaluation counts solved responses either way.")
+    credit: Literal["partial", "solved"] = Field("partial", description="The training reward: `partial`: the reward's score as it is (partial credit kept); `solved`: 1 when the reward counts the response solved (its own rule, e.g. reasoning-gym's full score; otherwise a score above 0.5), else 0, before the truncation rule. Partial credit can be gamed: reasoning-gym scores an answer holding the gold inside it len(gold)/len(answer), so `<answer>12</answer>` earns 0.5 against both 1 and 2 (docs/smol.md). Evaluation counts solved responses either way.")
     truncated: Literal["zero", "grade"] = Field("zero", description="A response cut at the token cap (finish_reason `length`; search runs: its last turn cut at the per-turn cap): `zero` scores it 0, as the paper does (in training and evaluation); `grade` grades it like any other.")
-    overlong_buffer: int = Field(0, ge=0, le=TOKENS, description="DAPO soft overlong penalty (Yu et al. 2025, Eq. 13): over the last this many tokens before rollout.max_new_tokens the penalty grows linearly to overlong_penalty (0: off). Search runs count the policy's own tokens of the episode's last turn against the per-turn cap.")
-    overlong_penalty: float = Field(1.0, ge=0, le=1e6, description="Largest soft overlong penalty, subtracted from the reward of a response of rollout.max_new_tokens tokens.")
     plugin_memory_mib: int = Field(PLUGIN_MEMORY_MIB, ge=0, le=1 << 20, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the address-space cap of each of its worker processes, in MiB (RLIMIT_AS; the maths graders have 1024). A call that needs more fails (scored 0 and counted, as reward.max_failure_rate says); a plugin whose import needs more stops the run with one line. 0: no cap (a plugin that uses CUDA needs it: CUDA reserves far more address space than it uses).")
     max_failure_rate: float = Field(0.5, ge=0, le=1, description="A reward plugin (rollout.reward=FILE.py:fn / module:fn): the largest fraction of its calls in one step that may fail (raise, time out, return a non-number or a value not finite in float32; each scores 0). Above it the run stops with exit 2 naming the first failure; below it each step with failures is warned about on stderr and counted in reward/errors and reward/failure_rate.")
 
@@ -434,7 +435,7 @@ class Config(Section):
     ema: EMAConfig = Field(default_factory=EMAConfig, description="The EMA anchor.")
     anchor: AnchorConfig = Field(default_factory=AnchorConfig, description="The anchor of the KL term: the EMA of the policy, or a fixed teacher.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses and the soft overlong penalty.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward shaping: truncated responses, reward.credit and reward plugins' limits.")
     grading: GradingConfig = Field(default_factory=GradingConfig, description="How answers are found in responses.")
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="Low-rank adapters instead of full fine-tuning (lora.r > 0).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Experiment loggers.")
@@ -457,15 +458,13 @@ class Config(Section):
     def _old_max_turns(cls, data):
         """Configs written before rollout.env (a run's config.yaml, for --resume) hold rollout.max_turns; its value
         1 without search was the single-turn default and is dropped; any other value is the error naming
-        search.max_turns (RolloutConfig). Likewise rollout.hf_attention: sdpa (the one attention left) is dropped,
-        and the REMOVED_KEYS at their "off" value."""
+        search.max_turns (RolloutConfig). Likewise the REMOVED_KEYS at their "off" value (rollout.hf_attention: sdpa,
+        the one attention left)."""
         if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and "max_turns" in data["rollout"]:
             search = data.get("search") or {}
             enabled = search.get("enabled") if isinstance(search, dict) else getattr(search, "enabled", False)
             if str(data["rollout"]["max_turns"]) == "1" and str(enabled).lower() not in ("true", "1"):
                 data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "max_turns"}}
-        if isinstance(data, dict) and isinstance(data.get("rollout"), dict) and data["rollout"].get("hf_attention") == "sdpa":
-            data = {**data, "rollout": {k: v for k, v in data["rollout"].items() if k != "hf_attention"}}
         for dotted, off in REMOVED_KEYS.items():
             group, key = dotted.split(".")
             if isinstance(data, dict) and isinstance(data.get(group), dict) and key in data[group]:
@@ -493,9 +492,6 @@ class Config(Section):
                         f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
                         f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start"
                     )
-        shortest = min([r.max_new_tokens] + [min(st.max_new_tokens, r.max_new_tokens) for st in self.stages])
-        if self.reward.overlong_buffer >= shortest:
-            raise ValueError(f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be below the response length cap ({shortest}, rollout.max_new_tokens or a stage's)")
         self._check_engine_url()
         if self.lora.r > 0:
             for bad, why in ((t.parallel == "fsdp", "train.parallel=fsdp"),

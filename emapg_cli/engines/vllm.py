@@ -136,10 +136,8 @@ def vllm_device(vllm: Any = None) -> str:
     these two.
     """
     vllm = vllm or import_vllm()
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:  # a vLLM too old to have platforms (emapg needs >= 0.11, which has them)
-        raise UserError(f"vLLM {getattr(vllm, '__version__', 'unknown')} has no vllm.platforms; emapg needs vLLM >= 0.11") from None
+    from vllm.platforms import current_platform  # in every vLLM emapg supports (>= 0.11)
+
     if current_platform.is_cuda():
         return "cuda"
     if current_platform.is_cpu():
@@ -156,13 +154,11 @@ def sleep_mode_available() -> bool:
     """Whether vLLM's platform supports sleep mode (CUDA/ROCm/XPU in vLLM 0.32; never the CPU).
 
     vLLM raises `ValueError: Sleep mode is not supported on current platform.` when an `LLM` is
-    created with `enable_sleep_mode=True` elsewhere, so the engine asks first. vLLM versions
-    without `Platform.is_sleep_mode_available` had sleep mode on CUDA only.
+    created with `enable_sleep_mode=True` elsewhere, so the engine asks first.
     """
     from vllm.platforms import current_platform
 
-    check = getattr(current_platform, "is_sleep_mode_available", None)
-    return bool(check()) if callable(check) else bool(current_platform.is_cuda())
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -528,8 +524,6 @@ class VLLMEngine(EngineBase):
                                 "set VLLM_CPU_KVCACHE_SPACE=<GiB> or a smaller max_model_len (eval: --max-model-len). "
                                 f"vLLM said: {str(e).split('. Try')[0]}") from None
             raise
-        if self._no_sleep_reason is None and not callable(getattr(self._llm, "sleep", None)):
-            self._no_sleep_reason = f"vLLM {getattr(vllm, '__version__', 'unknown')} has no LLM.sleep"
         self._sleep_mode = self._no_sleep_reason is None
         self._sleeping: set[str] = set()  # which of _SLEEP_TAGS are offloaded/discarded now
         self._loader: Optional[Callable[[Iterable[tuple[str, Any]]], None]] = None
@@ -637,10 +631,5 @@ class VLLMEngine(EngineBase):
         pending = [t for t in _SLEEP_TAGS if t in tags and t in self._sleeping]
         if not pending:
             return
-        try:
-            self._llm.wake_up(tags=pending)
-        except TypeError:  # vLLM without wake-up tags: everything wakes at once
-            self._llm.wake_up()
-            self._sleeping.clear()
-            return
+        self._llm.wake_up(tags=pending)
         self._sleeping.difference_update(pending)

@@ -3,42 +3,20 @@
 Pure math: floats in, floats out (`adapt_decay`, `next_unit_lag`), and the same rule on float64 tensors for the
 batched bandit simulation of `kl-check --stability` (`adapt_decay_tensor`). No config, no I/O.
 
-**The lag of an EMA behind a steady trend** (Brown 1963, "Smoothing, Forecasting and Prediction", the steady-state
-lag of simple exponential smoothing on a linear trend). Let the policy move by a constant v per anchor update,
-theta_k = theta_0 + k v, and the anchor follow theta_ema_k = eta theta_ema_{k-1} + (1 - eta) theta_k. The lag just
-after update k, L_k = theta_k - theta_ema_k, obeys
-
-    L_k = theta_k - eta theta_ema_{k-1} - (1 - eta) theta_k = eta (theta_{k-1} + v - theta_ema_{k-1}) = eta (L_{k-1} + v),
-
-whose fixed point is L = v eta / (1 - eta) (Brown's lag). Just *before* update k the anchor is theta_ema_{k-1}, and
-the lag is D_k = L_{k-1} + v -> v / (1 - eta) = v H, with H = 1 / (1 - eta) = 1 + eta / (1 - eta): the EMA's window
-in anchor updates. D is what this rule measures (the distance the policy reached from the anchor it was regularised
-towards during the period, the largest of the period), so the lag it controls is H, not eta / (1 - eta).
-
-**From the start, not only in steady state.** The anchor starts at the policy, so the lag builds up: with the decays
-eta_1, eta_2, ... actually used, D_k = v S_k exactly for the trend, where
+**The rule** (docs/stability.md, section 5, derives it: Brown 1963's lag of exponential smoothing on a linear
+trend, S11-S13). Just before anchor update k the policy-anchor distance on a trend of pace v is D_k = v S_k, where
 
     S_1 = 1,   S_{k+1} = 1 + eta_k S_k                                              (`next_unit_lag`)
 
-is the lag of the same EMA behind a unit-speed trend (for a constant eta, S_k = (1 - eta^k) / (1 - eta) -> H: the
-bias correction of Adam's moment estimates, Kingma & Ba 2015, in another guise). So v is read off one measurement,
-v_hat = D_k / S_k, whatever the history, and the eta whose steady lag is the target d* is H_target = d* / v_hat =
-d* S_k / D_k. The rule (`adapt_decay`):
+is the lag behind a unit-speed trend (-> H = 1 / (1 - eta) for a constant eta), so v_hat = D_k / S_k and
+(`adapt_decay`)
 
-    H_new = clip(d* S_k / D_k, H / c, c H),   c = 1.2,   eta_new = clamp(1 - 1 / H_new, decay_min, decay_max).
+    H_new = clip(d* S_k / D_k, H / c, c H),   c = 1.2,   eta_new = clamp(1 - 1 / H_new, decay_min, decay_max):
 
-In steady state (S_k = H) it is the proportional rule H <- H clip(d* / D, 1/c, c) on the lag, with the +-20 % step
-limit of Ziegler et al.'s adaptive KL controller (2019). The S_k in place of H is a deviation from that textbook rule,
-on purpose: the anchor starts on the policy, so early distances are small whatever eta is (D_1 = v for every eta), and
-the textbook rule reads that as "lag too short" and winds eta up to decay_max during the build-up, then overshoots
-(on a steady trend with target 50 v, whose eta is 0.98, started at eta = 0.95: it reaches 0.999 by update 50 and still
-swings between 0.953 and 0.996 over updates 100-400; this rule reaches 0.98 at update 8, as fast as the step limit
-allows, and stays there; tests/test_ema_control.py). The fixed point is D = d* under any steady motion: a random walk (lag ~
-sigma / sqrt(1 - eta^2)) still converges to it, only not in one step.
-
-**Why the distance and not the KL.** ||theta - theta_ema|| / ||theta|| (`ema/distance`) is computed from the weights,
-exactly and deterministically: no sampling noise to filter, and it does not depend on beta, so this loop does not fight
-an adaptive KL coefficient (kl.target), which acts on the KL.
+in steady state (S_k = H) Ziegler et al.'s (2019) proportional controller with its +-20 % step limit, applied to H.
+S_k in place of H is deliberate: the anchor starts on the policy, and the textbook rule winds eta up to decay_max
+during the build-up, then overshoots (tests/test_ema_control.py). The distance, not the KL, is measured: exact, no
+sampling noise, and independent of beta (no fight with kl.target).
 
 **Degenerate measurements.** D = 0 (the policy did not move: every update skipped, or lr 0) or a non-finite D carries
 no information about the pace: eta stays as it is. The lag recursion S still advances with the eta used.

@@ -13,16 +13,10 @@ token by sg(w), w a truncated or masked rho (Ionides 2008's truncated importance
   *_truncate      w = min(rho, cap)
   *_mask          w = rho if 1/cap <= rho <= cap else 0
 
-Sources: TRL's GRPOTrainer (`vllm_importance_sampling_correction`, `vllm_importance_sampling_mode` =
-token_truncate | token_mask | sequence_truncate | sequence_mask, `vllm_importance_sampling_cap` = 2.0: the
-per-token loss of the clipped surrogate is multiplied by the ratio before beta * KL is added) and verl's
-`algorithm.rollout_correction` (`rollout_is` = token | sequence with `rollout_is_threshold`, truncated IS;
-`rollout_rs` rejection sampling, which masks). Deviations, on purpose (docs/rollout_correction.md has the table):
-  * sequence level uses the geometric mean exp(mean_t log rho_t), not TRL's / verl's product exp(sum_t log rho_t):
-    a product over thousands of tokens with |log rho_t| ~ 1e-3 drifts to 0 or to the cap by length alone,
-    the geometric mean measures the per-token mismatch of the sequence (verl's rollout_rs "geometric" mode).
-  * *_mask keeps the band [1/cap, cap] (verl's rejection sampling with lower threshold 1/upper); TRL's
-    *_mask zeroes only rho > cap.
+Sources: TRL's GRPOTrainer (`vllm_importance_sampling_mode`, cap 2.0) and verl's `algorithm.rollout_correction`;
+docs/rollout_correction.md maps their names onto these modes. Two deviations, on purpose: the sequence level uses the
+geometric mean, not their product exp(sum_t log rho_t), which over thousands of tokens drifts to 0 or to the cap by
+length alone; *_mask keeps the band [1/cap, cap] (verl's rejection sampling), where TRL's zeroes only rho > cap.
 
 Overflow: the log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] (+-80 nats, `kl.common`) before exp,
 so rho is finite in float32 (at most ~5.5e34); a clamped rho is far outside any cap, so the weight it gets

@@ -116,17 +116,6 @@ def period_map(lam: Tensor, alpha: Tensor, eta: Tensor, *, period: int, beta: fl
     return torch.stack(torch.broadcast_tensors(row0, row1), -2)  # [..., 2, 2]
 
 
-def jury_stable(big_a: Tensor, eta: Tensor, rho: Tensor) -> Tensor:
-    """Closed-form Schur stability of M (Eq. S8, the Jury conditions for x^2 - tr x + det):
-        |eta A| < 1,   (1 - A)(1 - eta)(1 - rho) > 0,   (1 + A)(1 + eta) + (1 - eta) rho (1 - A) > 0.
-    True iff both eigenvalues of M lie strictly inside the unit circle. Broadcast; returns bool.
-    """
-    det_ok = (eta * big_a).abs() < 1.0
-    p_plus = (1.0 - big_a) * (1.0 - eta) * (1.0 - rho) > 0.0  # char. polynomial at x = +1
-    p_minus = (1.0 + big_a) * (1.0 + eta) + (1.0 - eta) * rho * (1.0 - big_a) > 0.0  # at x = -1
-    return det_ok & p_plus & p_minus
-
-
 def theory_radius(alpha: Tensor, eta: Tensor, lam: Tensor, *, period: int, beta: float, tau: float) -> Tensor:
     """Per-period spectral radius of the linearised EMA-PG dynamics, maximised over the Fisher
     eigen-directions (Eqs. S7, S10). alpha [N], eta [E], lam [L] -> [E, N].

@@ -9,11 +9,6 @@ from emapg_cli.data.schema import parse_json_line, read_jsonl
 from emapg_cli.errors import UserError
 
 
-def read_corpus(path: Path) -> list[dict[str, str]]:
-    """Every row as `{"id", "contents"}` in one list (small corpora; `iter_corpus` streams); same checks as it."""
-    return list(iter_corpus(path))
-
-
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(1-based row number, raw row) of a JSONL, gzipped JSONL or parquet corpus file, one at a time."""
     name = path.name.lower()

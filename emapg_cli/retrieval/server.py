@@ -13,17 +13,10 @@ of recent (query, topk) pairs is kept in an LRU cache of `cache_mb` MiB (`_Reply
        (with return_scores false: a plain list of documents per query, as Search-R1's server)
   GET  /health    -> {"status": "ok", "rows": N}
 
-Every resource a client can claim is bounded (`Limits`; docs/reliability.md "The retriever server's
-limits"): the body is read only up to its declared `Content-Length`, itself at most `max_body_bytes`;
-queries per request, the characters of each query and of all of them (which bound the search's work:
-it cannot be interrupted), `topk`, their product (the hits) and the reply's size are capped; bodies are
-parsed one at a time (at most one parsed body in memory; the queued queries are bounded by `max_pending`
-and `max_request_chars`); each connection has `timeout_s` to
-send each request (a watchdog shuts down sockets past it, so half-sent requests and idle keep-alive
-connections are dropped); at most `max_connections` are served at once and the next ones get a 503
-at once; the listen backlog is `http_server.BACKLOG`; running out of file descriptors pauses accepting instead
-of spinning. Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`; a retriever that raises is a
-500 with the exception's class, and the server keeps serving.
+Every resource a client can claim is bounded (`Limits`: body, queries and their characters, topk, hits, reply size,
+pending queries, connections and their time; docs/reliability.md "The retriever server's limits" has each bound and
+its refusal). Every refusal is a 4xx/503 with a JSON body `{"error": "..."}`; a retriever that raises is a 500 with
+the exception's class, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -139,18 +132,13 @@ def _join_reply(parts: Iterable[str], max_bytes: int) -> bytes:
     return ('{"result": [' + ", ".join(kept) + "]}").encode()
 
 
-def _encode_reply(hits: list, return_scores: bool, max_bytes: int) -> bytes:
-    """The `/retrieve` reply as JSON bytes, built row by row; `Refused` (413) as soon as it passes `max_bytes`."""
-    return _join_reply((_encode_row(row, return_scores) for row in hits), max_bytes)
-
-
 class _ReplyCache:
     """LRU of encoded rows by (query, topk, return_scores), at most `max_bytes` of text (keys counted too)."""
 
     _OVERHEAD = 200  # bytes per entry beside the strings (tuple, dict slot)
 
     def __init__(self, max_bytes: int):
-        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self.max_bytes, self.bytes, self.hits = max_bytes, 0, 0
         self._rows: OrderedDict[tuple, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -158,7 +146,6 @@ class _ReplyCache:
         with self._lock:
             row = self._rows.get(key)
             if row is None:
-                self.misses += 1
                 return None
             self._rows.move_to_end(key)
             self.hits += 1

@@ -304,9 +304,7 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
     best_of = _int(body, "best_of", 1, limits.max_n)
     if best_of is not None and best_of != req.n:
         raise _bad("best_of must equal n (or be omitted): every sample is returned", "best_of")
-    k = body.get("logprobs")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_COMPLETION_LOGPROBS):
-        raise _bad(f"logprobs must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} (completions)", "logprobs")
+    k = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)  # completions: the number of top log-probs
     req.logprobs, req.top_logprobs = k is not None, k or 0
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):

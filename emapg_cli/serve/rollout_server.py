@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
+from emapg_cli.http_client import one_line
 from emapg_cli.serve.request_limits import RequestLimits, check_generation
 from emapg_cli.engines.rollout_protocol import (
     HEADER_BYTES, ProtocolError, header_length, params_from_json, parse_push_header, token_lists,
@@ -74,10 +75,6 @@ class RolloutServer(BoundedServer):
         return super().error_json(code, message, path)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())[:300] or type(e).__name__
-
-
 def _number(value: Any, name: str, default: Optional[float] = None) -> float:
     value = default if value is None and default is not None else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
@@ -107,7 +104,7 @@ class _Handler(BoundedHandler):
         except Refused as e:
             code, reply = e.code, {"error": str(e)}
         except Exception as e:  # never a traceback to the client; the server keeps serving
-            code, reply = 500, {"error": f"{type(e).__name__}: {_one_line(e)}"}
+            code, reply = 500, {"error": f"{type(e).__name__}: {one_line(e, 300)}".rstrip(": ")}
         if self.send_reply(code, reply) and code != 200 and linger:
             self._linger()
 

@@ -60,14 +60,6 @@ def schedule(n_items: int, per_step: int, step: int, seed: int) -> list[int]:
     return out
 
 
-def shaped_length(c: Completion) -> int:
-    """The length the overlong penalty compares with the token cap: a single-turn response's token count; for
-    a multi-turn episode (`agents.Episode`) the policy's own tokens of its last turn, against the per-turn cap
-    (observations and earlier turns are not the policy's output of that turn)."""
-    last = getattr(c, "last_turn_tokens", None)
-    return len(c.token_ids) if last is None else int(last)
-
-
 def solved_rule(reward_fn) -> Callable[[float], bool]:
     """When a response counts as solved: the reward's own rule (`reward_fn.solved(score)`, e.g. reasoning-gym's
     partial credit counts only a full score, as `emapg eval` does), else a reward above 0.5 (a 0/1 reward's 1s; for
@@ -82,8 +74,8 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
     Episodes of an environment with its own `reward(text)` (`Episode.env_reward`) score that instead of `reward_fn`.
     `reward_fn` comes from `emapg_cli.rewards.get_reward`, whose `SafeReward` wrapper scores an item
     that raises as 0 and counts it in `.errors`; this returns the increase of that count.
-    `shaping`: keyword arguments of `rewards.shaping.shape_rewards` (truncation rule, overlong
-    penalty), applied with each completion's `shaped_length` and finish_reason, and `credit` (reward.credit):
+    `shaping`: keyword arguments of `rewards.shaping.shape_rewards` (the truncation rule), applied with each
+    completion's finish_reason, and `credit` (reward.credit):
     `solved` turns each score into 1 or 0 by the reward's solved rule first.
     """
     from emapg_cli.rewards.shaping import shape_rewards
@@ -99,7 +91,7 @@ def score(reward_fn: Callable, completions: Sequence[Completion], examples: list
         if shaping.pop("credit", "partial") == "solved":
             solved = solved_rule(reward_fn)
             rewards = [float(solved(r)) for r in rewards]
-        rewards = shape_rewards(rewards, [shaped_length(c) for c in completions], [c.finish_reason for c in completions], **shaping)
+        rewards = shape_rewards(rewards, [c.finish_reason for c in completions], **shaping)
     return rewards, getattr(reward_fn, "errors", 0) - before
 
 

@@ -11,7 +11,7 @@ Peak RSS is bounded independently of N: the build holds the vocabulary (term -> 
 of rows (--chunk-rows) and, when it writes the matrix, one spill bucket (~64 MiB of corpus each, so a bucket's
 size varies a little with N); the script measures the per-term cost of the vocabulary so the peak can be stated
 for a larger vocabulary than the synthetic one (the largest measured peak + that cost per further term).
-Optionally (--in-memory-max) the previous in-memory build (read_corpus + bm25s.index) is measured for comparison.
+Optionally (--in-memory-max) the previous in-memory build (the whole corpus in a list + bm25s.index) is measured for comparison.
 
     python scripts/benchmarks/bm25_scale.py --sizes 100000 1000000 --work scale-work --json bm25-scale.json
 
@@ -119,9 +119,9 @@ def in_memory_build(corpus: Path, out: Path) -> dict:
     import bm25s
 
     from emapg_cli.retrieval.bm25 import _tokens
-    from emapg_cli.retrieval.corpus import read_corpus
+    from emapg_cli.retrieval.corpus import iter_corpus
 
-    docs = read_corpus(corpus)
+    docs = list(iter_corpus(corpus))
     tokens = []
     for s in range(0, len(docs), 2000):
         tokens.extend(_tokens([d["contents"] for d in docs[s:s + 2000]]))

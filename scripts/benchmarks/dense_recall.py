@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
@@ -115,8 +116,6 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from emapg_cli.paths import data_dir
-
     torch.set_num_threads(1)
     rows = []
     if "toy-search" in args.tasks:
@@ -125,7 +124,7 @@ def main() -> None:
         rows += run_task("toy-search", corpus, pairs, queries, gold, args.out / "toy-search", args.minutes, 32,
                          args.vocab_size, args.batch_size)
     if "hotpotqa" in args.tasks:
-        src = args.hotpotqa or ((data_dir() or Path("missing")) / "search" / "hotpotqa_dev_ircot500.jsonl")
+        src = args.hotpotqa or (Path(os.environ.get("EMAPG_DATA_DIR") or "missing").expanduser() / "search" / "hotpotqa_dev_ircot500.jsonl")
         corpus, pairs, queries, gold = hotpotqa(src)
         print(f"hotpotqa: {len(corpus)} passages, {len(pairs)} training pairs (from the corpus), {len(queries)} questions", flush=True)
         rows += run_task("hotpotqa", corpus, pairs, queries, gold, args.out / "hotpotqa", args.minutes, 128,
