@@ -1,11 +1,8 @@
-"""`differences` (scripts/benchmarks/generate_shares.py, which prints it): how two variants' samples differ
-(docs/performance.md, "The samples are the same"), on hand-made samples whose answer is counted by hand."""
+"""`differences` (emapg_cli/bench/generate.py; scripts/benchmarks/generate_shares.py prints it): how two variants'
+samples differ (docs/performance.md, "The samples are the same"), on hand-made samples whose answer is counted by
+hand."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "benchmarks"))
-from generate_shares import differences  # noqa: E402 - the script's folder first
+from emapg_cli.bench.generate import differences
 
 
 def test_identical_samples_have_no_difference():

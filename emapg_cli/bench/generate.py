@@ -142,6 +142,22 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
         load_average_before=load_before[0], load_average_after=os.getloadavg()[0]))
 
 
+def differences(a: list, b: list) -> dict:
+    """How two variants' samples differ: responses whose tokens differ, the first position where they do (the
+    earliest over responses), and the largest |log-prob difference| over the positions where both responses still
+    agree token for token (0.0 when every log-prob is bit-identical)."""
+    differing, first, max_dlogp = 0, None, 0.0
+    for (ta, la), (tb, lb) in zip(a, b):
+        agree = 0
+        while agree < min(len(ta), len(tb)) and ta[agree] == tb[agree]:
+            agree += 1
+        if list(ta) != list(tb):
+            differing += 1
+            first = agree if first is None else min(first, agree)
+        max_dlogp = max([max_dlogp, *(abs(x - y) for x, y in zip(la[:agree], lb[:agree]))])
+    return {"responses": len(a), "differing_tokens": differing, "first_divergence": first, "max_abs_dlogp": max_dlogp}
+
+
 def check_context(path: str, trust_remote_code: bool, prompt_tokens: int, new: int) -> None:
     """The longest prompt and `new` tokens fit the model's context (its config's max_position_embeddings), else one line."""
     from transformers import AutoConfig

@@ -22,21 +22,7 @@ import statistics
 import time
 from contextlib import contextmanager
 
-
-def differences(a: list, b: list) -> dict:
-    """How two variants' samples differ: responses whose tokens differ, the first position where they do (the
-    earliest over responses), and the largest |log-prob difference| over the positions where both responses still
-    agree token for token (0.0 when every log-prob is bit-identical)."""
-    differing, first, max_dlogp = 0, None, 0.0
-    for (ta, la), (tb, lb) in zip(a, b):
-        agree = 0
-        while agree < min(len(ta), len(tb)) and ta[agree] == tb[agree]:
-            agree += 1
-        if list(ta) != list(tb):
-            differing += 1
-            first = agree if first is None else min(first, agree)
-        max_dlogp = max([max_dlogp, *(abs(x - y) for x, y in zip(la[:agree], lb[:agree]))])
-    return {"responses": len(a), "differing_tokens": differing, "first_divergence": first, "max_abs_dlogp": max_dlogp}
+from emapg_cli.bench.generate import differences
 
 
 @contextmanager
