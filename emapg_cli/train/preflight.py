@@ -223,9 +223,6 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
                                ("train.mini_batch_sequences", t.mini_batch_sequences))
            if value is not None and value % processes]
     fsdp = t.parallel == "fsdp" and processes > 1
-    if fsdp and t.max_tokens_per_micro_batch is not None:
-        out.append("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
-                   "train.parallel=fsdp; use ddp or micro_batch_size")
     if fsdp and t.share_prompts == "always":
         out.append("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
                    "on several processes does not support; use auto or never")

@@ -26,8 +26,7 @@ class PassSettings:
 
     `temperature` is rollout.temperature (log-probs refer to the distribution sampled from); `chunk` / `budget_mib`
     size the output layer's chunks (train.logit_chunk / train.logit_memory_mib); `pack` / `share` are
-    train.pack_sequences / train.share_prompts; `micro_batch_size` / `max_tokens` are train.micro_batch_size /
-    train.max_tokens_per_micro_batch."""
+    train.pack_sequences / train.share_prompts; `micro_batch_size` is train.micro_batch_size."""
 
     temperature: float = 1.0
     chunk: Optional[int] = None
@@ -35,7 +34,6 @@ class PassSettings:
     pack: str = "never"
     share: str = "never"
     micro_batch_size: int = 1
-    max_tokens: Optional[int] = None
 
     def scorer_args(self, **over: Any) -> dict[str, Any]:
         """The scorer's keyword arguments for a pass with these settings (`over` adds or replaces some)."""
@@ -113,8 +111,7 @@ def pass_settings(cfg) -> PassSettings:
     """The token scorer's pass settings from the `rollout` and `train` sections."""
     t = cfg.train
     return PassSettings(temperature=cfg.rollout.temperature, chunk=t.logit_chunk, budget_mib=t.logit_memory_mib,
-                        pack=t.pack_sequences, share=t.share_prompts, micro_batch_size=t.micro_batch_size,
-                        max_tokens=t.max_tokens_per_micro_batch)
+                        pack=t.pack_sequences, share=t.share_prompts, micro_batch_size=t.micro_batch_size)
 
 
 def step_settings(cfg, vocab: int) -> StepSettings:
