@@ -100,8 +100,7 @@ def policy_loss(cfg) -> PolicyLoss:
     train.objective distill / rl+distill the KL term is the distillation term (`grpo.distill.distill_estimator`)."""
     t, kl = cfg.train, cfg.kl
     distils = t.objective != "rl"  # K1 is trained in its score-function form (grpo/distill.py)
-    name = "teacher_support_raw" if kl.estimator == "teacher_support" and not kl.support_renorm else kl.estimator
-    return PolicyLoss(beta=kl.coef, estimator=distill_estimator(name) if distils else name, distill=distils, direction=kl.direction, iw=kl.iw, iw_clip=kl.iw_clip,
+    return PolicyLoss(beta=kl.coef, estimator=distill_estimator(kl.estimator) if distils else kl.estimator, distill=distils, direction=kl.direction, iw=kl.iw, iw_clip=kl.iw_clip,
                       log_ratio_clamp=kl.log_ratio_clamp, estimate_clamp=kl.estimate_clamp, clip_low=t.clip_low,
                       clip_high=t.clip_high, dual_clip=t.dual_clip, agg=t.loss_agg, correction=t.rollout_correction,
                       correction_cap=t.rollout_correction_cap)
