@@ -5,7 +5,8 @@
 - kind: the folder must be absent, empty, or hold the marker file `.emapg.json`
   (``{"command": kind, "config_sha256": ...}``) of the same command. A folder with another command's
   marker, or with files and no marker (someone else's folder), is refused with a UserError before a
-  single byte is written into it.
+  single byte is written into it. Folders written before markers existed are recognised by the files
+  only their command writes (`LEGACY`).
 - lock: an exclusive `fcntl.flock` on `.emapg.lock` for as long as the command runs; the kernel
   drops it when the process exits or dies, so a crash never leaves a stale lock. A second writer gets
   a UserError at once.
@@ -34,6 +35,14 @@ from emapg_cli.errors import UserError
 
 MARKER = ".emapg.json"
 LOCK = ".emapg.lock"
+
+#: Files that identify a folder a command wrote before markers existed (all must be present).
+LEGACY: dict[str, tuple[str, ...]] = {
+    "train": ("config.yaml", "checkpoints"),
+    "eval": ("run.json", "results.jsonl"),
+    "prepare": ("manifest.json",),
+    "ablate": ("study.yaml",),
+}
 
 _claimed: list[Path] = []
 _last: list[Path] = []  # the folder claimed most recently in this process (held or released)
@@ -95,6 +104,9 @@ def check_folder(path: Path, kind: str, config_hash: Optional[str] = None, *, fr
     marker = read_marker(path)
     if marker is None:
         if not entries:
+            return True
+        legacy = LEGACY.get(kind)
+        if legacy and all((path / name).exists() for name in legacy) and not fresh:
             return True
         raise UserError(f"{path} is not empty and was not written by `emapg {kind}`; use a new or empty folder")
     if marker["command"] != kind:

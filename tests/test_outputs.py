@@ -72,6 +72,16 @@ def test_fresh_needs_an_empty_folder_and_same_config_compares_hashes(tmp_path):
         pass
 
 
+def test_legacy_folders_of_the_same_kind_are_recognised(tmp_path):
+    out = tmp_path / "old_eval"  # written before markers existed
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    (out / "results.jsonl").write_text("")
+    with claim_folder(out, "eval"):
+        pass
+    assert json.loads((out / MARKER).read_text())["command"] == "eval"
+
+
 def test_second_writer_gets_a_one_line_error(tmp_path):
     out = tmp_path / "out"
     with claim_folder(out, "eval"):
