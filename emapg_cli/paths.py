@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_HOME = "~/.cache/emapg"
 
@@ -64,29 +64,26 @@ def _unique_tmp(path: Path) -> Path:
     raise FileExistsError(f"no free temporary name beside {path}")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename: a reader (another rank, a crash)
-    sees the old file or the new one, never a half-written one. A failed write (a full disk) leaves
+def _write_atomic(path: Path, write: Callable[[Path], Any]) -> Path:
+    """`write(tmp)` into a new temporary file beside `path` (`_unique_tmp`), then rename it over `path`: a reader (another
+    rank, a crash) sees the old file or the new one, never a half-written one. A failed write (a full disk) leaves
     the old file and no temporary one."""
     path = Path(path)
     tmp = _unique_tmp(path)
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def save_figure_atomic(fig: Any, path: Path, dpi: int) -> Path:
-    """Save a matplotlib figure to `path` through a temporary file and a rename (format from the suffix,
-    PNG without one): a failed save leaves the old file, if any, and no partial one."""
-    path = Path(path)
-    tmp = _unique_tmp(path)
-    try:
-        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".").lower() or "png")
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (`_write_atomic`)."""
+    _write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def save_figure_atomic(fig: Any, path: Path, dpi: int) -> Path:
+    """Save a matplotlib figure to `path` atomically (`_write_atomic`; format from the suffix, PNG without one)."""
+    return _write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=Path(path).suffix.lstrip(".").lower() or "png"))

@@ -196,18 +196,6 @@ def test_fsdp_plan_is_per_rank():
     assert terms["anchor gathered (eval)"] == 4 * 1_777_088_000 and "policy gathered" not in terms
 
 
-def test_token_budget_bounds_the_micro_batch_activations():
-    # olympiad with a 24k-token response stage: T = 1,024 + 24,576 = 25,600. A budget of 32,768 tokens per
-    # micro-batch caps b x T = 8 x 25,600 = 204,800 at 32,768, so activations shrink by 204,800 / 32,768 = 6.25x;
-    # a budget below one sequence still leaves T (a sequence is never split).
-    over = ["rollout.max_new_tokens=24576"]
-    full = {t.name: t.bytes for t in make_plan(olympiad(over)).memory}
-    capped = {t.name: t.bytes for t in make_plan(olympiad(over + ["train.max_tokens_per_micro_batch=32768"])).memory}
-    assert full["activations"] * 32_768 == capped["activations"] * 204_800
-    tiny = {t.name: t.bytes for t in make_plan(olympiad(over + ["train.max_tokens_per_micro_batch=100"])).memory}
-    assert tiny["activations"] * 204_800 == full["activations"] * 25_600
-
-
 def test_launch_problems_are_one_list_for_the_trainer_and_the_plan():
     """train/preflight.py launch_problems: what the trainer refuses is what the dry-run notes (one function)."""
     from emapg_cli.train.preflight import check_launch, launch_problems
@@ -248,7 +236,7 @@ def test_auto_counts_the_masks_where_they_pass_the_headroom():
     smol = ModelShapes(arch="llama", hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
                        vocab=49152, tie_embeddings=True, qkv_bias=False)
     assert activation_elems_per_token_per_layer(smol) == 11_328
-    cfg = load_config("smol", None, ["model.gradient_checkpointing=false", "train.max_tokens_per_micro_batch=null"])
+    cfg = load_config("smol", None, ["model.gradient_checkpointing=false"])
     one, two = ({t.name: t.bytes for t in memory_terms(smol, cfg, 1200, micro_batch=b, device_memory_bytes=2**40,
                                                          master_weights=True)} for b in (1, 2))
     assert one["attention masks"] == 1200 * 1200 * 30 * 4 == 172_800_000

@@ -44,7 +44,6 @@ def teacher_opts(model: Path, teacher: Path, data: Path, steps: int, **extra) ->
     (["kl.topk_from=policy"], "kl.topk_from"),
     (["kl.estimator=teacher_support"], "set kl.topk_from=anchor"),
     (["kl.estimator=teacher_support_raw", "kl.topk_from=sampling"], "set kl.topk_from=anchor"),
-    (["kl.estimator=topk", "kl.support_renorm=false"], "kl.support_renorm=false applies to kl.estimator=teacher_support only"),
 ])
 def test_config_refuses(overrides, message):
     with pytest.raises(UserError) as e:
@@ -227,12 +226,11 @@ def test_fsdp_on_several_processes_is_refused_at_launch():
     assert launch_problems(cfg, 1) == []  # one process: plain single-device training
 
 
-def test_support_renorm_false_names_the_raw_support_estimator():
-    """kl.support_renorm is the renormalisation flag of teacher_support: false names teacher_support_raw's function
-    (which `train` refuses: tests/test_training_numerics.py)."""
-    from emapg_cli.train.settings import policy_loss
+def test_removed_support_renorm():
+    """kl.support_renorm is gone (false was teacher_support_raw, which `train` refuses: tests/test_training_numerics.py):
+    a run's config.yaml holding true still loads; false is the one-line error naming the removal."""
+    from emapg_cli.config.loading import validate
 
-    base = ["kl.estimator=teacher_support", "kl.topk_from=anchor"]
-    assert policy_loss(load_config(overrides=base)).estimator == "teacher_support"
-    assert policy_loss(load_config(overrides=base + ["kl.support_renorm=false"])).estimator == "teacher_support_raw"
-
+    assert validate({"kl": {"support_renorm": True}}).kl == load_config().kl
+    with pytest.raises(UserError, match="kl.support_renorm is gone"):
+        validate({"kl": {"support_renorm": False}})

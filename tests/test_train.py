@@ -335,16 +335,19 @@ def test_rollout_mismatch_by_hand():
     assert rollout_mismatch(None) == {} and rollout_mismatch(torch.zeros(0)) == {}
 
 
-def test_micro_batches_by_tokens():
-    """Rows sorted longest first, a micro-batch closed when rows x (longest prompt + longest response) would pass
-    the budget; without a budget: consecutive slices of max_rows."""
+def test_micro_batches():
+    """Consecutive slices of max_rows rows."""
     from emapg_cli.train.rollout import micro_batches
 
-    rows = torch.arange(5)
-    prompt = torch.tensor([4, 4, 2, 4, 2])
-    resp = torch.tensor([2, 10, 3, 6, 1])  # totals 6, 14, 5, 10, 3
-    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 2)] == [[0, 1], [2, 3], [4]]
-    # order by total: 1 (14), 3 (10), 0 (6), 2 (5), 4 (3). Budget 20: [1] (14; +3 -> 2 x 14 = 28 > 20),
-    # [3, 0] (2 x 10 = 20), [2, 4] (2 x (2 + 3) = 10; the prompt max is 2 for these two)
-    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 8, 20)] == [[1], [3, 0], [2, 4]]
-    assert [m.tolist() for m in micro_batches(rows, prompt, resp, 8, 1)] == [[1], [3], [0], [2], [4]]  # each alone
+    assert [m.tolist() for m in micro_batches(torch.arange(5), 2)] == [[0, 1], [2, 3], [4]]
+
+
+def test_removed_max_tokens_per_micro_batch():
+    """Batching by tokens is gone: a run's config.yaml holding it off (null) still loads, for --resume; setting it is
+    the one-line error naming the removal."""
+    from emapg_cli.config.loading import load_config, validate
+    from emapg_cli.errors import UserError
+
+    assert validate({"train": {"max_tokens_per_micro_batch": None}}).train == load_config().train
+    with pytest.raises(UserError, match="train.max_tokens_per_micro_batch .* is gone"):
+        validate({"train": {"max_tokens_per_micro_batch": 4096}})

@@ -45,7 +45,6 @@ def test_float16_gradients_underflow_where_bfloat16_keeps_them():
 
 @pytest.mark.parametrize("overrides, key", [
     (["kl.estimator=teacher_support_raw"], "kl.estimator=teacher_support_raw"),
-    (["kl.estimator=teacher_support", "kl.support_renorm=false"], "kl.support_renorm=false"),
 ])
 def test_teacher_support_raw_is_refused_for_training(overrides, key):
     cfg = load_config(overrides=["anchor.source=teacher", "anchor.path=/x", "kl.topk_from=anchor", *overrides])

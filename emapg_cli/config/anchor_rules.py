@@ -3,27 +3,8 @@
 Most named rules are points of one family, EMA(eta, N): every N = ema.update_period RL steps the anchor moves as
 theta_anchor <- eta theta_anchor + (1 - eta) theta (paper Eq. 5). A named rule sets eta itself, written into
 ema.decay (and, for `previous`, N into ema.update_period) when the config is validated, so the trainer runs the very
-same code as the (eta, N) point, `emapg config show` and a run's config.yaml print the values in force, and the
-equivalence is bit for bit (tests/test_anchor_rules.py):
-
-    rule      eta                      N                    what it is
-    ema       ema.decay                 ema.update_period    the EMA of the policy (EMA-PG; the default)
-    fixed     1                         (never moves)        the initial policy (GRPO's reference; verl)
-    reset     0                         ema.update_period    a hard reset to the policy every N steps (ProRL; slime)
-    mixup     1 - anchor.mixup_alpha    ema.update_period    TR-DPO's soft update (TRL's sync_ref_model)
-    previous  0                         1                    the previous policy: the one that sampled the step
-    adaptive  adapted (ema.target_distance)  ema.update_period   eta chosen so the policy-anchor distance tracks a target
-    bema      1 - beta_t, + a correction    ema.update_period    BEMA (grpo/bema.py): not an (eta, N) point
-
-The teacher (anchor.source=teacher) is not a rule: it is another model, which never moves.
-
-**Conflicting keys.** Configs are layered (preset < --config < --set), so a rule cannot tell an ema.decay a preset
-gave from one typed on purpose: a rule that sets eta replaces ema.decay whatever it was (the --dry-run plan and the
-run's settings line say so), and to choose eta yourself use anchor.rule=ema. A key that only another rule reads is an
-error when it is not at its default (a run's config.yaml holds every key, so "given" is "not the default"):
-ema.target_distance outside `ema`/`adaptive`, anchor.mixup_alpha outside `mixup`,
-anchor.bema.* outside `bema`; any rule but `ema` with anchor.source=teacher; and `previous` with rollout.max_staleness > 0
-(the samples then come from older weights than the previous policy).
+same code as the (eta, N) point, bit for bit (tests/test_anchor_rules.py). The table of rules, and the keys each
+rule refuses when they are not at their default: docs/anchors.md.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent'
                                                 "the push request (http); the untested NCCL channel was removed (CHANGELOG)",
               "reward.overlong_buffer": "reward.overlong_buffer (DAPO's soft overlong penalty) is gone: no preset used it and "
                                         "no measurement showed a win; use reward.truncated or train.mask_truncated (CHANGELOG)"}
+MOVED_KEYS["train.max_tokens_per_micro_batch"] = ("train.max_tokens_per_micro_batch (batching by tokens) is gone: no preset "
+                                                  "used it; cap a micro-batch with train.micro_batch_size (CHANGELOG)")
+MOVED_KEYS["kl.support_renorm"] = ("kl.support_renorm is gone: false was another name of kl.estimator=teacher_support_raw, "
+                                   "which is measured with `emapg kl-check`, never trained (docs/distill.md)")
 MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
 MOVED_KEYS["reward.overlong_penalty"] = MOVED_KEYS["reward.overlong_buffer"]
 #: Keys removed with their feature, and the values that meant what emapg does now: a config holding one at such a
@@ -38,7 +42,8 @@ MOVED_KEYS["reward.overlong_penalty"] = MOVED_KEYS["reward.overlong_buffer"]
 #: removed feature read). Any other value is the MOVED_KEYS error.
 REMOVED_KEYS = {"train.filter_groups": (False,), "train.filter_max_rounds": None, "ema.decay_schedule": ([],),
                 "rollout.engine_weights_backend": ("auto", "http"), "rollout.hf_attention": ("sdpa",),
-                "reward.overlong_buffer": (0,), "reward.overlong_penalty": None}
+                "reward.overlong_buffer": (0,), "reward.overlong_penalty": None, "train.max_tokens_per_micro_batch": (None,),
+                "kl.support_renorm": (True,)}
 Direction = Literal["reverse", "forward"]
 #: A time limit in seconds, at most bounds.MAX_SECONDS (one week): the type of every `*_s` limit key, so a value
 #: Python's waits cannot take (1e13 overflows them) is one line at config time naming the key, not an internal error.
@@ -227,7 +232,6 @@ class TrainConfig(Section):
     mini_batch_prompts: Optional[int] = Field(64, ge=1, le=1 << 20, description="Prompts per optimizer step (their whole groups go together). Exclusive with train.mini_batch_sequences (set this one to null to use that one).")
     mini_batch_sequences: Optional[int] = Field(None, ge=1, le=1 << 30, description="Sequences (responses) per optimizer step, as verl's ppo_mini_batch_size counts them after multiplying by rollout.n: groups may span mini-batches (advantages are computed over whole groups first). Exclusive with train.mini_batch_prompts; setting it nulls mini_batch_prompts unless that is given too.")
     micro_batch_size: Union[Annotated[int, Field(ge=1, le=1 << 20)], Literal["auto"]] = Field(8, description="Sequences per forward/backward pass (gradient accumulation fills the mini-batch). `auto`: the largest whose update peak in the memory plan (`--dry-run`) fits the memory free as the run starts (CUDA: the device's free memory; CPU: MemAvailable), less 10%, at the run's longest training prompt; capped at a mini-batch (train/auto_batch.py).")
-    max_tokens_per_micro_batch: Optional[int] = Field(None, ge=1, le=1 << 40, description="Batching by tokens: also cap each micro-batch (update and log-prob passes) at this many padded tokens (rows x (longest prompt + longest response) among them), filling micro-batches with rows sorted by length (verl's ppo_max_token_len_per_gpu); a longer sequence gets a micro-batch of its own. null: micro_batch_size rows in rollout order. One process or ddp only.")
     epochs: int = Field(1, ge=1, le=1000, description="Passes over each step's rollouts.")
     clip_low: float = Field(0.2, ge=0, lt=1, description="PPO lower clip: ratios below 1 - clip_low are clipped.")
     clip_high: float = Field(0.28, ge=0, le=1000, description="PPO upper clip (clip-higher): ratios above 1 + clip_high are clipped.")
@@ -278,7 +282,6 @@ class KLConfig(Section):
     estimate_clamp: Optional[float] = Field(None, gt=0, le=1e6, description="Single-sample estimators (k1-k5, k3pp): clamp each token's KL estimate to [-c, c] (the paper's K3 uses 10; null: no clamp).")
     target: Optional[float] = Field(None, gt=0, le=1e3, description="Adaptive beta: the KL to the anchor per token (kl/per_token: each trained response's mean KL estimate over its tokens, averaged over the responses, as verl measures it, whatever train.loss_agg) to track; after each step beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / kl.horizon), n = the responses the step trained on (Ziegler et al. 2019; verl kl_ctrl.type=adaptive), starting from kl.coef (null: beta = kl.coef throughout).")
     horizon: int = Field(10000, ge=1, le=COUNT, description="Adaptive beta (kl.target): the horizon in responses; one step moves beta by at most a factor 1 +- 0.2 * responses per step / horizon (verl's default 10000).")
-    support_renorm: bool = Field(True, description="kl.estimator=teacher_support: renormalise the student and the teacher over the teacher's top-k set q before the KL (true: Revisiting OPD's top-K support matching) or take their raw probabilities on q (false: the same as kl.estimator=teacher_support_raw, which `train` refuses). Only with teacher_support.")
     topk_from: Optional[Literal["sampling", "anchor"]] = Field(None, description="Top-k estimators: whose top-k ids form the set q: `sampling` (the sampling policy's, recorded by the engine or from the old-policy pass) or `anchor` (the anchor's own top-k, gathered in the anchor's pass: a teacher's top-k for distillation). null (default): sampling for kl.direction=reverse, anchor for forward (the paper's Algorithms 1 and 2).")
 
     @model_validator(mode="after")
@@ -293,8 +296,6 @@ class KLConfig(Section):
             raise ValueError(f"estimator {self.estimator} estimates the forward KL only; set kl.direction=forward")
         if self.target is not None and self.coef <= 0:
             raise ValueError("kl.target (adaptive beta) needs kl.coef > 0, the initial beta (kl.coef=0 loads no anchor)")
-        if not self.support_renorm and self.estimator != "teacher_support":
-            raise ValueError(f"kl.support_renorm=false applies to kl.estimator=teacher_support only, not {self.estimator}")
         if self.estimator.startswith("teacher_support") and self.topk_from != "anchor":
             raise ValueError(f"kl.estimator={self.estimator} is the KL on the teacher's (anchor's) top-k support: set kl.topk_from=anchor")
         return self

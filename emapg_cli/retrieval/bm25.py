@@ -161,25 +161,17 @@ def build_index(corpus: Path, out: Path, progress: Optional[Callable[[Optional[i
 
 def remove_index(folder: Path) -> None:
     """Delete the index folder `folder` to build it again (`emapg prepare toy-search`), only if it is one emapg wrote:
-    it carries the `retriever index` marker, or (built before markers) a manifest of this module's format and
-    nothing but an index's files. Anything else is a UserError and is left as it is."""
+    it carries the `retriever index` marker. Anything else is a UserError and is left as it is."""
     import shutil
 
-    from emapg_cli.outputs import LOCK, MARKER, marker_kind
+    from emapg_cli.outputs import marker_kind
 
     folder = Path(folder)
     if not folder.exists():
         return
     if folder.is_symlink():  # a link to an index elsewhere: never delete through it
         raise UserError(f"{folder} is a symbolic link; remove it yourself to rebuild the index there")
-    ours = marker_kind(folder) == KIND
-    if not ours and folder.is_dir():
-        try:
-            fmt = json.loads((folder / MANIFEST).read_text(encoding="utf-8")).get("format")
-        except (OSError, ValueError, AttributeError):
-            fmt = None
-        ours = fmt == FORMAT and {p.name for p in folder.iterdir()} <= {"bm25", DOCS_BIN, OFFSETS, MANIFEST, MARKER, LOCK}
-    if not ours:
+    if marker_kind(folder) != KIND:
         raise UserError(f"{folder} exists and is not an index emapg wrote; move it away to rebuild the index there")
     shutil.rmtree(folder)
 

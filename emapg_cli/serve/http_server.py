@@ -52,6 +52,22 @@ BUSY_PEEK_S = 0.05
 BUSY_DRAIN_S = 0.2
 
 
+def drain(sock: socket.socket, seconds: float, timeout: float) -> None:
+    """Half-close `sock`, then read and drop at most LINGER_BYTES of what the client sends (for at most `seconds`, each
+    read waiting at most `timeout`; 0: non-blocking), so that closing does not reset the connection."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(timeout)
+        dropped, end = 0, time.monotonic() + seconds
+        while dropped < LINGER_BYTES and time.monotonic() < end:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            dropped += len(chunk)
+    except OSError:
+        pass
+
+
 class Refused(Exception):
     """A request refused with HTTP status `code` and a one-line reason (each server's checks raise it)."""
 
@@ -180,17 +196,7 @@ class BoundedServer(ThreadingMixIn, HTTPServer):
             path = head.split(b" ", 2)[1].decode("latin-1") if head.count(b" ") >= 2 else ""
             request.sendall(json_response(503, self.error_json(503, f"busy: {self.max_connections} connections are "
                                                                         "being served; retry later", path), close=True))
-            request.shutdown(socket.SHUT_WR)
-            request.setblocking(False)
-            dropped, end = 0, time.monotonic() + BUSY_DRAIN_S
-            try:  # drop what the client has already sent (bounded), so that closing does not reset the connection
-                while dropped < LINGER_BYTES and time.monotonic() < end:
-                    chunk = request.recv(65536)
-                    if not chunk:
-                        break
-                    dropped += len(chunk)
-            except OSError:
-                pass
+            drain(request, BUSY_DRAIN_S, 0.0)  # non-blocking: only what the client has already sent
         except OSError:
             pass
         self.shutdown_request(request)
@@ -269,17 +275,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self._linger()
 
     def _linger(self) -> None:
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(1.0)
-            dropped, end = 0, time.monotonic() + 1.0
-            while dropped < LINGER_BYTES and time.monotonic() < end:
-                chunk = self.connection.recv(65536)
-                if not chunk:
-                    break
-                dropped += len(chunk)
-        except OSError:
-            pass
+        drain(self.connection, 1.0, 1.0)
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""

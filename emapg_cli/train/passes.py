@@ -78,15 +78,14 @@ def check_layouts(scorer, batch: RolloutBatch, temperature: float, pack: str, sh
 
 
 @torch.no_grad()
-def _run(scorer, batch: RolloutBatch, micro: int, max_tokens, fill: dict[str, torch.Tensor], **kw) -> None:
+def _run(scorer, batch: RolloutBatch, micro: int, fill: dict[str, torch.Tensor], **kw) -> None:
     """The scorer's pass over micro-batches of rows; each field f of the result lands in fill[f][rows, :R_micro].
 
     Called through the scorer module (not `token_stats` on the bare model) so a sharded model's
     hooks gather its weights; every rank runs the same number of micro-batches.
     """
     b = batch.advantages.shape[0]
-    prompt_lens, response_lens = batch.lengths()
-    for rows in micro_batches(torch.arange(b), prompt_lens, response_lens, micro, max_tokens):
+    for rows in micro_batches(torch.arange(b), micro):
         rows = rows.to(batch.input_ids.device)
         mb = batch.select(rows)  # trims every per-token field, q_index included
         stats: TokenStats = scorer(mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask, q_index=mb.q_index, **kw)
@@ -103,7 +102,7 @@ def score_tokens(scorer, batch: RolloutBatch, settings: StepSettings) -> torch.T
     was = scorer.training
     scorer.eval()
     p = settings.passes
-    _run(scorer, batch.with_(q_index=None), p.micro_batch_size, p.max_tokens, fill, **p.scorer_args(entropy=False))
+    _run(scorer, batch.with_(q_index=None), p.micro_batch_size, fill, **p.scorer_args(entropy=False))
     scorer.train(was)
     return fill["logp"]
 
@@ -125,7 +124,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, settings
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     # no-grad passes never report entropy: skip its [chunk, V] softmax
-    micro, max_tokens, common = s.passes.micro_batch_size, s.passes.max_tokens, s.passes.scorer_args(entropy=False)
+    micro, common = s.passes.micro_batch_size, s.passes.scorer_args(entropy=False)
     sampling_q = s.q_from in ("engine", "policy")  # q: the sampling policy's top-k
     out = {}
     recorded = batch.sampling_logp is not None and not (sampling_q and batch.q_index is None)
@@ -146,7 +145,7 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, settings
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
         was = policy_scorer.training
         policy_scorer.eval()
-        _run(policy_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k if "topk_index" in fill else 0, **common)
+        _run(policy_scorer, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
         policy_scorer.train(was)
         out["old_logp"] = None if s.single_on_policy and not s.correction_old_pass else fill["logp"]
         if "topk_index" in fill:
@@ -158,10 +157,10 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, settings
                 fill["logp_q"] = zeros(b, r, k)  # [B, R, k]
             if s.q_from == "anchor":  # q is the anchor's own top-k, gathered in the same pass
                 fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-                _run(anchor_scorer, batch.with_(q_index=None), micro, max_tokens, fill, topk=k, **common)
+                _run(anchor_scorer, batch.with_(q_index=None), micro, fill, topk=k, **common)
                 out["q_index"] = fill["topk_index"]
             else:
-                _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, max_tokens, fill, **common)
+                _run(anchor_scorer, batch.with_(q_index=out.get("q_index")), micro, fill, **common)
             out["ref_logp"] = fill["logp"]
             if s.topk:
                 out["ref_logp_q"] = fill["logp_q"]

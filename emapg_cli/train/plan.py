@@ -326,9 +326,7 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
 
     terms: list[MemoryTerm] = []
     layers = m.layers
-    budget = cfg.train.max_tokens_per_micro_batch
-    bt = b * t if budget is None else min(b * t, max(t, budget))  # padded tokens of one micro-batch
-    bt_text = "b x T" if budget is None else f"min(b x T, max(T, max_tokens_per_micro_batch)) = {bt:,} tokens"
+    bt, bt_text = b * t, "b x T"  # padded tokens of one micro-batch
     if cfg.train.pack_sequences != "never" or cfg.train.share_prompts != "never":  # both only remove tokens: all b rows at T is the worst case
         bt_text += " (worst case: packing and prompt sharing only remove tokens)"
     if cfg.model.gradient_checkpointing:

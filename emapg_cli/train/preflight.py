@@ -129,11 +129,9 @@ def training_numerics(cfg: Config) -> None:
                         f"weight kl.coef / N_tokens is {per_token:.0e} at 10^5 tokens, below float16's smallest number "
                         f"{FLOAT16_TINY:.1e}, so it rounds to 0); use model.dtype=bfloat16 (float32's range, same memory) "
                         "or float32")
-    raw = cfg.kl.estimator == "teacher_support_raw" or (cfg.kl.estimator == "teacher_support" and not cfg.kl.support_renorm)
-    if raw and cfg.kl.coef > 0:
-        which = "kl.estimator=teacher_support_raw" if cfg.kl.estimator == "teacher_support_raw" else "kl.support_renorm=false"
-        raise UserError(f"{which} is not a training target: its minimum, sum over the teacher's top-k q of "
-                        "p log(p / p_teacher), is at p = p_teacher / e on q, so training moves the student's mass off "
+    if cfg.kl.estimator == "teacher_support_raw" and cfg.kl.coef > 0:
+        raise UserError("kl.estimator=teacher_support_raw is not a training target: its minimum, sum over the teacher's "
+                        "top-k q of p log(p / p_teacher), is at p = p_teacher / e on q, so training moves the student's mass off "
                         "the teacher's support (docs/distill.md); measure it with `emapg kl-check`, train with "
                         "kl.estimator=teacher_support (renormalised) or topk_tail")
 
@@ -223,9 +221,6 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
                                ("train.mini_batch_sequences", t.mini_batch_sequences))
            if value is not None and value % processes]
     fsdp = t.parallel == "fsdp" and processes > 1
-    if fsdp and t.max_tokens_per_micro_batch is not None:
-        out.append("train.max_tokens_per_micro_batch needs the same number of micro-batches on every rank under "
-                   "train.parallel=fsdp; use ddp or micro_batch_size")
     if fsdp and t.share_prompts == "always":
         out.append("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
                    "on several processes does not support; use auto or never")

@@ -300,27 +300,6 @@ def sequence_rows(prompt_ids: list[list[int]], completions: Sequence[Completion]
     return prompts, rows, torch.tensor(episode, dtype=torch.long), torch.tensor(empty, dtype=torch.bool)
 
 
-def micro_batches(rows: Tensor, prompt_lens: Tensor, response_lens: Tensor, max_rows: int,
-                  max_tokens: Optional[int] = None) -> list[Tensor]:
-    """Split `rows` [n] into micro-batches of at most `max_rows` rows and, with `max_tokens`, at most that
-    many padded tokens: rows x (longest prompt + longest response) among them, as `RolloutBatch.select`
-    trims them. With a token budget the rows are taken longest first (less padding); a row above the
-    budget on its own forms its own micro-batch. prompt_lens, response_lens: [B] real lengths of every row.
-    """
-    if max_tokens is None:
-        return [rows[i:i + max_rows] for i in range(0, rows.numel(), max_rows)]
-    order = rows[torch.argsort(prompt_lens[rows] + response_lens[rows], descending=True, stable=True)]
-    out: list[list[int]] = []
-    cur: list[int] = []
-    p_max = r_max = 0
-    for row in order.tolist():
-        p, r = int(prompt_lens[row]), max(int(response_lens[row]), 1)
-        np_, nr = max(p_max, p), max(r_max, r)
-        if cur and (len(cur) + 1 > max_rows or (len(cur) + 1) * (np_ + nr) > max_tokens):
-            out.append(cur)
-            cur, np_, nr = [], p, r
-        cur.append(row)
-        p_max, r_max = np_, nr
-    if cur:
-        out.append(cur)
-    return [torch.tensor(m, dtype=rows.dtype) for m in out]
+def micro_batches(rows: Tensor, max_rows: int) -> list[Tensor]:
+    """Split `rows` [n] into consecutive micro-batches of at most `max_rows` rows."""
+    return [rows[i:i + max_rows] for i in range(0, rows.numel(), max_rows)]

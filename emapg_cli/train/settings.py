@@ -26,8 +26,7 @@ class PassSettings:
 
     `temperature` is rollout.temperature (log-probs refer to the distribution sampled from); `chunk` / `budget_mib`
     size the output layer's chunks (train.logit_chunk / train.logit_memory_mib); `pack` / `share` are
-    train.pack_sequences / train.share_prompts; `micro_batch_size` / `max_tokens` are train.micro_batch_size /
-    train.max_tokens_per_micro_batch."""
+    train.pack_sequences / train.share_prompts; `micro_batch_size` is train.micro_batch_size."""
 
     temperature: float = 1.0
     chunk: Optional[int] = None
@@ -35,7 +34,6 @@ class PassSettings:
     pack: str = "never"
     share: str = "never"
     micro_batch_size: int = 1
-    max_tokens: Optional[int] = None
 
     def scorer_args(self, **over: Any) -> dict[str, Any]:
         """The scorer's keyword arguments for a pass with these settings (`over` adds or replaces some)."""
@@ -102,8 +100,7 @@ def policy_loss(cfg) -> PolicyLoss:
     train.objective distill / rl+distill the KL term is the distillation term (`grpo.distill.distill_estimator`)."""
     t, kl = cfg.train, cfg.kl
     distils = t.objective != "rl"  # K1 is trained in its score-function form (grpo/distill.py)
-    name = "teacher_support_raw" if kl.estimator == "teacher_support" and not kl.support_renorm else kl.estimator
-    return PolicyLoss(beta=kl.coef, estimator=distill_estimator(name) if distils else name, distill=distils, direction=kl.direction, iw=kl.iw, iw_clip=kl.iw_clip,
+    return PolicyLoss(beta=kl.coef, estimator=distill_estimator(kl.estimator) if distils else kl.estimator, distill=distils, direction=kl.direction, iw=kl.iw, iw_clip=kl.iw_clip,
                       log_ratio_clamp=kl.log_ratio_clamp, estimate_clamp=kl.estimate_clamp, clip_low=t.clip_low,
                       clip_high=t.clip_high, dual_clip=t.dual_clip, agg=t.loss_agg, correction=t.rollout_correction,
                       correction_cap=t.rollout_correction_cap)
@@ -113,8 +110,7 @@ def pass_settings(cfg) -> PassSettings:
     """The token scorer's pass settings from the `rollout` and `train` sections."""
     t = cfg.train
     return PassSettings(temperature=cfg.rollout.temperature, chunk=t.logit_chunk, budget_mib=t.logit_memory_mib,
-                        pack=t.pack_sequences, share=t.share_prompts, micro_batch_size=t.micro_batch_size,
-                        max_tokens=t.max_tokens_per_micro_batch)
+                        pack=t.pack_sequences, share=t.share_prompts, micro_batch_size=t.micro_batch_size)
 
 
 def step_settings(cfg, vocab: int) -> StepSettings:

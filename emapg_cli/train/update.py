@@ -227,7 +227,6 @@ def update_policy(strategy, scorer, batch: RolloutBatch, settings: StepSettings,
     rows_per_mini = s.sequences_per_mini_batch // accelerator.num_processes  # this rank's rows per optimizer step
     stats = UpdateStats()
     params = [p for p in scorer.parameters() if p.requires_grad]
-    prompt_lens, response_lens = batch.lengths()  # [B], [B]
     record = not s.old_pass  # no old-policy pass measured the engine/trainer mismatch: the first step does
     batch, stats.correction = correction_weights(batch, s.loss)
     in_loss = s.loss.correction != "none" and batch.is_weight is None  # w from the first pass (PolicyLoss.per_token)
@@ -240,7 +239,7 @@ def update_policy(strategy, scorer, batch: RolloutBatch, settings: StepSettings,
             num_tokens = float(mask.sum())
             if s.loss.agg == "token-mean":  # the only mode that divides by a token count
                 num_tokens = global_token_share(accelerator, num_tokens)
-            micros = micro_batches(rows, prompt_lens, response_lens, p.micro_batch_size, p.max_tokens)
+            micros = micro_batches(rows, p.micro_batch_size)
             finite = True
             pg = kl = 0.0
             for i, micro in enumerate(micros):
