@@ -143,9 +143,11 @@ def test_atomic_write_never_touches_a_fixed_tmp_name(tmp_path):
 
 def test_ablate_removes_only_an_emapg_train_folder(tmp_path):
     from emapg_cli.ablate.runner import launch_args, run_dir
+    from emapg_cli.ablate.study import Sweep
 
     spec = SimpleNamespace(config_id="c0", seed=1, overrides=[], run_id="c0/seed1")
     sweep = SimpleNamespace(preset=None, config=None)
+    sweep.command = lambda verb, sets: Sweep.command(sweep, verb, sets)  # the sweep's command lines, as a Sweep builds them
     rdir = run_dir(tmp_path, spec)
     rdir.mkdir(parents=True)
     (rdir / "notes.txt").write_text("mine")
