@@ -267,3 +267,26 @@ def test_a_task_config_asking_for_too_much_work_is_refused(tmp_path, monkeypatch
     worker.join(60)
     assert "more than 3 s or 4096 MiB" in box.get("error", ""), box
     assert not out.exists()
+
+
+def test_the_scorers_private_folder_goes_with_the_reward_closed_or_not():
+    """The workers' private temp folder: close() removes it, and so does dropping a reward nobody closed (CI runs left
+    one empty `emapg-scorer-*` folder per unclosed reward in the temp dir)."""
+    import gc
+    from pathlib import Path
+
+    from emapg_cli.rewards.reasoning_gym_reward import ReasoningGymReward
+
+    closed = ReasoningGymReward(workers=1)
+    folder = Path(closed.folder)
+    assert folder.is_dir()
+    closed.close()
+    assert not folder.exists()
+    closed.close()  # twice is harmless
+
+    dropped = ReasoningGymReward(workers=1)
+    folder = Path(dropped.folder)
+    assert folder.is_dir()
+    del dropped
+    gc.collect()
+    assert not folder.exists()

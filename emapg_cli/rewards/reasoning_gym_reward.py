@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Any, Optional, Sequence
 
 from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB, PLUGIN_TIMEOUT, PooledReward
@@ -59,6 +60,9 @@ class ReasoningGymReward(PooledReward):
 
         library()  # one line naming the extra when reasoning-gym is not installed, before any work
         self.folder = tempfile.mkdtemp(prefix="emapg-scorer-")
+        # removed by close(), else when the reward is collected or the interpreter exits (a reward nobody closes, as in
+        # a one-off `get_reward("reasoning-gym")`, left its empty folder in the temp dir)
+        self._remove_folder = weakref.finalize(self, shutil.rmtree, self.folder, True)
         super().__init__(score_task, warm_up, (self.folder,), workers, timeout, memory_mib)
 
     def tasks(self, responses: Sequence[str], examples: Sequence[Any]) -> list[tuple]:
@@ -66,7 +70,7 @@ class ReasoningGymReward(PooledReward):
 
     def close(self) -> None:
         super().close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self._remove_folder()
 
     @staticmethod
     def solved(score: float) -> bool:
