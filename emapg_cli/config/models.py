@@ -19,24 +19,24 @@ from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
 
 Estimator = Literal[ESTIMATORS]  # type: ignore[valid-type]
 #: Keys that moved or went: setting one is a one-line error naming where it went.
+_DYNAMIC_SAMPLING = ("train.filter_groups (DAPO's dynamic sampling) is gone: no preset used it and no measurement showed a "
+                     "win; raise rollout.prompts_per_step instead (CHANGELOG)")
+_OVERLONG = ("reward.overlong_buffer (DAPO's soft overlong penalty) is gone: no preset used it and no measurement showed a "
+             "win; use reward.truncated or train.mask_truncated (CHANGELOG)")
 MOVED_KEYS = {"rollout.max_turns": "rollout.max_turns is gone: the search agent's turn limit is search.max_turns (default 4), "
                                    "a user environment's is its class's max_turns attribute (docs/environments.md)",
               "rollout.hf_attention": "rollout.hf_attention is gone: the hf decode loop's attention is transformers' sdpa "
                                       "(cascade attention was removed: it did not measurably speed up generation)",
-              "train.filter_groups": "train.filter_groups (DAPO's dynamic sampling) is gone: no preset used it and no "
-                                     "measurement showed a win; raise rollout.prompts_per_step instead (CHANGELOG)",
+              "train.filter_groups": _DYNAMIC_SAMPLING, "train.filter_max_rounds": _DYNAMIC_SAMPLING,
               "ema.decay_schedule": "ema.decay_schedule (a fixed plan for eta) is gone: no preset used it and no measurement "
                                     "showed a win; use ema.decay, or ema.target_distance for an eta that adapts (CHANGELOG)",
               "rollout.engine_weights_backend": "rollout.engine_weights_backend is gone: the weights travel in the body of "
                                                 "the push request (http); the untested NCCL channel was removed (CHANGELOG)",
-              "reward.overlong_buffer": "reward.overlong_buffer (DAPO's soft overlong penalty) is gone: no preset used it and "
-                                        "no measurement showed a win; use reward.truncated or train.mask_truncated (CHANGELOG)"}
-MOVED_KEYS["train.max_tokens_per_micro_batch"] = ("train.max_tokens_per_micro_batch (batching by tokens) is gone: no preset "
-                                                  "used it; cap a micro-batch with train.micro_batch_size (CHANGELOG)")
-MOVED_KEYS["kl.support_renorm"] = ("kl.support_renorm is gone: false was another name of kl.estimator=teacher_support_raw, "
-                                   "which is measured with `emapg kl-check`, never trained (docs/distill.md)")
-MOVED_KEYS["train.filter_max_rounds"] = MOVED_KEYS["train.filter_groups"]
-MOVED_KEYS["reward.overlong_penalty"] = MOVED_KEYS["reward.overlong_buffer"]
+              "reward.overlong_buffer": _OVERLONG, "reward.overlong_penalty": _OVERLONG,
+              "train.max_tokens_per_micro_batch": "train.max_tokens_per_micro_batch (batching by tokens) is gone: no preset "
+                                                  "used it; cap a micro-batch with train.micro_batch_size (CHANGELOG)",
+              "kl.support_renorm": "kl.support_renorm is gone: false was another name of kl.estimator=teacher_support_raw, "
+                                   "which is measured with `emapg kl-check`, never trained (docs/distill.md)"}
 #: Keys removed with their feature, and the values that meant what emapg does now: a config holding one at such a
 #: value (a run's config.yaml, for --resume, holds every key) loads without it; None: any value (a key only the
 #: removed feature read). Any other value is the MOVED_KEYS error.
