@@ -165,12 +165,6 @@ class HFEngine(EngineBase):
         """Sample from `model` from now on (the trainer passes its live policy or the anchor)."""
         self.model = model
 
-    def release_memory(self) -> None:
-        """Nothing to release: the engine holds no memory of its own."""
-
-    def resume_memory(self) -> None:
-        """Nothing to take back."""
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
         """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j).
         `cancelled`: polled at every decode step; once it returns True, `Cancelled` is raised (nothing returned)."""
