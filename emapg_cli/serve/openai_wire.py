@@ -26,6 +26,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional, Sequence
 
 #: Roles a chat message may have (OpenAI's; `developer` is rendered as the template renders it).
@@ -406,11 +407,8 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
 def _chat_logprobs(c: Choice) -> Optional[dict[str, Any]]:
     if c.logprobs is None:
         return None
-    content = []
-    for i, (tok, lp) in enumerate(zip(c.tokens, c.logprobs)):
-        row = _entry(tok, lp)
-        row["top_logprobs"] = [_entry(t, v) for t, v in c.top[i]] if c.top is not None else []
-        content.append(row)
+    content = [{**_entry(tok, lp), "top_logprobs": [_entry(t, v) for t, v in c.top[i]] if c.top is not None else []}
+               for i, (tok, lp) in enumerate(zip(c.tokens, c.logprobs))]
     return {"content": content, "refusal": None}
 
 
@@ -437,10 +435,7 @@ def completion_reply(req: Request, model_id: str, choices: Sequence[Choice], ver
     for i, c in enumerate(choices):
         logprobs = None
         if req.logprobs and c.logprobs is not None:
-            offsets, at = [], 0
-            for tok in c.tokens:
-                offsets.append(at)
-                at += len(tok)
+            offsets = list(accumulate(map(len, c.tokens), initial=0))[:-1]  # where each token's text starts
             logprobs = {"tokens": list(c.tokens), "token_logprobs": list(c.logprobs), "text_offset": offsets,
                         "top_logprobs": [dict(row) for row in c.top] if c.top is not None else None}
         out.append({"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs,
