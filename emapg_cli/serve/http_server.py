@@ -272,10 +272,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.send_json(code, self.error_json(code, message))
         if unread:
-            self._linger()
-
-    def _linger(self) -> None:
-        drain(self.connection, 1.0, 1.0)
+            drain(self.connection, 1.0, 1.0)
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""

@@ -28,7 +28,7 @@ from emapg_cli.serve import openai_wire
 from emapg_cli.serve.openai_http import answer
 from emapg_cli.serve.rollout_service import RolloutService
 from emapg_cli.serve.rollout_weights import read_exactly_into
-from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused, peer_closed
+from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused, drain, peer_closed
 
 #: Largest JSON body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB; a body
 #: parses into ~36 bytes of Python objects per token id, and bodies are parsed one at a time).
@@ -99,7 +99,7 @@ class _Handler(BoundedHandler):
         except Exception as e:  # never a traceback to the client; the server keeps serving
             code, reply = 500, {"error": f"{type(e).__name__}: {one_line(e, 300)}".rstrip(": ")}
         if self.send_reply(code, reply) and code != 200 and linger:
-            self._linger()
+            drain(self.connection, 1.0, 1.0)
 
     def _authorized(self, unread: bool) -> bool:
         secret = self.server.secret
