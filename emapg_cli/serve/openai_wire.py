@@ -207,10 +207,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise _bad(f"{where}.tool_calls: each needs a function with a name", "messages")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError):
-                pass  # rendered as the text it is
+            args = _args(args) if args.strip() else {}  # not JSON: rendered as the text it is
         out.append({"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
