@@ -20,6 +20,7 @@ support: the engine then warns once, naming why). `HFEngine.decode_path` says wh
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import warnings
@@ -309,14 +310,7 @@ class HFEngine(EngineBase):
 
         if not hit(len(ids)):
             return None
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if hit(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return 1 + bisect.bisect_left(range(1, len(ids) + 1), True, key=hit)  # the first n with hit(n)
 
 
 def _forward_model(model):
