@@ -305,10 +305,9 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
     k = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)  # completions: the number of top log-probs
     req.logprobs, req.top_logprobs = k is not None, k or 0
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+    if isinstance(prompt, str) or _ids(prompt):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p))
-                                                     for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
         prompts = list(prompt)
     else:
         raise _bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids", "prompt")
@@ -320,8 +319,8 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
     return req
 
 
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+def _ids(x: Any) -> bool:  # a non-empty list of token ids
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
 
 
 def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
