@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams, end_token_ids
@@ -328,11 +329,7 @@ def refresh_tied_heads(model: Any) -> int:
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None:
-            owners[id(weight)] = owners.get(id(weight), 0) + 1
+    owners = Counter(id(m._parameters["weight"]) for m in model.modules() if m._parameters.get("weight") is not None)
     refreshed = 0
     for module in model.modules():
         weight = module._parameters.get("weight")
