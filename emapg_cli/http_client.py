@@ -116,9 +116,7 @@ def request(url: str, method: str = "GET", body: Optional[Body] = None, *, timeo
             raise Deadline(f"no reply within {timeout_s:g} s")
         return Reply(response.status, response.reason, data)
     except (OSError, http.client.HTTPException, ValueError) as e:
-        if expired.is_set() or time.monotonic() - t0 >= timeout_s:
-            raise Deadline(f"no reply within {timeout_s:g} s") from None
-        if isinstance(e, socket.timeout):
+        if expired.is_set() or time.monotonic() - t0 >= timeout_s or isinstance(e, socket.timeout):
             raise Deadline(f"no reply within {timeout_s:g} s") from None
         raise
     finally:

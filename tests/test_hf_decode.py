@@ -118,7 +118,7 @@ def test_a_model_the_loop_does_not_support_uses_generate_and_says_so(tok, one_to
 def test_preallocated_layer_returns_what_cat_would(one_torch_thread):
     from transformers.cache_utils import DynamicLayer
 
-    from emapg_cli.engines.hf_decode import PreallocatedLayer
+    from emapg_cli.engines.kv_cache import PreallocatedLayer
 
     g = torch.Generator().manual_seed(0)
     fixed, grown = PreallocatedLayer(capacity=8), DynamicLayer()

@@ -29,13 +29,9 @@ def end_token_ids(tokenizer, generation_config: Any = None) -> tuple[int, ...]:
     `<|endoftext|>`). vLLM stops on both by default; transformers' `generate` stops on what it is
     given. Both emapg engines are given this set, so they end a response on the same tokens.
     """
-    ids: list[int] = []
-    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    eos = getattr(generation_config, "eos_token_id", None)
     extra: Iterable[Any] = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-    for t in [getattr(tokenizer, "eos_token_id", None), *extra]:
-        if t is not None and int(t) not in ids:
-            ids.append(int(t))
-    return tuple(ids)
+    return tuple(dict.fromkeys(int(t) for t in [getattr(tokenizer, "eos_token_id", None), *extra] if t is not None))
 
 
 class Cancelled(Exception):

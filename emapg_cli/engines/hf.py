@@ -20,6 +20,7 @@ support: the engine then warns once, naming why). `HFEngine.decode_path` says wh
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import warnings
@@ -165,12 +166,6 @@ class HFEngine(EngineBase):
         """Sample from `model` from now on (the trainer passes its live policy or the anchor)."""
         self.model = model
 
-    def release_memory(self) -> None:
-        """Nothing to release: the engine holds no memory of its own."""
-
-    def resume_memory(self) -> None:
-        """Nothing to take back."""
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, cancelled: CancelHook = None) -> list[list[Completion]]:
         """`params.n` completions per prompt; row i*n + j is seeded with derive_seed(params.seed, i*n + j).
         `cancelled`: polled at every decode step; once it returns True, `Cancelled` is raised (nothing returned)."""
@@ -315,14 +310,7 @@ class HFEngine(EngineBase):
 
         if not hit(len(ids)):
             return None
-        lo, hi = 1, len(ids)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if hit(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return 1 + bisect.bisect_left(range(1, len(ids) + 1), True, key=hit)  # the first n with hit(n)
 
 
 def _forward_model(model):

@@ -40,7 +40,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicCache
 
 from emapg_cli.engines.base import Cancelled
-from emapg_cli.engines.kv_cache import PreallocatedLayer, preallocated_cache  # noqa: F401 - PreallocatedLayer: re-exported
+from emapg_cli.engines.kv_cache import preallocated_cache
 from emapg_cli.models.prefix import cache_kwarg, position_ids, prompt_cache
 
 #: A batch never shrinks below this many rows (or the chunk's rows, when fewer): below it a step costs about

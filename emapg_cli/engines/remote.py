@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional
 from emapg_cli import http_client
 from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams
 from emapg_cli.engines.rollout_protocol import (
-    PROTOCOL, SECRET_ENV, ProtocolError, completions_from_json, params_to_json, push_header,
+    PROTOCOL, SECRET_ENV, ProtocolError, completions_from_json, manifest, params_to_json, push_header,
 )
 from emapg_cli.errors import UserError
 
@@ -166,8 +166,6 @@ class RemoteEngine(EngineBase):
     def push_weights(self, model, version: int) -> None:
         """Send `model`'s parameters as `version` (asking the server for a session, its token, at the first push);
         returns once the server received and checked them."""
-        from emapg_cli.engines.rollout_protocol import manifest
-
         dtype = self.health.get("dtype")
         with self._lock:
             if self._token is None:

@@ -74,12 +74,9 @@ def params_from_json(obj: Any) -> SamplingParams:
     if unknown:
         raise ProtocolError(f"params has unknown key {unknown[0]!r:.40}")
     kw: dict[str, Any] = {}
-    for key in ("n", "max_new_tokens"):
+    for key, lo in (("n", 1), ("max_new_tokens", 1), ("seed", 0), ("topk", 0)):
         if key in obj:
-            kw[key] = _int(obj[key], f"params.{key}", 1)
-    for key in ("seed", "topk"):
-        if key in obj:
-            kw[key] = _int(obj[key], f"params.{key}", 0)
+            kw[key] = _int(obj[key], f"params.{key}", lo)
     for key in ("temperature", "top_p"):
         if key in obj:
             kw[key] = _float(obj[key], f"params.{key}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections import Counter
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from emapg_cli.engines.base import CancelHook, Cancelled, Completion, EngineBase, SamplingParams, end_token_ids
@@ -108,13 +109,9 @@ def records_full_vocab(logprobs_mode: str, temperature: float, top_p: float) -> 
     """Whether an engine started with `logprobs_mode` records, for requests sampled at (`temperature`,
     `top_p`), log softmax(z / T) over the full vocabulary (the trainer's distribution; see
     `logprobs_mode_for`). Greedy requests (T = 0) never do (both modes give T = 1's)."""
-    if temperature <= 0:
-        return False
     if logprobs_mode == "raw_logprobs":
         return temperature == 1
-    if logprobs_mode == "processed_logprobs":
-        return top_p >= 1
-    return False
+    return logprobs_mode == "processed_logprobs" and temperature > 0 and top_p >= 1
 
 
 def import_vllm():
@@ -301,9 +298,8 @@ def find_inprocess_reloader(llm: Any) -> Optional[Callable[..., None]]:
     runner's (which the worker calls inside vLLM's config context) is the one inspected.
     """
     for path in _INPROCESS_WORKER_PATHS:
-        worker = _walk(llm, path)
-        reload = getattr(worker, "reload_weights", None) if worker is not None else None
-        runner_reload = _walk(worker, "model_runner.reload_weights") if worker is not None else None
+        worker = _walk(llm, path)  # None: both look-ups below give None
+        reload, runner_reload = getattr(worker, "reload_weights", None), _walk(worker, "model_runner.reload_weights")
         if not (callable(reload) and callable(runner_reload)):
             continue
         try:
@@ -333,11 +329,7 @@ def refresh_tied_heads(model: Any) -> int:
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None:
-            owners[id(weight)] = owners.get(id(weight), 0) + 1
+    owners = Counter(id(m._parameters["weight"]) for m in model.modules() if m._parameters.get("weight") is not None)
     refreshed = 0
     for module in model.modules():
         weight = module._parameters.get("weight")
@@ -399,7 +391,6 @@ def _default_end_ids(llm: Any, model_path: str) -> tuple[int, ...]:
     tokenizer = get_tokenizer() if callable(get_tokenizer) else None
     if tokenizer is None:
         return ()
-    generation_config = None
     try:
         from transformers import GenerationConfig
 

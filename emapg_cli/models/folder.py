@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import json
 import math
 import os
@@ -175,18 +176,11 @@ def check_model_folder(path: str, what: str) -> Optional[Path]:
 def _library_errors() -> tuple[type[BaseException], ...]:
     """safetensors' error for a file it cannot read, huggingface_hub's for a config field of the wrong type."""
     errors: list[type[BaseException]] = []
-    try:
-        from safetensors import SafetensorError
-
-        errors.append(SafetensorError)
-    except ImportError:
-        pass
-    try:
-        from huggingface_hub.errors import StrictDataclassError
-
-        errors.append(StrictDataclassError)
-    except ImportError:
-        pass
+    for module, name in (("safetensors", "SafetensorError"), ("huggingface_hub.errors", "StrictDataclassError")):
+        try:
+            errors.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
     return tuple(errors)
 
 

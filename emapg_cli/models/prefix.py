@@ -137,20 +137,10 @@ def prompt_cache(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
     """The key/value cache of every row's prompt but its last token (left-padded prompts [B, P]), each
     distinct prompt computed once; None when no prompt repeats or P < 2. `generate` given it (under
     `cache_kwarg(decoder)`) with the full prompts runs only their last column before sampling."""
-    prefix = prompt_prefix(decoder, input_ids, attention_mask)
-    if prefix is None:
-        return None
-    cache, groups = prefix
-    cache.batch_select_indices(groups.inverse)  # each row's prompt keys and values
-    return cache
-
-
-def prompt_prefix(decoder: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Optional[tuple[Any, Groups]]:
-    """`prompt_cache` before it is gathered to the rows: the distinct prompts' cache ([U, ...]: each prompt but its
-    last token) and the groups (which row holds which prompt); None when no prompt repeats or P < 2."""
     width = input_ids.shape[1] - 1  # the columns prefilled here; the decode loop runs the last one
     groups = plan(input_ids, attention_mask, width, "always")
     if groups is None:
         return None
     cache = _distinct_prefill(decoder, input_ids, attention_mask, position_ids(attention_mask), groups, width)[1]
-    return cache, groups
+    cache.batch_select_indices(groups.inverse)  # each row's prompt keys and values
+    return cache

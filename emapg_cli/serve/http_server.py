@@ -25,19 +25,6 @@ from socketserver import ThreadingMixIn
 from typing import Any, Optional
 
 
-def write_json(handler: Any, code: int, data: bytes) -> None:
-    """Send `data` (an encoded JSON body) with status `code`, its length, and `Connection: close` when the handler
-    will close the connection after it; flushed."""
-    handler.send_response(code)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    if handler.close_connection:
-        handler.send_header("Connection", "close")
-    handler.end_headers()
-    handler.wfile.write(data)
-    handler.wfile.flush()
-
-
 #: The listen backlog (connections the kernel queues before `accept`).
 BACKLOG = 256
 #: Pause of the accept loop when the process is out of file descriptors (EMFILE/ENFILE).
@@ -249,9 +236,18 @@ class BoundedHandler(BaseHTTPRequestHandler):
         return peer_closed(self.connection)
 
     def send_json(self, code: int, body: dict | bytes) -> None:
+        """Send `body` (encoded JSON, or a dict) with status `code`, its length, and `Connection: close` when the
+        connection closes after it; flushed."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.deadline(self.server.timeout_s)
-        write_json(self, code, data)
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
         self.deadline(self.server.timeout_s)  # the next request on this connection, or an idle one is closed
 
     def send_reply(self, code: int, body: dict) -> bool:
@@ -272,10 +268,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self.close_connection = True
         self.send_json(code, self.error_json(code, message))
         if unread:
-            self._linger()
-
-    def _linger(self) -> None:
-        drain(self.connection, 1.0, 1.0)
+            drain(self.connection, 1.0, 1.0)
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
         """http.server's own refusals (bad request line, headers too long, ...) as JSON too."""

@@ -36,10 +36,6 @@ from emapg_cli.serve.openai_wire import (Choice, OpenAIError, Request, WireLimit
 from emapg_cli.serve.request_limits import RequestLimits, check_generation
 
 
-def _stays() -> bool:
-    return False
-
-
 @dataclass(frozen=True)
 class Caller:
     """Who sent a request and when: its API key (None: none), its arrival (time.monotonic(); its deadline counts from
@@ -47,7 +43,7 @@ class Caller:
 
     api_key: Optional[str] = None
     arrival: float = field(default_factory=time.monotonic)
-    left: Callable[[], bool] = _stays
+    left: Callable[[], bool] = lambda: False
 
 
 @dataclass(frozen=True)

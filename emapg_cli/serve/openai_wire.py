@@ -26,6 +26,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Optional, Sequence
 
 #: Roles a chat message may have (OpenAI's; `developer` is rendered as the template renders it).
@@ -206,10 +207,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise _bad(f"{where}.tool_calls: each needs a function with a name", "messages")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError):
-                pass  # rendered as the text it is
+            args = _args(args) if args.strip() else {}  # not JSON: rendered as the text it is
         out.append({"id": str(call.get("id", "")), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
@@ -307,10 +305,9 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
     k = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)  # completions: the number of top log-probs
     req.logprobs, req.top_logprobs = k is not None, k or 0
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+    if isinstance(prompt, str) or _ids(prompt):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_id(t) for t in p))
-                                                     for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _ids(p) for p in prompt):
         prompts = list(prompt)
     else:
         raise _bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids", "prompt")
@@ -322,8 +319,8 @@ def parse_completion(body: Any, limits: WireLimits = WireLimits()) -> Request:
     return req
 
 
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+def _ids(x: Any) -> bool:  # a non-empty list of token ids
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in x)
 
 
 def parse_tool_calls(text: str) -> tuple[Optional[str], list[dict[str, Any]]]:
@@ -406,11 +403,8 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
 def _chat_logprobs(c: Choice) -> Optional[dict[str, Any]]:
     if c.logprobs is None:
         return None
-    content = []
-    for i, (tok, lp) in enumerate(zip(c.tokens, c.logprobs)):
-        row = _entry(tok, lp)
-        row["top_logprobs"] = [_entry(t, v) for t, v in c.top[i]] if c.top is not None else []
-        content.append(row)
+    content = [{**_entry(tok, lp), "top_logprobs": [_entry(t, v) for t, v in c.top[i]] if c.top is not None else []}
+               for i, (tok, lp) in enumerate(zip(c.tokens, c.logprobs))]
     return {"content": content, "refusal": None}
 
 
@@ -437,10 +431,7 @@ def completion_reply(req: Request, model_id: str, choices: Sequence[Choice], ver
     for i, c in enumerate(choices):
         logprobs = None
         if req.logprobs and c.logprobs is not None:
-            offsets, at = [], 0
-            for tok in c.tokens:
-                offsets.append(at)
-                at += len(tok)
+            offsets = list(accumulate(map(len, c.tokens), initial=0))[:-1]  # where each token's text starts
             logprobs = {"tokens": list(c.tokens), "token_logprobs": list(c.logprobs), "text_offset": offsets,
                         "top_logprobs": [dict(row) for row in c.top] if c.top is not None else None}
         out.append({"index": i, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs,

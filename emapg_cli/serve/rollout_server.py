@@ -22,11 +22,13 @@ from typing import Any, Callable, Optional
 from emapg_cli.http_client import one_line
 from emapg_cli.serve.request_limits import RequestLimits, check_generation
 from emapg_cli.engines.rollout_protocol import (
-    HEADER_BYTES, ProtocolError, header_length, params_from_json, parse_push_header, token_lists,
+    HEADER_BYTES, ProtocolError, completion_to_json, header_length, params_from_json, parse_push_header, token_lists,
 )
+from emapg_cli.serve import openai_wire
+from emapg_cli.serve.openai_http import answer
 from emapg_cli.serve.rollout_service import RolloutService
 from emapg_cli.serve.rollout_weights import read_exactly_into
-from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused, peer_closed
+from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused, drain, peer_closed
 
 #: Largest JSON body (bytes): prompts as token ids (a 64-prompt step of 2,048-token prompts is about 1 MB; a body
 #: parses into ~36 bytes of Python objects per token id, and bodies are parsed one at a time).
@@ -69,17 +71,8 @@ class RolloutServer(BoundedServer):
         """A refusal of an OpenAI route (`--openai`; the accept loop's 503 included) is OpenAI's error body; of the
         others, `{"error": "..."}`."""
         if self.openai is not None and path.startswith("/v1/"):
-            from emapg_cli.serve.openai_wire import error_json
-
-            return error_json(code, message)
+            return openai_wire.error_json(code, message)
         return super().error_json(code, message, path)
-
-
-def _number(value: Any, name: str, default: Optional[float] = None) -> float:
-    value = default if value is None and default is not None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
-        raise ProtocolError(f"{name} must be a number of seconds in (0, 86400]")
-    return float(value)
 
 
 def _keys(request: dict, allowed: tuple[str, ...]) -> None:
@@ -106,7 +99,7 @@ class _Handler(BoundedHandler):
         except Exception as e:  # never a traceback to the client; the server keeps serving
             code, reply = 500, {"error": f"{type(e).__name__}: {one_line(e, 300)}".rstrip(": ")}
         if self.send_reply(code, reply) and code != 200 and linger:
-            self._linger()
+            drain(self.connection, 1.0, 1.0)
 
     def _authorized(self, unread: bool) -> bool:
         secret = self.server.secret
@@ -123,8 +116,6 @@ class _Handler(BoundedHandler):
         if not self._authorized(unread=False):
             return
         if self._is_openai():
-            from emapg_cli.serve.openai_http import answer
-
             answer(self, self.server.openai, time.monotonic())
         elif self.path == "/health":
             limits = self.server.limits
@@ -137,8 +128,6 @@ class _Handler(BoundedHandler):
         arrival = time.monotonic()  # a request's deadline counts from here
         if self._is_openai():
             if self._authorized(unread=True):
-                from emapg_cli.serve.openai_http import answer
-
                 answer(self, self.server.openai, arrival)
             return
         route = {"/generate": self._generate, "/full_vocab_logprobs": self._full_vocab,
@@ -167,8 +156,6 @@ class _Handler(BoundedHandler):
         return request
 
     def _generate(self, request: dict, arrival: float) -> dict:
-        from emapg_cli.engines.rollout_protocol import completion_to_json
-
         _keys(request, ("prompts", "params", "version", "timeout_s", "token"))
         service = self.server.service
         prompts = token_lists(request.get("prompts"), "prompts", service.served.fingerprint.get("vocab_size"))
@@ -177,9 +164,11 @@ class _Handler(BoundedHandler):
         version = request.get("version")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise ProtocolError("version must be an integer or null")
-        timeout = _number(request.get("timeout_s"), "timeout_s", WAIT_TIMEOUT_S)
-        rows, used, waited = service.generate(prompts, params, version, timeout, arrival, token=request.get("token"),
-                                              cancelled=self.client_left)
+        timeout = WAIT_TIMEOUT_S if request.get("timeout_s") is None else request["timeout_s"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise ProtocolError("timeout_s must be a number of seconds in (0, 86400]")
+        rows, used, waited = service.generate(prompts, params, version, float(timeout), arrival,
+                                              token=request.get("token"), cancelled=self.client_left)
         return {"completions": [[completion_to_json(c) for c in row] for row in rows], "weights_version": used,
                 "wait_s": waited}
 

@@ -120,10 +120,8 @@ class RolloutService:
         trainer connected, `token` must be its token (without one, a request samples the loaded weights). `anyone`: a
         caller other than the trainer (the OpenAI routes of `--openai`): no token, the weights held now."""
         deadline = arrival + timeout_s
-        if anyone:
-            session = None
-        else:
-            session = self.session if token is None and self.session is None else self.check_token(token, "/generate")
+        no_token = anyone or (token is None and self.session is None)
+        session = None if no_token else self.check_token(token, "/generate")
 
         def ready() -> bool:
             return ((version is None or self.version == version)
