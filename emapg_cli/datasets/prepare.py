@@ -83,13 +83,6 @@ def dataset_dir(name: str, out: Optional[Path] = None) -> Path:
     return emapg_home() / "data" / name
 
 
-def spec_for(name: str, from_file: Optional[Path]) -> DatasetSpec:
-    """The registered spec; an unregistered name is fine with a local file (fields auto-detected)."""
-    if name in datasets() or from_file is None:
-        return get_spec(name)
-    return custom_spec(name)
-
-
 def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
     """Write data.jsonl and manifest.json into `out_dir`; returns the manifest."""
     data = out_dir / "data.jsonl"
@@ -126,7 +119,8 @@ def prepare_dataset(
 
     `progress(total, ...)` may return a callback advanced once per source row.
     """
-    spec = spec_for(name, from_file)
+    # the registered spec; an unregistered name is fine with a local file (fields auto-detected)
+    spec = get_spec(name) if name in datasets() or from_file is None else custom_spec(name)
     out_dir = dataset_dir(name, out)
     if from_file is not None:
         from emapg_cli.datasets.files import read_records
