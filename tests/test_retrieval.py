@@ -355,7 +355,9 @@ def test_client_cuts_long_queries_and_splits_by_characters(monkeypatch):
     MAX_QUERY_CHARS (4,096); 600 queries of 4,096 characters (2,457,600 in all) go as 256 + 256 + 88, since
     256 x 4,096 = 1,048,576 = MAX_REQUEST_CHARS."""
     import emapg_cli.retrieval.http as http
-    from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS, Limits, _check_request
+    from emapg_cli.retrieval.server import Limits, _check_request
+
+    MAX_QUERY_CHARS, MAX_REQUEST_CHARS = Limits.max_query_chars, Limits.max_request_chars  # the server's defaults
 
     sent = []
 

@@ -30,11 +30,6 @@ NATIVE = ("single", "search")
 DEFAULT_MAX_TURNS = 4
 
 
-def is_user_env(name: str) -> bool:
-    """True for an environment run by `EnvRunner` (a built-in like `calc`, or FILE.py:Class / module:Class)."""
-    return name not in NATIVE
-
-
 def check_env(name: str) -> str:
     """`name` as a run records it (a built-in name unchanged, a file path made absolute), checked WITHOUT running
     any of its code (`rewards.plugin.check_ref`: the file or module is there, outside the standard library, and
@@ -77,8 +72,9 @@ def load_env_class(name: str) -> type:
 
 
 def grades_itself(name: str) -> bool:
-    """True when environment `name` grades its own episodes: a user-contract class with a `reward` method."""
-    return is_user_env(name) and callable(getattr(load_env_class(name), "reward", None))
+    """True when environment `name` grades its own episodes: a user-contract class (run by `EnvRunner`: a built-in
+    like `calc`, or FILE.py:Class / module:Class) with a `reward` method."""
+    return name not in NATIVE and callable(getattr(load_env_class(name), "reward", None))
 
 
 def env_max_turns(name: str, search_max_turns: int) -> int:

@@ -64,16 +64,12 @@ def cut_after_action(text: str) -> str:
     return text
 
 
-def format_passages(hits: list[Hit]) -> str:
-    """`Doc {i}(Title: {first line}) {other lines}\\n` per hit (Search-R1's `_passages2string`; wiki-18's quotes kept)."""
+def information(hits: list[Hit]) -> str:
+    """The observation after a search: `Doc {i}(Title: {first line}) {other lines}\\n` per hit (Search-R1's
+    `_passages2string`; wiki-18's quotes kept), stripped, inside `<information>`."""
     out = []
     for i, h in enumerate(hits, 1):
         title, _, text = h.contents.partition("\n")
         out.append(f"Doc {i}(Title: {title}) {text}\n")
-    return "".join(out)
-
-
-def information(hits: list[Hit]) -> str:
-    """The observation after a search."""
-    return f"\n\n<information>{format_passages(hits).strip()}</information>\n\n"
+    return f"\n\n<information>{''.join(out).strip()}</information>\n\n"
 

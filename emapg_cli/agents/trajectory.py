@@ -46,12 +46,8 @@ class Segment:
 
 def _extended(segments: list[Segment], prompt: list[int]) -> Optional[int]:
     """The index of the longest sequence whose ids are a prefix of `prompt` (None: none is)."""
-    best, best_len = None, -1
-    for i, s in enumerate(segments):
-        ids = s.ids()
-        if len(ids) <= len(prompt) and len(ids) > best_len and prompt[:len(ids)] == ids:
-            best, best_len = i, len(ids)
-    return best
+    prefixes = [i for i, s in enumerate(segments) if prompt[:len(s.ids())] == s.ids()]
+    return max(prefixes, key=lambda i: len(segments[i].ids()), default=None)  # the first of the longest
 
 
 def _turn(ep: Episode, c: Completion) -> None:

@@ -25,11 +25,6 @@ SOLUTION_FIELDS = ("solution",)
 SUBSET_FIELDS = ("subset", "subfield", "subject", "type")
 
 
-def _top(names) -> set[str]:
-    """The top-level columns of (possibly dotted) field names, left out of meta once used."""
-    return {n.split(".")[0] for n in names if n}
-
-
 def _question(value: Any) -> str:
     if isinstance(value, list):  # a chat prompt: [{"role": "user", "content": ...}, ...]
         users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
@@ -85,7 +80,7 @@ def convert_row(row: dict[str, Any], index: int, spec: DatasetSpec) -> dict[str,
         question = f"{context.strip()}\n\n{question}"
     answers, used = _answers(row, spec)
     id_name = first_field(row, f.id, ID_FIELDS)
-    used = _top(used | {qname, id_name, f.context})
+    used = {n.split(".")[0] for n in used | {qname, id_name, f.context} if n}  # top-level columns, left out of meta
 
     meta = {k: v for k, v in row.items() if k not in used and k not in SOLUTION_FIELDS and v is not None and _meta_value(v)}
     subset_name = first_field(row, f.subset, SUBSET_FIELDS)

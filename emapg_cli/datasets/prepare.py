@@ -24,7 +24,7 @@ from emapg_cli.datasets.registry import DatasetSpec, custom_spec, datasets, get_
 from emapg_cli.datasets.rows import RowError, source_id
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import sha256_file
-from emapg_cli.paths import emapg_home
+from emapg_cli.paths import emapg_home, write_text_atomic
 
 MANIFEST = "manifest.json"
 
@@ -57,11 +57,9 @@ def convert_rows(rows: Sequence[Any], spec: DatasetSpec, progress: Optional[Call
         rid = source_id(raw, index)
         try:
             ex = Example.model_validate(convert_row(raw, index, spec))
-        except RowError as e:
-            out.dropped.append({"index": index, "id": rid, "reason": f"invalid: {e}"})
-            continue
-        except ValidationError as err:
-            out.dropped.append({"index": index, "id": rid, "reason": f"invalid: {first_error(err)}"})
+        except (RowError, ValidationError) as e:
+            why = first_error(e) if isinstance(e, ValidationError) else e
+            out.dropped.append({"index": index, "id": rid, "reason": f"invalid: {why}"})
             continue
         key = question_key(ex.question)
         if key in seen_questions and not keep_same_questions:
@@ -83,13 +81,6 @@ def dataset_dir(name: str, out: Optional[Path] = None) -> Path:
     if not name or "/" in name or name.startswith("."):
         raise UserError(f"dataset name '{name}' must be a plain name (no '/'); use --out for a path")
     return emapg_home() / "data" / name
-
-
-def spec_for(name: str, from_file: Optional[Path]) -> DatasetSpec:
-    """The registered spec; an unregistered name is fine with a local file (fields auto-detected)."""
-    if name in datasets() or from_file is None:
-        return get_spec(name)
-    return custom_spec(name)
 
 
 def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any], spec: DatasetSpec) -> dict[str, Any]:
@@ -114,8 +105,8 @@ def write_dataset(out_dir: Path, converted: Converted, provenance: dict[str, Any
 
 
 def write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    """The dataset folder's manifest.json (UTF-8, indented)."""
-    (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    """The dataset folder's manifest.json (UTF-8, indented), written atomically."""
+    write_text_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
 
 
 def prepare_dataset(
@@ -128,7 +119,8 @@ def prepare_dataset(
 
     `progress(total, ...)` may return a callback advanced once per source row.
     """
-    spec = spec_for(name, from_file)
+    # the registered spec; an unregistered name is fine with a local file (fields auto-detected)
+    spec = get_spec(name) if name in datasets() or from_file is None else custom_spec(name)
     out_dir = dataset_dir(name, out)
     if from_file is not None:
         from emapg_cli.datasets.files import read_records

@@ -75,11 +75,7 @@ def qa_answers(row: dict[str, Any]) -> list[str]:
         values = _as_list(row["answer"], "answer") + _as_list(row.get("answer_aliases") or [], "answer_aliases")
     else:
         raise RowError("no answer field (golden_answers | answers_objects | answer | answers | possible_answers)")
-    answers: list[str] = []
-    for v in values:
-        text = answer_text(v)
-        if text and text not in answers:
-            answers.append(text)
+    answers = list(dict.fromkeys(text for text in map(answer_text, values) if text))
     if not answers:
         raise RowError("no non-empty gold answer")
     return answers
@@ -107,10 +103,6 @@ def supporting_titles(row: dict[str, Any]) -> Optional[list[str]]:
     return unique or None
 
 
-def _scalar(value: Any) -> bool:
-    return isinstance(value, (str, int, float, bool))
-
-
 def convert_qa_row(row: dict[str, Any], index: int, name: str) -> dict[str, Any]:
     """One canonical row {id, question, answers, source, meta} from any layout in the table above."""
     if row.get("answerable") is False:
@@ -118,7 +110,7 @@ def convert_qa_row(row: dict[str, Any], index: int, name: str) -> dict[str, Any]
     question = _question(row)
     answers = qa_answers(row)
     skip = {*ID_FIELDS, "question", "question_text", "answer", "possible_answers", "data_source"}
-    meta: dict[str, Any] = {k: v for k, v in row.items() if k not in skip and _scalar(v)}
+    meta: dict[str, Any] = {k: v for k, v in row.items() if k not in skip and isinstance(v, (str, int, float, bool))}
     if isinstance(row.get("type"), str):
         meta["subset"] = row["type"]
     titles = supporting_titles(row)

@@ -23,7 +23,6 @@ This is the only module (with the reward) that imports reasoning_gym, inside its
 from __future__ import annotations
 
 import json
-import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -126,10 +125,6 @@ def entry_at(dataset, task: str, config: dict[str, Any], index: int) -> dict[str
                         f"{type(e).__name__}: {first_line(e) or 'invalid setting'}") from None
 
 
-def row_id(task: str, seed: int, index: int) -> str:
-    return f"{task}-{seed}-{index}"
-
-
 def task_rows(task: str, config: dict[str, Any], size: int, seed: int, template: str = PROMPT_TEMPLATE) -> list[Example]:
     """The canonical rows of `create_dataset(task, size=size, seed=seed, **config)`, in order."""
     if not 1 <= size <= MAX_SIZE:
@@ -142,7 +137,7 @@ def task_rows(task: str, config: dict[str, Any], size: int, seed: int, template:
         if not answer.strip():
             raise UserError(f"reasoning-gym task {task} gave item {index} an empty answer (config {json.dumps(config)})")
         rows.append(Example(
-            id=row_id(task, seed, index), question=template.format(question=entry["question"]), answers=[answer],
+            id=f"{task}-{seed}-{index}", question=template.format(question=entry["question"]), answers=[answer],
             source=task, meta={"task": task, "config": config, "seed": seed, "size": size, "index": index,
                                "question": entry["question"]},
         ))
@@ -189,23 +184,15 @@ def provenance(tasks: Sequence[tuple[str, dict[str, Any]]], size: int, seed: int
 def prepare_reasoning_gym(name: str, size: int, seed: int, task_config: Optional[str], out_dir: Path) -> dict[str, Any]:
     """`emapg prepare reasoning-gym:TASK[,TASK...]`: data.jsonl and manifest.json in `out_dir` (claimed by the
     caller); returns the manifest. Nothing is written before every row is generated."""
-    from emapg_cli import __version__
-    from emapg_cli.data.schema import write_jsonl
-    from emapg_cli.fileio import sha256_file
-    from emapg_cli.paths import write_text_atomic
+    from emapg_cli.datasets.prepare import Converted, write_dataset
+    from emapg_cli.datasets.registry import DatasetSpec
 
     tasks = parse_reference(name)
     tasks_configs = list(zip(tasks, parse_task_config(task_config, tasks)))
     rows = generate(tasks_configs, size, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = out_dir / "data.jsonl"
-    n = write_jsonl(data, (r.model_dump() for r in rows))
-    manifest = {"name": name, "role": "train", **provenance(tasks_configs, size, seed), "rows": n,
-                "expected_rows": size * len(tasks), "dropped": 0, "dropped_by_reason": {}, "dropped_rows": [],
-                "sha256": sha256_file(data), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "emapg_version": __version__}
-    write_text_atomic(out_dir / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False) + "\n")
-    return manifest
+    spec = DatasetSpec(name=name, role="train", expected_rows=size * len(tasks))
+    return write_dataset(out_dir, Converted(examples=rows), provenance(tasks_configs, size, seed), spec)
 
 
 @lru_cache(maxsize=64)

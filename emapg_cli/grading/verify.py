@@ -109,9 +109,7 @@ def is_equivalent(pred: str, golds: tuple[str, ...], tolerance: Optional[float] 
         return False
     for gold in golds:
         g = _parse_gold(gold)
-        if verify(g, parsed, timeout_seconds=None):
-            return True
-        if tolerance is not None and _within(g, parsed, tolerance):
+        if verify(g, parsed, timeout_seconds=None) or (tolerance is not None and _within(g, parsed, tolerance)):
             return True
     return False
 

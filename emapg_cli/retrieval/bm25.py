@@ -54,14 +54,12 @@ def _bm25s():
 
 
 def _tokens(texts: list[str]) -> list[list[str]]:
-    bm25s = _bm25s()
-    return bm25s.tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
+    return _bm25s().tokenize(texts, stopwords="en", return_ids=False, show_progress=False)
 
 
 def _token_ids(texts: list[str]) -> tuple[list[list[int]], dict[str, int]]:
     """`_tokens`'s tokenisation (the same call), as ids per text and the token -> id map of this batch."""
-    bm25s = _bm25s()
-    tok = bm25s.tokenize(texts, stopwords="en", return_ids=True, show_progress=False)
+    tok = _bm25s().tokenize(texts, stopwords="en", return_ids=True, show_progress=False)
     return tok.ids, tok.vocab
 
 

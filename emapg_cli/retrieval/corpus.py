@@ -134,12 +134,9 @@ def hotpotqa_paragraphs(row: dict[str, Any]) -> Iterator[tuple[str, str]]:
     if isinstance(row.get("contexts"), list):
         for c in row["contexts"]:
             yield str(c["title"]), str(c["paragraph_text"])
-    elif isinstance(row.get("context"), dict):
+    elif isinstance(row.get("context"), (dict, list)):
         ctx = row["context"]
-        for title, sents in zip(ctx["title"], ctx["sentences"]):
-            yield str(title), " ".join(s.strip() for s in sents)
-    elif isinstance(row.get("context"), list):
-        for title, sents in row["context"]:
+        for title, sents in zip(ctx["title"], ctx["sentences"]) if isinstance(ctx, dict) else ctx:
             yield str(title), " ".join(s.strip() for s in sents)
     else:
         raise KeyError("no 'contexts' or 'context' field")

@@ -391,15 +391,9 @@ class DenseRetriever:
             vectors = encode(self.encoder, list(queries), self.manifest["query_prefix"])  # [n, dim]
             scores, idx = self.index.search(vectors, k)  # [n, k] each; -1 where no hit
             docs = self.docs.get_many([int(i) for i in idx.ravel() if i >= 0])
-        out, pos = [], 0
-        for row_i, row_s in zip(idx, scores):
-            hits = []
-            for i, s in zip(row_i, row_s):
-                if i >= 0:
-                    hits.append(hit_from_doc(docs[pos], float(s)))
-                    pos += 1
-            out.append(hits)
-        return out
+        found = iter(docs)  # the hits' rows, in the order of idx.ravel()
+        return [[hit_from_doc(next(found), float(s)) for i, s in zip(row_i, row_s) if i >= 0]
+                for row_i, row_s in zip(idx, scores)]
 
     def close(self) -> None:
         """Release the doc store's memory map."""

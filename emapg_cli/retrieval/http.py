@@ -4,9 +4,9 @@ Request `{"queries": [str], "topk": int, "return_scores": true}`, response
 `{"result": [[{"document": {"contents", ...}, "score": float}, ...] per query]}` (Search-R1
 `search_r1/search/retrieval_server.py`). One request per agent turn carries every active episode's
 query, each distinct query once (the n samples of a prompt often search the same words; the hits are fanned back
-out), split into requests of at most `BATCH_QUERIES` queries and `MAX_REQUEST_CHARS` characters; a query
-longer than `MAX_QUERY_CHARS` (4,096) is cut to it, as a policy can write a long one and the server
-refuses longer ones: cutting keeps a training run going where refusing would stop it. `search.url` may list
+out), split into requests of at most `BATCH_QUERIES` queries and `max_request_chars` characters; a query
+longer than `max_query_chars` (4,096, the server's `Limits`) is cut to it, as a policy can write a long one and the
+server refuses longer ones: cutting keeps a training run going where refusing would stop it. `search.url` may list
 several servers: requests are dealt round-robin over them (in parallel, one thread per URL). Each request has a
 deadline (`search.timeout_s`) that covers all of it, from connecting to the reply's last byte
 (emapg_cli/http_client.py); a failed request (connection refused, timeout, HTTP 5xx or 429) goes to the next
@@ -33,7 +33,7 @@ from typing import Optional
 from emapg_cli import http_client
 from emapg_cli.errors import UserError
 from emapg_cli.retrieval.base import Hit, hit_from_doc
-from emapg_cli.retrieval.server import MAX_QUERY_CHARS, MAX_REQUEST_CHARS
+from emapg_cli.retrieval.server import Limits
 
 
 #: Most queries sent in one request: a larger batch (a turn of many episodes, a whole evaluation set) is split into
@@ -108,12 +108,12 @@ def _hits(reply, n_queries: int, topk: int) -> list[list[Hit]]:
 
 
 def _batches(queries: list[str]) -> list[list[str]]:
-    """`queries` in order, in requests of at most BATCH_QUERIES queries and MAX_REQUEST_CHARS characters in all
-    (each query is at most MAX_QUERY_CHARS <= MAX_REQUEST_CHARS), so each fits a server's default limits."""
+    """`queries` in order, in requests of at most BATCH_QUERIES queries and `Limits.max_request_chars` characters in
+    all (each query is at most `Limits.max_query_chars`, fewer), so each fits a server's default limits."""
     batches: list[list[str]] = []
     chars = 0
     for q in queries:
-        if not batches or len(batches[-1]) == BATCH_QUERIES or chars + len(q) > MAX_REQUEST_CHARS:
+        if not batches or len(batches[-1]) == BATCH_QUERIES or chars + len(q) > Limits.max_request_chars:
             batches.append([])
             chars = 0
         batches[-1].append(q)
@@ -187,14 +187,14 @@ class HTTPRetriever:
         return None, *last
 
     def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
-        """Hits per query, each query cut to MAX_QUERY_CHARS characters; identical queries are sent once.
+        """Hits per query, each query cut to `Limits.max_query_chars` characters; identical queries are sent once.
 
         The distinct queries go in `_batches`, dealt round-robin over `search.url` (several URLs: requests in
         parallel, one thread per URL); a failed request (connection, timeout, 5xx, 429) goes to the next URL at
         once, and once every URL failed it waits for the next round (back-off doubling), which resends only the
         requests that failed. A refusal (other 4xx) or a reply without Search-R1's shape is a UserError (one line).
         """
-        cut = [q[:MAX_QUERY_CHARS] for q in queries]
+        cut = [q[:Limits.max_query_chars] for q in queries]
         distinct = list(dict.fromkeys(cut))
         batches = _batches(distinct)
         pending = dict(enumerate(batches))

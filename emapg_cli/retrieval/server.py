@@ -30,58 +30,46 @@ from typing import Any, Iterable, Optional
 from emapg_cli.serve.http_server import BoundedHandler, BoundedServer, Refused
 from emapg_cli.retrieval.base import Retriever
 
-#: Largest request body accepted (bytes); `Content-Length` above it is refused (413) without reading.
-MAX_BODY = 16 << 20
-#: Most queries in one request (a training turn sends one per active episode).
-MAX_QUERIES = 4096
-#: Longest query (characters); a longer one is refused (413) before any search. The search's time grows with
-#: the query's tokens (each walks its word's postings), and it cannot be interrupted: this bounds it per query.
-MAX_QUERY_CHARS = 4096
-#: Most characters of all the queries of one request together (413 above it): with MAX_QUERY_CHARS this bounds
-#: the tokens one request can make the search walk (at most about half of them: a word and a space each).
-MAX_REQUEST_CHARS = 1 << 20
-#: Largest `topk` a request may ask for.
-MAX_TOPK = 100
-#: Most hits in one reply (queries x topk): bounds the reply's rows and the ranking's memory before the search.
-MAX_HITS = 65536
-#: Largest reply (bytes of JSON); a request whose reply would be larger is refused (413).
-MAX_REPLY = 64 << 20
-#: Seconds a connection has to send each full request (from its connect, or the end of the previous
-#: reply: an idle keep-alive connection is closed after it), and to take each reply.
-TIMEOUT_S = 10.0
-#: Connections served at once; the next ones get a 503 at once.
-MAX_CONNECTIONS = 64
-#: Threads calling `retriever.search` (the worker pool). Two: while one searches (the bm25 retriever searches one
-#: batch at a time), the other fetches its batch's passages and handler threads encode replies. On a shared
-#: 2-core machine (docs/search.md "Paper scale") 2 workers served more queries/s than 1 in 5 of 6 paired runs at
-#: 8-64 clients x 256 queries, at about the same CPU per query (within the noise). A dense (FAISS) retriever
-#: releases the GIL while it scores and can use more.
-WORKERS = 2
-#: Most queries in one `retriever.search` call: waiting requests (same topk) are taken together up to it, a larger
-#: request is searched in parts of it. Bounds the search's batch memory (bm25s: one score row per query at a time).
-MAX_BATCH = 1024
-#: Most queries waiting to be searched, all requests together; a request that would pass it gets 429 at once (a
-#: request arriving when nothing waits is always taken). Bounds the queue's memory and its latency.
-MAX_PENDING = 16384
-#: MiB of encoded replies kept for recent (query, topk, return_scores) triples (0: no cache).
-CACHE_MB = 64
+
 @dataclass(frozen=True)
 class Limits:
-    """The server's bounds (the options of `emapg retriever serve`)."""
+    """The server's bounds (the options of `emapg retriever serve`, whose defaults these are)."""
 
-    max_body_bytes: int = MAX_BODY
-    max_queries: int = MAX_QUERIES
-    max_query_chars: int = MAX_QUERY_CHARS
-    max_request_chars: int = MAX_REQUEST_CHARS
-    max_topk: int = MAX_TOPK
-    max_hits: int = MAX_HITS
-    max_reply_bytes: int = MAX_REPLY
-    timeout_s: float = TIMEOUT_S
-    max_connections: int = MAX_CONNECTIONS
-    workers: int = WORKERS
-    max_batch: int = MAX_BATCH
-    max_pending: int = MAX_PENDING
-    cache_mb: int = CACHE_MB
+    #: Largest request body accepted (bytes); `Content-Length` above it is refused (413) without reading.
+    max_body_bytes: int = 16 << 20
+    #: Most queries in one request (a training turn sends one per active episode).
+    max_queries: int = 4096
+    #: Longest query (characters); a longer one is refused (413) before any search. The search's time grows with
+    #: the query's tokens (each walks its word's postings), and it cannot be interrupted: this bounds it per query.
+    max_query_chars: int = 4096
+    #: Most characters of all the queries of one request together (413 above it): with max_query_chars this bounds
+    #: the tokens one request can make the search walk (at most about half of them: a word and a space each).
+    max_request_chars: int = 1 << 20
+    #: Largest `topk` a request may ask for.
+    max_topk: int = 100
+    #: Most hits in one reply (queries x topk): bounds the reply's rows and the ranking's memory before the search.
+    max_hits: int = 65536
+    #: Largest reply (bytes of JSON); a request whose reply would be larger is refused (413).
+    max_reply_bytes: int = 64 << 20
+    #: Seconds a connection has to send each full request (from its connect, or the end of the previous
+    #: reply: an idle keep-alive connection is closed after it), and to take each reply.
+    timeout_s: float = 10.0
+    #: Connections served at once; the next ones get a 503 at once.
+    max_connections: int = 64
+    #: Threads calling `retriever.search` (the worker pool). Two: while one searches (the bm25 retriever searches one
+    #: batch at a time), the other fetches its batch's passages and handler threads encode replies. On a shared
+    #: 2-core machine (docs/search.md "Paper scale") 2 workers served more queries/s than 1 in 5 of 6 paired runs at
+    #: 8-64 clients x 256 queries, at about the same CPU per query (within the noise). A dense (FAISS) retriever
+    #: releases the GIL while it scores and can use more.
+    workers: int = 2
+    #: Most queries in one `retriever.search` call: waiting requests (same topk) are taken together up to it, a larger
+    #: request is searched in parts of it. Bounds the search's batch memory (bm25s: one score row per query at a time).
+    max_batch: int = 1024
+    #: Most queries waiting to be searched, all requests together; a request that would pass it gets 429 at once (a
+    #: request arriving when nothing waits is always taken). Bounds the queue's memory and its latency.
+    max_pending: int = 16384
+    #: MiB of encoded replies kept for recent (query, topk, return_scores) triples (0: no cache).
+    cache_mb: int = 64
 
 
 def _check_request(request: Any, default_topk: int, limits: Limits) -> tuple[list[str], int, bool]:

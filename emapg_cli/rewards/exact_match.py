@@ -51,6 +51,3 @@ class ExactMatchReward:
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
         return [1.0 if exact_match(r, e.answers, self.think) else 0.0 for r, e in zip(responses, examples)]
-
-
-exact_match_reward = ExactMatchReward()

@@ -245,12 +245,6 @@ def load_object(ref: str, what: str = "reward plugin", kind: str = "function") -
     return getattr(module, name)
 
 
-def _import_failed(what: str, where: str, e: BaseException) -> UserError:
-    if isinstance(e, SystemExit):
-        return UserError(f"{what} {where} called sys.exit({e.code!r}) while it was imported")
-    return UserError(f"{what} {where} failed to import: {type(e).__name__}: {e}")
-
-
 def _import_within(load: Callable[[], Any], what: str, where: str) -> Any:
     """`load()` (an import: the user's top-level code runs) in a helper thread, inside `bounds.user_code()`; past
     IMPORT_TIMEOUT_S a one-line UserError (the thread is left behind: the run stops). Its exception, or a sys.exit,
@@ -272,8 +266,11 @@ def _import_within(load: Callable[[], Any], what: str, where: str) -> Any:
     if not done.wait(IMPORT_TIMEOUT_S):
         raise UserError(f"{what} {where} did not finish importing within {IMPORT_TIMEOUT_S:g} s (its top-level code "
                         "waits or loops; do slow set-up on the first call instead)")
-    if "error" in box:
-        raise _import_failed(what, where, box["error"])
+    e = box.get("error")
+    if isinstance(e, SystemExit):
+        raise UserError(f"{what} {where} called sys.exit({e.code!r}) while it was imported")
+    if e is not None:
+        raise UserError(f"{what} {where} failed to import: {type(e).__name__}: {e}")
     return box["value"]
 
 

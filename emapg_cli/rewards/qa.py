@@ -46,31 +46,19 @@ def f1_score(prediction: Optional[str], golds: Sequence[str]) -> float:
     return best
 
 
-def em_reward(responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
-    """`em` per response (last `<answer>` vs the example's answers)."""
-    return [em_score(last_answer(r), e.answers) for r, e in zip(responses, examples)]
-
-
-def f1_reward(responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
-    """`f1` per response (last `<answer>` vs the example's answers)."""
-    return [f1_score(last_answer(r), e.answers) for r, e in zip(responses, examples)]
-
-
-
 #: reward name -> per-response score of (prediction, golds)
 QA_SCORES = {"em": em_score, "f1": f1_score}
-_REWARDS = {"em": em_reward, "f1": f1_reward}
 
 
 class QAReward:
-    """The registered `em` / `f1` reward: scores a batch as `em_reward` / `f1_reward`; `emapg eval` grades
-    it answer by answer with `QAGrader` (extracted answers, maj@n votes)."""
+    """The registered `em` / `f1` reward: `em_score` / `f1_score` of each response's last `<answer>` against its
+    example's answers; `emapg eval` grades it answer by answer with `QAGrader` (extracted answers, maj@n votes)."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
     def __call__(self, responses: Sequence[str], examples: Sequence[Example]) -> list[float]:
-        return _REWARDS[self.kind](responses, examples)
+        return [QA_SCORES[self.kind](last_answer(r), e.answers) for r, e in zip(responses, examples)]
 
     def eval_grader(self) -> "QAGrader":
         return QAGrader(self.kind)
@@ -111,8 +99,6 @@ class QAGrader:
     @staticmethod
     def vote_key(answer: str) -> str:
         """maj@n's vote of an answer: Search-R1's normalisation (equal keys are the same answer)."""
-        from emapg_cli.rewards.exact_match import normalize_qa
-
         return normalize_qa(answer)
 
     def equivalent(self, pairs: Sequence[tuple[str, str]]) -> list[bool]:

@@ -41,16 +41,13 @@ def _exact_match(think: str = "emapg") -> RewardFn:
     return ExactMatchReward(think=think)
 
 
-def _em(**_) -> RewardFn:
-    from emapg_cli.rewards.qa import QAReward
+def _qa(kind: str) -> Callable[..., RewardFn]:
+    def factory(**_) -> RewardFn:
+        from emapg_cli.rewards.qa import QAReward
 
-    return QAReward("em")
+        return QAReward(kind)
 
-
-def _f1(**_) -> RewardFn:
-    from emapg_cli.rewards.qa import QAReward
-
-    return QAReward("f1")
+    return factory
 
 
 def _reasoning_gym(workers: Optional[int] = None, timeout: Optional[float] = None, memory_mib: Optional[int] = None,
@@ -66,8 +63,8 @@ def _reasoning_gym(workers: Optional[int] = None, timeout: Optional[float] = Non
 REWARDS: dict[str, Callable[..., RewardFn]] = {
     "math": _math,
     "exact_match": _exact_match,
-    "em": _em,  # search agent: Search-R1 exact match of the last <answer>
-    "f1": _f1,  # search agent: SQuAD token F1 of the last <answer>
+    "em": _qa("em"),  # search agent: Search-R1 exact match of the last <answer>
+    "f1": _qa("f1"),  # search agent: SQuAD token F1 of the last <answer>
     "reasoning-gym": _reasoning_gym,  # rows of `emapg prepare reasoning-gym:TASK`: the task's own score_answer (partial credit)
 }
 #: A built-in task's name that is also a reward name (`toy`: its answers are integers in \boxed{}, maths grading).

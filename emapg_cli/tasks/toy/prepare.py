@@ -70,6 +70,15 @@ def greedy_accuracy(model, tokenizer, examples: list[Example], prompts: list[lis
     return sum(r > 0.5 for r in rewards) / len(rewards)
 
 
+def tiny_llama(tokenizer, sft: SFTConfig, seed: int):
+    """A toy's tiny Llama of `sft`'s sizes, generating up to the tokenizer's end and padding with its pad token."""
+    model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers,
+                             heads=sft.heads, kv_heads=sft.kv_heads, seed=seed)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 def warm_start_bar(enabled: bool):
     """A rich progress bar for the warm start (a no-op context when disabled). The warm start stops
     on a dev accuracy, not after a known number of steps, so the bar shows the steps done and the
@@ -98,10 +107,7 @@ def prepare_toy(home: Path, seed: int = 0, progress: bool = False, sft: SFTConfi
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in test))
 
     tokenizer = build_byte_tokenizer()
-    model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers,
-                             heads=sft.heads, kv_heads=sft.kv_heads, seed=seed)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = tiny_llama(tokenizer, sft, seed)
 
     dev = train[:N_DEV]
     reward = get_reward(preset.rollout.reward)

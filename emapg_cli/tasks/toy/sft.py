@@ -83,11 +83,6 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, mask, labels
 
 
-def lr_at(step: int, cfg: SFTConfig) -> float:
-    """Linear warm-up over `cfg.warmup` steps, then constant (the run length is not known in advance)."""
-    return cfg.lr * min(1.0, (step + 1) / cfg.warmup)
-
-
 def smoothed_accuracy(accuracies: list[float], smooth: int) -> float:
     """The stopping statistic: the mean of the last `smooth` dev accuracies."""
     recent = accuracies[-smooth:]
@@ -154,8 +149,8 @@ def fit(
     for step in range(cfg.max_steps):
         model.train()
         ids, mask, labels = collate(next_batch(), pad_id)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+        for group in opt.param_groups:  # linear warm-up over cfg.warmup steps, then constant (the run length is unknown)
+            group["lr"] = cfg.lr * min(1.0, (step + 1) / cfg.warmup)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

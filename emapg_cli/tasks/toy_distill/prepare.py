@@ -21,12 +21,13 @@ from typing import Any, Callable
 
 from emapg_cli.config import load_config
 from emapg_cli.data.schema import write_jsonl
-from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
+from emapg_cli.models.tiny import build_byte_tokenizer
 from emapg_cli.outputs import claim_prepare
 from emapg_cli.paths import write_text_atomic
 from emapg_cli.rewards import get_reward
 from emapg_cli.tasks import toy
-from emapg_cli.tasks.toy.prepare import N_DEV, N_TEST, N_TRAIN, SFT_THREADS, greedy_accuracy, render_all, sft_threads
+from emapg_cli.tasks.toy.prepare import (N_DEV, N_TEST, N_TRAIN, SFT_THREADS, greedy_accuracy, render_all, sft_threads,
+                                        tiny_llama)
 from emapg_cli.tasks.toy.sft import PairEncoder, SFTConfig, fit, smoothed_accuracy
 from emapg_cli.tasks.toy.task import SOURCE, make_splits, problem_stream, response_text
 from emapg_cli.tasks.toy_distill import TASK
@@ -75,10 +76,7 @@ def prepare_toy_distill(home: Path, seed: int = 0, say: Callable[[str], None] = 
     write_jsonl(out / "train.jsonl", (e.model_dump() for e in train))
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in test))
     tokenizer = build_byte_tokenizer()
-    model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers, heads=sft.heads,
-                             kv_heads=sft.kv_heads, seed=seed)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = tiny_llama(tokenizer, sft, seed)
     dev, reward, budget = train[:N_DEV], get_reward(preset.rollout.reward), preset.eval.max_new_tokens
     dev_prompts, encode = render_all(tokenizer, dev), PairEncoder(tokenizer)
     stream = problem_stream(seed + 1, frozenset(e.question for e in test + dev))

@@ -28,10 +28,10 @@ from emapg_cli.agents.environments import make_environment
 from emapg_cli.config import load_config
 from emapg_cli.data.schema import Example, write_jsonl
 from emapg_cli.models.prompts import render_prompt
-from emapg_cli.models.tiny import CHAT_TEMPLATE, build_byte_tokenizer, build_tiny_model
+from emapg_cli.models.tiny import CHAT_TEMPLATE, build_byte_tokenizer
 from emapg_cli.outputs import claim_prepare
 from emapg_cli.rewards import get_reward
-from emapg_cli.tasks.toy.prepare import greedy_accuracy, save_warm_start, sft_threads
+from emapg_cli.tasks.toy.prepare import greedy_accuracy, save_warm_start, sft_threads, tiny_llama
 from emapg_cli.tasks.toy.sft import IGNORE, SFTConfig, fit
 from emapg_cli.tasks.toy_search import TASK
 from emapg_cli.tasks.toy_search.task import SOURCE, TEMPLATE, make_questions, make_world, sample_question
@@ -140,10 +140,7 @@ def prepare_toy_search(home: Path, seed: int = 0, progress: bool = False, sft: S
     cfg = load_config(TASK.name)  # its paths point under $EMAPG_HOME; set ours explicitly
     cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"prompt_template": str(out / "prompt.txt")})})
     tokenizer = build_byte_tokenizer(corpus=tokenizer_texts(world, train + dev + test, retriever, cfg), vocab_size=VOCAB)
-    model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers,
-                             heads=sft.heads, kv_heads=sft.kv_heads, seed=seed)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = tiny_llama(tokenizer, sft, seed)
 
     encode = EpisodeEncoder(tokenizer, retriever, cfg)
     rng = random.Random(f"{seed}-sft")

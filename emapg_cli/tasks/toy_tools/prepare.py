@@ -32,10 +32,10 @@ from emapg_cli.agents.environments import make_environment
 from emapg_cli.config import load_config
 from emapg_cli.data.schema import Example, write_jsonl
 from emapg_cli.models.prompts import render_prompt
-from emapg_cli.models.tiny import build_byte_tokenizer, build_tiny_model
+from emapg_cli.models.tiny import build_byte_tokenizer
 from emapg_cli.outputs import claim_prepare
 from emapg_cli.rewards import get_reward
-from emapg_cli.tasks.toy.prepare import greedy_accuracy, save_warm_start, sft_threads, warm_start_bar
+from emapg_cli.tasks.toy.prepare import greedy_accuracy, save_warm_start, sft_threads, tiny_llama, warm_start_bar
 from emapg_cli.tasks.toy.sft import IGNORE, SFTConfig, collate, fit
 from emapg_cli.tasks.toy_tools import TASK
 from emapg_cli.tasks.toy_tools.task import SOURCE, Problem, gold_turns, make_splits, problem_stream
@@ -100,10 +100,7 @@ def prepare_toy_tools(home: Path, seed: int = 0, progress: bool = False, sft: SF
     write_jsonl(out / "test.jsonl", (e.model_dump() for e in splits["test"]))
 
     tokenizer = build_byte_tokenizer()
-    model = build_tiny_model(tokenizer, arch="llama", hidden=sft.hidden, layers=sft.layers,
-                             heads=sft.heads, kv_heads=sft.kv_heads, seed=seed)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model = tiny_llama(tokenizer, sft, seed)
 
     prompts: dict[str, list[int]] = {}
 
