@@ -321,7 +321,7 @@ def _compare(ctx: typer.Context, folders: Optional[tuple[Path, Path]], json_out:
     result, record = compare(*folders)
     if warning := settings_warning(record["differing_settings"]):
         typer.echo(warning, err=True)
-    for line in summary_lines(result, *(Path(record["a"]), Path(record["b"]))):
+    for line in summary_lines(result, Path(record["a"]), Path(record["b"])):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if json_out is not None:
         write_json(json_out, record)
