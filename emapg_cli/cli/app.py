@@ -41,33 +41,17 @@ def _root(
 # Each command lives in its own module as a plain function; heavy libraries (torch,
 # transformers) are imported inside the function so `emapg --help` stays fast.
 # Register a command here only once it works.
-# (registrations)
-from emapg_cli.cli import prepare_cmd  # noqa: E402
+from emapg_cli.cli import (ablate_cmd, bench_cmd, eval_cmd, kl_check_cmd, plot_cmd, prepare_cmd,  # noqa: E402
+                           retriever_cmd, rollout_cmd, train_cmd)
 
 app.command("prepare")(prepare_cmd.prepare)
-from emapg_cli.cli import eval_cmd  # noqa: E402
-
 app.command("eval")(eval_cmd.eval_)
-from emapg_cli.cli import train_cmd  # noqa: E402
-
 app.command("train")(train_cmd.train)
-from emapg_cli.cli import kl_check_cmd  # noqa: E402
-
 app.command("kl-check")(kl_check_cmd.kl_check)
-from emapg_cli.cli import ablate_cmd  # noqa: E402
-
 app.command("ablate")(ablate_cmd.ablate)
-from emapg_cli.cli import bench_cmd  # noqa: E402
-
 app.add_typer(bench_cmd.app, name="bench")
-from emapg_cli.cli import retriever_cmd  # noqa: E402
-
 app.add_typer(retriever_cmd.app, name="retriever")
-from emapg_cli.cli import rollout_cmd  # noqa: E402
-
 app.add_typer(rollout_cmd.app, name="rollout")
-from emapg_cli.cli import plot_cmd  # noqa: E402
-
 app.command("plot")(plot_cmd.plot)
 
 
