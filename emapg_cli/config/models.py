@@ -633,10 +633,9 @@ class Config(Section):
         from emapg_cli.agents.agent import AgentSettings
 
         r = self.rollout
-        if r.agent is None:
-            return None
-        return AgentSettings(ref=r.agent, max_calls=r.agent_max_calls, max_tokens=r.agent_max_tokens, timeout_s=r.agent_timeout_s,
-                             workers=r.agent_workers, max_failure_rate=self.reward.max_failure_rate)
+        return None if r.agent is None else AgentSettings(
+            ref=r.agent, max_calls=r.agent_max_calls, max_tokens=r.agent_max_tokens, timeout_s=r.agent_timeout_s,
+            workers=r.agent_workers, max_failure_rate=self.reward.max_failure_rate)
 
     def stage_at(self, step: int) -> Stage:
         """The settings of RL step `step` (1-based): its stage's length (capped by rollout.max_new_tokens)
