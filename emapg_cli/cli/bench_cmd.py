@@ -96,11 +96,10 @@ def _emit(result: dict[str, Any], json_path: Optional[Path], rows: list[tuple[st
 def _ratio_rows(r: dict[str, Any], label: str) -> list[tuple[str, str]]:
     unit = "CPU s" if r["ratio_of"] == "cpu_s" else "wall s"
     runs = ", ".join(f"{x:.3f}" for x in r["ratio_runs"])
-    rows = [(f"{label} {unit}", f"{r[r['ratio_of']]:.3f} (floor {r['floor_' + r['ratio_of']]:.3f})"),
+    return [(f"{label} {unit}", f"{r[r['ratio_of']]:.3f} (floor {r['floor_' + r['ratio_of']]:.3f})"),
             (f"{label} ratio", f"{r['ratio']:.3f}x the GEMM floor (runs: {runs})"),
             (f"{label} wall s", f"{r['wall_s']:.3f}"), (f"{label} peak growth", f"{r['peak_growth_mib']:.0f} MiB"),
             (f"{label} TFLOP/s", f"{r['tflops']:.3f}" + (f" ({r['pct_of_peak']:.1f}% of peak)" if "pct_of_peak" in r else ""))]
-    return rows
 
 
 def update(
