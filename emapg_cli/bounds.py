@@ -32,20 +32,13 @@ def check_seconds(value: float) -> float:
     return value
 
 
-def _prctl_pdeathsig() -> bool:
-    """Linux: this process gets SIGKILL when the thread that created it ends; False where that is not available."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9) == 0  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        return False
-
-
 def die_with_parent(parent_pid: int) -> None:
     """Linux: get SIGKILL when the parent dies, so a worker stuck in C code never outlives it (elsewhere the worker
     still exits when its inbox closes, once its task returns); exit at once if the parent is already gone."""
-    _prctl_pdeathsig()
+    with contextlib.suppress(OSError, AttributeError):  # no libc.so.6 / no prctl: not Linux
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: when the creating thread ends
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
 

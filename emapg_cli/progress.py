@@ -29,9 +29,8 @@ DEFAULT_INTERVAL_S = 30.0
 
 def interval() -> float:
     """EMAPG_PROGRESS_SECONDS (>= 0; 0 prints a line at every update), else DEFAULT_INTERVAL_S."""
-    raw = os.environ.get("EMAPG_PROGRESS_SECONDS")
     try:
-        value = float(raw) if raw is not None else DEFAULT_INTERVAL_S
+        value = float(os.environ.get("EMAPG_PROGRESS_SECONDS", DEFAULT_INTERVAL_S))
     except ValueError:
         return DEFAULT_INTERVAL_S
     return value if value >= 0 else DEFAULT_INTERVAL_S

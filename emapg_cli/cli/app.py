@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -40,33 +41,17 @@ def _root(
 # Each command lives in its own module as a plain function; heavy libraries (torch,
 # transformers) are imported inside the function so `emapg --help` stays fast.
 # Register a command here only once it works.
-# (registrations)
-from emapg_cli.cli import prepare_cmd  # noqa: E402
+from emapg_cli.cli import (ablate_cmd, bench_cmd, eval_cmd, kl_check_cmd, plot_cmd, prepare_cmd,  # noqa: E402
+                           retriever_cmd, rollout_cmd, train_cmd)
 
 app.command("prepare")(prepare_cmd.prepare)
-from emapg_cli.cli import eval_cmd  # noqa: E402
-
 app.command("eval")(eval_cmd.eval_)
-from emapg_cli.cli import train_cmd  # noqa: E402
-
 app.command("train")(train_cmd.train)
-from emapg_cli.cli import kl_check_cmd  # noqa: E402
-
 app.command("kl-check")(kl_check_cmd.kl_check)
-from emapg_cli.cli import ablate_cmd  # noqa: E402
-
 app.command("ablate")(ablate_cmd.ablate)
-from emapg_cli.cli import bench_cmd  # noqa: E402
-
 app.add_typer(bench_cmd.app, name="bench")
-from emapg_cli.cli import retriever_cmd  # noqa: E402
-
 app.add_typer(retriever_cmd.app, name="retriever")
-from emapg_cli.cli import rollout_cmd  # noqa: E402
-
 app.add_typer(rollout_cmd.app, name="rollout")
-from emapg_cli.cli import plot_cmd  # noqa: E402
-
 app.command("plot")(plot_cmd.plot)
 
 
@@ -108,10 +93,6 @@ _TORCH_WRITE_FAILURES = ("PytorchStreamWriter failed writing", "file write faile
 _PEER_FAILURES = ("Connection reset by peer", "Connection closed by peer", "NCCL communicator was aborted")
 
 
-def _is_torch_write_failure(e: BaseException) -> bool:
-    return type(e) is RuntimeError and any(s in str(e) for s in _TORCH_WRITE_FAILURES)
-
-
 def _internal_error(e: BaseException) -> None:
     """An unexpected exception (a bug): one line, the full traceback in a file, exit 1."""
     import tempfile
@@ -122,20 +103,16 @@ def _internal_error(e: BaseException) -> None:
     text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
     log = None
     folder = last_folder()
-    candidates = ([folder / "error.log"] if folder is not None else []) + [None]
-    for path in candidates:
-        try:
-            if path is None:
-                fd, name = tempfile.mkstemp(prefix="emapg-error-", suffix=".log")
-                with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
-                    f.write(text)
-                log = name
-            else:
-                path.write_text(text, encoding="utf-8", errors="replace")  # ENOENT if the folder was removed
-                log = str(path)
-            break
-        except OSError:
-            continue
+    if folder is not None:
+        with contextlib.suppress(OSError):  # ENOENT if the folder was removed
+            (folder / "error.log").write_text(text, encoding="utf-8", errors="replace")
+            log = str(folder / "error.log")
+    if log is None:
+        with contextlib.suppress(OSError):
+            fd, name = tempfile.mkstemp(prefix="emapg-error-", suffix=".log")
+            with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+            log = name
     where = f"full traceback in {log}" if log else "no traceback file could be written"
     summary = f"{type(e).__name__}: {e}"[:300]
     _fail(f"internal error (a bug in emapg, please report it): {summary}; {where}", code=1)
@@ -186,7 +163,8 @@ def main() -> None:
         if isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_FAILURES):  # not a bug here: say where to look
             _fail("another process of this launch stopped (a collective lost its connection to it): its own log, on its "
                   "machine, says why; the run keeps its last checkpoint (emapg train --resume)", code=1)
-        if _is_torch_write_failure(e) or write_failure(e):  # a library's own write failed for want of room
+        torch_write = type(e) is RuntimeError and any(s in str(e) for s in _TORCH_WRITE_FAILURES)
+        if torch_write or write_failure(e):  # a library's own write failed for want of room
             from emapg_cli.outputs import last_folder
 
             _fail(f"writing in {last_folder() or 'the output folder'}: a file could not be written "

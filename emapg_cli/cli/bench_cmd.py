@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from emapg_cli.cli.common import PresetOpt, SetOpt, console
+from emapg_cli.cli.common import PresetOpt, SetOpt, console, write_json_file
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS  # torch-free: `emapg --help` must not import torch
 
@@ -86,28 +85,21 @@ def _trust(preset: str, sets: list[str], trust_code: bool) -> None:
 def _emit(result: dict[str, Any], json_path: Optional[Path], rows: list[tuple[str, str]]) -> None:
     from rich.table import Table
 
-    from emapg_cli.paths import write_text_atomic
-
     table = Table(show_header=False, box=None)
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
     if json_path is not None:
-        try:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(json_path, json.dumps(result, indent=2) + "\n")
-        except OSError as e:
-            raise UserError(f"cannot write {json_path}: {e.strerror}") from None
+        write_json_file(json_path, result)
 
 
 def _ratio_rows(r: dict[str, Any], label: str) -> list[tuple[str, str]]:
     unit = "CPU s" if r["ratio_of"] == "cpu_s" else "wall s"
     runs = ", ".join(f"{x:.3f}" for x in r["ratio_runs"])
-    rows = [(f"{label} {unit}", f"{r[r['ratio_of']]:.3f} (floor {r['floor_' + r['ratio_of']]:.3f})"),
+    return [(f"{label} {unit}", f"{r[r['ratio_of']]:.3f} (floor {r['floor_' + r['ratio_of']]:.3f})"),
             (f"{label} ratio", f"{r['ratio']:.3f}x the GEMM floor (runs: {runs})"),
             (f"{label} wall s", f"{r['wall_s']:.3f}"), (f"{label} peak growth", f"{r['peak_growth_mib']:.0f} MiB"),
             (f"{label} TFLOP/s", f"{r['tflops']:.3f}" + (f" ({r['pct_of_peak']:.1f}% of peak)" if "pct_of_peak" in r else ""))]
-    return rows
 
 
 def update(

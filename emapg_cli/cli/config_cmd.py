@@ -29,12 +29,10 @@ def iter_keys(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, 
     rows = []
     for name, field in model.model_fields.items():
         ann = field.annotation
-        key = f"{prefix}{name}"
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(iter_keys(ann, key + "."))
+            rows.extend(iter_keys(ann, f"{prefix}{name}."))
         else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((key, field.description or "", default))
+            rows.append((f"{prefix}{name}", field.description or "", field.get_default(call_default_factory=True)))
     return rows
 
 

@@ -209,9 +209,7 @@ def _check_code(o: dict, typed: set[str], cfg, preset) -> None:
     except UserError as e:
         raise UserError(f"--reward: {e}") from None
     refs = code_refs_of(reward=o["reward"], env=o["env"], agent=o["agent"])  # the code this evaluation will import
-    named = named_refs(o["set_"] or [], reward=o["reward"] if cfg is None or "reward" in typed else None,
-                       env=o["env"] if cfg is None or "env" in typed else None,
-                       agent=o["agent"] if cfg is None or "agent" in typed else None)
+    named = named_refs(o["set_"] or [], **{k: o[k] for k in ("reward", "env", "agent") if cfg is None or k in typed})
     source = " or ".join([*([f"--preset {preset}"] if preset else []), *([f"--config {o['config']}"] if o["config"] else [])])
     require_trust(refs, named, o["trust_code"], *([source] if source else []))  # named on this command line: trusted
     try:
@@ -321,7 +319,7 @@ def _compare(ctx: typer.Context, folders: Optional[tuple[Path, Path]], json_out:
     result, record = compare(*folders)
     if warning := settings_warning(record["differing_settings"]):
         typer.echo(warning, err=True)
-    for line in summary_lines(result, *(Path(record["a"]), Path(record["b"]))):
+    for line in summary_lines(result, Path(record["a"]), Path(record["b"])):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     if json_out is not None:
         write_json(json_out, record)

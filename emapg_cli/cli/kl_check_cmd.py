@@ -3,7 +3,6 @@ against the exact KL (and, with --stability, simulate EMA-PG's stability on a ba
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,11 +11,10 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
-from emapg_cli.cli.common import console
+from emapg_cli.cli.common import console, write_json_file
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS, KL_CHECK_DEFAULT
 from emapg_cli.outputs import writable_file
-from emapg_cli.paths import write_text_atomic
 
 
 def parse_list(text: str, kind: type, option: str) -> list:
@@ -37,14 +35,6 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [_finite(v) for v in obj]
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
-
-
-def _write_json(path: Path, payload: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps(_finite(payload), indent=2) + "\n")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror}") from None
 
 
 def kl_check(
@@ -116,7 +106,7 @@ def _measure(o: SimpleNamespace, settings) -> None:
     if o.markdown:
         console.print(render_markdown(result), highlight=False, markup=False, soft_wrap=True)
     if o.json_out is not None:
-        _write_json(o.json_out, result.to_dict())
+        write_json_file(o.json_out, _finite(result.to_dict()))
         console.print(f"wrote {o.json_out}", markup=False, highlight=False)
     if o.plot is not None:
         from emapg_cli.klcheck.plot import plot_check
@@ -207,5 +197,5 @@ def _stability(o: SimpleNamespace) -> None:
     if o.plot is not None:
         console.print(f"wrote {plot_stability(results, o.plot)}", markup=False, highlight=False)
     if o.json_out is not None:
-        _write_json(o.json_out, {"stability": [r.to_dict() for r in results]})
+        write_json_file(o.json_out, _finite({"stability": [r.to_dict() for r in results]}))
         console.print(f"wrote {o.json_out}", markup=False, highlight=False)

@@ -11,26 +11,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from emapg_cli.cli.common import console, err_console
+from emapg_cli.cli.common import console, counting_bar, err_console
 from emapg_cli.errors import UserError
 from emapg_cli.outputs import claim_folder, claim_prepare
 from emapg_cli.tasks import REASONING_GYM, get_task
-
-
-def _progress_bar(label: str):
-    """A rich progress bar and a factory `total -> advance(k)` for the core's row loop."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-
-    from emapg_cli.progress import Progress
-
-    label = escape(label).replace("{", "{{").replace("}", "}}")  # rich markup, then TextColumn's str.format
-    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
-
-    def start(total: int):
-        task = bar.add_task(label, total=total)
-        return lambda k: bar.advance(task, k)
-
-    return bar, start
 
 
 def _prepare_hotpotqa_corpus(from_file: Optional[Path], out: Optional[Path]) -> None:
@@ -177,7 +161,7 @@ def prepare(
         return
     from emapg_cli.datasets.prepare import dataset_dir, prepare_dataset
 
-    bar, start = _progress_bar(escape(f"converting {names[0]}"))
+    bar, start = counting_bar(escape(f"converting {names[0]}"))
     with claim_prepare(dataset_dir(names[0], out), names[0]), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)

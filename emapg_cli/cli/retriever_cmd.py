@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from emapg_cli.cli.common import check_seconds_option, console
+from emapg_cli.cli.common import check_seconds_option, console, counting_bar
 from emapg_cli.errors import UserError
 
 app = typer.Typer(help="Retrieval for the search agent: index a JSONL corpus, query an index, serve it as a Search-R1 /retrieve server.",
@@ -49,17 +49,9 @@ def index(
                   "--nprobe": nprobe, "--pq-m": pq_m, "--hnsw-m": hnsw_m, "--ef-search": ef_search}
     if any(v is not None and v is not False for v in dense_only.values()):
         raise UserError(f"{next(k for k, v in dense_only.items() if v is not None and v is not False)} applies only with --dense MODEL")
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-
-    from emapg_cli.progress import Progress  # plain lines when the output is a log
     from emapg_cli.retrieval.bm25 import build_index
 
-    bar = Progress(TextColumn("indexing rows"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
-
-    def start(total):  # rows, or None for a gzipped corpus (no bar length, the count still shows)
-        task = bar.add_task("indexing", total=total)
-        return lambda k: bar.advance(task, k)
-
+    bar, start = counting_bar("indexing rows")  # total: rows, or None for a gzipped corpus
     with bar:
         manifest = build_index(corpus, out, progress=start, chunk=chunk_rows)
     console.print(f"indexed {manifest['rows']:,} documents in {manifest['index_s']:.2f} s -> {out} "
@@ -68,18 +60,11 @@ def index(
 
 def _index_dense(corpus: Path, out: Path, model: str, **settings) -> None:
     """`emapg retriever index --dense MODEL`: encode with a progress bar, then one summary line."""
-    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import TimeRemainingColumn
 
-    from emapg_cli.progress import Progress  # plain lines when the output is a log
     from emapg_cli.retrieval.dense import build_dense_index
 
-    bar = Progress(TextColumn("encoding"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                   console=console, transient=True)
-
-    def start(total: int):
-        task = bar.add_task("encoding", total=total)
-        return lambda k: bar.advance(task, k)
-
+    bar, start = counting_bar("encoding", TimeRemainingColumn())
     with bar:
         manifest = build_dense_index(corpus, out, model, progress=start, **settings)
     params = ", ".join(f"{k} {v}" for k, v in manifest["faiss"].items() if k != "kind")

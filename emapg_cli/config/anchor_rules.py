@@ -30,7 +30,7 @@ def rule_point(anchor) -> tuple[Optional[float], Optional[int]]:
             "previous": (0.0, 1)}.get(anchor.rule, (None, None))
 
 
-def _changed(section, keys: tuple[str, ...]) -> list[str]:
+def changed_keys(section, keys: tuple[str, ...]) -> list[str]:
     """The keys of `section` whose values differ from their defaults."""
     fields = type(section).model_fields
     return [k for k in keys if getattr(section, k) != fields[k].get_default(call_default_factory=True)]
@@ -47,12 +47,12 @@ def apply_rule(cfg) -> None:
         raise ValueError(f"ema.target_distance is the adaptive rule's target; anchor.rule={rule} sets eta itself: drop one")
     if rule == "adaptive" and e.target_distance is None:
         raise ValueError("anchor.rule=adaptive needs ema.target_distance (the policy-anchor distance to track, e.g. 0.03)")
-    if rule != "mixup" and _changed(a, ("mixup_alpha",)):
+    if rule != "mixup" and changed_keys(a, ("mixup_alpha",)):
         raise ValueError(f"anchor.mixup_alpha applies to anchor.rule=mixup, not {rule}")
     if rule == "previous" and cfg.rollout.max_staleness:
         raise ValueError(f"anchor.rule=previous anchors to the policy that sampled the step, and rollout.max_staleness="
                          f"{cfg.rollout.max_staleness} samples from weights up to that many updates older: drop one")
-    bema = _changed(a.bema, tuple(type(a.bema).model_fields))
+    bema = changed_keys(a.bema, tuple(type(a.bema).model_fields))
     if rule != "bema" and bema:
         raise ValueError(f"anchor.bema.{bema[0]} applies to anchor.rule=bema, not {rule}")
     eta, period = rule_point(a)

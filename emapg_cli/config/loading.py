@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import sys
-from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -17,18 +16,12 @@ from pydantic import BaseModel, ValidationError
 from emapg_cli.config.models import MOVED_KEYS, Config
 from emapg_cli.errors import UserError
 from emapg_cli.fileio import read_yaml_mapping, safe_load_yaml
+from emapg_cli.paths import shipped_dir
 
 
 def preset_dir() -> Path:
-    """The folder holding the preset YAML files.
-
-    In an installed wheel the presets ship inside the package (`emapg_cli/presets`);
-    in a source checkout (editable install, tests) they are the repository's `presets/`.
-    """
-    packaged = Path(str(resources.files("emapg_cli"))) / "presets"
-    if packaged.is_dir():
-        return packaged
-    return Path(__file__).resolve().parents[2] / "presets"
+    """The folder holding the preset YAML files (`paths.shipped_dir`: in the wheel, or the checkout's `presets/`)."""
+    return shipped_dir("presets")
 
 
 def list_presets() -> list[str]:
@@ -60,10 +53,6 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = copy.deepcopy(value)
     return out
-
-
-def _field_names(model: type[BaseModel]) -> list[str]:
-    return list(model.model_fields)
 
 
 def _resolve_model(path: list[str]) -> Optional[type[BaseModel]]:
@@ -126,8 +115,8 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
         if owner is None or parts[-1] not in owner.model_fields:
             where, key = ".".join(parts[:-1]), ".".join(parts)
             if owner is None:
-                raise UserError(f"unknown config key '{key}' ('{where}' is not a config group; groups: {', '.join(_field_names(Config))})")
-            raise UserError(f"unknown config key '{key}' (allowed{' in ' + where if where else ''}: {', '.join(_field_names(owner))})")
+                raise UserError(f"unknown config key '{key}' ('{where}' is not a config group; groups: {', '.join(Config.model_fields)})")
+            raise UserError(f"unknown config key '{key}' (allowed{' in ' + where if where else ''}: {', '.join(owner.model_fields)})")
         node = out
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
@@ -145,10 +134,8 @@ def _format_validation_error(err: ValidationError) -> str:
         parts = [str(p) for p in e["loc"]]
         group = _resolve_model(parts[:-1]) or Config
         where = ".".join(parts[:-1])
-        return f"unknown config key '{loc}' (allowed{' in ' + where if where else ''}: {', '.join(_field_names(group))})"
-    msg = e["msg"]
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
+        return f"unknown config key '{loc}' (allowed{' in ' + where if where else ''}: {', '.join(group.model_fields)})"
+    msg = e["msg"].removeprefix("Value error, ")
     got = e.get("input")
     got_s = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
     return f"{loc}: {msg}{got_s}" if loc else f"{msg}{got_s}"
@@ -179,15 +166,13 @@ def load_config(preset: Optional[str] = None, config_file: Optional[str] = None,
     """Resolve a Config: preset, then user file, then dotted overrides (later sources win)."""
     data: dict[str, Any] = {}
     if preset:
-        raw = read_preset(preset)
-        warn_remote_code(f"preset {preset}", raw)
-        data = deep_merge(data, raw)
+        data = read_preset(preset)
+        warn_remote_code(f"preset {preset}", data)
     if config_file:
         raw = read_yaml_mapping(Path(config_file), "config file")
         warn_remote_code(f"config file {config_file}", raw)
         data = deep_merge(data, raw)
-    data = apply_overrides(data, overrides)
-    return validate(data)
+    return validate(apply_overrides(data, overrides))
 
 
 def to_yaml(cfg: Config) -> str:

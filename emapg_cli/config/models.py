@@ -7,12 +7,13 @@ preset or a `--set` override fails loudly instead of being ignored.
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from emapg_cli.bounds import MAX_SECONDS, check_seconds
-from emapg_cli.config.anchor_rules import apply_rule
+from emapg_cli.config.anchor_rules import apply_rule, changed_keys
 from emapg_cli.errors import UserError
 from emapg_cli.estimator_names import ESTIMATORS, FORWARD_ONLY, REVERSE_ONLY
 from emapg_cli.rewards.plugin import PLUGIN_MEMORY_MIB
@@ -487,12 +488,7 @@ class Config(Section):
             raise ValueError(f"train.mini_batch_sequences ({t.mini_batch_sequences}) must divide the sequences of a step "
                              f"(rollout.prompts_per_step x rollout.n = {r.prompts_per_step * r.n})")
         if self.search.enabled:
-            for key, turn in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", self.eval.max_new_tokens)):
-                if self.data.max_prompt_tokens + turn > self.search.max_context_tokens:
-                    raise ValueError(
-                        f"search.max_context_tokens ({self.search.max_context_tokens}) must hold data.max_prompt_tokens "
-                        f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start"
-                    )
+            self._turns_fit("search.max_context_tokens", self.search.max_context_tokens)
         self._check_engine_url()
         if self.lora.r > 0:
             for bad, why in ((t.parallel == "fsdp", "train.parallel=fsdp"),
@@ -533,9 +529,7 @@ class Config(Section):
         """rollout.engine_url: the settings of an in-process engine, and what the server cannot take yet, refused."""
         r = self.rollout
         # values other than the defaults, not keys given: a run's config.yaml (read by --resume) holds every key
-        changed = [k for k in ("engine_timeout_s", "gpu_memory_utilization", "hf_batch_size",
-                               "hf_fast_decode")
-                   if getattr(r, k) != RolloutConfig.model_fields[k].default]
+        changed = changed_keys(r, ("engine_timeout_s", "gpu_memory_utilization", "hf_batch_size", "hf_fast_decode"))
         server_keys = [k for k in changed if k.startswith("engine_")]
         if r.engine_url is None:
             if server_keys:
@@ -578,12 +572,17 @@ class Config(Section):
         if r.agent is not None and r.env != "single":
             raise ValueError(f"rollout.agent runs each episode itself; it contradicts rollout.env={r.env} (leave it single)")
         if r.env not in ("single", "search") or r.agent is not None:
-            for key, turn in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", self.eval.max_new_tokens)):
-                if key == "eval.max_new_tokens" and "max_new_tokens" not in self.eval.model_fields_set:
-                    continue  # defaults to the rollouts' per-turn cap (_resolve_defaults)
-                if self.data.max_prompt_tokens + turn > r.max_context_tokens:
-                    raise ValueError(f"rollout.max_context_tokens ({r.max_context_tokens}) must hold data.max_prompt_tokens "
-                                     f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start")
+            self._turns_fit("rollout.max_context_tokens", r.max_context_tokens)
+
+    def _turns_fit(self, limit_key: str, limit: int) -> None:
+        """data.max_prompt_tokens + a full turn of the rollouts, and of the evaluations (eval.max_new_tokens; unset, the
+        rollouts' cap: `_resolve_defaults`), must fit in `limit` (the key `limit_key`), or no turn could start."""
+        r, e = self.rollout, self.eval
+        eval_turn = e.max_new_tokens if "max_new_tokens" in e.model_fields_set else r.max_new_tokens
+        for key, turn in (("rollout.max_new_tokens", r.max_new_tokens), ("eval.max_new_tokens", eval_turn)):
+            if self.data.max_prompt_tokens + turn > limit:
+                raise ValueError(f"{limit_key} ({limit}) must hold data.max_prompt_tokens "
+                                 f"({self.data.max_prompt_tokens}) + {key} ({turn}, per turn), or no turn could start")
 
     def _resolve_defaults(self) -> None:
         """Fill the defaults that depend on other sections, when the key was not given: train.old_logprobs auto -> pass
@@ -634,24 +633,18 @@ class Config(Section):
         from emapg_cli.agents.agent import AgentSettings
 
         r = self.rollout
-        if r.agent is None:
-            return None
-        return AgentSettings(ref=r.agent, max_calls=r.agent_max_calls, max_tokens=r.agent_max_tokens, timeout_s=r.agent_timeout_s,
-                             workers=r.agent_workers, max_failure_rate=self.reward.max_failure_rate)
+        return None if r.agent is None else AgentSettings(
+            ref=r.agent, max_calls=r.agent_max_calls, max_tokens=r.agent_max_tokens, timeout_s=r.agent_timeout_s,
+            workers=r.agent_workers, max_failure_rate=self.reward.max_failure_rate)
 
     def stage_at(self, step: int) -> Stage:
         """The settings of RL step `step` (1-based): its stage's length (capped by rollout.max_new_tokens)
         and mask_truncated, or rollout.max_new_tokens / train.mask_truncated without stages."""
         r, t = self.rollout, self.train
-        chosen = None
-        end = 0
-        for st in self.stages:
-            chosen = st
-            end += st.steps
-            if step <= end:
-                break
-        if chosen is None:
+        if not self.stages:
             return Stage(steps=t.steps, max_new_tokens=r.max_new_tokens, mask_truncated=t.mask_truncated)
+        ends = itertools.accumulate(st.steps for st in self.stages)
+        chosen = next((st for st, end in zip(self.stages, ends) if step <= end), self.stages[-1])  # past them: the last
         mask = t.mask_truncated if chosen.mask_truncated is None else chosen.mask_truncated
         return Stage(steps=chosen.steps, max_new_tokens=min(chosen.max_new_tokens, r.max_new_tokens), mask_truncated=mask)
 

@@ -71,13 +71,8 @@ def named_refs(overrides: Iterable[str] = (), **options: str | None) -> dict[str
         except UserError:
             continue  # the config's own parsing reports it
         key = ".".join(parts)
-        if key == REMOTE_CODE_KEY:
-            if value is True:
-                named[key] = "true"
-            else:
-                named.pop(key, None)
-        elif key in CODE_KEYS:
-            ref = plugin_ref(key, value)
+        if key == REMOTE_CODE_KEY or key in CODE_KEYS:
+            ref = ("true" if value is True else None) if key == REMOTE_CODE_KEY else plugin_ref(key, value)
             if ref is not None:
                 named[key] = ref
             else:

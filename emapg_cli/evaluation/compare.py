@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -134,10 +133,10 @@ def settings_warning(differ: dict[str, list[Any]]) -> Optional[str]:
 
 def record(result: PairedComparison, file_a: Path, file_b: Path) -> dict[str, Any]:
     """What --json writes: the files compared, every number of the comparison, and the verdict."""
-    fields = asdict(result)
-    return {"a": str(file_a), "b": str(file_b), "items": result.n, **{k: fields[k] for k in ("mean_a", "mean_b", "diff")},
-            "ci": [result.lo, result.hi], "confidence": result.confidence, "test": result.test, "method": result.method,
-            "p": result.p, "discordant": {"a_better": result.a_better, "b_better": result.b_better}, "ties": result.ties,
+    return {"a": str(file_a), "b": str(file_b), "items": result.n, "mean_a": result.mean_a, "mean_b": result.mean_b,
+            "diff": result.diff, "ci": [result.lo, result.hi], "confidence": result.confidence, "test": result.test,
+            "method": result.method, "p": result.p,
+            "discordant": {"a_better": result.a_better, "b_better": result.b_better}, "ties": result.ties,
             "bootstrap": {"resamples": result.resamples, "seed": result.seed, "unit": "item"},
             "permutation": None if result.binary else {"flips": result.flips, "seed": result.seed},
             "pairs_for_power": result.pairs_for_power, "verdict": result.verdict()}
@@ -172,11 +171,9 @@ def _is_record(path: Path) -> bool:
     return isinstance(data, dict) and {"a", "b", "items", "verdict", "bootstrap"} <= data.keys()
 
 
-def summary_lines(result: PairedComparison, file_a: Optional[Path] = None, file_b: Optional[Path] = None) -> list[str]:
+def summary_lines(result: PairedComparison, file_a: Path, file_b: Path) -> list[str]:
     """The console report: what was compared, the two means, the difference with its interval, the test, the verdict."""
-    lines = []
-    if file_a is not None and file_b is not None:
-        lines += [f"A: {file_a}", f"B: {file_b}"]
+    lines = [f"A: {file_a}", f"B: {file_b}"]
     lines.append(f"items {result.n}: A {result.mean_a:.4f}, B {result.mean_b:.4f}; A better on {result.a_better}, "
                  f"B better on {result.b_better}, tied on {result.ties}")
     lines.append(f"paired difference A − B: {result.diff:+.4f}, {result.confidence:.0%} percentile bootstrap interval "

@@ -28,11 +28,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def ks_for(n: int) -> list[int]:
     """k = 1, 2, 4, ... <= n."""
-    ks, k = [], 1
-    while k <= n:
-        ks.append(k)
-        k *= 2
-    return ks
+    return [1 << i for i in range(max(n, 0).bit_length())]
 
 
 def majority_correct(votes: Sequence[Optional[str]], correct: Sequence[bool]) -> bool:

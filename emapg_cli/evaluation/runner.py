@@ -88,11 +88,6 @@ class EvalSettings:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
 
-def default_chunk(backend: str, n: int) -> int:
-    """Problems per generate call: large for vLLM (it batches itself), ~64 sequences for transformers."""
-    return 512 if backend == "vllm" else max(1, 64 // n)
-
-
 def load_responses(path: Path, examples: Sequence[Example]) -> tuple[list[Example], dict[str, list[str]], dict[str, list]]:
     """Given responses {"id", "responses"[, "finish_reasons"]} matched to the bench's items (in bench order).
 
@@ -231,16 +226,19 @@ def _generate_all(s: EvalSettings, backend: str, todo: Sequence[Example], index_
         gpu_memory_utilization=s.gpu_memory_utilization,
     )
     suffix = f"\n\n{s.instruction}" if s.instruction else ""
-    from emapg_cli.evaluation.search import episode_extra, search_config
+    from emapg_cli.config.models import SearchConfig
+    from emapg_cli.evaluation.search import episode_extra, parse_retriever
 
+    search = None if not s.retriever else SearchConfig(
+        enabled=True, topk=s.topk, max_obs_tokens=s.max_obs_tokens, max_context_tokens=s.max_context_tokens,
+        prompt_template=s.prompt_template, **parse_retriever(s.retriever))
     # the factory training uses (rollout.env): single-turn, the search agent, or a user environment
     env = make_environment(s.env_name, tokenizer, max_turns=s.max_turns if s.env_name != "single" else None,
-                           search=search_config(s.retriever, s.topk, s.max_obs_tokens, s.max_context_tokens,
-                                                s.prompt_template) if s.retriever else None,
-                           max_context_tokens=s.max_context_tokens, timeout_s=s.env_timeout_s, agent=s.agent_settings())
+                           search=search, max_context_tokens=s.max_context_tokens, timeout_s=s.env_timeout_s,
+                           agent=s.agent_settings())
     message = env.user_message()
     generator = env.bind(engine)
-    size = s.chunk or default_chunk(backend, s.n)
+    size = s.chunk or (512 if backend == "vllm" else max(1, 64 // s.n))  # vLLM batches itself; ~64 sequences for hf
     gen_seconds, tokens, truncated = 0.0, 0, 0
     pending: Optional[Future] = None
     rendered = [render_prompt(tokenizer, message(ex.question + suffix) if message else ex.question + suffix, s.chat_prefix or ())

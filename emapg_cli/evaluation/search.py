@@ -46,15 +46,6 @@ def check_turn_budget(max_tokens: int, max_context_tokens: int) -> None:
                         f"({max_context_tokens}) with room for the prompt, or every episode ends before its first turn")
 
 
-def search_config(retriever: str, topk: int, max_obs_tokens: int, max_context_tokens: int,
-                  prompt_template: Optional[str]):
-    """The `search` config section an evaluation runs with."""
-    from emapg_cli.config.models import SearchConfig
-
-    return SearchConfig(enabled=True, topk=topk, max_obs_tokens=max_obs_tokens, max_context_tokens=max_context_tokens,
-                        prompt_template=prompt_template, **parse_retriever(retriever))
-
-
 def episode_extra(tokenizer, env, group) -> dict[str, Any]:
     """The results-row fields of one item's episodes in a multi-turn environment: the search agent's full
     trajectories (searches, passages shown, answer, counts, text), or a user environment's episodes (turns, calls,
