@@ -818,6 +818,26 @@ def ablate_cases() -> list[Case]:
                        ("kind-unknown", plain + "analysis: {kind: distil, baseline: a}")):
         cases.append(case("ablate", f"study-analysis-{name}", "ablate", "--study", "s.yaml", "--out", "sweep",
                           files={"s.yaml": text + "\n"}))
+    # issue 41: the study's measure: and cost: sections (refused before the initial model is measured) and --generic
+    rg = "untrained: 'reasoning-gym:gcd', format_prefix: [{role: user, content: hi}]"
+    for name, section in (("measure-n-zero", "measure: {n: 0, " + rg + "}"),
+                          ("measure-n-text", "measure: {n: many, " + rg + "}"),
+                          ("measure-temperature-zero", "measure: {temperature: 0, " + rg + "}"),
+                          ("measure-no-prefix", "measure: {untrained: 'reasoning-gym:gcd'}"),
+                          ("measure-no-untrained", "measure: {format_prefix: []}"),
+                          ("measure-untrained-not-gym", "measure: {untrained: toy, format_prefix: []}"),
+                          ("measure-unknown-key", "measure: {bogus: 1, " + rg + "}"),
+                          ("measure-not-a-mapping", "measure: [1, 2]"),
+                          ("cost-step-zero", "cost: {step_s: 0, sequence_s: 1, eval_items: 3}"),
+                          ("cost-step-nan", "cost: {step_s: .nan, sequence_s: 1, eval_items: 3}"),
+                          ("cost-no-items", "cost: {step_s: 1, sequence_s: 1}"),
+                          ("cost-jobs-zero", "cost: {jobs: 0, step_s: 1, sequence_s: 1, eval_items: 3}"),
+                          ("cost-unknown-key", "cost: {step_s: 1, sequence_s: 1, eval_items: 3, hours: 2}"),
+                          ("cost-not-a-mapping", "cost: 12")):
+        cases.append(case("ablate", f"study-{name}", "ablate", "--study", "s.yaml", "--out", "sweep",
+                          files={"s.yaml": plain + section + "\n"}))
+    cases += [case("ablate", "generic-unknown-study", "ablate", "--study", "nope", "--preset", "smol", "--generic", "--out", "sweep"),
+              case("ablate", "generic-unknown-preset", "ablate", "--study", "anchors", "--preset", "nope", "--generic", "--out", "sweep")]
     return cases
 
 

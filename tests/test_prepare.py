@@ -212,3 +212,14 @@ def test_cli_errors(cli, emapg_home, tmp_path):
     assert r.returncode == 2 and "unknown dataset 'nope'" in r.stderr
     r = cli("prepare", "x", "--from", str(tmp_path / "missing.json"))
     assert r.returncode == 2 and "no such file" in r.stderr
+
+
+def test_progress_shows_a_bracketed_name_as_written(cli, emapg_home, tmp_path):
+    """The converting bar escapes its label once: `my[x]` is printed as `my[x]`, not Rich markup and not `my\\[x]`
+    (prepare escaped it a second time before the bar did; caught when the bars became one helper)."""
+    src = tmp_path / "q[1].jsonl"
+    src.write_text("".join(json.dumps({"problem": f"1+{i}?", "answer": str(1 + i)}) + "\n" for i in range(3)))
+    r = cli("prepare", "my[x]", "--from", str(src), env={"EMAPG_PROGRESS_SECONDS": "0"})
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("converting")]
+    assert lines and all(line.startswith("converting my[x] ") for line in lines), lines

@@ -161,7 +161,7 @@ def prepare(
         return
     from emapg_cli.datasets.prepare import dataset_dir, prepare_dataset
 
-    bar, start = counting_bar(escape(f"converting {names[0]}"))
+    bar, start = counting_bar(f"converting {names[0]}")  # counting_bar escapes its label
     with claim_prepare(dataset_dir(names[0], out), names[0]), bar:
         out_dir, manifest = prepare_dataset(names[0], from_file, out, progress=start)
     _show_manifest(out_dir, manifest)
