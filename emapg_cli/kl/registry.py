@@ -36,7 +36,8 @@ _TOPK = {
     ("teacher_support", "reverse"): tail.teacher_support_reverse,
     ("teacher_support_raw", "reverse"): tail.teacher_support_raw_reverse,
 }
-_TRUNCATED = {"reverse": topk.truncated_reverse, "forward": topk.truncated_forward}
+# truncated: the exact head alone, ignoring the tail mass outside q
+_TRUNCATED = {"reverse": topk.head_reverse, "forward": topk.head_forward}
 _EXACT = {"reverse": exact.exact_reverse, "forward": exact.exact_forward}
 
 #: (name, direction) pairs with an implementation here: exactly INFO's (tests/test_kl_estimators.py).
