@@ -157,6 +157,18 @@ def _head_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], input_id
                       aux={name: scatter(v, v.dtype) for name, v in out.aux.items()})
 
 
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Within: `module` in eval mode (no dropout: a no-grad pass, or two passes that must see the same function); its
+    own mode is restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
+
+
 class TokenScorer(nn.Module):
     """Wraps a causal LM so its log-prob pass is the module's `forward` (what DDP/FSDP wrap and sync).
 
