@@ -107,16 +107,13 @@ def token_stats(
     hidden = response_hidden(lm, input_ids, attention_mask, prompt_len, pack, share)  # [B, R, H]
     weight, bias = head_params(lm.get_output_embeddings())
     cast = autocast_dtype(hidden.device.type)
-    if cast is None:
-        return _head_stats(hidden, weight, bias, input_ids, prompt_len, response_mask, temperature=temperature, topk=topk,
-                           q_index=q_index, chunk=chunk, budget_mib=budget_mib, loss_fn=loss_fn, loss_mask=loss_mask,
-                           ref_hidden=ref_hidden, ref_head=ref_head, entropy=entropy)
     # Under autocast (float32 master weights computing in model.dtype): the output layer's GEMMs run in the
     # autocast dtype like any other Linear there, on a cast copy of its weight (whose gradient autograd casts
     # back to float32); the fused head's own arithmetic (log-softmax, the loss, dW's accumulation) is float32
     # as in a bfloat16 model's pass, so autocast is off inside it.
-    weight, bias, hidden = weight.to(cast), bias.to(cast) if bias is not None else None, hidden.to(cast)
-    with torch.autocast(hidden.device.type, enabled=False):
+    if cast is not None:
+        weight, bias, hidden = weight.to(cast), bias.to(cast) if bias is not None else None, hidden.to(cast)
+    with torch.autocast(hidden.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
         return _head_stats(hidden, weight, bias, input_ids, prompt_len, response_mask, temperature=temperature, topk=topk,
                            q_index=q_index, chunk=chunk, budget_mib=budget_mib, loss_fn=loss_fn, loss_mask=loss_mask,
                            ref_hidden=ref_hidden, ref_head=ref_head, entropy=entropy)
