@@ -349,7 +349,8 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
         from emapg_cli.train.settings import capped_k
 
         k = capped_k(cfg.kl.k, m.vocab)
-        terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}", "update"))
+        terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}",
+                                "update"))
     if cfg.rollout.engine == "vllm" and cfg.rollout.engine_url is None:  # a rollout server's engine is not on this device
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
         terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))

@@ -61,8 +61,8 @@ def build_models(cfg, strategy):
         anchor = load_teacher(cfg.anchor, cfg.model)
     # params -> AdamW with the `optim` settings (the parallel strategy builds it once the parameters are wrapped)
     o = cfg.optim
-    make_optimizer = functools.partial(torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    adamw = functools.partial(torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
     # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
-    scorer, anchor_scorer, optimizer = strategy.wrap(policy, anchor, make_optimizer, compute_dtype(cfg.model, cfg.lora))
+    scorer, anchor_scorer, optimizer = strategy.wrap(policy, anchor, adamw, compute_dtype(cfg.model, cfg.lora))
     return scorer, anchor_scorer, optimizer, make_scheduler(optimizer, cfg), settings
