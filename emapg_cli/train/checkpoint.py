@@ -166,10 +166,9 @@ def save_final(strategy, run_dir: Path, models: dict[str, Any], tokenizer, dtype
     transformers convention; checkpoints keep the master weights). `lora`: merged weights plus the adapter. A teacher
     anchor (anchor.source=teacher) is skipped: summary.json names its path and fingerprint."""
     from emapg_cli.models.loading import cast_state, set_config_dtype
-
-    main = strategy.acc.is_main_process
     from emapg_cli.train.teacher import teacher_record
 
+    main = strategy.acc.is_main_process
     for name, model in models.items():
         if model is None or teacher_record(model) is not None:  # a teacher anchor is not ours to save
             continue
