@@ -29,7 +29,7 @@ def _losses(tiny, batch, cfg, monkeypatch):
     from emapg_cli.train import update
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.setup import make_scheduler
 
     seen: list[float] = []
     real = update.micro_batch_loss

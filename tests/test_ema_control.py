@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
+from emapg_cli.config.anchor_rules import describe_decay
 from emapg_cli.config.models import Config, EMAConfig
 from emapg_cli.grpo.ema_control import adapt_decay, adapt_decay_tensor, next_unit_lag
-from emapg_cli.train.eta_control import decay_for_update, decay_in_force, describe
+from emapg_cli.train.eta_control import decay_for_update, decay_in_force
 
 LIMITS = dict(decay_min=0.5, decay_max=0.999)
 
@@ -86,7 +87,7 @@ def test_fixed_eta_is_ema_decay():
     e = EMAConfig(decay=0.97)
     assert decay_for_update(e, {}, lambda: pytest.fail("a fixed eta measures nothing")) == 0.97
     assert decay_in_force(e, {}) == 0.97
-    assert describe(e) == "η 0.97"
+    assert describe_decay(e) == "η 0.97"
 
 
 def test_removed_decay_schedule():
@@ -108,7 +109,7 @@ def test_adaptive_state_in_the_trainer_dict():
     assert state == {"ema_decay": pytest.approx(1 - 1 / 2.4, abs=1e-15), "ema_unit_lag": pytest.approx(2 - 1 / 2.4, abs=1e-15)}
     assert decay_in_force(e, state) == state["ema_decay"]
     assert json.loads(json.dumps(state)) == state  # checkpointed in state.json: floats round-trip exactly
-    assert describe(e) == "adaptive η (target distance 0.1, [0.5, 0.999], from 0.5)"
+    assert describe_decay(e) == "adaptive η (target distance 0.1, [0.5, 0.999], from 0.5)"
 
 
 @pytest.mark.parametrize("values, message", [

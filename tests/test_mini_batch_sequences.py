@@ -34,7 +34,7 @@ def _update(tiny, batch, cfg, spy=None, monkeypatch=None):
     from emapg_cli.train import update
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.setup import make_scheduler
 
     if spy is not None:  # record the rows of every mini-batch (micro_batches sees each mini-batch's rows first)
         real = update.micro_batches

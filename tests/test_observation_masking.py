@@ -136,7 +136,7 @@ def test_observations_change_nothing(lm, estimator, direction):
 def test_masked_aggregation_hand_computed(lm, mode, expected):
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.setup import make_scheduler
     from emapg_cli.train.update import update_policy
 
     gen = torch.Generator().manual_seed(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from emapg_cli.config.loading import load_config
 from emapg_cli.train.plan import make_plan, stage_spans
-from emapg_cli.train.trainer import eval_max_new_tokens
+from emapg_cli.train.evaluate import eval_max_new_tokens
 
 
 def test_olympiad_stage_spans_and_evaluation_lengths():

@@ -310,7 +310,7 @@ def test_one_on_policy_step_takes_the_weights_from_its_own_pass(sampled, mode):
     gives the same weights, loss and gradient as the precomputed ones, and the same statistics."""
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.setup import make_scheduler
     from emapg_cli.train.update import update_policy
     from train_helpers import OneProcess
 
@@ -339,7 +339,7 @@ def test_update_reports_the_metrics(sampled):
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.metrics import step_metrics
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.setup import make_scheduler
     from emapg_cli.train.update import update_policy
     from train_helpers import OneProcess
 

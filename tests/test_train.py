@@ -192,7 +192,7 @@ def test_skipped_steps_leave_weights_optimizer_and_schedule_untouched(tiny_qwen2
 
     from emapg_cli.train.logprobs import TokenScorer
     from emapg_cli.train.parallel import Replicated
-    from emapg_cli.train.trainer import make_scheduler
+    from emapg_cli.train.setup import make_scheduler
     from emapg_cli.train.update import update_policy
 
     lm, tok = AutoModelForCausalLM.from_pretrained(tiny_qwen2), AutoTokenizer.from_pretrained(tiny_qwen2)

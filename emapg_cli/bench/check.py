@@ -32,7 +32,7 @@ A_MAX = 200.0
 REFERENCE_BUFFERS = 6
 
 
-def _target_prob(z: Tensor, targets: Tensor) -> Tensor:
+def target_prob(z: Tensor, targets: Tensor) -> Tensor:
     """softmax(z)[target] per row, in z's dtype: z [c, V], targets [c] -> [c]."""
     return torch.exp(z.gather(1, targets[:, None])[:, 0] - torch.logsumexp(z, -1))
 
@@ -52,12 +52,12 @@ def confident_hidden(h: Tensor, w: Tensor, targets: Tensor, p: float, chunk: int
         hi = torch.full((e - s,), A_MAX, dtype=torch.float64)  # [c]
         for _ in range(BISECT_STEPS):
             mid = (lo + hi) / 2
-            ok = _target_prob(z0 + mid[:, None] * dz, t) >= p
+            ok = target_prob(z0 + mid[:, None] * dz, t) >= p
             lo, hi = torch.where(ok, lo, mid), torch.where(ok, mid, hi)
         a = hi.clone()
         for _ in range(60):  # rounding h may take a row just below p: raise its boost a little and round again
             rows = (h0 + a[:, None] * u).to(h.dtype)  # [c, H]
-            low = _target_prob(rows.double() @ w64.t(), t) < p
+            low = target_prob(rows.double() @ w64.t(), t) < p
             if not bool(low.any()):
                 break
             a = torch.where(low, a * 1.01 + 1e-3, a)

@@ -87,6 +87,8 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
 
     `until_end` False: every response runs to `max_new_tokens` (no end token, no stop string: a fixed amount of work,
     as throughput benchmarks ignore EOS); True: responses end as in training (hf only: vLLM always ends on EOS)."""
+    import torch
+
     from emapg_cli.config.loading import load_config
     from emapg_cli.engines import make_engine, resolve_backend
     from emapg_cli.engines.base import SamplingParams
@@ -138,7 +140,7 @@ def bench_generate(preset: str, overrides: Iterable[str] = (), *, model: Optiona
     return _summary(runs, rows, params_n, dict(
         preset=preset, model=str(expand(cfg.model.path)), engine=backend, decode_path=getattr(eng, "decode_path", backend),
         sequences=sequences, until_end=until_end, prompts=len(prompts), n=n, max_new_tokens=new, temperature=r.temperature, top_p=r.top_p,
-        prompt_tokens_mean=statistics.mean(len(p) for p in prompts), rounds=rounds, threads=_threads(),
+        prompt_tokens_mean=statistics.mean(len(p) for p in prompts), rounds=rounds, threads=torch.get_num_threads(),
         load_average_before=load_before[0], load_average_after=os.getloadavg()[0]))
 
 
@@ -170,12 +172,6 @@ def check_context(path: str, trust_remote_code: bool, prompt_tokens: int, new: i
         raise UserError(f"--max-new-tokens {new}: the longest prompt ({prompt_tokens} tokens) and {new} new tokens need "
                         f"{prompt_tokens + new} positions, past the model's context of {context} (max_position_embeddings); "
                         f"give at most {max(context - prompt_tokens, 0)}")
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _summary(runs: list[dict], rows: int, params_n: int, info: dict[str, Any]) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def _check(work: Callable[[], object], reset: Callable[[], None], h, w, targets,
            ref: dict) -> dict[str, Any]:
     """`--check`: one more fused pass, its dH and dW against the float64 reference (`bench.check`), and the smallest
     probability of a target token (float64, on the rounded inputs)."""
-    from emapg_cli.bench.check import reference_grads, rel_err
+    from emapg_cli.bench.check import reference_grads, rel_err, target_prob
 
     reset()
     work()
@@ -164,8 +164,7 @@ def _check(work: Callable[[], object], reset: Callable[[], None], h, w, targets,
     ref_h, ref_w = cpu(ref.get("ref_hidden")), cpu(ref.get("ref_weight"))
     dh, dw = reference_grads(cpu(h), cpu(w), cpu(targets), loss_fn, cpu(q), chunk, ref_h, ref_w)
     with torch.no_grad():
-        z = cpu(h).double() @ cpu(w).double().t()  # [T, V]
-        p_min = float(torch.exp(z.gather(1, cpu(targets)[:, None])[:, 0] - torch.logsumexp(z, -1)).min())
+        p_min = float(target_prob(cpu(h).double() @ cpu(w).double().t(), cpu(targets)).min())  # logits [T, V]
     out = {"dh_rel_err": rel_err(cpu(h.grad), dh), "dw_rel_err": rel_err(cpu(w.grad), dw), "target_prob_min": p_min}
     reset()
     return out

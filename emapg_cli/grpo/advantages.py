@@ -28,7 +28,7 @@ def grpo_advantages(rewards: Tensor, norm: AdvNorm = "group", eps: float = 1e-6)
     if norm == "none":
         return centred
     if norm == "group":
-        std = r.std(dim=1, keepdim=True) if r.shape[1] > 1 else torch.zeros_like(r[:, :1])  # [G, 1]
+        std = r.std(dim=1, keepdim=True)  # [G, 1] (n > 1 here)
     elif norm == "batch":
         std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
     else:

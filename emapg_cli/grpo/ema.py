@@ -31,8 +31,6 @@ def ema_update_(shadow: Sequence[Tensor], current: Sequence[Tensor], decay: floa
     for s, c in zip(shadow, current):
         if not s.is_floating_point():
             s.copy_(c)
-    if not floats:
-        return
     for s, c in [(s, c) for s, c in floats if s.dtype in (torch.bfloat16, torch.float16)]:
         s.mul_(decay).add_(c.detach().to(s.dtype), alpha=1.0 - decay)
     floats = [(s, c) for s, c in floats if s.dtype not in (torch.bfloat16, torch.float16)]

@@ -19,10 +19,9 @@ def exact_reverse(logits: Tensor, ref_logits: Tensor) -> Tensor:
 
 
 def exact_forward(logits: Tensor, ref_logits: Tensor) -> Tensor:
-    """KL(pi_ref || pi_theta) = sum_j pi_ref(j) [log pi_ref(j) - log pi_theta(j)].
+    """KL(pi_ref || pi_theta) = sum_j pi_ref(j) [log pi_ref(j) - log pi_theta(j)]: `exact_reverse` with the two
+    models swapped.
 
     logits, ref_logits: [..., V] unnormalised. Returns [...] in at least float32.
     """
-    logp = torch.log_softmax(upcast(logits), -1)  # [..., V]
-    ref_logp = torch.log_softmax(upcast(ref_logits), -1)  # [..., V]
-    return _xlogratio(ref_logp, logp)
+    return exact_reverse(ref_logits, logits)

@@ -195,8 +195,16 @@ class _FusedHeadLoss(torch.autograd.Function):
             if k:
                 idx = torch.cat([idx, spec.q_index[s:e]], 1)
             m = mask[s:e] if mask is not None else None  # [c]
-            if exact:
+            if exact:  # dL/dz from autograd, [c, V]
                 gz, gathered, lse, per_tok, extra = _exact_chunk(spec, s, e, z, idx, inv_t, buf.shape[0])
+                if need_h:
+                    dh[s:e] = (torch.mm(gz.to(weight.dtype), weight) * inv_t).to(dh.dtype)
+                if need_w:
+                    dw.addmm_(gz.t().to(acc), h.to(acc), beta=beta)
+                if need_b:
+                    db.add_(gz.sum(0).to(acc), alpha=inv_t)
+                if spec.entropy:
+                    ent[s:e] = extra.pop("_entropy")
             else:
                 zg = z.gather(1, idx)  # [c, 1 + k]
                 lse, rowsum = _exp_inplace(z)  # z is now e = exp(z - max), softmax = e / rowsum
@@ -229,17 +237,6 @@ class _FusedHeadLoss(torch.autograd.Function):
                 if need_b:
                     db.addmv_(z.t().to(acc), coef[:, 0].to(acc), alpha=inv_t)
                     db.index_add_(0, idx.reshape(-1), g.to(acc).reshape(-1), alpha=inv_t)
-                gz = None
-            if gz is not None:  # exact: dL/dz from autograd, [c, V]
-                gzw = gz.to(weight.dtype)
-                if need_h:
-                    dh[s:e] = (torch.mm(gzw, weight) * inv_t).to(dh.dtype)
-                if need_w:
-                    dw.addmm_(gz.t().to(acc), h.to(acc), beta=beta)
-                if need_b:
-                    db.add_(gz.sum(0).to(acc), alpha=inv_t)
-                if spec.entropy:
-                    ent[s:e] = extra.pop("_entropy")
             beta = 1.0
             logp[s:e] = gathered[:, 0].detach()
             if k:
@@ -314,9 +311,8 @@ def fused_head_loss(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targ
     spec = HeadSpec(targets=targets, loss_fn=loss_fn, q_index=q_index, loss_mask=loss_mask, temperature=temperature,
                     chunk=chunk, budget_mib=budget_mib, entropy=entropy, ref_hidden=ref_hidden,
                     ref_weight=ref_weight, ref_bias=ref_bias)
-    loss = _FusedHeadLoss.apply(hidden, weight, bias, spec)
-    o = spec.out
-    return HeadLoss(loss=loss, logp=o["logp"], logp_q=o["logp_q"], entropy=o["entropy"], aux=o["aux"])
+    loss = _FusedHeadLoss.apply(hidden, weight, bias, spec)  # fills spec.out: logp, logp_q, entropy, aux
+    return HeadLoss(loss=loss, **spec.out)
 
 
 @dataclass

@@ -34,15 +34,17 @@ _TOPK = {
     ("topk_tail_sc", "reverse"): tail.topk_tail_sc_reverse,
     ("topk_resid", "reverse"): tail.topk_resid_reverse,
     ("teacher_support", "reverse"): tail.teacher_support_reverse,
-    ("teacher_support_raw", "reverse"): tail.teacher_support_raw_reverse,
 }
-_TRUNCATED = {"reverse": topk.truncated_reverse, "forward": topk.truncated_forward}
+# truncated: the exact head alone, ignoring the tail mass outside q; teacher_support_raw (reverse) is the same
+# number, H_q on the support q not renormalised (biased by -T_q), named so the teacher-support objective reads as one
+# family
+_TRUNCATED = {"reverse": topk.head_reverse, "forward": topk.head_forward}
 _EXACT = {"reverse": exact.exact_reverse, "forward": exact.exact_forward}
 
 #: (name, direction) pairs with an implementation here: exactly INFO's (tests/test_kl_estimators.py).
 IMPLEMENTED = frozenset(
     [(n, d) for n in _SAMPLED for d in INFO[n].directions] + list(_TOPK)
-    + [("truncated", d) for d in _TRUNCATED] + [("exact", d) for d in _EXACT]
+    + [("truncated", d) for d in _TRUNCATED] + [("exact", d) for d in _EXACT] + [("teacher_support_raw", "reverse")]
 )
 
 
@@ -103,7 +105,7 @@ def kl_per_token(
     info = check_estimator(name, direction)
     if info.full_vocab:
         return _EXACT[direction](logits, ref_logits)
-    if name == "truncated":
+    if name in ("truncated", "teacher_support_raw"):
         return _TRUNCATED[direction](logp_q, ref_logp_q)
     if info.uses_topk:
         return _TOPK[(name, direction)](logp_q, ref_logp_q, logp, ref_logp, in_q, iw)

@@ -138,10 +138,3 @@ def teacher_support_reverse(logp_q, ref_logp_q, logp=None, ref_logp=None, in_q=N
     lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)
     lr = lr - torch.logsumexp(lr, dim=-1, keepdim=True)
     return xlogratio_sum(lp, lr)
-
-
-def teacher_support_raw_reverse(logp_q, ref_logp_q, logp=None, ref_logp=None, in_q=None, iw: Optional[Tensor] = None) -> Tensor:
-    """Reverse KL on the support q, not renormalised: H_q = sum_{j in q} pi_j log(pi_j / rho_j). [...]
-    The same number as `truncated` (reverse); registered under this name so the teacher-support
-    objective reads as one family. Deterministic, biased by -T_q."""
-    return head_reverse(logp_q, ref_logp_q)

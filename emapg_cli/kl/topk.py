@@ -95,13 +95,3 @@ def topk_mass_forward(logp_q, ref_logp_q, logp, ref_logp, in_q, iw: Optional[Ten
     zero-value, deterministic P_theta(q) - sg P_theta(q) cancels it.
     """
     return topk_paper_forward(logp_q, ref_logp_q, logp, ref_logp, in_q, iw) + head_mass_gradient(logp_q)
-
-
-def truncated_reverse(logp_q: Tensor, ref_logp_q: Tensor) -> Tensor:
-    """The exact head alone (reverse); ignores the tail mass outside q."""
-    return head_reverse(logp_q, ref_logp_q)
-
-
-def truncated_forward(logp_q: Tensor, ref_logp_q: Tensor) -> Tensor:
-    """The exact head alone (forward); ignores the tail mass outside q."""
-    return head_forward(logp_q, ref_logp_q)

@@ -24,28 +24,13 @@ def current_beta(cfg, state: dict[str, Any]) -> float:
     return float(state.get(STATE_KEY, cfg.kl.coef))
 
 
-def with_beta(settings, beta: float):
-    """The step settings whose loss uses `beta` (the same object when it already does)."""
-    if settings.loss.beta == beta:
-        return settings
-    return dataclasses.replace(settings, loss=dataclasses.replace(settings.loss, beta=beta))
-
-
 def for_step(cfg, state: dict[str, Any], settings) -> tuple[float, Any]:
-    """The beta of the step about to run (`current_beta`) and the step settings whose loss uses it (`with_beta`)."""
+    """The beta of the step about to run (`current_beta`) and the step settings whose loss uses it (the same object
+    when it already does)."""
     beta = current_beta(cfg, state)
-    return beta, with_beta(settings, beta)
-
-
-def next_beta(cfg, beta: float, kl: float, n: int) -> float:
-    """The beta after a step that used `beta` and measured `kl` (kl/per_token, the same on every rank) on `n` trained
-    responses (all ranks): unchanged for a fixed beta, or when no response was trained (n = 0: no KL was measured);
-    else the adaptive rule."""
-    from emapg_cli.grpo.kl_control import adaptive_kl_coef  # the grpo package imports torch; the settings line does not
-
-    if not adaptive(cfg) or n <= 0:
-        return beta
-    return adaptive_kl_coef(beta, kl, cfg.kl.target, n, cfg.kl.horizon)
+    if settings.loss.beta == beta:
+        return beta, settings
+    return beta, dataclasses.replace(settings, loss=dataclasses.replace(settings.loss, beta=beta))
 
 
 def kl_coef_text(cfg) -> str:
@@ -58,8 +43,13 @@ def kl_coef_text(cfg) -> str:
 
 
 def update_state(cfg, state: dict[str, Any], beta: float, kl, n: int) -> None:
-    """After a step that used `beta` and measured `kl` (its kl/per_token; None without a KL term) on `n` trained
-    responses (all ranks; train.mask_truncated's dropped ones are not among them): the next step's beta into `state`.
+    """After a step that used `beta` and measured `kl` (its kl/per_token, the same on every rank; None without a KL
+    term) on `n` trained responses (all ranks; train.mask_truncated's dropped ones are not among them): the next step's
+    beta into `state`, by the adaptive rule; unchanged when no response was trained (n = 0: no KL was measured).
     Only an adaptive beta is stored (a fixed beta's state.json is as before)."""
-    if adaptive(cfg):
-        state[STATE_KEY] = next_beta(cfg, beta, float("nan") if kl is None else float(kl), n)
+    if not adaptive(cfg):
+        return
+    from emapg_cli.grpo.kl_control import adaptive_kl_coef  # the grpo package imports torch; the settings line does not
+
+    kl = float("nan") if kl is None else float(kl)
+    state[STATE_KEY] = beta if n <= 0 else adaptive_kl_coef(beta, kl, cfg.kl.target, n, cfg.kl.horizon)

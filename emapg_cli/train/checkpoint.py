@@ -42,12 +42,7 @@ def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir())
 
 
 # ---------------------------------------------------------------------------------- RNG states
@@ -171,10 +166,9 @@ def save_final(strategy, run_dir: Path, models: dict[str, Any], tokenizer, dtype
     transformers convention; checkpoints keep the master weights). `lora`: merged weights plus the adapter. A teacher
     anchor (anchor.source=teacher) is skipped: summary.json names its path and fingerprint."""
     from emapg_cli.models.loading import cast_state, set_config_dtype
-
-    main = strategy.acc.is_main_process
     from emapg_cli.train.teacher import teacher_record
 
+    main = strategy.acc.is_main_process
     for name, model in models.items():
         if model is None or teacher_record(model) is not None:  # a teacher anchor is not ours to save
             continue
@@ -201,8 +195,7 @@ def _read(folder: Path, rank: int, with_anchor: bool, with_rule: bool = False) -
         try:
             return torch.load(folder / name, map_location="cpu", weights_only=True)
         except Exception as e:  # truncated, not a torch file, or objects outside weights_only's allow-list
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise DamagedCheckpoint(f"{name} does not load ({first})") from None
+            raise DamagedCheckpoint(f"{name} does not load ({_one_line(e, 200)})") from None
 
     def plain(name: str) -> Any:
         try:
@@ -225,8 +218,8 @@ def _read(folder: Path, rank: int, with_anchor: bool, with_rule: bool = False) -
     return out
 
 
-def _one_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
 def load_checkpoint(strategy, run_dir: Path, *, scorer, policy, anchor, optimizer, scheduler,

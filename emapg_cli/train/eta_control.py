@@ -32,10 +32,3 @@ def decay_for_update(ema, state: dict[str, Any], distance_now: Callable[[], floa
     eta = adapt_decay(eta, lag, distance_now(), target=ema.target_distance, decay_min=ema.decay_min, decay_max=ema.decay_max)
     state[DECAY_KEY], state[LAG_KEY] = eta, next_unit_lag(lag, eta)
     return eta
-
-
-def describe(ema) -> str:
-    """How eta is chosen, for the settings line and the --dry-run plan (config/anchor_rules.describe_decay)."""
-    from emapg_cli.config.anchor_rules import describe_decay
-
-    return describe_decay(ema)

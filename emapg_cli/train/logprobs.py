@@ -107,16 +107,13 @@ def token_stats(
     hidden = response_hidden(lm, input_ids, attention_mask, prompt_len, pack, share)  # [B, R, H]
     weight, bias = head_params(lm.get_output_embeddings())
     cast = autocast_dtype(hidden.device.type)
-    if cast is None:
-        return _head_stats(hidden, weight, bias, input_ids, prompt_len, response_mask, temperature=temperature, topk=topk,
-                           q_index=q_index, chunk=chunk, budget_mib=budget_mib, loss_fn=loss_fn, loss_mask=loss_mask,
-                           ref_hidden=ref_hidden, ref_head=ref_head, entropy=entropy)
     # Under autocast (float32 master weights computing in model.dtype): the output layer's GEMMs run in the
     # autocast dtype like any other Linear there, on a cast copy of its weight (whose gradient autograd casts
     # back to float32); the fused head's own arithmetic (log-softmax, the loss, dW's accumulation) is float32
     # as in a bfloat16 model's pass, so autocast is off inside it.
-    weight, bias, hidden = weight.to(cast), bias.to(cast) if bias is not None else None, hidden.to(cast)
-    with torch.autocast(hidden.device.type, enabled=False):
+    if cast is not None:
+        weight, bias, hidden = weight.to(cast), bias.to(cast) if bias is not None else None, hidden.to(cast)
+    with torch.autocast(hidden.device.type, enabled=False) if cast is not None else contextlib.nullcontext():
         return _head_stats(hidden, weight, bias, input_ids, prompt_len, response_mask, temperature=temperature, topk=topk,
                            q_index=q_index, chunk=chunk, budget_mib=budget_mib, loss_fn=loss_fn, loss_mask=loss_mask,
                            ref_hidden=ref_hidden, ref_head=ref_head, entropy=entropy)
@@ -155,6 +152,18 @@ def _head_stats(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], input_id
                           ref_bias=ref_b.detach() if ref_b is not None else None)
     return TokenStats(logp=scatter(out.logp), entropy=scatter(out.entropy), logp_q=scatter(out.logp_q), loss=out.loss,
                       aux={name: scatter(v, v.dtype) for name, v in out.aux.items()})
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Within: `module` in eval mode (no dropout: a no-grad pass, or two passes that must see the same function); its
+    own mode is restored after."""
+    was = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was)
 
 
 class TokenScorer(nn.Module):

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from emapg_cli.errors import UserError
-from emapg_cli.train.logprobs import TokenScorer, token_stats
+from emapg_cli.train.logprobs import TokenScorer, eval_mode, token_stats
 
 
 def is_lora(model) -> bool:
@@ -102,28 +102,19 @@ class AdapterAnchorScorer(TokenScorer):
         self.lm = anchor
 
     def forward(self, input_ids, attention_mask, prompt_len, response_mask, **kwargs):
-        with self.lm.swapped() as lm, torch.no_grad():
-            was = lm.training
-            lm.eval()
-            try:
-                return token_stats(lm, input_ids, attention_mask, prompt_len, response_mask, **kwargs)
-            finally:
-                lm.train(was)
+        with self.lm.swapped() as lm, torch.no_grad(), eval_mode(lm):
+            return token_stats(lm, input_ids, attention_mask, prompt_len, response_mask, **kwargs)
 
 
-def save_merged(model, out: Path, tokenizer, adapter: bool = True, dtype=None) -> None:
-    """`out`: the merged model in save_pretrained format (+ tokenizer), in `dtype` (None: as merged), and with
-    `adapter` the peft adapter in `out/adapter`."""
+def save_merged(model, out: Path, tokenizer, dtype: torch.dtype) -> None:
+    """`out`: the merged model in save_pretrained format (+ tokenizer), in `dtype`, and the peft adapter in
+    `out/adapter`."""
     if isinstance(model, AdapterAnchor):
         merged = model.merged()
         with model.swapped() as lm:
-            if adapter:
-                lm.save_pretrained(out / "adapter")
+            lm.save_pretrained(out / "adapter")
     else:
         merged = copy.deepcopy(model).merge_and_unload()
-        if adapter:
-            model.save_pretrained(out / "adapter")
-    if dtype is not None:
-        merged = merged.to(dtype)
-    merged.save_pretrained(out)
+        model.save_pretrained(out / "adapter")
+    merged.to(dtype).save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 from emapg_cli.errors import UserError
-from emapg_cli.train.logprobs import TokenStats
+from emapg_cli.train.logprobs import TokenStats, eval_mode
 from emapg_cli.train.rollout import RolloutBatch, micro_batches
 from emapg_cli.train.settings import StepSettings
 
@@ -26,13 +26,9 @@ def _layout_diff(scorer, mb: RolloutBatch, temperature: float, **layout) -> floa
     if not mask.any():
         return 0.0
     args = (mb.input_ids, mb.attention_mask, mb.prompt_len, mb.response_mask)
-    was = scorer.training
-    scorer.eval()  # no dropout: the two passes must see the same function
-    try:
+    with eval_mode(scorer):  # no dropout: the two passes must see the same function
         padded = scorer(*args, temperature=temperature, entropy=False, pack=False, share=False).logp  # [b, R]
         other = scorer(*args, temperature=temperature, entropy=False, **layout).logp  # [b, R]
-    finally:
-        scorer.train(was)
     return float((padded - other).abs()[mask].max())
 
 
@@ -99,11 +95,9 @@ def score_tokens(scorer, batch: RolloutBatch, settings: StepSettings) -> torch.T
     (temperature, layouts, micro-batches): [B, R], zero at padding. Leaves the scorer in the mode it was in."""
     b, r = batch.response_mask.shape
     fill = {"logp": torch.zeros(b, r, dtype=torch.float32, device=batch.input_ids.device)}  # [B, R]
-    was = scorer.training
-    scorer.eval()
     p = settings.passes
-    _run(scorer, batch.with_(q_index=None), p.micro_batch_size, fill, **p.scorer_args(entropy=False))
-    scorer.train(was)
+    with eval_mode(scorer):
+        _run(scorer, batch.with_(q_index=None), p.micro_batch_size, fill, **p.scorer_args(entropy=False))
     return fill["logp"]
 
 
@@ -143,10 +137,8 @@ def reference_passes(policy_scorer, anchor_scorer, batch: RolloutBatch, settings
         fill = {"logp": zeros(b, r)}  # [B, R]
         if sampling_q:
             fill["topk_index"] = zeros(b, r, k, dtype=torch.long)  # [B, R, k]
-        was = policy_scorer.training
-        policy_scorer.eval()
-        _run(policy_scorer, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
-        policy_scorer.train(was)
+        with eval_mode(policy_scorer):
+            _run(policy_scorer, batch.with_(q_index=None), micro, fill, topk=k if "topk_index" in fill else 0, **common)
         out["old_logp"] = None if s.single_on_policy and not s.correction_old_pass else fill["logp"]
         if "topk_index" in fill:
             out["q_index"] = fill["topk_index"]

@@ -345,12 +345,12 @@ def _activation_terms(cfg: Config, m: "ModelShapes", b: int, t: int, wb: int, a:
                             f"c x V x ({n_buf} x 4{f' + {copy}' if copy else ''}) B, c = {c}"
                             f"{' (both models, exact KL)' if exact else ''}", "update"))
     terms.append(MemoryTerm("head gradient", m.vocab * m.hidden * FP32, "V x H x 4 B (fp32 dW of the fused output layer)", "update"))
-    if cfg.derived.loads_anchor:
-        if INFO[cfg.kl.estimator].uses_topk:
-            from emapg_cli.train.settings import capped_k
+    if cfg.derived.loads_anchor and INFO[cfg.kl.estimator].uses_topk:
+        from emapg_cli.train.settings import capped_k
 
-            k = capped_k(cfg.kl.k, m.vocab)
-            terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}", "update"))
+        k = capped_k(cfg.kl.k, m.vocab)
+        terms.append(MemoryTerm("top-k extras", bt * k * (2 * FP32 + INT64), f"{bt_text} x k x (4 + 4 + 8) B, k = {k}",
+                                "update"))
     if cfg.rollout.engine == "vllm" and cfg.rollout.engine_url is None:  # a rollout server's engine is not on this device
         share = int(cfg.rollout.gpu_memory_utilization * device_memory_bytes)
         terms.append(MemoryTerm("vLLM engine", share, f"{cfg.rollout.gpu_memory_utilization} x device memory", "rollout"))

@@ -224,12 +224,10 @@ def launch_problems(cfg: Config, processes: int, accelerate_fsdp: bool = False) 
     if fsdp and t.share_prompts == "always":
         out.append("train.share_prompts=always runs each prompt's layers twice per backward, which train.parallel=fsdp "
                    "on several processes does not support; use auto or never")
-    if fsdp and cfg.anchor.source == "teacher":
-        out.append("anchor.source=teacher is not supported with train.parallel=fsdp on several processes yet; use ddp")
-    if fsdp and cfg.anchor.rule == "bema" and cfg.derived.loads_anchor:
-        out.append("anchor.rule=bema is not supported with train.parallel=fsdp on several processes yet; use ddp")
-    if fsdp and cfg.eval.initial_kl_every:
-        out.append("eval.initial_kl_every is not supported with train.parallel=fsdp on several processes yet; use ddp")
+    out += [f"{what} is not supported with train.parallel=fsdp on several processes yet; use ddp" for what, on in
+            (("anchor.source=teacher", cfg.anchor.source == "teacher"),
+             ("anchor.rule=bema", cfg.anchor.rule == "bema" and cfg.derived.loads_anchor),
+             ("eval.initial_kl_every", cfg.eval.initial_kl_every)) if fsdp and on]
     if r.engine_url is not None and processes > 1:
         out.append("rollout.engine_url with several training processes is not supported yet: launch one process")
     if r.agent is not None and processes > 1:

@@ -114,20 +114,16 @@ def clock(seconds: Optional[float]) -> str:
 
 def config_line(cfg) -> str:
     """The run's shape in one line: model, steps, batch, optimizer, KL and anchor, reward, engine."""
+    from emapg_cli.config.anchor_rules import describe_decay, describe_rule
     from emapg_cli.paths import expand
-
-    r, k, e = cfg.rollout, cfg.kl, cfg.ema
     from emapg_cli.train.beta_control import kl_coef_text
 
+    r, k, e = cfg.rollout, cfg.kl, cfg.ema
     kl = f"{kl_coef_text(cfg)} {k.estimator} {k.direction}" + (f" k {k.k}" if k.estimator.startswith(("topk", "truncated", "teacher_support")) else "")
     anchor = "fixed anchor" if e.decay >= 1.0 else f"EMA anchor η {e.decay:g} every {e.update_period}"
     if e.target_distance is not None:
-        from emapg_cli.train.eta_control import describe
-
-        anchor = f"EMA anchor {describe(e)} every {e.update_period}"
+        anchor = f"EMA anchor {describe_decay(e)} every {e.update_period}"
     if cfg.anchor.rule != "ema" or cfg._anchor_from:  # a named rule (config/anchor_rules.py), or a resume that changed it
-        from emapg_cli.config.anchor_rules import describe_rule
-
         anchor = f"anchor {describe_rule(cfg)}"
     if cfg.anchor.source == "teacher":
         anchor = f"teacher anchor {expand(cfg.anchor.path)} ({cfg.anchor.dtype or cfg.model.dtype})"

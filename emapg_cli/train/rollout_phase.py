@@ -50,10 +50,6 @@ class Rollouts:
         examples = [self.train_ex[i] for i in items for _ in range(r.n)]
         return prompts, completions, examples
 
-    def shaping(self) -> dict:
-        """`train.rollout.score`'s shaping: reward.credit and the truncation rule."""
-        return dict(truncated=self.cfg.reward.truncated, credit=self.cfg.reward.credit)
-
     def scheduled(self, step: int) -> list[int]:
         """This rank's dataset indices of RL step `step` (a pure function of the step: `rollout.schedule`)."""
         per_rank = self.cfg.rollout.prompts_per_step // self.acc.num_processes
@@ -75,7 +71,8 @@ class Rollouts:
             grading: Future = Future()
             grading.set_result(([0.0] * len(completions), 0))
         else:
-            grading = self.grader.submit(score, self.reward_fn, completions, examples, self.shaping())
+            grading = self.grader.submit(score, self.reward_fn, completions, examples,
+                                         dict(truncated=cfg.reward.truncated, credit=cfg.reward.credit))
         with self.timed("batch"):  # overlong filtering (stage.mask_truncated): truncated rows leave the update
             batch, truncated = padded_batch(prompts, completions, r.n, stage.mask_truncated, self.pad_id, acc.device)
         roll.update(response_lens=[len(c.token_ids) for c in completions], truncated=truncated, max_new_tokens=stage.max_new_tokens)

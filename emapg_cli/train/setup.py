@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 
@@ -19,14 +20,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def make_optimizer_fn(opt):
-    """params -> AdamW with the `optim` settings (the parallel strategy builds it once the parameters are wrapped)."""
-    def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-
-    return make_optimizer
 
 
 def make_scheduler(optimizer, cfg):
@@ -66,7 +59,10 @@ def build_models(cfg, strategy):
         from emapg_cli.train.teacher import load_teacher
 
         anchor = load_teacher(cfg.anchor, cfg.model)
+    # params -> AdamW with the `optim` settings (the parallel strategy builds it once the parameters are wrapped)
+    o = cfg.optim
+    adamw = functools.partial(torch.optim.AdamW, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     # float32 master weights (model.master_weights): the optimizer steps the float32 parameters, the
     # passes compute in model.dtype (autocast, or FSDP2's mixed precision)
-    scorer, anchor_scorer, optimizer = strategy.wrap(policy, anchor, make_optimizer_fn(cfg.optim), compute_dtype(cfg.model, cfg.lora))
+    scorer, anchor_scorer, optimizer = strategy.wrap(policy, anchor, adamw, compute_dtype(cfg.model, cfg.lora))
     return scorer, anchor_scorer, optimizer, make_scheduler(optimizer, cfg), settings

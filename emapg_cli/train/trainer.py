@@ -31,7 +31,7 @@ from emapg_cli.train.distill import initial_evaluations
 from emapg_cli.train.engine_setup import in_process_engine, make_rollout_engine
 from emapg_cli.train.anchor_rule import anchor_due, anchor_metrics, make_bema, move_anchor
 from emapg_cli.train.rollout import reward_failures
-from emapg_cli.train.evaluate import eval_max_new_tokens, eval_params, evaluate, write_items  # noqa: F401 - eval_max_new_tokens: re-exported
+from emapg_cli.train.evaluate import eval_params, evaluate, write_items
 from emapg_cli.train.initial_kl import initial_kl, make_initial
 from emapg_cli.train.loggers import METRICS_FILE, open_run
 from emapg_cli.train.metrics import StepResult, reward_by_source, rollout_mismatch, step_metrics
@@ -39,7 +39,7 @@ from emapg_cli.train.parallel import make_strategy
 from emapg_cli.train.passes import HALF_PRECISION_LAYOUT_TOL, check_layouts, reference_passes
 from emapg_cli.train.progress import PhaseTimer, TrainProgress
 from emapg_cli.train.rollout_phase import Rollouts, group_advantages
-from emapg_cli.train.setup import build_models, make_scheduler, run_prompts, seed_everything  # noqa: F401 - make_scheduler: re-exported
+from emapg_cli.train.setup import build_models, run_prompts, seed_everything
 from emapg_cli.train.update import NonFiniteWeights, update_policy
 
 #: Offsets that keep the seed streams of updates and evaluation apart (1: rollouts).
