@@ -74,9 +74,7 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
         axes[0].legend(fontsize=8)
         fig.suptitle(title)
         fig.tight_layout()
-        paths.append(out / name)
-        fig.savefig(paths[-1], dpi=DPI)  # plot_all's figures are written in place (the analyses' through save)
-        plt.close(fig)
+        paths.append(save(fig, out / name, DPI))
 
     curves(("eval/accuracy", "eval accuracy"), ("reward/mean", "train reward"), ACCURACY_PNG, "eval accuracy (%)")
     paths.append(_final_bars(plt, out, summaries, records, title, colors))
@@ -109,9 +107,7 @@ def _final_bars(plt, out: Path, summaries: list[ConfigSummary], records: list[Ru
     ax.set_title(f"{title}: final accuracy ({what})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out / FINAL_PNG, dpi=DPI)
-    plt.close(fig)
-    return out / FINAL_PNG
+    return save(fig, out / FINAL_PNG, DPI)
 
 
 # --- the stability study (ablate/stability.py) ---------------------------------------------------
@@ -133,7 +129,7 @@ def plot_stability(out: Path, report) -> list[Path]:
 
     plt = pyplot()
     methods, cols = report.methods, report.columns
-    heads = [column_header(report, c) for c in cols]
+    heads = [column_header(c) for c in cols]
 
     def grid_of(rows, value):
         return np.array([[float("nan") if (x := value(m, c["label"])) is None else x for c in cols] for m in rows], dtype=float)
@@ -240,17 +236,12 @@ ANCHORS_KL_PNG = "anchors_kl_accuracy.png"
 ANCHORS_GAIN_PNG = "anchors_gain_forgetting.png"
 
 
-def _cell_grid(n: int):
-    """(rows, columns) of panels for n cells: up to 3 per row."""
-    cols = n if n <= 3 else min(3, math.ceil(math.sqrt(n)))  # 4 cells: 2 x 2
-    return -(-n // cols), cols
-
-
 def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Path, **legend) -> Path:
     """One figure with a panel per cell of an anchors.Report: `draw(ax, cell)` fills each; saved to `path`."""
     plt = pyplot()
     cells = [c["label"] for c in report.cells]
-    rows, cols = _cell_grid(len(cells))
+    cols = len(cells) if len(cells) <= 3 else min(3, math.ceil(math.sqrt(len(cells))))  # up to 3 a row; 4 cells: 2 x 2
+    rows = -(-len(cells) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 7.5), 3.8 * rows + 0.4), squeeze=False, sharey=True)
     for ax, cell in zip(axes.flat, cells):
         draw(ax, cell)
