@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from emapg_cli.ablate.aggregate import ConfigSummary, RunRecord
+from emapg_cli.ablate.stability import column_header
 from emapg_cli.plots.common import colors as colormap, pyplot, save
 
 ACCURACY_PNG = "accuracy.png"
@@ -124,8 +125,6 @@ def plot_stability(out: Path, report) -> list[Path]:
     import numpy as np
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.patches import Rectangle
-
-    from emapg_cli.ablate.stability import column_header
 
     plt = pyplot()
     methods, cols = report.methods, report.columns
