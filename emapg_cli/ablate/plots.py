@@ -75,7 +75,9 @@ def plot_all(out: Path, summaries: list[ConfigSummary], records: list[RunRecord]
         axes[0].legend(fontsize=8)
         fig.suptitle(title)
         fig.tight_layout()
-        paths.append(save(fig, out / name, DPI))
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=DPI)  # plot_all's figures are written in place (the analyses' through save)
+        plt.close(fig)
 
     curves(("eval/accuracy", "eval accuracy"), ("reward/mean", "train reward"), ACCURACY_PNG, "eval accuracy (%)")
     paths.append(_final_bars(plt, out, summaries, records, title, colors))
@@ -108,7 +110,9 @@ def _final_bars(plt, out: Path, summaries: list[ConfigSummary], records: list[Ru
     ax.set_title(f"{title}: final accuracy ({what})", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    return save(fig, out / FINAL_PNG, DPI)
+    fig.savefig(out / FINAL_PNG, dpi=DPI)
+    plt.close(fig)
+    return out / FINAL_PNG
 
 
 # --- the stability study (ablate/stability.py) ---------------------------------------------------
