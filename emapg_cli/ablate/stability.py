@@ -231,7 +231,6 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Optional[Path] = None) 
         point, lo, hi = sens[m] if any(finals[m][label] for label in labels) else (None, None, None)  # no finished run: no verdict
         report.sensitivity.append({"method": m, "fraction": finite(point), "lo": finite(lo), "hi": finite(hi),
                                    "columns": sum(1 for label in labels if any(finals[x][label] for x in methods))})
-    for m in methods:
         first = next((c for c in (report.cell(m, label) for label in labels)
                       if c["collapse_rate"] is not None and c["collapse_rate"] >= 0.5 - _EPS), None)
         judged = any(report.cell(m, label)["collapse_rate"] is not None for label in labels)
@@ -251,8 +250,7 @@ def column_header(col: dict[str, Any]) -> str:
 
 def boundary_text(report: Report, b: dict[str, Any]) -> str:
     if b["column"] is not None:
-        col = next(c for c in report.columns if c["label"] == b["column"])
-        return column_header(col)
+        return column_header(next(c for c in report.columns if c["label"] == b["column"]))
     return f"none up to {report.columns[-1]['label']}" if report.columns and b.get("judged", True) else "–"
 
 
