@@ -46,8 +46,6 @@ def t_quantile(confidence: float, df: int) -> float:
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError("confidence must be in (0, 1)")
-    if df < 1:
-        raise ValueError("df must be >= 1")
     alpha = 1.0 - confidence
     lo, hi = 0.0, 1.0
     while student_t_two_sided_p(hi, df) > alpha:  # expand the bracket until it holds the root
@@ -166,11 +164,6 @@ def bootstrap_within_best(cells: Mapping[str, Mapping[Any, Mapping[int, float]]]
     return {r: (point[r], percentile(reps[r], tail), percentile(reps[r], 1.0 - tail)) for r in cells}
 
 
-def normal_quantile(p: float) -> float:
-    """z with P(Z <= z) = p for a standard normal Z (statistics.NormalDist)."""
-    return statistics.NormalDist().inv_cdf(p)
-
-
 def seeds_for_power(d_z: float, power: float = 0.8, alpha: float = 0.05) -> Optional[int]:
     """Pairs (seeds) a two-sided paired t-test at level `alpha` needs to reach `power` against the standardised
     effect d_z = mean / sd of the paired differences: the normal approximation with Guenther's (1981) one-step
@@ -184,7 +177,7 @@ def seeds_for_power(d_z: float, power: float = 0.8, alpha: float = 0.05) -> Opti
     """
     if not math.isfinite(d_z) or d_z == 0:
         return None
-    z_a, z_b = normal_quantile(1 - alpha / 2), normal_quantile(power)
+    z_a, z_b = statistics.NormalDist().inv_cdf(1 - alpha / 2), statistics.NormalDist().inv_cdf(power)
     return max(2, math.ceil(((z_a + z_b) / abs(d_z)) ** 2 + z_a ** 2 / 2))
 
 
@@ -198,9 +191,7 @@ EXACT_FLIPS, MC_FLIPS = 16, 20000
 
 
 def binomial_cdf_half(k: int, m: int) -> float:
-    """P(X <= k) for X ~ Binomial(m, 1/2), exactly (integer counts over 2^m)."""
-    if k < 0:
-        return 0.0
+    """P(X <= k) for X ~ Binomial(m, 1/2), exactly (integer counts over 2^m); 0 for k < 0 (an empty sum)."""
     return min(1.0, sum(math.comb(m, i) for i in range(min(k, m) + 1)) / 2 ** m)
 
 
@@ -282,7 +273,7 @@ def pairs_for_power_mcnemar(p10: float, p01: float, power: float = 0.8, alpha: f
     delta, psi = p10 - p01, p10 + p01
     if delta == 0 or not math.isfinite(delta):
         return None
-    z_a, z_b = normal_quantile(1 - alpha / 2), normal_quantile(power)
+    z_a, z_b = statistics.NormalDist().inv_cdf(1 - alpha / 2), statistics.NormalDist().inv_cdf(power)
     return math.ceil((z_a * math.sqrt(psi) + z_b * math.sqrt(max(psi - delta * delta, 0.0))) ** 2 / delta ** 2)
 
 

@@ -18,14 +18,15 @@ import json
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from emapg_cli.ablate.grid import RunSpec, format_value
+from emapg_cli.ablate.grid import VOCAB, RunSpec, format_value
 from emapg_cli.ablate.runner import SUMMARY, read_record, read_status, run_dir
 from emapg_cli.ablate.study import Sweep, read_sweep
 from emapg_cli.errors import UserError
+from emapg_cli.paths import write_text_atomic
 from emapg_cli.stats import Interval, finite, format_ci, format_mean_std, mean_ci, sig3
 from emapg_cli.train.loggers import METRICS_FILE
 from emapg_cli.train.status import STATUS_FILE
@@ -152,17 +153,15 @@ def _finite(x: Any) -> Optional[float]:
 
 
 def curves_of(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) series of the CURVES metrics, in step order, skipping steps without the metric."""
+    """(step, value) series of the CURVES metrics, skipping steps without the metric; `rows` as `_metric_rows` reads
+    them (`plots.rows.read_metric_rows`: each with an integer step, in step order, no step twice), so in step order."""
     out: dict[str, list[tuple[int, float]]] = {name: [] for name in CURVES}
     for row in rows:
-        step = row.get("step")
-        if step is None:
-            continue
         for name in CURVES:
             v = _finite(row.get(name))
             if v is not None:
-                out[name].append((int(step), v))
-    return {k: sorted(v) for k, v in out.items()}
+                out[name].append((row["step"], v))
+    return out
 
 
 def run_metrics(summary: dict[str, Any], curves: dict[str, list[tuple[int, float]]]) -> dict[str, Optional[float]]:
@@ -263,7 +262,6 @@ def _metric_rows(path: Path) -> list[dict[str, Any]]:
 def label_of(values: dict[str, Any], columns: list[str], written: Optional[dict[str, str]] = None) -> str:
     """Human name of a configuration: the variant, then `key=value` of each grid key; a value written as `|V|` (the
     vocabulary size: the exact KL) reads `kl.k=|V| (259)`, not a bare 259."""
-    from emapg_cli.ablate.grid import VOCAB
 
     def value(k: str) -> str:
         as_written = str((written or {}).get(k, "")).strip('"')
@@ -399,10 +397,6 @@ def runs_section(runs: list[dict[str, Any]]) -> list[str]:
 def write_report_files(out: Path, md_name: str, json_name: str, markdown: str, report) -> list[Path]:
     """An analysis's two files in the sweep folder: the markdown text and the report dataclass as JSON (`asdict`),
     each written under a temporary name and renamed; returns their paths."""
-    from dataclasses import asdict
-
-    from emapg_cli.paths import write_text_atomic
-
     md, js = out / md_name, out / json_name
     write_text_atomic(md, markdown)
     write_text_atomic(js, json.dumps(asdict(report), indent=1) + "\n")

@@ -32,6 +32,7 @@ from typing import Any, Optional
 from emapg_cli.ablate.aggregate import CONFIDENCE, RunRecord, anchor_numbers, runs_section, write_report_files
 from emapg_cli.ablate.distill import last_fraction_mean
 from emapg_cli.ablate.grid import format_value
+from emapg_cli.ablate.measures import read_base, read_run, summarize_run
 from emapg_cli.ablate.plots import mean_band
 from emapg_cli.ablate.runner import run_dir
 from emapg_cli.ablate.stability import outcome
@@ -117,8 +118,6 @@ def run_numbers(rec: RunRecord, rule: str, cell: str, sweep: Sweep, out: Path,
     if not o.counted:
         return run, {}
     if base is not None:
-        from emapg_cli.ablate.measures import read_run, summarize_run
-
         if run.initial is None and base["heldout"]:
             start = base["heldout"].values()
             run.initial = sum(t["accuracy"] * t["items"] for t in start) / sum(t["items"] for t in start)
@@ -149,11 +148,7 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Path) -> Report:
     runs: list[AnchorRun] = []
     items: dict[tuple[str, str, int], dict[str, float]] = {}
     curves: dict[tuple[str, str], list[list[tuple[int, float]]]] = {}
-    base = None
-    if sweep.measure is not None:
-        from emapg_cli.ablate.measures import read_base
-
-        base = read_base(out)
+    base = read_base(out) if sweep.measure is not None else None
     # the curve over training: the evaluations, or each step's share solved on its fresh prompts when the runs
     # evaluate only at the end (a study that measures the initial model once: eval.every 0)
     evaluated = [len(r.curves.get("eval/accuracy", [])) for r in records if r.status == "done"]

@@ -53,9 +53,8 @@ def last_fraction_mean(series: list[tuple[int, float]], fraction: float) -> Opti
     if not series:
         return None
     values = [v for _, v in sorted(series)]
-    k = max(1, math.ceil(fraction * len(values) - 1e-9))
-    tail = values[-k:]
-    return sum(tail) / len(tail)
+    k = max(1, math.ceil(fraction * len(values) - 1e-9))  # <= len(values): fraction <= 1
+    return sum(values[-k:]) / k
 
 
 def wall_to_step(curves: dict[str, list[tuple[int, float]]], step: int) -> Optional[float]:

@@ -36,6 +36,8 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from emapg_cli.config.loading import load_config
+from emapg_cli.data.schema import read_jsonl
 from emapg_cli.errors import UserError
 from emapg_cli.paths import expand, write_text_atomic
 
@@ -179,9 +181,6 @@ def benches(out: Path) -> Path:
 
 def prepare_benches(sweep, m: Measures, out: Path, log: Path) -> None:
     """Once per study: the sampled subset of data.eval, the untrained tasks' rows and the best-constant baselines."""
-    from emapg_cli.config.loading import load_config
-    from emapg_cli.data.schema import read_jsonl
-
     folder = benches(out)
     if (out / MEASURE_DIR / BASELINES).is_file():
         return
@@ -208,8 +207,6 @@ def prepare_benches(sweep, m: Measures, out: Path, log: Path) -> None:
 
 def measure_base(sweep, m: Measures, out: Path, log: Path, env: Optional[dict[str, str]] = None) -> None:
     """Once per study: the initial model greedy on data.eval, sampled, on the untrained tasks, and format-only."""
-    from emapg_cli.config.loading import load_config
-
     base = out / MEASURE_DIR / "base"
     if (base / DONE).is_file():
         return
@@ -234,8 +231,6 @@ def measure_run(sweep, m: Measures, out: Path, rdir: Path, log: Path, env: Optio
     policy = rdir / "final" / "policy"
     if not policy.is_dir():
         raise UserError(f"measuring {rdir}: its final policy ({policy}) is gone; delete the run folder to run it again")
-    from emapg_cli.config.loading import load_config
-
     cfg = load_config(sweep.preset, sweep.config, sweep.set)
     if not all("responses" in row for row in read_results(rdir)):  # a run of an older version: its answers again
         _evaluate(sweep, str(policy), expand(cfg.data.eval), here / "heldout", 1, 0.0, log, env)
@@ -263,7 +258,6 @@ def heldout_kl(policy: str, initial: str, sampled: Path, bench: Path, prefix: li
     distributions are the models' own (temperature 1). Runs in its own process (`python -m emapg_cli.ablate.measures`)."""
     import torch
 
-    from emapg_cli.data.schema import read_jsonl
     from emapg_cli.models.loading import load_causal_lm, load_tokenizer
     from emapg_cli.models.prompts import render_prompt
 

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from emapg_cli.ablate.aggregate import ConfigSummary, RunRecord
+from emapg_cli.ablate.stability import column_header
 from emapg_cli.plots.common import colors as colormap, pyplot, save
 
 ACCURACY_PNG = "accuracy.png"
@@ -129,11 +130,9 @@ def plot_stability(out: Path, report) -> list[Path]:
     from matplotlib.colors import TwoSlopeNorm
     from matplotlib.patches import Rectangle
 
-    from emapg_cli.ablate.stability import column_header
-
     plt = pyplot()
     methods, cols = report.methods, report.columns
-    heads = [column_header(report, c) for c in cols]
+    heads = [column_header(c) for c in cols]
 
     def grid_of(rows, value):
         return np.array([[float("nan") if (x := value(m, c["label"])) is None else x for c in cols] for m in rows], dtype=float)
@@ -240,17 +239,12 @@ ANCHORS_KL_PNG = "anchors_kl_accuracy.png"
 ANCHORS_GAIN_PNG = "anchors_gain_forgetting.png"
 
 
-def _cell_grid(n: int):
-    """(rows, columns) of panels for n cells: up to 3 per row."""
-    cols = n if n <= 3 else min(3, math.ceil(math.sqrt(n)))  # 4 cells: 2 x 2
-    return -(-n // cols), cols
-
-
 def _cell_panels(report, draw, xlabel: str, ylabel: str, heading: str, path: Path, **legend) -> Path:
     """One figure with a panel per cell of an anchors.Report: `draw(ax, cell)` fills each; saved to `path`."""
     plt = pyplot()
     cells = [c["label"] for c in report.cells]
-    rows, cols = _cell_grid(len(cells))
+    cols = len(cells) if len(cells) <= 3 else min(3, math.ceil(math.sqrt(len(cells))))  # up to 3 a row; 4 cells: 2 x 2
+    rows = -(-len(cells) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(max(5.2 * cols, 7.5), 3.8 * rows + 0.4), squeeze=False, sharey=True)
     for ax, cell in zip(axes.flat, cells):
         draw(ax, cell)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from emapg_cli.ablate.grid import RunSpec
+from emapg_cli.ablate.measures import is_measured, measure_run
 from emapg_cli.ablate.study import Sweep
 from emapg_cli.errors import UserError
 from emapg_cli.paths import write_text_atomic
@@ -67,8 +68,6 @@ def is_finished(out: Path, spec: RunSpec) -> bool:
 
 def is_complete(sweep: Sweep, out: Path, spec: RunSpec) -> bool:
     """Trained, and measured when the study measures its runs (`measure:`)."""
-    from emapg_cli.ablate.measures import is_measured
-
     return is_finished(out, spec) and (sweep.measure is None or is_measured(run_dir(out, spec)))
 
 
@@ -269,8 +268,6 @@ class _Pool:
     def _measure(self, spec: RunSpec, result: RunResult, record: dict) -> RunResult:
         """The study's measurements of a trained run (`measure:`), timed into its status record; a failure fails the
         run (its training is kept: the next invocation measures it again)."""
-        from emapg_cli.ablate.measures import measure_run
-
         if self.sweep.measure is None or result.status != "done" or self.stopping:
             return result
         start = time.monotonic()

@@ -231,7 +231,6 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Optional[Path] = None) 
         point, lo, hi = sens[m] if any(finals[m][label] for label in labels) else (None, None, None)  # no finished run: no verdict
         report.sensitivity.append({"method": m, "fraction": finite(point), "lo": finite(lo), "hi": finite(hi),
                                    "columns": sum(1 for label in labels if any(finals[x][label] for x in methods))})
-    for m in methods:
         first = next((c for c in (report.cell(m, label) for label in labels)
                       if c["collapse_rate"] is not None and c["collapse_rate"] >= 0.5 - _EPS), None)
         judged = any(report.cell(m, label)["collapse_rate"] is not None for label in labels)
@@ -243,7 +242,7 @@ def analyze(sweep: Sweep, records: list[RunRecord], out: Optional[Path] = None) 
 # --- writing ---------------------------------------------------------------------------------------
 
 
-def column_header(report: Report, col: dict[str, Any]) -> str:
+def column_header(col: dict[str, Any]) -> str:
     """`x2 (0.0006)` for a relative value with one typed value, else the label."""
     vals = col["values"]
     return f"{col['label']} ({format_value(vals[0])})" if len(vals) == 1 and format_value(vals[0]) != col["label"] else col["label"]
@@ -251,8 +250,7 @@ def column_header(report: Report, col: dict[str, Any]) -> str:
 
 def boundary_text(report: Report, b: dict[str, Any]) -> str:
     if b["column"] is not None:
-        col = next(c for c in report.columns if c["label"] == b["column"])
-        return column_header(report, col)
+        return column_header(next(c for c in report.columns if c["label"] == b["column"]))
     return f"none up to {report.columns[-1]['label']}" if report.columns and b.get("judged", True) else "–"
 
 
@@ -261,7 +259,7 @@ def console_table(report: Report) -> tuple[str, list[str], list[list[str]]]:
     collapsed/runs and Δ = method − baseline; the tuning sensitivity; the collapse boundary."""
     title = (f"stability: mean final accuracy · collapsed/runs per {report.axis}; Δ = method − {report.baseline} "
              "(* 95% CI excludes 0)")
-    heads = ["method", *(column_header(report, c) for c in report.columns),
+    heads = ["method", *(column_header(c) for c in report.columns),
              f"within {report.analysis['within_points']:g} pts [95% CI]", "collapses from"]
     rows = []
     for m, sens, bound in zip(report.methods, report.sensitivity, report.boundary):
@@ -282,7 +280,7 @@ def markdown(report: Report) -> str:
     """stability.md: (a) per method x grid value, (b) paired differences, (c) tuning sensitivity, (d) collapse boundary,
     (e) power, each with its definition."""
     a = report.analysis
-    heads = [column_header(report, c) for c in report.columns]
+    heads = [column_header(c) for c in report.columns]
     lines = [f"# Stability: {report.study}", "",
              f"Methods (the study's variants) x `{report.axis}`; baseline `{report.baseline}`. A run **collapses** when its "
              f"final eval accuracy is more than {a['collapse_points']:g} points below its own best evaluation, or when it "

@@ -182,10 +182,7 @@ def build_sweep(
     `--grid` axes are added to the study's grid (replacing an axis with the same key), `--set`
     items come after the study's `set`, `--preset`/`--config`/`--seeds` replace the study's.
     """
-    if study:
-        name, file = load_study(study, preset, generic)
-    else:
-        name, file = "", StudyFile()
+    name, file = load_study(study, preset, generic) if study else ("", StudyFile())
     check_axes(grids)
     grid = {k: list(values) for k, values in file.grid.items()}
     for axis in grids:
@@ -234,9 +231,8 @@ def estimate_wall_s(sweep: Sweep, runs: list[RunSpec], base_done: bool = False) 
     c, m = sweep.cost, sweep.measure
     if c is None:
         return None
-    tasks = c.tasks
     untrained = len(m.untrained.split(":", 1)[-1].split(",")) * m.untrained_size if m else 0
-    sampled = m.per_task * tasks * m.n if m else 0
+    sampled = m.per_task * c.tasks * m.n if m else 0
     total = 0.0
     for spec in runs:
         cfg = load_config(sweep.preset, sweep.config, spec.overrides)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from emapg_cli.errors import UserError, first_line
+from emapg_cli.kl.exact import exact_reverse
 
 #: The top-k size whose complement the synthetic `tail_mass` refers to.
 SYNTHETIC_HEAD = 32
@@ -144,13 +145,8 @@ def load_logits_npz(path: str | Path) -> LogitSet:
         raise UserError(f"cannot read {path}: no such file") from None
     except Exception as e:  # zip/pickle/format errors: all "not a readable .npz"
         raise UserError(f"cannot read {path} as .npz: {type(e).__name__}: {e}".splitlines()[0]) from None
-    tensors = {}
-    for name in NPZ_ARRAYS:
-        if name in arrays:
-            a = arrays[name]
-            if a.dtype.kind != "f":
-                raise UserError(f"{path}: array '{name}' must hold floats, got {a.dtype}")
-            tensors[name] = torch.from_numpy(np.ascontiguousarray(a))
+    # float dtypes only: npz_shape refused any other from the same headers
+    tensors = {name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in arrays.items()}
     return check_logits(tensors["policy"], tensors["anchor"], tensors.get("sampling"), where=path.name)
 
 
@@ -171,13 +167,6 @@ def zipf_logits(positions: int, vocab: int, sharpness: float, tail_mass: float, 
     return profile[perm]  # [P, V]
 
 
-def reverse_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
-    """KL(softmax(logits) || softmax(ref_logits)) per row [P] (used only to calibrate perturbations)."""
-    from emapg_cli.kl.exact import exact_reverse
-
-    return exact_reverse(logits, ref_logits)
-
-
 def perturb_to_kl(logits: Tensor, target_kl: float, generator: torch.Generator, iters: int = 16) -> Tensor:
     """logits + eps * N(0, 1) noise [P, V], with eps per position such that
     KL(softmax(logits) || softmax(result)) = target_kl (to ~1e-4 relative).
@@ -194,7 +183,7 @@ def perturb_to_kl(logits: Tensor, target_kl: float, generator: torch.Generator, 
     lo, hi = torch.log(eps0 / 4), torch.log(eps0 * 4)  # [P]
 
     def kl_at(log_eps: Tensor) -> Tensor:
-        return reverse_kl(logits, logits + log_eps.exp()[:, None] * noise)  # [P]
+        return exact_reverse(logits, logits + log_eps.exp()[:, None] * noise)  # [P] KL(pi || softmax(perturbed))
 
     for _ in range(20):
         over, under = kl_at(lo) > target_kl, kl_at(hi) < target_kl

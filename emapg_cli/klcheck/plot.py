@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from emapg_cli.klcheck.measure import CheckResult
-from emapg_cli.paths import save_figure_atomic
+from emapg_cli.plots.common import pyplot, save
 from emapg_cli.stats import t_quantile
 
 
@@ -28,11 +28,7 @@ def plot_check(result: CheckResult, path: str | Path) -> Path:
     """Three panels: (a) relative value bias (v - KL)/KL with confidence-level error bars and the
     closed-form expectation, (b) relative gradient bias measured vs closed form, (c) gradient
     variance of topk / topk_paper / topk_mass against k (log x)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in result.rows if r.spec.name != "exact"]
     labels = [f"{r.spec.label} ({'rev' if r.spec.direction == 'reverse' else 'fwd'})" for r in rows]
     x = list(range(len(rows)))
@@ -72,9 +68,4 @@ def plot_check(result: CheckResult, path: str | Path) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.suptitle(f"kl-check: {result.source}, N={result.settings.samples}/position", fontsize=10)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return save_figure_atomic(fig, path, dpi=110)
-    finally:
-        plt.close(fig)
+    return save(fig, Path(path), 110)

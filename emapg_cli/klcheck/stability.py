@@ -231,8 +231,6 @@ def simulate(
                 unit_lag = 1.0 + eta_now * unit_lag
                 e_col = eta_now[:, None]
             z_bar = e_col * z_bar + (1.0 - e_col) * z
-    if eta_trace is not None:
-        eta_trace[steps] = eta_now
     return Trajectory(error=error, logp_error=logp_error, eta=eta_trace)
 
 
@@ -327,9 +325,8 @@ def _check_inputs(alphas: Sequence[float], etas: Sequence[float], period: int, b
         raise UserError(f"stability: steps must be >= 8 x period (= {8 * period}) to classify the runs, got {steps}")
 
 
-def _check_adaptive(adaptive: AdaptiveEta) -> None:
+def _check_adaptive(a: AdaptiveEta) -> None:
     """Raise UserError (one line) on settings the adaptive rule cannot run with (the config's checks of ema.*)."""
-    a = adaptive
     if not (math.isfinite(a.target) and a.target > 0):
         raise UserError(f"stability: --target-distance must be a finite number > 0, got {a.target}")
     if not (0.0 <= a.decay_min <= a.decay_max < 1.0):

@@ -9,6 +9,12 @@ from emapg_cli.klcheck.stability import StabilityResult
 _CELL = {"converges": ("C", "green"), "oscillates": ("O", "yellow"), "diverges": ("D", "red")}
 
 
+def _cell(outcome: str, agrees: bool, dim: bool = False) -> str:
+    """The outcome's letter in its colour, '!' where it disagrees with the theory, dimmed near the boundary."""
+    letter, color = _CELL[outcome]
+    return f"[{'dim ' if dim else ''}{color}]{letter}{'' if agrees else '!'}[/]"
+
+
 def render_table(result: StabilityResult) -> Table:
     """Outcome grid of one `run_stability` call.
 
@@ -32,20 +38,12 @@ def render_table(result: StabilityResult) -> Table:
         table.add_column(f"{a:.3g}", justify="center")
     table.add_column("alpha_c", justify="right")
     for i, eta in enumerate(r.etas):
-        cells = []
-        for j in range(len(r.alphas)):
-            letter, color = _CELL[r.outcome[i][j]]
-            text = letter + ("" if r.agrees(i, j) else "!")
-            style = f"dim {color}" if r.near_boundary[i][j] else color
-            cells.append(f"[{style}]{text}[/]")
+        cells = [_cell(r.outcome[i][j], r.agrees(i, j), r.near_boundary[i][j]) for j in range(len(r.alphas))]
         table.add_row(f"{eta:g}", *cells, f"{r.critical_alpha[i]:.3g}")
     if r.adaptive is not None:  # the adaptive-eta runs: outcome, then the eta they ended with (alpha_c at that eta)
         a = r.adaptive
         table.add_section()
-        cells = []
-        for j, outcome in enumerate(a["outcome"]):
-            letter, color = _CELL[outcome]
-            cells.append(f"[{color}]{letter}{'' if (outcome == 'converges') == (a['predicted'][j] == 'converges') else '!'}[/]")
+        cells = [_cell(o, (o == "converges") == (p == "converges")) for o, p in zip(a["outcome"], a["predicted"])]
         table.add_row(f"adaptive d*={a['target']:g}", *cells, "at η_T")
         table.add_row("η_T", *[f"{e:.3g}" for e in a["final_eta"]], "")
         table.add_row("α_c(η_T)", *[f"{c:.3g}" for c in a["critical_alpha_at_final_eta"]], "")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from emapg_cli.paths import save_figure_atomic
 
 PLOTS_DIR = "plots"
 
@@ -26,11 +27,9 @@ def colors(n: int):
 
 
 def save(fig, path: Path, dpi: int = 110) -> Path:
-    """Save `fig` as a PNG at `path` through a temporary name and a rename; close it."""
+    """Save `fig` at `path` atomically (`paths.save_figure_atomic`; its folder created first); close it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=dpi)
-    os.replace(tmp, path)
+    save_figure_atomic(fig, path, dpi)
     fig.clf()
     pyplot().close(fig)
     return path

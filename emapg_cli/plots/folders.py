@@ -30,15 +30,9 @@ def labels(folders: list[Path]) -> list[str]:
     return [f"{f.resolve().parent.name}/{n}" if names.count(n) > 1 else n for f, n in zip(folders, names)]
 
 
-def default_out(folders: list[Path]) -> Path:
-    """`plots/` in the working directory, for one folder as for several (issue 32: one run's figures went into the
-    run's own `plots/`, overwriting what `train` drew there, while the README said `./plots`)."""
-    return Path(PLOTS_DIR)
-
-
 def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, Path, list[Path]]:
-    """Plot `folders` (all training runs, or all evaluations) overlaid into `out` (default: `default_out`, ./plots;
-    `train` passes its run's own plots/).
+    """Plot `folders` (all training runs, or all evaluations) overlaid into `out` (default: ./plots, for one folder as
+    for several; `train` passes its run's own plots/).
 
     Returns (kind, output folder, PNG paths). Every folder is checked before anything is drawn.
     """
@@ -50,7 +44,9 @@ def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, 
     if len(set(kinds)) > 1:
         raise UserError("plot training runs and evaluations separately (their figures differ): "
                         + ", ".join(f"{f} is {k}" for f, k in zip(folders, kinds)))
-    out = out or default_out(folders)
+    # issue 32: one run's figures went into the run's own `plots/`, overwriting what `train` drew there, while the
+    # README said `./plots`
+    out = out or Path(PLOTS_DIR)
     names = labels(folders)
     if kinds[0] == "train":
         from emapg_cli.plots.train import plot_runs
@@ -65,9 +61,7 @@ def plot_folders(folders: list[Path], out: Optional[Path] = None) -> tuple[str, 
         if not paths:
             raise UserError(f"nothing to plot: no step logged yet in {', '.join(map(str, folders))}")
         return "train", out, paths
-    from emapg_cli.plots.eval import plot_evals
-
-    from emapg_cli.plots.eval import no_curve
+    from emapg_cli.plots.eval import no_curve, plot_evals
 
     evals = [(name, read_summary(f / EVAL_SUMMARY)) for name, f in zip(names, folders)]
     paths = plot_evals(evals, out)
