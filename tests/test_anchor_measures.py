@@ -104,6 +104,22 @@ def test_the_fitted_design_before_anything_is_prepared(tmp_path):
     assert g.returncode == 0 and "42 runs" in g.stderr.splitlines() and len(g.stdout.strip().splitlines()) == 42
 
 
+def test_untrained_must_name_reasoning_gym_tasks(tmp_path):
+    """measure.untrained is refused when the study is read (exit 2, one line, no "Value error," prefix), not once the
+    initial model's measurements have started; the committed design's value passes."""
+    ok = {"untrained": "reasoning-gym:chain_sum,count_bits", "format_prefix": []}
+    assert measures.Measures(**ok).untrained == ok["untrained"]
+    for bad in ("toy", "reasoning-gym:", "reasoning-gym:gcd,,x", "reasoning-gym:gcd, x", "gcd"):
+        with pytest.raises(ValueError, match="give reasoning-gym:TASK"):
+            measures.Measures(**{**ok, "untrained": bad})
+    study = tmp_path / "s.yaml"
+    study.write_text("preset: toy\nvariants:\n  a: {}\n  b: {kl.estimator: k1}\nmeasure: {untrained: toy, format_prefix: []}\n")
+    r = cli("ablate", "--study", str(study), "--out", str(tmp_path / "sweep"), "--dry-run", EMAPG_HOME=str(tmp_path / "home"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: study {study}: measure.untrained: give reasoning-gym:TASK") and "not 'toy'" in r.stderr
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_aggregate_only_rebuilds_the_committed_study(tmp_path):
     """The committed folder holds results only (no weights); `--aggregate-only` writes every table and plot again,
     and its numbers are the files' (the best constant from the benches' gold answers, recomputed here)."""

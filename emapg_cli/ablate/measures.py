@@ -34,7 +34,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from emapg_cli.config.loading import load_config
 from emapg_cli.data.schema import read_jsonl
@@ -64,6 +64,14 @@ class Measures(BaseModel):
     untrained_config: dict[str, Any] = Field(default_factory=dict, description="--task-config of the untrained tasks ({TASK: {...}}).")
     format_prefix: list[dict[str, str]] = Field(description="The chat turns of the `format only` baseline: the initial model shown these demonstrations, greedy on data.eval, no RL.")
     keep_weights: bool = Field(False, description="Keep a measured run's final/, checkpoints/ and plots/ (default: deleted once measured; the study folder holds results only, and `emapg plot` redraws a run's plots).")
+
+    @field_validator("untrained")
+    @classmethod
+    def _gym_tasks(cls, v: str) -> str:
+        """Refused when the study file is read, not after the initial model's measurements have started."""
+        if not re.fullmatch(r"reasoning-gym:[^,\s]+(,[^,\s]+)*", v):
+            raise ValueError(f"give reasoning-gym:TASK or reasoning-gym:TASK,TASK (as `emapg prepare` names them), not {v!r:.60}")
+        return v
 
 
 class Cost(BaseModel):

@@ -164,7 +164,7 @@ def load_study(name: str, preset: Optional[str] = None, generic: bool = False) -
         study = StudyFile.model_validate(read_yaml_mapping(path, "study"))
     except ValidationError as err:
         e = err.errors()[0]
-        raise UserError(f"study {path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}") from None
+        raise UserError(f"study {path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}") from None
     return path.stem, study
 
 
