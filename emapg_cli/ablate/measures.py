@@ -70,7 +70,8 @@ class Measures(BaseModel):
     def _gym_tasks(cls, v: str) -> str:
         """Refused when the study file is read, not after the initial model's measurements have started."""
         if not re.fullmatch(r"reasoning-gym:[^,\s]+(,[^,\s]+)*", v):
-            raise ValueError(f"give reasoning-gym:TASK or reasoning-gym:TASK,TASK (as `emapg prepare` names them), not {v!r:.60}")
+            raise ValueError("give reasoning-gym:TASK or reasoning-gym:TASK,TASK (as `emapg prepare` names them), "
+                             f"not {v!r:.60}")
         return v
 
 

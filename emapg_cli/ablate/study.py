@@ -164,7 +164,8 @@ def load_study(name: str, preset: Optional[str] = None, generic: bool = False) -
         study = StudyFile.model_validate(read_yaml_mapping(path, "study"))
     except ValidationError as err:
         e = err.errors()[0]
-        raise UserError(f"study {path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg'].removeprefix('Value error, ')}") from None
+        where, msg = ".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, ")
+        raise UserError(f"study {path}: {where}: {msg}") from None
     return path.stem, study
 
 
