@@ -92,7 +92,7 @@ def main() -> None:
 
     manifest = json.loads((home / "toy" / "manifest.json").read_text())
     summary = json.loads((clone / run / "summary.json").read_text())
-    evals = sorted((clone / "runs" / "eval").glob("toy-toy-[0-9]*"))
+    evals = sorted((clone / "runs" / "eval").glob("toy-[0-9]*"))  # runs/eval/<run name>: the run name says the bench
     ev = json.loads((evals[0] / "summary.json").read_text()) if evals else {}
     report(rows, {
         "warm start": f"{manifest['sft_steps']} steps, greedy test accuracy {manifest['sft_test_accuracy']:.1%}",
