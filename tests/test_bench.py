@@ -111,3 +111,19 @@ def test_bench_generate_refuses_more_tokens_than_the_context(cli, tiny_llama, tm
             "--set", f"data.train={write_dataset(tmp_path / 'd.jsonl')}", "--set", "rollout.n=4", "--sequences", "8",
             "--max-new-tokens", "2000", "--rounds", "1", "--threads", "1", timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "past the model's context of 1024" in r.stderr, r.stderr
+
+
+def test_bench_generate_reads_a_model_path_under_emapg_home(cli, tiny_llama, tmp_path):
+    """Presets name their model `$EMAPG_HOME/smol/model`. The context check read that path unexpanded and transformers
+    refused it as a hub id, so docs/performance.md's `emapg bench generate --preset smol` failed on every machine;
+    it must reach the check (here the refusal of 2000 new tokens past the tiny Llama's 1024 positions)."""
+    import shutil
+
+    from train_helpers import write_dataset
+
+    home = tmp_path / "home"
+    shutil.copytree(tiny_llama, home / "m")
+    r = cli("bench", "generate", "--preset", "toy", "--set", "model.path=$EMAPG_HOME/m",
+            "--set", f"data.train={write_dataset(tmp_path / 'd.jsonl')}", "--set", "rollout.n=4", "--sequences", "8",
+            "--max-new-tokens", "2000", "--rounds", "1", "--threads", "1", env={"EMAPG_HOME": str(home)}, timeout=120)
+    assert r.returncode == 2 and "past the model's context of 1024" in r.stderr, r.stderr

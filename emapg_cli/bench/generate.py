@@ -165,9 +165,11 @@ def check_context(path: str, trust_remote_code: bool, prompt_tokens: int, new: i
     from transformers import AutoConfig
 
     from emapg_cli.models.folder import loading
+    from emapg_cli.models.loading import model_ref
 
-    with loading(path):
-        context = getattr(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code), "max_position_embeddings", None)
+    with loading(path):  # model_ref: a preset's `$EMAPG_HOME/smol/model` expanded, as the engines load it
+        context = getattr(AutoConfig.from_pretrained(model_ref(path), trust_remote_code=trust_remote_code),
+                          "max_position_embeddings", None)
     if isinstance(context, int) and prompt_tokens + new > context:
         raise UserError(f"--max-new-tokens {new}: the longest prompt ({prompt_tokens} tokens) and {new} new tokens need "
                         f"{prompt_tokens + new} positions, past the model's context of {context} (max_position_embeddings); "
