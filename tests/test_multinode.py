@@ -159,3 +159,23 @@ def test_the_slurm_script_runs_a_two_node_job(tiny_qwen2, tmp_path):
         assert proc.returncode == 0, f"{attempt}: exit {proc.returncode}\n{proc.stderr[-2000:]}\n{logs[-4000:]}"
     assert (tmp_path / "run" / "final" / "policy" / "model.safetensors").is_file()
     assert "is finished (2 steps, summary.json): nothing to do" in logs
+
+
+def test_a_machine_that_dies_is_reported_and_its_peer_stopped(tmp_path, monkeypatch):
+    """Fault injection on the two-machine harness itself, the CI failure of 2026-12-07 in small: both workers end,
+    rank 0's cleanly, rank 1's with SIGABRT (there: gloo's teardown after a finished run). Machine 0's launcher then
+    waits at torchrun's exit barrier for a peer that is gone. `launch_machines` returns machine 1's failure with its
+    log and kills machine 0 after the grace period, where it used to wait 300 s and end in a bare timeout."""
+    import time
+
+    import train_helpers
+
+    script = tmp_path / "launcher.py"
+    script.write_text("import os, time\ntime.sleep(1)\nif os.environ.get('RANK') == '1':\n    os.abort()\n")
+    monkeypatch.setattr(train_helpers, "LAUNCHER", str(script))
+    monkeypatch.setattr(train_helpers, "FAILED_PEER_GRACE_S", 3)
+    start = time.monotonic()
+    procs = train_helpers.launch_machines([], tmp_path, free_port(), timeout=120)
+    assert time.monotonic() - start < 100
+    assert procs[1].returncode not in (0, None) and "SIGABRT" in procs[1].stderr, procs[1].stderr[-2000:]
+    assert procs[0].returncode == -9  # killed after the grace period, still at the exit barrier

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -161,6 +162,10 @@ def settings_of(cfg, vocab: int = 2**31):
     return step_settings(cfg, vocab)
 
 
+#: How long the other machines of a launch may take to fail after one has (launch_machines).
+FAILED_PEER_GRACE_S = 60
+
+
 def launch_machines(args: list[str], root: Path, port: int, machines: int = 2, extra_env: dict[str, str] | None = None,
                     timeout: float = 300) -> list[subprocess.CompletedProcess]:
     """`train_launcher.py ARGS` launched as `machines` machines of one process each, all on this host: one
@@ -168,7 +173,10 @@ def launch_machines(args: list[str], root: Path, port: int, machines: int = 2, e
     rendezvous, gloo), the command docs/multi_gpu.md ("Several machines") gives. Machine R runs in `root/machineR`
     (its working folder, so a relative --out is node-local there) with its own TMPDIR `root/machineR/tmp` (node-local
     temporary files). Returns each machine's finished process, output read from files (a pipe that fills would
-    stall one machine and, through the collectives, the other)."""
+    stall one machine and, through the collectives, the other). Once one machine has failed, the others get
+    `FAILED_PEER_GRACE_S` to fail with their own message and are then killed (returncode -9): torchrun's exit barrier
+    would hold a finished machine for 300 s waiting for a dead peer, and the test would end in a bare timeout instead
+    of the failed machine's exit code and log."""
     procs = []
     for rank in range(machines):
         node = root / f"machine{rank}"
@@ -177,16 +185,24 @@ def launch_machines(args: list[str], root: Path, port: int, machines: int = 2, e
                "--num_processes", str(machines), "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
                "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no", LAUNCHER, *args]
         with open(node / "stdout.txt", "w") as out, open(node / "stderr.txt", "w") as err:
-            procs.append(subprocess.Popen(cmd, cwd=node, stdout=out, stderr=err, text=True,
+            procs.append(subprocess.Popen(cmd, cwd=node, stdout=out, stderr=err, text=True, start_new_session=True,
                                           env={**env(), "TMPDIR": str(node / "tmp"), **(extra_env or {})}))
+    deadline, failed_at = time.monotonic() + timeout, None
+    while None in [p.poll() for p in procs]:  # a list, not any(): every process polled (a dead one is reaped)
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now - failed_at > FAILED_PEER_GRACE_S):
+            for p in procs:  # the launcher and its workers (a session each)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, 9)
+            if failed_at is None:
+                raise subprocess.TimeoutExpired(procs[0].args, timeout)
+            break
+        time.sleep(0.2)
     done = []
     for rank, proc in enumerate(procs):
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
+        proc.wait()
         node = root / f"machine{rank}"
         done.append(subprocess.CompletedProcess(proc.args, proc.returncode, (node / "stdout.txt").read_text(),
                                                 (node / "stderr.txt").read_text()))
